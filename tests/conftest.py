@@ -1,0 +1,37 @@
+"""Shared fixtures: the prepared demo model (run `lmi-handler prepare-model` or `make test`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "model"
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        pytest.fail("the demo model is not prepared: run `make test` or `lmi-handler prepare-model`")
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def mt_bench_prompts() -> list[str]:
+    """First turns of the MT-Bench questions (../shared/data), in file order."""
+    path = SHARED / "data" / "mt_bench_questions.jsonl"
+    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_case(case_id: str) -> dict:
+    """A request case from ../shared/cases (real bug reports against similar servers)."""
+    return json.loads((SHARED / "cases" / f"{case_id}.json").read_text())

@@ -1,0 +1,138 @@
+"""Settings: serving.properties + OPTION_* environment -> one validated, frozen settings object.
+
+Owns every configuration key and the only reads of os.environ; each part gets its slice
+(EngineConfig) as an argument. Per-request knobs are protocol/params.py's.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
+          "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+class ConfigError(ValueError):
+    """A configuration key has a bad value; the message names the key and the allowed range."""
+
+
+class Settings(BaseModel):
+    """The model's properties as handle() receives them (serving.properties `option.*` keys, no prefix)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    model_id: str = "model"
+    """Model directory (config.json + safetensors + tokenizer), absolute or relative to model_dir."""
+    model_dir: str = "."
+    """Directory of serving.properties; relative model_id paths start here."""
+    rolling_batch: str = "lmi_handler"
+    """`disable` = dynamic batch; any other value = rolling batch on our engine (DESIGN §2)."""
+    max_rolling_batch_size: int = Field(32, ge=1, le=1024)
+    """Most requests decoded together (vLLM max_num_seqs)."""
+    max_rolling_batch_prefill_tokens: int = Field(1024, ge=16, le=1 << 20)
+    """Token budget of one step (vLLM max_num_batched_tokens), in tokens; long prompts are prefilled in chunks."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context limit in tokens; default: the model's max_position_embeddings."""
+    dtype: str = "auto"
+    """auto | fp32 | fp16 | bf16 (auto: fp32 on CPU, bf16 on CUDA)."""
+    device_id: int = -1
+    """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
+    tensor_parallel_degree: int = Field(1, ge=1, le=1)
+    """Only 1 is supported (one device)."""
+    block_size: int = Field(16, ge=1, le=256)
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    """KV-cache size in bytes (all layers, K and V)."""
+    output_formatter: Literal["json", "jsonlines", "sse"] | None = None
+    """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
+    tgi_compat: bool = False
+    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default."""
+    batch_size: int = Field(4, ge=1, le=1024)
+    """Dynamic batch: most requests per handle() call (top-level serving.properties key)."""
+    max_batch_delay: int = Field(100, ge=0, le=60_000)
+    """Dynamic batch: milliseconds to wait for a batch to fill."""
+    predict_timeout: int = Field(120, ge=1)
+    """Seconds one handle() call may take before the front end gives up on it."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value.lower() not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
+        return DTYPES[value.lower()]
+
+    @field_validator("rolling_batch")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.strip().lower()
+
+    @property
+    def is_rolling(self) -> bool:
+        return self.rolling_batch != "disable"
+
+    @property
+    def model_path(self) -> Path:
+        path = Path(self.model_id)
+        return path if path.is_absolute() else Path(self.model_dir) / path
+
+    def engine_config(self) -> "EngineConfig":
+        return EngineConfig(model_path=self.model_path, dtype=self.dtype, device_id=self.device_id,
+                            max_num_seqs=self.max_rolling_batch_size,
+                            max_num_batched_tokens=max(self.max_rolling_batch_prefill_tokens,
+                                                       self.max_rolling_batch_size),
+                            max_model_len=self.max_model_len, block_size=self.block_size,
+                            kv_cache_bytes=self.kv_cache_bytes)
+
+    @classmethod
+    def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
+        """Validate handle()'s init properties (or a serving.properties dict). Raises ConfigError."""
+        data = {key.lower(): value for key, value in properties.items() if value is not None}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"option.{key}={first.get('input')!r}: {first['msg']}") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's slice of the settings."""
+
+    model_path: Path
+    dtype: str
+    device_id: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    block_size: int
+    kv_cache_bytes: int
+
+
+def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Read serving.properties and apply OPTION_* overrides, as the LMI container does.
+
+    `option.foo=bar` becomes {"foo": "bar"}; top-level keys (batch_size, max_batch_delay,
+    engine) are kept as they are; an environment variable OPTION_FOO=baz overrides option.foo
+    (LMI: OPTION_<KEY> in upper case). `model_dir` is set to the file's directory.
+    A missing file gives just the environment overrides.
+    """
+    path = Path(path)
+    props: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if not line or line.startswith(("#", "!")) or "=" not in line:
+                continue
+            key, value = (part.strip() for part in line.split("=", 1))
+            props[key[len("option."):] if key.startswith("option.") else key] = value
+    environ = os.environ if environ is None else environ
+    for key, value in environ.items():
+        if key.startswith("OPTION_"):
+            props[key[len("OPTION_"):].lower()] = value
+    props.setdefault("model_dir", str(path.parent.resolve()))
+    return props

@@ -1,0 +1,132 @@
+"""Scheduler: waiting/running queues, admission by batch size, token budget and free KV blocks.
+
+Owns which sequences run each step and how many tokens each computes (chunked prefill,
+recompute preemption); it never sees a tensor: the model runner turns its output into one.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int                  # sequences decoded together
+    max_num_batched_tokens: int        # tokens computed in one step (>= max_num_seqs)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: sequence i computes `num_scheduled_tokens[i]` tokens from its num_computed_tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """vLLM-v1-style token-budget scheduler: running sequences first, then waiting ones in FIFO order.
+
+    Every step, each running sequence asks for its uncomputed tokens (1 in decode, a chunk in
+    prefill), capped by the step's token budget. When the KV cache runs out, the sequence that
+    arrived last is preempted by recompute: its blocks are freed and it goes back to the head of
+    the waiting queue, keeping its tokens (seeded draws depend only on position, so it resumes
+    with the same tokens).
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._reserve(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give `seq` blocks for num_computed_tokens + num_new_tokens tokens; False (nothing taken) if short."""
+        needed = num_blocks_needed(seq.num_computed_tokens + num_new_tokens, self.allocator.block_size)
+        missing = needed - len(seq.block_table)
+        if missing <= 0:
+            return True
+        blocks = self.allocator.allocate(missing)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ran: every scheduled sequence now has its scheduled tokens in the KV cache."""
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            seq.num_computed_tokens += n
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence from either queue and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED

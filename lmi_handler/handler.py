@@ -1,0 +1,193 @@
+"""handle(inputs): the DJL Serving Python entry point — init on the first call, then rolling or dynamic batch.
+
+Owns the DJL step protocol of DESIGN §2 (batch_NNN keys, one binary-encoded entry per item,
+order kept); parsing is protocol/'s, generation the engine's, HTTP server/'s.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from lmi_handler.config import Settings
+from lmi_handler.djl import Input, Output
+from lmi_handler.protocol.formatters import Formatter, make_formatter
+from lmi_handler.service import PreparedRequest, Service
+
+logger = logging.getLogger(__name__)
+
+ERROR_CODE = 424  # DESIGN §2: a failed item answers 424
+
+
+@dataclass
+class ActiveRequest:
+    """One item of the front end's active batch, in the front end's order."""
+
+    request_id: str
+    content_type: str = "application/json"
+    formatter: Formatter | None = None
+    error: str | None = None          # set when the request failed; answered once with last=true
+    done: bool = False
+
+
+def _truthy(value: str | None) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes")
+
+
+def _item_seed(item: Input) -> int | None:
+    """The front end's per-request seed (content `seed`; may be negative)."""
+    raw = item.get_as_bytes("seed") if item.content.get("seed") is not None else b""
+    try:
+        return int(raw.decode().strip()) if raw else None
+    except ValueError:
+        return None
+
+
+class RollingBatch:
+    """The rolling-batch side of handle(): one call = one engine step for the whole active batch."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.active: list[ActiveRequest] = []
+
+    def reset(self) -> None:
+        """reset_rollingbatch: drop all state first; every item of this call is new."""
+        self.service.engine.abort_all()
+        self.active = []
+
+    def step(self, inputs: Input) -> Output:
+        if _truthy(inputs.get_property("reset_rollingbatch")):
+            self.reset()
+        items = inputs.get_batches()
+        if len(items) < len(self.active):
+            logger.error("front end sent %d items for %d active requests; resetting", len(items), len(self.active))
+            self.reset()
+        for item in items[len(self.active):]:
+            self.active.append(self._admit(item))
+        outputs = self._run_engine()
+        answer = Output()
+        for index, request in enumerate(self.active):
+            self._answer(answer, index, request, outputs.get(request.request_id))
+        self.active = [r for r in self.active if not r.done]
+        return answer
+
+    def _admit(self, item: Input) -> ActiveRequest:
+        request_id = item.get_property("requestId") or uuid.uuid4().hex
+        try:
+            request = self.service.parse(item.get_as_bytes("data"))
+            prepared: PreparedRequest = self.service.prepare(request, request_id)[0]
+            self.service.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params,
+                                            seed=_item_seed(item))
+        except Exception as exc:  # any failure stays with this request (DESIGN §2)
+            logger.info("request %s rejected: %s", request_id, exc)
+            return ActiveRequest(request_id, error=str(exc))
+        formatter = make_formatter(prepared.context)
+        return ActiveRequest(request_id, formatter.content_type, formatter)
+
+    def _run_engine(self) -> dict:
+        engine = self.service.engine
+        if not engine.has_unfinished:
+            return {}
+        try:
+            return {out.request_id: out for out in engine.step()}
+        except Exception:  # a bug in a step must not kill the worker: fail this batch, keep serving
+            logger.exception("engine step failed; failing the active batch")
+            for request in self.active:
+                if request.error is None and not request.done:
+                    request.error = "internal error during generation"
+            engine.abort_all()
+            return {}
+
+    def _answer(self, answer: Output, index: int, request: ActiveRequest, out) -> None:
+        entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
+                                 "request_id": request.request_id}
+        if request.error is not None:
+            entry.update(last="true", code=str(ERROR_CODE), error=request.error,
+                         content_type="application/json")
+            request.done = True
+        elif out is not None:
+            entry["data"] = request.formatter.format(out)
+            if out.finished:
+                entry["last"] = "true"
+                request.done = True
+        answer.add(Output.binary_encode(entry), key="data", batch_index=index)
+        answer.add_property(f"batch_{index}_Content-Type", entry["content_type"])
+        answer.add_property(f"batch_{index}_requestId", request.request_id)
+
+
+class DynamicBatch:
+    """The dynamic-batch side of handle(): a call holds `batch_size` new requests, answered in full."""
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    def run(self, inputs: Input) -> Output:
+        items = inputs.get_batches()
+        plans: list[list[PreparedRequest] | str] = [self._prepare(item) for item in items]
+        requests = [(p.request_id, p.prompt_token_ids, p.params)
+                    for plan in plans if isinstance(plan, list) for p in plan]
+        try:
+            results = self.service.engine.generate(requests)
+        except Exception:
+            logger.exception("dynamic batch failed")
+            self.service.engine.abort_all()
+            results, plans = {}, ["internal error during generation" if isinstance(p, list) else p for p in plans]
+        answer = Output()
+        for index, plan in enumerate(plans):
+            if isinstance(plan, str):
+                answer.add_as_json({"error": plan, "code": ERROR_CODE}, batch_index=index)
+                answer.add_property(f"batch_{index}_code", str(ERROR_CODE))
+            else:
+                answer.add_as_json([self._result(p, results[p.request_id]) for p in plan], batch_index=index)
+            answer.add_property(f"batch_{index}_Content-Type", "application/json")
+        return answer
+
+    def _prepare(self, item: Input) -> list[PreparedRequest] | str:
+        try:
+            request = self.service.parse(item.get_as_bytes("data"))
+            return self.service.prepare(request, item.get_property("requestId") or uuid.uuid4().hex)
+        except Exception as exc:
+            return str(exc)
+
+    @staticmethod
+    def _result(prepared: PreparedRequest, out) -> dict:
+        """One prompt's `{"generated_text", "details"?}` (LMI dynamic batch answer element)."""
+        context = prepared.context
+        context.stream, context.tgi_compat, context.chat = False, False, False
+        return json.loads(make_formatter(context).format(out))
+
+
+@dataclass
+class HandlerState:
+    """What handle() keeps between calls (a holder object, so nothing rebinds a module global)."""
+
+    service: Service | None = None
+    rolling: RollingBatch | None = None
+    dynamic: DynamicBatch | None = None
+    settings: Settings | None = field(default=None)
+
+    def initialize(self, properties) -> None:
+        self.settings = Settings.from_properties(dict(properties))
+        self.service = Service(self.settings)
+        self.rolling = RollingBatch(self.service)
+        self.dynamic = DynamicBatch(self.service)
+
+
+_STATE = HandlerState()
+
+
+def handle(inputs: Input) -> Output | None:
+    """DJL entry point (DESIGN §2): the first call carries the properties; an empty call returns None."""
+    if _STATE.service is None:
+        _STATE.initialize(inputs.get_properties())
+    if inputs.is_empty():
+        return None
+    if _STATE.settings.is_rolling:
+        return _STATE.rolling.step(inputs)
+    return _STATE.dynamic.run(inputs)
+
+
+def get_state() -> HandlerState:
+    """The handler's state, for the bundled front end (pre-validation with the same tokenizer)."""
+    return _STATE

@@ -1,0 +1,121 @@
+"""The bundled HTTP front end (FastAPI): /ping, /invocations, /predictions/{model}, OpenAI routes.
+
+Owns HTTP only: validation errors become 4xx before inference, accepted requests go to the
+front-end loop (frontend.py) that drives handle(); formats are protocol/'s.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lmi_handler.config import Settings
+from lmi_handler.handler import get_state, handle
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
+
+logger = logging.getLogger(__name__)
+
+
+def make_front_end(properties: dict[str, str]) -> FrontEnd:
+    settings = Settings.from_properties(properties)
+    handler_props = {k: v for k, v in properties.items() if k not in ("batch_size", "max_batch_delay")}
+    if settings.is_rolling:
+        return RollingFrontEnd(handle, handler_props, settings.max_rolling_batch_size)
+    return DynamicFrontEnd(handle, handler_props, settings.batch_size, settings.max_batch_delay)
+
+
+def create_app(properties: dict[str, str]) -> FastAPI:
+    """Build the app; the model loads in the front end's thread at startup (handle()'s init call)."""
+    front_end = make_front_end(properties)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        front_end.start()
+        await asyncio.get_running_loop().run_in_executor(None, front_end.ready.wait)
+        if front_end.init_error is not None:
+            raise RuntimeError(f"model initialization failed: {front_end.init_error}")
+        yield
+        front_end.stop()
+
+    app = FastAPI(title="lmi_handler", lifespan=lifespan)
+    app.state.front_end = front_end
+
+    @app.get("/ping")
+    async def ping() -> JSONResponse:
+        healthy = front_end.alive
+        return JSONResponse({"status": "Healthy" if healthy else "Unhealthy"}, status_code=200 if healthy else 503)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        return await _serve(front_end, await request.body())
+
+    @app.post("/predictions/{model_name}")
+    async def predictions(model_name: str, request: Request) -> Response:
+        return await _serve(front_end, await request.body())
+
+    return app
+
+
+def error_response(message: str, code: int) -> JSONResponse:
+    """The contract's error body before inference: {"error", "code"} with that HTTP status."""
+    return JSONResponse({"error": message, "code": code}, status_code=code)
+
+
+async def _serve(front_end: FrontEnd, body: bytes) -> Response:
+    service = get_state().service
+    try:  # validate before inference: a bad request never reaches the batch
+        parsed = service.parse(body)
+        prepared = service.prepare(parsed)
+    except RequestValidationError as exc:
+        return error_response(str(exc), exc.status_code)
+    stream = service.is_streaming(parsed)
+    content_type = _content_type(service, parsed, stream)
+    client = ClientRequest(body, asyncio.get_running_loop())
+    front_end.submit(client)
+    first = await client.chunks.get()
+    if first.code is not None:
+        return error_response(first.error or "inference failed", first.code)
+    if not stream:
+        return await _collect(client, first, content_type)
+    return StreamingResponse(_stream(client, first), media_type=content_type)
+
+
+def _content_type(service, parsed, stream: bool) -> str:
+    if not stream:
+        return "application/json"
+    return {"jsonlines": "application/jsonlines", "sse": "text/event-stream"}.get(
+        service.output_formatter(True), "application/jsonlines")
+
+
+async def _collect(client: ClientRequest, first: Chunk, content_type: str) -> Response:
+    parts = [first.data]
+    chunk = first
+    while not chunk.last:
+        chunk = await client.chunks.get()
+        if chunk.code is not None:
+            return error_response(chunk.error or "inference failed", chunk.code)
+        parts.append(chunk.data)
+    return Response("".join(parts), media_type=content_type)
+
+
+async def _stream(client: ClientRequest, first: Chunk) -> AsyncIterator[str]:
+    chunk = first
+    try:
+        while True:
+            if chunk.code is not None:  # 200 already sent: say it in a last line
+                yield json.dumps({"error": chunk.error, "code": chunk.code,
+                                  "details": {"finish_reason": "error"}}) + "\n"
+                return
+            if chunk.data:
+                yield chunk.data
+            if chunk.last:
+                return
+            chunk = await client.chunks.get()
+    finally:
+        client.cancelled = True

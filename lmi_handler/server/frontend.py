@@ -1,0 +1,246 @@
+"""The container front end's batching loops, in-process: they drive handle() exactly as DJL Serving does.
+
+Owns the active batch, batch_NNN Input building and fanning each entry back to its client;
+what the entries mean is handler.py's, HTTP is app.py's.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
+
+logger = logging.getLogger(__name__)
+
+INT64_MAX = (1 << 63) - 1
+
+
+@dataclass
+class Chunk:
+    """One piece of a response: text to send, and whether it is the last; errors carry a status code."""
+
+    data: str
+    last: bool
+    code: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class ClientRequest:
+    """An accepted HTTP request waiting for (or inside) the active batch."""
+
+    body: bytes
+    loop: asyncio.AbstractEventLoop
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    def push(self, chunk: Chunk) -> None:
+        """Thread-safe: hand a chunk to the client's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.chunks.put_nowait, chunk)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+
+class FrontEnd:
+    """A daemon thread that owns every handle() call; HTTP handlers only submit and read chunks."""
+
+    def __init__(self, handle: Callable, properties: dict[str, str]):
+        self.handle = handle
+        self.properties = properties
+        self.pending: queue.Queue[ClientRequest] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self.stopped = threading.Event()
+        self.ready = threading.Event()
+        self.init_error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.pending.put(None)  # type: ignore[arg-type]  (wakes a blocked get)
+        self.thread.join(timeout=10)
+
+    def submit(self, request: ClientRequest) -> None:
+        self.pending.put(request)
+
+    @property
+    def alive(self) -> bool:
+        return self.ready.is_set() and self.thread.is_alive() and self.init_error is None
+
+    def _run(self) -> None:
+        try:  # the initialization call: properties only, empty content (DESIGN §2)
+            self.handle(OwnInput(self.properties))
+        except BaseException as exc:  # noqa: BLE001 - reported by /ping and the server start
+            logger.exception("model initialization failed")
+            self.init_error = exc
+            self.ready.set()
+            return
+        self.ready.set()
+        while not self.stopped.is_set():
+            self.loop_once()
+
+    def loop_once(self) -> None:
+        raise NotImplementedError
+
+
+class RollingFrontEnd(FrontEnd):
+    """DJL's rolling-batch loop: one handle() call per step with the whole active batch.
+
+    Running requests come first in their order with empty data, new ones are appended with
+    their body and a random seed; entries are read by position; items whose `last` is true
+    leave the batch. A bad reply fails every request and the next call carries reset_rollingbatch.
+    """
+
+    def __init__(self, handle: Callable, properties: dict[str, str], max_batch_size: int):
+        super().__init__(handle, properties)
+        self.max_batch_size = max_batch_size
+        self.active: list[ClientRequest] = []
+        self.num_running = 0          # leading items of `active` the handler has already seen
+        self.reset_next = False
+
+    def loop_once(self) -> None:
+        self._admit(block=not self.active)
+        if not self.active:
+            return
+        call = self._build_input()
+        try:
+            output = self.handle(call)
+            entries = self._read_entries(output)
+        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            logger.exception("rolling batch step failed")
+            self._fail_all(f"inference failed: {exc}")
+            return
+        self.active = [c for c, entry in zip(self.active, entries) if not self._deliver(c, entry)]
+        self.num_running = len(self.active)
+
+    def _admit(self, block: bool) -> None:
+        """Append waiting clients (never past max_batch_size); clients already gone are dropped."""
+        while len(self.active) < self.max_batch_size:
+            try:
+                client = self.pending.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            if client is None:
+                return
+            if not client.cancelled:
+                self.active.append(client)
+            block = False
+
+    def _build_input(self) -> OwnInput:
+        """Running items first with empty data, then the new ones with body, properties and seed."""
+        properties = {"batch_size": str(len(self.active))}
+        if self.reset_next:
+            properties["reset_rollingbatch"] = "true"
+            self.reset_next = False
+            self.num_running = 0
+        content = PairList()
+        for index, client in enumerate(self.active):
+            prefix = f"batch_{index:03d}."
+            is_new = index >= self.num_running
+            content.add(prefix + "data", client.body if is_new else b"")
+            if is_new:
+                properties[prefix + "Content-Type"] = "application/json"
+                properties[prefix + "requestId"] = client.request_id
+                content.add(prefix + "seed", str(random.randint(-INT64_MAX, INT64_MAX)).encode())
+        return OwnInput(properties, content)
+
+    def _read_entries(self, output: OwnOutput | None) -> list[dict[str, str]]:
+        if output is None or output.code != 200:
+            raise RuntimeError(f"handler answered code {getattr(output, 'code', None)}")
+        if output.content.size() != len(self.active):
+            raise RuntimeError(f"handler answered {output.content.size()} entries for {len(self.active)} requests")
+        return [binary_decode(output.content.value_at(i)) for i in range(len(self.active))]
+
+    @staticmethod
+    def _deliver(client: ClientRequest, entry: dict[str, str]) -> bool:
+        """Send one entry's data to its client; True when the request is done."""
+        last = entry.get("last", "false").lower() == "true"
+        if "code" in entry:
+            client.push(Chunk(entry.get("data", ""), True, int(entry["code"]), entry.get("error", "")))
+            return True
+        if entry.get("data") or last:
+            client.push(Chunk(entry.get("data", ""), last))
+        return last
+
+    def _fail_all(self, message: str) -> None:
+        for client in self.active:
+            client.push(Chunk("", True, 424, message))
+        self.active = []
+        self.reset_next = True
+
+
+class DynamicFrontEnd(FrontEnd):
+    """DJL's dynamic batcher: up to batch_size requests or max_batch_delay ms, one handle() call per batch."""
+
+    def __init__(self, handle: Callable, properties: dict[str, str], batch_size: int, max_batch_delay_ms: int):
+        super().__init__(handle, properties)
+        self.batch_size = batch_size
+        self.max_batch_delay_s = max_batch_delay_ms / 1000
+
+    def loop_once(self) -> None:
+        batch = self._collect()
+        if not batch:
+            return
+        try:
+            output = self.handle(self._build_input(batch))
+            if output is None or output.code != 200 or output.content.size() != len(batch):
+                raise RuntimeError("handler answered a malformed batch")
+        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            logger.exception("dynamic batch failed")
+            for client in batch:
+                client.push(Chunk("", True, 424, f"inference failed: {exc}"))
+            return
+        for index, client in enumerate(batch):
+            client.push(self._chunk(output.content.value_at(index)))
+
+    def _collect(self) -> list[ClientRequest]:
+        try:
+            first = self.pending.get(timeout=0.5)
+        except queue.Empty:
+            return []
+        if first is None:
+            return []
+        batch, deadline = [first], time.monotonic() + self.max_batch_delay_s
+        while len(batch) < self.batch_size:
+            remaining = deadline - time.monotonic()
+            try:
+                client = self.pending.get(timeout=max(remaining, 0)) if remaining > 0 else self.pending.get_nowait()
+            except queue.Empty:
+                break
+            if client is None:
+                break
+            batch.append(client)
+        return [c for c in batch if not c.cancelled]
+
+    @staticmethod
+    def _build_input(batch: list[ClientRequest]) -> OwnInput:
+        if len(batch) == 1:  # DESIGN §2: a batch of one arrives unbatched
+            return OwnInput({"Content-Type": "application/json", "requestId": batch[0].request_id},
+                            PairList([("data", batch[0].body)]))
+        properties = {"batch_size": str(len(batch))}
+        content = PairList()
+        for index, client in enumerate(batch):
+            properties[f"batch_{index:03d}.Content-Type"] = "application/json"
+            properties[f"batch_{index:03d}.requestId"] = client.request_id
+            content.add(f"batch_{index:03d}.data", client.body)
+        return OwnInput(properties, content)
+
+    @staticmethod
+    def _chunk(raw: bytes) -> Chunk:
+        import json
+
+        text = raw.decode("utf-8")
+        value = json.loads(text)
+        if isinstance(value, dict) and "error" in value and "code" in value:
+            return Chunk("", True, int(value["code"]), value["error"])
+        return Chunk(text, True)

@@ -1,0 +1,134 @@
+"""Service: one loaded model (settings, tokenizer, engine) and request preparation shared by every route.
+
+Owns turning a parsed request into prompt token ids + SamplingParams + a response context;
+the DJL step protocol is handler.py's and HTTP is server/'s.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from lmi_handler.config import Settings
+from lmi_handler.engine.engine import Engine, RequestRejected
+from lmi_handler.engine.sequence import SamplingParams
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.formatters import ResponseContext
+from lmi_handler.protocol.invocations import InvocationRequest
+from lmi_handler.protocol.params import GenerationParameters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A request ready for the engine: one prompt, its trusted params and how to answer it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    context: ResponseContext
+
+
+class Service:
+    """The model and everything needed to prepare requests for it."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.engine = Engine(settings.engine_config())
+        self.model_name = settings.model_path.resolve().name
+        self._local = threading.local()
+        self._local.tokenizer = self.engine.tokenizer
+
+    @property
+    def tokenizer(self):
+        """This thread's tokenizer: HTTP handlers and the batching loop never share one instance
+        (a Rust tokenizer used from two threads at once can fail with "Already borrowed")."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = self._local.tokenizer = AutoTokenizer.from_pretrained(str(self.settings.model_path))
+        return tokenizer
+
+    # ---- parsing ---------------------------------------------------------------------------
+
+    def parse(self, body: bytes | str | dict) -> InvocationRequest:
+        """Parse an /invocations body. Raises RequestValidationError (4xx) naming the field."""
+        return InvocationRequest.parse(body)
+
+    def prepare(self, request: InvocationRequest, request_id: str | None = None) -> list[PreparedRequest]:
+        """Tokenize, truncate and check each prompt of a parsed request against the context.
+
+        Returns one PreparedRequest per prompt (a list of `inputs` gives several).
+        Raises: RequestValidationError naming `inputs`/`max_new_tokens` when a prompt cannot fit.
+        """
+        params = request.parameters
+        if self.settings.is_rolling and isinstance(request.inputs, list):
+            raise RequestValidationError("inputs", "inputs must be one string in rolling batch "
+                                         "(a list of strings needs option.rolling_batch=disable)")
+        prompts = self._prompt_texts(request)
+        prepared = []
+        for index, (text, token_ids) in enumerate(prompts):
+            token_ids = self._truncate(token_ids, params)
+            sampling = params.to_sampling_params(self.engine.eos_token_ids)
+            try:
+                self.engine.check_fits(len(token_ids), sampling.max_new_tokens)
+            except RequestRejected as exc:
+                raise RequestValidationError(exc.field, str(exc)) from None
+            rid = request_id or uuid.uuid4().hex
+            if len(prompts) > 1:
+                rid = f"{rid}-{index}"
+            prepared.append(PreparedRequest(rid, token_ids, sampling,
+                                            self.response_context(request, text, rid)))
+        return prepared
+
+    def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
+        if request.messages is not None:
+            text = self.apply_chat_template(request.messages)
+            return [(text, self.tokenizer.encode(text, add_special_tokens=False))]
+        inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
+        return [(text, self.tokenizer.encode(text)) for text in inputs]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render chat messages with the tokenizer's chat template, ending in the assistant's turn."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors on malformed messages
+            raise RequestValidationError("messages", f"messages cannot be rendered by the chat template: {exc}")
+
+    @staticmethod
+    def _truncate(token_ids: list[int], params: GenerationParameters) -> list[int]:
+        """LMI/TGI `truncate`: keep the last N prompt tokens."""
+        if params.truncate is not None and len(token_ids) > params.truncate:
+            return token_ids[-params.truncate:]
+        return token_ids
+
+    def response_context(self, request: InvocationRequest, prompt_text: str, request_id: str) -> ResponseContext:
+        params = request.parameters
+        stream = self.is_streaming(request)
+        return ResponseContext(
+            stream=stream, details=params.details,
+            decoder_input_details=params.decoder_input_details,
+            return_full_text=params.return_full_text, prompt_text=prompt_text,
+            output_formatter=self.output_formatter(stream), tgi_compat=self.settings.tgi_compat,
+            chat=request.messages is not None, model_name=self.model_name, request_id=request_id,
+            created=int(time.time()), decode_token=self.decode_token)
+
+    def is_streaming(self, request: InvocationRequest) -> bool:
+        """`stream: true`, or option.output_formatter set to a streaming format (jsonlines | sse)."""
+        return bool(request.stream) or self.settings.output_formatter in ("jsonlines", "sse")
+
+    def output_formatter(self, stream: bool) -> str:
+        """json when not streaming; option.output_formatter, else sse with tgi_compat, else jsonlines."""
+        if not stream:
+            return "json"
+        if self.settings.output_formatter and self.settings.output_formatter != "json":
+            return self.settings.output_formatter
+        return "sse" if self.settings.tgi_compat else "jsonlines"
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

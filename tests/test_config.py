@@ -1,0 +1,36 @@
+"""serving.properties + OPTION_* environment -> Settings (LMI configuration rules)."""
+import pytest
+
+from lmi_handler.config import ConfigError, Settings, read_serving_properties
+
+
+def test_option_keys_lose_their_prefix_and_env_overrides_win(tmp_path):
+    path = tmp_path / "serving.properties"
+    path.write_text("engine=Python\noption.model_id=model\noption.max_rolling_batch_size=4\nbatch_size=2\n# c\n")
+    props = read_serving_properties(path, environ={"OPTION_MAX_ROLLING_BATCH_SIZE": "8", "OPTION_DTYPE": "fp32",
+                                                   "UNRELATED": "x"})
+    assert props["model_id"] == "model" and props["batch_size"] == "2" and props["engine"] == "Python"
+    assert props["max_rolling_batch_size"] == "8" and props["dtype"] == "fp32"
+    assert props["model_dir"] == str(tmp_path.resolve())
+    settings = Settings.from_properties(props)
+    assert settings.max_rolling_batch_size == 8 and settings.dtype == "float32"
+    assert settings.model_path == tmp_path.resolve() / "model"
+
+
+@pytest.mark.parametrize("value, rolling", [("disable", False), ("DISABLE", False), ("lmi_handler", True),
+                                            ("auto", True), ("vllm", True)])
+def test_every_rolling_batch_value_but_disable_is_rolling(value, rolling):
+    assert Settings.from_properties({"rolling_batch": value}).is_rolling is rolling
+
+
+@pytest.mark.parametrize("key, value", [("max_rolling_batch_size", "0"), ("dtype", "int8"),
+                                        ("output_formatter", "xml"), ("tensor_parallel_degree", "2"),
+                                        ("max_rolling_batch_size", "many")])
+def test_bad_values_raise_config_error_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=key):
+        Settings.from_properties({key: value})
+
+
+def test_handle_properties_with_int_cluster_size_and_handler_are_accepted():
+    settings = Settings.from_properties({"model_id": "/m", "cluster_size": 1, "handler": "handle", "tgi_compat": "true"})
+    assert settings.tgi_compat is True and str(settings.model_path) == "/m"

@@ -1,0 +1,171 @@
+"""The /invocations request (LMI text or chat form) and the LMI Token / Details response objects.
+
+Parses and validates bytes into an InvocationRequest; turning outputs into bytes is formatters.py's job.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from lmi_handler.engine.sequence import FinishReason, TokenOutput
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.openai import ChatCompletionRequest
+from lmi_handler.protocol.params import GenerationParameters
+
+logger = logging.getLogger(__name__)
+
+DecodeToken = Callable[[int], str]
+_TOP_LEVEL = {"inputs", "parameters", "stream", "messages"}
+
+
+@dataclass
+class InvocationRequest:
+    """An /invocations body: LMI {"inputs", "parameters", "stream"} or chat {"messages", ...}.
+
+    `inputs` is a string (rolling batch) or a list of strings (dynamic batch); None for chat.
+    `chat` holds the parsed chat form (LMI chat completions schema = OpenAI's) when `messages`
+    was given; its sampling fields are already folded into `parameters`.
+    """
+
+    inputs: str | list[str] | None
+    parameters: GenerationParameters
+    stream: bool = False
+    messages: list[dict] | None = None
+    chat: ChatCompletionRequest | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    @classmethod
+    def parse(cls, body: bytes | str | dict, content_type: str | None = None) -> "InvocationRequest":
+        """Validate a request body. A text/plain `content_type` makes the whole body the input (LMI).
+
+        A body with `messages` is a chat request, whatever else it holds (LMI checks messages
+        first). Raises RequestValidationError: field "body" for undecodable/non-JSON/non-object
+        bodies, "inputs" for a missing or bad input, else the parameter's name.
+        """
+        if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
+            return cls(_check_inputs(_decode(body)), GenerationParameters())
+        data = _load_json(body)
+        stream = _check_stream(data.get("stream"))
+        if "messages" in data:
+            chat = ChatCompletionRequest.parse(data)
+            return cls(None, chat.to_generation_parameters(), stream, chat.messages, chat)
+        unknown = sorted(set(data) - _TOP_LEVEL)
+        if unknown:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+        if data.get("inputs") is None:
+            raise RequestValidationError("inputs", 'Missing field `inputs`: the request needs "inputs" '
+                                         '(a string, or a list of strings in dynamic batch) or "messages"')
+        return cls(_check_inputs(data["inputs"]), GenerationParameters.parse(data.get("parameters")), stream)
+
+
+def _decode(body: bytes | str | dict) -> str:
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            return bytes(body).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestValidationError("body", f"Request body is not valid UTF-8: {exc}") from None
+    if isinstance(body, str):
+        return body
+    raise RequestValidationError("body", "Request body must be text, not a JSON object, with text/plain")
+
+
+def _load_json(body: bytes | str | dict) -> dict:
+    if isinstance(body, dict):
+        return body
+    text = _decode(body)
+    if not text.strip():
+        raise RequestValidationError("body", "Request body is empty: send a JSON object with \"inputs\"")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError("body", f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestValidationError.out_of_range("body", data, "a JSON object")
+    return data
+
+
+def _check_inputs(inputs: Any) -> str | list[str]:
+    allowed = "a non-empty string or a non-empty list of non-empty strings"
+    if isinstance(inputs, str) and inputs:
+        return inputs
+    if isinstance(inputs, list) and inputs and all(isinstance(s, str) and s for s in inputs):
+        return inputs
+    raise RequestValidationError.out_of_range("inputs", inputs, allowed)
+
+
+def _check_stream(stream: Any) -> bool:
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise RequestValidationError.out_of_range("stream", stream, "true or false")
+    return stream
+
+
+# ---- Token and Details --------------------------------------------------------------------
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no NaN/Infinity: a non-finite log prob is reported as null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _token(token_id: int, text: str, log_prob: float | None, special: bool, tgi_compat: bool) -> dict:
+    if tgi_compat:  # TGI Token: {id, text, logprob, special}
+        return {"id": token_id, "text": text, "logprob": _finite(log_prob), "special": special}
+    return {"id": token_id, "text": text, "log_prob": _finite(log_prob), "special_token": special}
+
+
+def top_tokens_to_dicts(t: TokenOutput, decode_token: DecodeToken | None = None,
+                        tgi_compat: bool = False) -> list[dict]:
+    """A token's alternatives, best first; texts need `decode_token` ("" without it)."""
+    return [_token(tid, decode_token(tid) if decode_token else "", lp, t.special_token and tid == t.id, tgi_compat)
+            for tid, lp in t.top_tokens or ()]
+
+
+def token_to_dict(t: TokenOutput, decode_token: DecodeToken | None = None, tgi_compat: bool = False,
+                  with_top_tokens: bool = True) -> dict:
+    """LMI Token {id, text, log_prob, special_token}, plus "top_tokens" when the token has them.
+
+    tgi_compat: TGI's names {id, text, logprob, special}; TGI sends top tokens beside the
+    token (per stream line / in details), so they are not nested here. details.tokens leaves
+    them out too (with_top_tokens=False): details carries them once, as "top_tokens".
+    """
+    out = _token(t.id, t.text, t.log_prob, t.special_token, tgi_compat)
+    if t.top_tokens and with_top_tokens and not tgi_compat:
+        out["top_tokens"] = top_tokens_to_dicts(t, decode_token)
+    return out
+
+
+def prefill_to_dicts(prompt_tokens: list[TokenOutput], tgi_compat: bool = False) -> list[dict]:
+    """details.prefill: the prompt tokens; the first has log_prob null (nothing before it)."""
+    key = "logprob" if tgi_compat else "log_prob"
+    return [{"id": t.id, "text": t.text, key: None if i == 0 else _finite(t.log_prob)}
+            for i, t in enumerate(prompt_tokens)]
+
+
+def build_details(*, finish_reason: FinishReason | None, tokens: list[TokenOutput], inputs: str,
+                  prompt_tokens: list[TokenOutput] | None = None, include_tokens: bool = True,
+                  tgi_compat: bool = False, decode_token: DecodeToken | None = None) -> dict:
+    """LMI Details: {finish_reason, generated_tokens, inputs, tokens?, prefill?, top_tokens?}.
+
+    generated_tokens counts `tokens` (the tokens sent to the client), so it equals the number
+    of streamed lines. Streaming leaves the tokens out (include_tokens=False, as LMI does).
+    tgi_compat adds "prefill": [] when none was asked (TGI's Details always has it).
+    best_of_sequences is never set: the engine returns one sequence per request.
+    """
+    details: dict[str, Any] = {"finish_reason": None if finish_reason is None else FinishReason(finish_reason).value,
+                               "generated_tokens": len(tokens), "inputs": inputs}
+    if include_tokens:
+        details["tokens"] = [token_to_dict(t, decode_token, tgi_compat, with_top_tokens=False) for t in tokens]
+    if prompt_tokens is not None:
+        details["prefill"] = prefill_to_dicts(prompt_tokens, tgi_compat)
+    elif tgi_compat and include_tokens:
+        details["prefill"] = []
+    if include_tokens and any(t.top_tokens for t in tokens):
+        details["top_tokens"] = [top_tokens_to_dicts(t, decode_token, tgi_compat) for t in tokens]
+    return details

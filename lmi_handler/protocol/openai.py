@@ -1,0 +1,297 @@
+"""OpenAI chat/completions wire schema: requests -> GenerationParameters, and response/chunk/error dicts.
+
+Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); serializing to bytes is formatters.py's job.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lmi_handler.engine.sequence import FinishReason, TokenOutput
+from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
+from lmi_handler.protocol.params import INT64_MAX, INT64_MIN, MAX_TOP_N_TOKENS, RULES, GenerationParameters
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+OPENAI_RULES: dict[str, str] = {
+    **RULES,
+    "model": "a string",
+    "messages": f"a non-empty list of {{role, content}} objects (role one of {', '.join(ROLES)}; "
+                "content a string or a list of text parts)",
+    "prompt": "a non-empty string or a non-empty list of strings",
+    "max_tokens": "an integer >= 1",
+    "max_completion_tokens": "an integer >= 1",
+    "stop": RULES["stop_sequences"],
+    "stream": "true or false",
+    "stream_options": 'an object {"include_usage": true|false}',
+    "echo": "true or false",
+    "top_logprobs": f"an integer in [0, {MAX_TOP_N_TOKENS}] (needs logprobs=true)",
+    "user": "a string",
+}
+# OpenAI field -> GenerationParameters field, to name the client's field in errors.
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "top_n_tokens": "top_logprobs",
+                "return_full_text": "echo"}
+_FINISH_REASONS = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",
+                   FinishReason.LENGTH: "length", FinishReason.ERROR: "error"}
+
+
+def to_openai_finish_reason(reason: FinishReason | None) -> str | None:
+    """LMI finish_reason -> OpenAI's: eos_token and stop_sequence -> "stop", length -> "length".
+
+    error -> "error" (OpenAI has no word for it; vLLM's streaming also reports errors in-band).
+    """
+    return None if reason is None else _FINISH_REASONS[FinishReason(reason)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = Field(False, description="OpenAI: send a last chunk with usage and no choices")
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and completions (OpenAI, plus the vLLM extras)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = Field(None, description="OpenAI: model name; informational here (one model served)")
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False, description="OpenAI: >= 0; 0 = greedy")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="OpenAI: (0, 1]")
+    top_k: int | None = Field(None, ge=-1, description="vLLM: >= 1 keeps k tokens; 0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="vLLM: [0, 1]")
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="vLLM: > 0")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False, description="OpenAI: [-2, 2]")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                            description="OpenAI: [-2, 2]")
+    n: int = Field(1, ge=1, description="OpenAI: choices to return, >= 1")
+    stream: bool = Field(False, description="OpenAI: answer as server-sent chunks")
+    stream_options: StreamOptions | None = None
+    stop: list[str] | str | None = Field(None, description="OpenAI: up to 16 stop strings (ours; OpenAI allows 4)")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="OpenAI: sampling seed, int64")
+    max_tokens: int | None = Field(None, ge=1, description="OpenAI: generated tokens at most")
+    ignore_eos: bool = Field(False, description="vLLM: keep generating past eos")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM: token ids that end generation")
+    include_stop_str_in_output: bool = Field(False, description="vLLM: keep the stop string in the text")
+    skip_special_tokens: bool = Field(True, description="vLLM: leave special tokens out of the text")
+    user: str | None = None
+
+    @classmethod
+    def parse(cls, data: Any):
+        """Validate an OpenAI request body (a dict). Raises RequestValidationError naming the field."""
+        if not isinstance(data, dict):
+            raise RequestValidationError.out_of_range("body", data, "a JSON object")
+        given = {key: value for key, value in data.items() if value is not None}
+        unknown = sorted(set(given) - set(cls.model_fields))
+        if unknown:
+            logger.warning("ignoring unsupported request fields: %s", ", ".join(unknown))
+        try:
+            return cls.model_validate(given)
+        except ValidationError as exc:
+            raise from_pydantic(exc, OPENAI_RULES) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_dict(self, defaults: dict | None, greedy_when_unset: bool) -> dict[str, Any]:
+        """Request value, then `defaults` (e.g. generation_config.json), then the route's rule."""
+        out: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            out[name] = value if value is not None else (defaults or {}).get(name)
+        if out["temperature"] is None:
+            # vLLM: temperature absent = 1.0 (sampling); DESIGN §4 batch files: absent = greedy
+            out["do_sample"] = not greedy_when_unset
+        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
+            out[name] = getattr(self, name)
+        out.update(n=self.n, stop_sequences=self.stop, ignore_eos=self.ignore_eos,
+                   include_stop_str_in_output=self.include_stop_str_in_output,
+                   skip_special_tokens=self.skip_special_tokens)
+        return out
+
+
+def _parse_generation(values: dict[str, Any]) -> GenerationParameters:
+    """GenerationParameters.parse, with errors renamed to the OpenAI field the client sent."""
+    try:
+        return GenerationParameters.parse({k: v for k, v in values.items() if v is not None})
+    except RequestValidationError as err:
+        name = _PARAM_NAMES.get(err.field, err.field)
+        raise RequestValidationError(name, err.message.replace(f"`{err.field}`", f"`{name}`"),
+                                     err.status_code) from None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """OpenAI /v1/chat/completions request (LMI chat completions schema; vLLM extras)."""
+
+    messages: list[dict[str, Any]] = Field(description="OpenAI: the conversation, oldest first, non-empty")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI: wins over max_tokens")
+    logprobs: bool = Field(False, description="OpenAI: return each token's log prob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="OpenAI: alternatives, [0, 20]")
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not messages:
+            raise ValueError("empty messages")
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") not in ROLES or not isinstance(content, (str, list, type(None))):
+                raise ValueError("bad message")
+            if isinstance(content, list) and not all(_is_text_part(p) for p in content):
+                raise ValueError("non-text content part")
+        return messages
+
+    def text_messages(self) -> list[dict[str, str]]:
+        """Messages with text parts joined into one string, as chat templates expect."""
+        return [{**m, "content": _text_of(m.get("content"))} for m in self.messages]
+
+    def to_generation_parameters(self, *, default_max_new_tokens: int | None = None,
+                                 defaults: dict | None = None,
+                                 greedy_when_unset: bool = False) -> GenerationParameters:
+        """OpenAI -> LMI parameters.
+
+        Length: max_completion_tokens, then max_tokens, then `default_max_new_tokens` (the
+        server passes what is left of the context, as vLLM does), then LMI's 30.
+        Sampling: see _SamplingRequest._sampling_dict (live route: vLLM's temperature 1.0;
+        batch files: greedy_when_unset=True). Raises RequestValidationError.
+        """
+        if self.top_logprobs and not self.logprobs:
+            raise RequestValidationError("top_logprobs", "Invalid parameter `top_logprobs`: needs logprobs=true")
+        values = self._sampling_dict(defaults, greedy_when_unset)
+        values["max_new_tokens"] = self.max_completion_tokens or self.max_tokens or default_max_new_tokens
+        values["top_n_tokens"] = (self.top_logprobs or 0) if self.logprobs else None
+        return _parse_generation(values)
+
+
+class CompletionRequest(_SamplingRequest):
+    """OpenAI /v1/completions request (legacy text completions; vLLM extras)."""
+
+    prompt: str | list[str] = Field(description="OpenAI: one prompt or a list (one choice each); text only")
+    max_tokens: int | None = Field(16, ge=1, description="OpenAI: generated tokens at most (default 16)")
+    echo: bool = Field(False, description="OpenAI: prepend the prompt to the text")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS,
+                                 description="OpenAI: alternatives per token, [0, 20] (OpenAI allows 5)")
+    best_of: int | None = Field(None, ge=1, description="OpenAI: candidates generated server-side, >= n")
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
+            raise ValueError("empty prompt")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def to_generation_parameters(self, *, defaults: dict | None = None,
+                                 greedy_when_unset: bool = False) -> GenerationParameters:
+        """OpenAI -> LMI parameters (max_tokens default 16; echo -> return_full_text)."""
+        values = self._sampling_dict(defaults, greedy_when_unset)
+        values.update(max_new_tokens=self.max_tokens, return_full_text=self.echo,
+                      top_n_tokens=self.logprobs, best_of=self.best_of)
+        return _parse_generation(values)
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _text_of(content: str | list | None) -> str:
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _top_entries(token: TokenOutput, decode_token: Callable[[int], str] | None) -> list[tuple[str, float]]:
+    return [(decode_token(tid) if decode_token else "", lp) for tid, lp in token.top_tokens or ()]
+
+
+def chat_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] | None = None) -> dict:
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def entry(text: str, log_prob: float) -> dict:
+        return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.text, t.log_prob),
+                         "top_logprobs": [entry(text, lp) for text, lp in _top_entries(t, decode_token)]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] | None = None,
+                        text_offset: int = 0) -> dict:
+    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}."""
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.log_prob for t in tokens],
+            "top_logprobs": [dict(_top_entries(t, decode_token)) if t.top_tokens else None for t in tokens],
+            "text_offset": offsets}
+
+
+def chat_completion_response(*, request_id: str, created: int, model: str, content: str,
+                             finish_reason: FinishReason | None, prompt_tokens: int, completion_tokens: int,
+                             logprobs: dict | None = None) -> dict:
+    """OpenAI chat.completion object with one choice."""
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+              "finish_reason": to_openai_finish_reason(finish_reason)}
+    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_completion_chunk(*, request_id: str, created: int, model: str, delta: dict,
+                          finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
+    """OpenAI chat.completion.chunk with one choice; `delta` is {role?, content?}."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+              "finish_reason": to_openai_finish_reason(finish_reason)}
+    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def completion_response(*, request_id: str, created: int, model: str, text: str,
+                        finish_reason: FinishReason | None, prompt_tokens: int, completion_tokens: int,
+                        logprobs: dict | None = None) -> dict:
+    """OpenAI text_completion object with one choice (the server merges choices for prompt lists)."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": to_openai_finish_reason(finish_reason)}
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(*, request_id: str, created: int, model: str, text: str,
+                     finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
+    """One streamed text_completion chunk (OpenAI streams the same object type)."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": to_openai_finish_reason(finish_reason)}
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(*, request_id: str, created: int, model: str, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """stream_options.include_usage: the last chunk, with empty choices and the usage (OpenAI)."""
+    prefix, kind = ("chatcmpl", "chat.completion.chunk") if chat else ("cmpl", "text_completion")
+    return {"id": f"{prefix}-{request_id}", "object": kind, "created": created, "model": model,
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+ErrorType = Literal["invalid_request_error", "server_error"]
+
+
+def openai_error(message: str, code: int, param: str | None = None,
+                 error_type: ErrorType | None = None) -> dict:
+    """OpenAI error object {"error": {message, type, param, code}}; code is the HTTP status (as vLLM)."""
+    kind = error_type or ("invalid_request_error" if code < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def openai_error_body(err: RequestValidationError) -> dict:
+    """The OpenAI-shaped body for a validation error (status err.status_code, usually 400)."""
+    return openai_error(err.message, err.status_code, param=err.field, error_type="invalid_request_error")

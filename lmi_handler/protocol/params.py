@@ -1,7 +1,6 @@
-"""GenerationParameters: the `parameters` object of an /invocations request, validated at the edge.
+"""GenerationParameters: the /invocations `parameters` object: types, defaults, ranges, the greedy rule.
 
-Owns types, defaults, ranges and the greedy rule; turns into the engine's trusted SamplingParams.
-Checks that need the model (max_new_tokens against the context) are left to the handler.
+Turns into the engine's trusted SamplingParams; checks needing the model (context length) are the handler's.
 """
 from __future__ import annotations
 

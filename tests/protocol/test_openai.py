@@ -1,0 +1,125 @@
+"""OpenAI chat/completions requests -> GenerationParameters, finish_reason mapping, error bodies."""
+from __future__ import annotations
+
+import pytest
+
+from lmi_handler.engine.sequence import FinishReason
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.openai import (ChatCompletionRequest, CompletionRequest, chat_completion_response,
+                                         openai_error_body, to_openai_finish_reason)
+
+MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.parse({"model": "smol", "messages": MESSAGES, **kw})
+
+
+@pytest.mark.parametrize(("reason", "word"), [
+    (FinishReason.EOS_TOKEN, "stop"), (FinishReason.STOP_SEQUENCE, "stop"), (FinishReason.LENGTH, "length"),
+    (FinishReason.ERROR, "error"), (None, None), ("eos_token", "stop"),
+])
+def test_finish_reason_mapping(reason, word):
+    assert to_openai_finish_reason(reason) == word
+
+
+def test_live_chat_without_temperature_samples_at_one_like_vllm():
+    p = chat().to_generation_parameters()
+    assert not p.is_greedy() and p.temperature == 1.0
+
+
+def test_batch_chat_without_temperature_is_greedy():
+    assert chat(top_p=0.9).to_generation_parameters(greedy_when_unset=True).is_greedy()
+
+
+@pytest.mark.parametrize(("temperature", "greedy"), [(0, True), (0.0, True), (1.5, False), (0.01, False)])
+def test_chat_temperature_decides(temperature, greedy):
+    assert chat(temperature=temperature).to_generation_parameters().is_greedy() is greedy
+
+
+def test_generation_config_defaults_fill_missing_fields():
+    p = chat(top_p=0.5).to_generation_parameters(defaults={"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.5, 20) and not p.is_greedy()
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert chat(max_completion_tokens=5, max_tokens=50).to_generation_parameters().max_new_tokens == 5
+    assert chat(max_tokens=50).to_generation_parameters().max_new_tokens == 50
+    assert chat().to_generation_parameters(default_max_new_tokens=900).max_new_tokens == 900
+    assert chat().to_generation_parameters().max_new_tokens == 30
+
+
+def test_chat_fields_map_to_parameters():
+    p = chat(stop="END", seed=-4, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=3,
+             top_k=-1, min_p=0.1, repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[2],
+             include_stop_str_in_output=True, skip_special_tokens=False).to_generation_parameters()
+    assert p.stop_sequences == ["END"] and p.seed == -4 and p.top_n_tokens == 3 and p.top_k == 0
+    assert (p.presence_penalty, p.frequency_penalty, p.min_p, p.repetition_penalty) == (0.5, -0.5, 0.1, 1.1)
+    assert p.ignore_eos and p.stop_token_ids == [2] and p.include_stop_str_in_output and not p.skip_special_tokens
+
+
+def test_c06_chat_top_p_one_with_temperature_zero_is_accepted():
+    p = chat(top_p=1.0, temperature=0).to_generation_parameters()
+    assert p.to_sampling_params().greedy
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
+    ("max_tokens", 2.5), ("max_completion_tokens", 0), ("n", 0), ("stop", 5), ("stop", [""]), ("seed", 1.5),
+    ("presence_penalty", 3), ("frequency_penalty", -3), ("top_logprobs", 21), ("logprobs", 1), ("stream", "yes"),
+    ("messages", []), ("messages", [{"role": "user", "content": 5}]),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+])
+def test_chat_bad_field_is_named_in_openai_error(field, value):
+    with pytest.raises(RequestValidationError) as info:
+        chat(**{field: value}).to_generation_parameters()
+    err = info.value
+    assert err.field == field and f"`{field}`" in err.message
+    body = openai_error_body(err)
+    assert body == {"error": {"message": err.message, "type": "invalid_request_error", "param": field, "code": 400}}
+
+
+def test_missing_messages_is_rejected():
+    with pytest.raises(RequestValidationError) as info:
+        ChatCompletionRequest.parse({"model": "m"})
+    assert info.value.field == "messages"
+
+
+def test_top_logprobs_needs_logprobs():
+    with pytest.raises(RequestValidationError) as info:
+        chat(top_logprobs=2).to_generation_parameters()
+    assert info.value.field == "top_logprobs"
+
+
+def test_text_parts_are_joined_for_the_chat_template():
+    req = ChatCompletionRequest.parse({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]})
+    assert req.text_messages() == [{"role": "user", "content": "Hello there"}]
+
+
+def test_stream_options_include_usage():
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not chat(stream=True).include_usage
+
+
+def test_completion_defaults_and_echo():
+    req = CompletionRequest.parse({"prompt": "The sky is"})
+    p = req.to_generation_parameters()
+    assert p.max_new_tokens == 16 and not p.return_full_text and req.prompts == ["The sky is"]
+    p = CompletionRequest.parse({"prompt": ["a", "b"], "max_tokens": 6, "echo": True, "logprobs": 2,
+                                 "temperature": 0}).to_generation_parameters()
+    assert p.max_new_tokens == 6 and p.return_full_text and p.top_n_tokens == 2 and p.is_greedy()
+
+
+@pytest.mark.parametrize("prompt", ["", [], 5, [1, 2]])
+def test_completion_bad_prompt(prompt):
+    with pytest.raises(RequestValidationError) as info:
+        CompletionRequest.parse({"prompt": prompt})
+    assert info.value.field == "prompt"
+
+
+def test_chat_completion_response_shape():
+    doc = chat_completion_response(request_id="r", created=1, model="m", content="ok",
+                                   finish_reason=FinishReason.LENGTH, prompt_tokens=5, completion_tokens=3)
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert doc["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}

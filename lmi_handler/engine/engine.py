@@ -20,15 +20,14 @@ from lmi_handler.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import (FinishReason, RequestOutput, SamplingParams, Sequence,
                                          TokenOutput)
-from lmi_handler.engine.stopping import StopStringMatcher, build_stop_ids, token_stop_reasons
+from lmi_handler.engine.stopping import (STOP_EOS, STOP_LENGTH, STOP_NONE, STOP_TOKEN, StopStringMatcher,
+                                         build_stop_ids, token_stop_reasons)
 
 logger = logging.getLogger(__name__)
 
 INT64_MAX = (1 << 63) - 1
-# stopping.token_stop_reasons codes
-REASON_NONE, REASON_EOS, REASON_LENGTH, REASON_STOP = 0, 1, 2, 3
-TOKEN_REASONS = {REASON_EOS: FinishReason.EOS_TOKEN, REASON_LENGTH: FinishReason.LENGTH,
-                 REASON_STOP: FinishReason.STOP_SEQUENCE}
+TOKEN_REASONS = {STOP_EOS: FinishReason.EOS_TOKEN, STOP_LENGTH: FinishReason.LENGTH,
+                 STOP_TOKEN: FinishReason.STOP_SEQUENCE}
 
 
 class RequestRejected(ValueError):
@@ -183,8 +182,8 @@ class Engine:
         for i, seq in enumerate(seqs):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            outputs.append(self._append_token(seq, token_ids[i], logprobs[i], tops[i] if tops else None,
-                                              reasons_list[i]))
+            top = tops[i][:seq.params.top_n_tokens] if tops and seq.params.top_n_tokens else None
+            outputs.append(self._append_token(seq, token_ids[i], logprobs[i], top, reasons_list[i]))
         return outputs
 
     def _token_reasons(self, seqs: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
@@ -194,7 +193,7 @@ class Engine:
         # the context limit acts as a length limit too
         max_new = torch.tensor([min(s.params.max_new_tokens, self.max_model_len - s.num_prompt_tokens)
                                 for s in seqs], dtype=torch.int64, device=device)
-        return token_stop_reasons(token_ids, stop_ids, is_eos, num_out, max_new)
+        return token_stop_reasons(token_ids, stop_ids, num_out, max_new, is_eos=is_eos)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float,
                       top: list[tuple[int, float]] | None, reason_code: int) -> RequestOutput:
@@ -207,7 +206,7 @@ class Engine:
         matched = text_state.matcher.add(text)
         if matched:
             seq.finish_reason = FinishReason.STOP_SEQUENCE
-        elif reason_code != REASON_NONE:
+        elif reason_code != STOP_NONE:
             seq.finish_reason = TOKEN_REASONS[reason_code]
         finished = seq.finish_reason is not None
         if finished:

@@ -1,0 +1,118 @@
+"""/invocations end to end on the real demo model: JSON, jsonlines streaming, concurrency, errors."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.helpers import generated_text, invoke, stream_lines, streamed_text
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+           "My favourite fruit is", "In 1969, humans", "Water boils at", "A haiku about the sea:"]
+
+
+def test_ping_answers_healthy(client):
+    response = client.get("/ping")
+    assert response.status_code == 200 and response.json() == {"status": "Healthy"}
+
+
+def test_non_streaming_answer_has_generated_text_and_details_tokens(client):
+    response = invoke(client, "The capital of France is", max_new_tokens=6, details=True)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    details = body["details"]
+    assert details["generated_tokens"] == len(details["tokens"]) == 6
+    assert details["finish_reason"] == "length"
+    assert "".join(t["text"] for t in details["tokens"]) == body["generated_text"]
+    for token in details["tokens"]:
+        assert set(token) >= {"id", "text", "log_prob", "special_token"}
+        assert isinstance(token["id"], int) and token["log_prob"] <= 0.0
+    assert "details" not in invoke(client, "Hi", max_new_tokens=2).json()
+
+
+def test_streaming_sends_a_token_line_per_token_and_the_last_carries_the_result(client):
+    lines = stream_lines(client, {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 10, "details": True}})
+    assert len(lines) == 10
+    assert all("token" in line for line in lines)
+    assert all("generated_text" not in line and "details" not in line for line in lines[:-1])
+    assert lines[-1]["generated_text"] == streamed_text(lines)
+    assert lines[-1]["details"]["finish_reason"] == "length"
+    assert lines[-1]["generated_text"] == generated_text(client, "Once upon a time", max_new_tokens=10)
+
+
+def run_client(url: str, index: int) -> dict:
+    """Client i: greedy when i is even; streaming when i % 4 < 2; other params vary."""
+    params = {"max_new_tokens": 12 + index}
+    if index % 2:
+        params.update(do_sample=True, temperature=0.9, top_p=0.9, seed=index)
+    body = {"inputs": PROMPTS[index], "parameters": params}
+    with httpx.Client(base_url=url, timeout=300) as http:
+        if index % 4 < 2:
+            lines = stream_lines(http, body)
+            return {"text": lines[-1]["generated_text"], "streamed": streamed_text(lines), "params": params,
+                    "count": len(lines)}
+        response = http.post("/invocations", json=body)
+        assert response.status_code == 200, response.text
+        return {"text": response.json()["generated_text"], "params": params}
+
+
+def test_eight_concurrent_clients_complete_and_greedy_ones_equal_their_solo_runs(rolling_server, client):
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: run_client(rolling_server.url, i), range(8)))
+    for index, result in enumerate(results):
+        if "streamed" in result:
+            assert result["streamed"] == result["text"]
+        solo = generated_text(client, PROMPTS[index], **result["params"])
+        if not result["params"].get("do_sample"):
+            assert result["text"] == solo, f"client {index} differs from its solo run"
+
+
+@pytest.mark.parametrize("parameters, field", [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                                               ({"max_new_tokens": "many"}, "max_new_tokens")])
+def test_bad_parameter_gets_4xx_naming_it_while_other_streams_go_on(rolling_server, client, parameters, field):
+    body = {"inputs": "Count to twenty: 1, 2, 3,", "parameters": {"max_new_tokens": 40}}
+    expected = generated_text(client, body["inputs"], **body["parameters"])
+    result = {}
+
+    def long_stream():
+        with httpx.Client(base_url=rolling_server.url, timeout=300) as http:
+            result["lines"] = stream_lines(http, body)
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    bad = invoke(client, "Hello", **parameters)
+    thread.join(timeout=300)
+    assert 400 <= bad.status_code < 500
+    error = bad.json()
+    assert field in error["error"] and error["code"] == bad.status_code
+    assert streamed_text(result["lines"]) == expected == result["lines"][-1]["generated_text"]
+    assert client.get("/ping").status_code == 200
+
+
+def test_malformed_json_body_gets_400(client):
+    response = client.post("/invocations", content=b'{"inputs": ', headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+
+
+def test_predictions_route_answers_like_invocations(client):
+    body = {"inputs": "Water boils at", "parameters": {"max_new_tokens": 5}}
+    a = client.post("/predictions/model", json=body).json()
+    b = client.post("/invocations", json=body).json()
+    assert a == b
+
+
+def test_dynamic_batch_answers_a_list_of_generated_texts_per_input(dynamic_server):
+    with httpx.Client(base_url=dynamic_server.url, timeout=300) as http:
+        inputs = ["The sky is", "Water boils at", "Once upon a time"]
+        response = http.post("/invocations", json={"inputs": inputs, "parameters": {"max_new_tokens": 6}})
+        assert response.status_code == 200, response.text
+        answers = response.json()
+        assert isinstance(answers, list) and len(answers) == 3
+        assert all(isinstance(a["generated_text"], str) and a["generated_text"] for a in answers)
+        solo = http.post("/invocations", json={"inputs": inputs[1], "parameters": {"max_new_tokens": 6}}).json()
+        assert solo == [answers[1]]

@@ -1,0 +1,115 @@
+"""handle() driven the way the DJL front end drives it (DESIGN §2), on the real demo model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmi_handler import handler
+from lmi_handler.djl import OwnInput, PairList, binary_decode
+
+pytestmark = pytest.mark.slow
+
+
+def init_handler(monkeypatch, model_dir, **options) -> None:
+    monkeypatch.setattr(handler, "_STATE", handler.HandlerState())
+    props = {"model_id": str(model_dir), "max_rolling_batch_size": "8", "device_id": "-1",
+             "cluster_size": 1, "handler": "handle", **options}
+    assert handler.handle(OwnInput(props)) is None  # initialization call: properties, empty content
+
+
+def rolling_call(items: list[tuple[str, bytes | None]], reset: bool = False) -> OwnInput:
+    """items: (request_id, body) for new requests, (request_id, None) for running ones (empty data)."""
+    props = {"batch_size": str(len(items))}
+    if reset:
+        props["reset_rollingbatch"] = "true"
+    content = PairList()
+    for i, (request_id, body) in enumerate(items):
+        content.add(f"batch_{i:03d}.data", body or b"")
+        if body is not None:
+            props[f"batch_{i:03d}.Content-Type"] = "application/json"
+            props[f"batch_{i:03d}.requestId"] = request_id
+            content.add(f"batch_{i:03d}.seed", b"-123456789")
+    return OwnInput(props, content)
+
+
+def decode(output, n: int) -> list[dict]:
+    assert output.code == 200
+    assert output.content.size() == n
+    entries = []
+    for i in range(n):
+        assert output.content.key_at(i) == f"batch_{i}.data"
+        entry = binary_decode(output.content.value_at(i))
+        assert entry["content_type"] == output.properties[f"batch_{i}_Content-Type"]
+        assert entry["request_id"] == output.properties[f"batch_{i}_requestId"]
+        entries.append(entry)
+    return entries
+
+
+def body(inputs: str, stream: bool = True, **params) -> bytes:
+    return json.dumps({"inputs": inputs, "parameters": params, "stream": stream}).encode()
+
+
+def test_rolling_steps_keep_front_end_order_and_answer_one_entry_per_item(monkeypatch, model_dir):
+    init_handler(monkeypatch, model_dir)
+    call = rolling_call([("a", body("The sky is", max_new_tokens=2)), ("b", body("Hello", max_new_tokens=6)),
+                         ("c", body("One, two,", stream=False, max_new_tokens=6))])
+    first = decode(handler.handle(call), 3)
+    assert [e["request_id"] for e in first] == ["a", "b", "c"]
+    assert [e["last"] for e in first] == ["false", "false", "false"]
+    assert json.loads(first[0]["data"])["token"]["text"] is not None      # streaming: a token line per step
+    assert first[0]["content_type"] == "application/jsonlines"
+    assert first[2]["data"] == "" and first[2]["content_type"] == "application/json"  # json: nothing until the end
+
+    # a and b running (empty data), c running, d new appended at the end
+    second = decode(handler.handle(rolling_call([("a", None), ("b", None), ("c", None),
+                                                 ("d", body("Bad", temperature=-1))])), 4)
+    assert second[0]["last"] == "true"                                   # a hit max_new_tokens=2
+    final_a = json.loads(second[0]["data"].splitlines()[-1])
+    assert final_a["generated_text"] == json.loads(first[0]["data"])["token"]["text"] + final_a["token"]["text"]
+    assert second[3]["last"] == "true" and second[3]["code"] == "424" and "temperature" in second[3]["error"]
+    assert second[3]["data"] == ""
+
+    # a and d left on both sides; b, c remain in order and run to the end
+    pending = {"b": first[1]["data"] + second[1]["data"], "c": first[2]["data"] + second[2]["data"]}
+    for _ in range(10):
+        ids = [rid for rid in ("b", "c") if rid in pending and pending[rid] is not None]
+        entries = decode(handler.handle(rolling_call([(rid, None) for rid in ids])), len(ids))
+        for rid, entry in zip(ids, entries):
+            pending[rid] += entry["data"]
+            if entry["last"] == "true":
+                done = pending.pop(rid)
+                pending[rid + "_done"] = done
+                pending[rid] = None
+        if pending["b"] is None and pending["c"] is None:
+            break
+    doc = json.loads(pending["c_done"])
+    assert isinstance(doc["generated_text"], str) and doc["generated_text"]
+    lines = [json.loads(line) for line in pending["b_done"].splitlines()]
+    assert "".join(line["token"]["text"] for line in lines) == lines[-1]["generated_text"]
+    assert len(lines) == 6  # max_new_tokens=6: one line per token
+
+
+def test_reset_rollingbatch_drops_state_and_counts_every_item_as_new(monkeypatch, model_dir):
+    init_handler(monkeypatch, model_dir)
+    decode(handler.handle(rolling_call([("x", body("Hi", max_new_tokens=20))])), 1)
+    entries = decode(handler.handle(rolling_call([("y", body("Hello", max_new_tokens=1))], reset=True)), 1)
+    assert entries[0]["request_id"] == "y" and entries[0]["last"] == "true"
+    assert not handler.get_state().service.engine.has_unfinished
+
+
+def test_dynamic_batch_answers_each_item_a_list_of_generated_text(monkeypatch, model_dir):
+    init_handler(monkeypatch, model_dir, rolling_batch="disable")
+    props = {"batch_size": "3"}
+    content = PairList()
+    bodies = [{"inputs": ["The sky is", "Grass is"], "parameters": {"max_new_tokens": 4}},
+              {"inputs": "Water is", "parameters": {"max_new_tokens": 3, "details": True}},
+              {"inputs": "Oops", "parameters": {"top_k": -5}}]
+    for i, b in enumerate(bodies):
+        content.add(f"batch_{i:03d}.data", json.dumps(b).encode())
+    output = handler.handle(OwnInput(props, content))
+    assert output.content.size() == 3
+    first, second, third = (json.loads(output.content.value_at(i)) for i in range(3))
+    assert [type(a["generated_text"]) for a in first] == [str, str]
+    assert second[0]["details"]["generated_tokens"] == 3
+    assert third["code"] == 424 and "top_k" in third["error"]

@@ -1,0 +1,323 @@
+"""Vectorized logits processors and sampling with per-request seeds: SamplingMetadata, Sampler.
+
+Owns penalties, temperature/top-k/top-p/min-p/typical-p, greedy and seeded sampling, log-probs and
+top-n alternatives. Leaves the forward pass to model_runner.py, stop checks to stopping.py, text to detokenizer.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmi_handler.engine.sequence import Sequence
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based noise: splitmix64 (Steele et al., "Fast splittable pseudorandom number generators")
+# in int64 tensor ops. torch int64 multiplication wraps modulo 2**64; `>>` is arithmetic, so a
+# logical shift right masks off the copied sign bits.
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_int64(x: int) -> int:
+    """A Python int reduced to the two's-complement int64 value with the same low 64 bits."""
+    return ((x + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
+
+
+_GAMMA = _as_int64(0x9E3779B97F4A7C15)   # splitmix64 increment (golden ratio)
+_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX2 = _as_int64(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical shift right of an int64 tensor (0 < shift < 64)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on an int64 tensor, any shape; bit-identical to the uint64 reference."""
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def exponential_log_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """log(E) with E ~ Exp(1) for each (row, token id), from a hash of (seed, position, token id).
+
+    seeds, positions: (N,) int64 (any int64 values). Returns (N, vocab_size) float32, finite.
+    The value for (row, token) depends only on that row's seed and position, never on the batch.
+    Uniforms use 23 bits: u = (k + 0.5) / 2**23 lies strictly inside (0, 1) and is exact in float32,
+    so E = -log(u) > 0 and log(E) is finite.
+    """
+    row_key = mix64(mix64(seeds + _GAMMA) + positions * _GAMMA)                       # (N,)
+    token_key = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _GAMMA
+    bits = mix64(row_key[:, None] + token_key[None, :])                              # (N, V) int64
+    u = (_srl(bits, 41).to(torch.float32) + 0.5) * (2.0 ** -23)                      # (N, V) in (0, 1)
+    return torch.log(-torch.log(u))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch metadata
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling knobs of one step as device tensors (B = rows of the logits).
+
+    Greedy rows carry neutral sampling knobs (temperature 1.0, top_k 0, top_p 1.0, min_p 0.0,
+    typical_p 1.0): only penalties apply to them. Token-id tensors are padded with vocab_size,
+    an id no real token has. The fields after `no_penalties` are host-side facts that let the
+    sampler skip work without a host-device sync; left at their defaults, the sampler computes
+    them from the tensors (with a sync).
+    """
+
+    greedy: torch.Tensor               # (B,) bool
+    temperature: torch.Tensor          # (B,) float32, 1.0 on greedy rows
+    top_k: torch.Tensor                # (B,) int64, LMI schema: 0 = off
+    top_p: torch.Tensor                # (B,) float32, 1.0 = off
+    min_p: torch.Tensor                # (B,) float32, 0.0 = off
+    typical_p: torch.Tensor            # (B,) float32, 1.0 = off
+    repetition_penalty: torch.Tensor   # (B,) float32, 1.0 = off
+    presence_penalty: torch.Tensor     # (B,) float32, 0.0 = off
+    frequency_penalty: torch.Tensor    # (B,) float32, 0.0 = off
+    seeds: torch.Tensor                # (B,) int64, any value (negative ok)
+    positions: torch.Tensor            # (B,) int64, output index of the token being sampled
+    prompt_token_ids: torch.Tensor | None   # (B, Lp) int64 padded with vocab_size
+    output_token_ids: torch.Tensor | None   # (B, Lo) int64 padded with vocab_size
+    max_top_n: int                     # max top_n_tokens over rows, 0 = none
+    all_greedy: bool
+    no_penalties: bool
+    sampled_rows: torch.Tensor | None = None   # (Ns,) int64 row indices of sampled rows
+    greedy_rows: torch.Tensor | None = None    # (Ng,) int64 row indices of greedy rows
+    max_top_k: int | None = None               # max top_k over sampled rows (0 = no row uses it)
+    use_top_p: bool = True                     # some sampled row has top_p < 1
+    use_min_p: bool = True                     # some sampled row has min_p > 0
+    use_typical_p: bool = True                 # some sampled row has typical_p < 1
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        """Build the step's metadata from the sequences, in batch order.
+
+        Reads seq.params (a seed of None counts as 0: the engine fills seeds of sampled rows at
+        admission), seq.prompt_token_ids and seq.output_token_ids. Token-id tensors are built only
+        when some row has a penalty that reads them. Copies to `device` in three transfers.
+        """
+        params = [s.params for s in seqs]
+        sampled = [not p.greedy for p in params]
+        neutral = [(1.0, 0, 1.0, 0.0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p)
+                   for p in params]
+        floats = torch.tensor([[n[0], n[2], n[3], n[4], p.repetition_penalty, p.presence_penalty,
+                                p.frequency_penalty] for n, p in zip(neutral, params)],
+                              dtype=torch.float32).reshape(len(seqs), 7).T.contiguous().to(device)
+        ints = torch.tensor([[n[1], _as_int64(p.seed or 0), s.num_output_tokens, int(p.greedy)]
+                             for n, p, s in zip(neutral, params, seqs)],
+                            dtype=torch.int64).reshape(len(seqs), 4).T.contiguous().to(device)
+        rows = torch.arange(len(seqs), dtype=torch.int64)
+        is_sampled = torch.tensor(sampled, dtype=torch.bool)
+        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        use_out = use_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        knobs = [n for n, s in zip(neutral, sampled) if s]
+        return cls(
+            greedy=ints[3].bool(), temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
+            typical_p=floats[3], repetition_penalty=floats[4], presence_penalty=floats[5],
+            frequency_penalty=floats[6], seeds=ints[1], positions=ints[2],
+            prompt_token_ids=_pad([s.prompt_token_ids for s in seqs], vocab_size, device) if use_rep else None,
+            output_token_ids=_pad([s.output_token_ids for s in seqs], vocab_size, device) if use_out else None,
+            max_top_n=max((p.top_n_tokens for p in params), default=0),
+            all_greedy=not any(sampled), no_penalties=not use_out,
+            sampled_rows=rows[is_sampled].to(device), greedy_rows=rows[~is_sampled].to(device),
+            max_top_k=max((n[1] for n in knobs), default=0),
+            use_top_p=any(n[2] < 1.0 for n in knobs), use_min_p=any(n[3] > 0.0 for n in knobs),
+            use_typical_p=any(n[4] < 1.0 for n in knobs),
+        )
+
+
+def _pad(token_lists: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """(B, max(1, longest)) int64 on device, padded with pad_id."""
+    width = max(1, max((len(t) for t in token_lists), default=0))
+    out = torch.full((len(token_lists), width), pad_id, dtype=torch.int64)
+    for i, t in enumerate(token_lists):   # host-side list packing, not tensor math
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+    return out.to(device)
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens of one step, rows in batch order.
+
+    `logprobs` and the top-n alternatives come from the distribution the token was picked from:
+    log_softmax of the penalized logits for greedy rows; for sampled rows the processed
+    distribution (after penalties, temperature and the filters). Filtered-out alternatives can
+    appear in top_ids with log-prob -inf when a row keeps fewer than max_top_n tokens: drop those
+    before they reach JSON.
+    """
+
+    token_ids: torch.Tensor            # (B,) int64
+    logprobs: torch.Tensor             # (B,) float32
+    top_ids: torch.Tensor | None       # (B, max_top_n) int64, best first
+    top_logprobs: torch.Tensor | None  # (B, max_top_n) float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits processors: each is one tensor op over the rows it gets; (N, V) float32 in and out.
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(N, L) int64 padded with vocab_size -> (N, V) float32 occurrence counts (vLLM bin counts)."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition, presence and frequency penalties over all rows (greedy rows too), vLLM definition.
+
+    Repetition over tokens seen in prompt OR output: logit > 0 -> logit / p, else logit * p
+    (same as transformers' RepetitionPenaltyLogitsProcessor). Presence and frequency over output
+    tokens only: logit -= presence * (count > 0) + frequency * count.
+    """
+    vocab_size = logits.shape[1]
+    if meta.output_token_ids is None:
+        return logits
+    out_counts = _token_counts(meta.output_token_ids, vocab_size)                    # (B, V)
+    out_seen = out_counts > 0
+    seen = out_seen
+    if meta.prompt_token_ids is not None:
+        seen = seen | (_token_counts(meta.prompt_token_ids, vocab_size) > 0)
+    penalty = torch.where(seen, meta.repetition_penalty[:, None], 1.0)               # (B, V)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - meta.frequency_penalty[:, None] * out_counts - meta.presence_penalty[:, None] * out_seen
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (ties at the cut are kept); LMI schema: top_k 0 = off.
+
+    top_k: (N,) int64. Uses torch.topk with the batch's largest k, not a full sort.
+    """
+    k_cap = min(max_top_k, logits.shape[1])
+    kth = torch.topk(logits, k_cap, dim=-1).values.gather(1, (top_k.clamp(1, k_cap) - 1)[:, None])  # (N, 1)
+    kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass is >= top_p.
+
+    top_p: (N,) float32 in (0, 1]; 1.0 = off (exactly: rounding never drops a token). A token is kept
+    when the mass of the tokens ranked strictly above it is < top_p, so the top token always stays.
+    """
+    probs_sorted, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    mass_above = torch.cumsum(probs_sorted, dim=-1) - probs_sorted                    # (N, V)
+    drop_sorted = (mass_above >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens with p >= min_p * p_max, computed as logit - max_logit >= log(min_p); 0.0 = off."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]   # log(0) = -inf keeps all
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling with transformers' TypicalLogitsWarper semantics, per-row mass.
+
+    Ranks tokens by |-log p - H| (H = entropy), keeps the best-ranked until their mass reaches
+    typical_p (at least one token). typical_p: (N,) float32; 1.0 = off.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)                          # -inf * 0 = nan, skipped
+    scores_sorted, order = torch.sort((-logp - entropy).abs(), dim=-1)
+    cum = torch.softmax(logits.gather(1, order), dim=-1).cumsum(dim=-1)
+    last = (cum < typical_p[:, None]).sum(dim=1).clamp(max=logits.shape[1] - 1)       # (N,)
+    drop_sorted = scores_sorted > scores_sorted.gather(1, last[:, None])
+    drop_sorted[:, 0] = False
+    drop_sorted &= typical_p[:, None] < 1.0
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampled_rows, greedy_rows) int64 index tensors."""
+    if meta.sampled_rows is not None and meta.greedy_rows is not None:
+        return meta.sampled_rows, meta.greedy_rows
+    # host-device sync: only when the metadata was built without from_sequences
+    return meta.greedy.logical_not().nonzero().flatten(), meta.greedy.nonzero().flatten()
+
+
+class Sampler:
+    """Pick one token per row from (B, V) float32 logits. Stateless; no Python loop over rows.
+
+    Order (transformers' generate order for the warpers): penalties on all rows; then on sampled
+    rows only temperature, top_k, top_p, min_p, typical_p; then the exponential race
+    argmax(p / E), E ~ Exp(1) from exponential_log_noise, so a seeded row's token depends only on
+    its seed, its output position and its own logits. Greedy rows take argmax of the penalized logits.
+    """
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+        if meta.all_greedy:
+            return greedy_sample(logits, meta.max_top_n)
+        sampled_rows, greedy_rows = _rows(meta)
+        if greedy_rows.numel() == 0:
+            token_ids, logprobs = self._sample(logits, meta, None)
+        else:
+            token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            logprobs = torch.empty_like(logits)
+            s_ids, s_logprobs = self._sample(logits.index_select(0, sampled_rows), meta, sampled_rows)
+            g_logits = logits.index_select(0, greedy_rows)
+            token_ids.index_copy_(0, sampled_rows, s_ids).index_copy_(0, greedy_rows, g_logits.argmax(dim=-1))
+            logprobs.index_copy_(0, sampled_rows, s_logprobs)
+            logprobs.index_copy_(0, greedy_rows, torch.log_softmax(g_logits, dim=-1))
+        return _output(token_ids, logprobs, meta.max_top_n)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata,
+                rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process and draw for the sampled rows. logits: (Ns, V); rows: their batch indices (None = all).
+
+        Returns ((Ns,) int64 token ids, (Ns, V) float32 log-probs of the processed distribution).
+        """
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t if rows is None else t.index_select(0, rows)
+
+        logits = logits / take(meta.temperature)[:, None]
+        max_top_k = meta.max_top_k if meta.max_top_k is not None else int(meta.top_k.max())  # sync if unknown
+        if max_top_k > 0:
+            logits = apply_top_k(logits, take(meta.top_k), max_top_k)
+        if meta.use_top_p:
+            logits = apply_top_p(logits, take(meta.top_p))
+        if meta.use_min_p:
+            logits = apply_min_p(logits, take(meta.min_p))
+        if meta.use_typical_p:
+            logits = apply_typical_p(logits, take(meta.typical_p))
+        logprobs = torch.log_softmax(logits, dim=-1)
+        noise = exponential_log_noise(take(meta.seeds), take(meta.positions), logits.shape[1])
+        return (logprobs - noise).argmax(dim=-1), logprobs    # argmax(p / E) in log space
+
+
+def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
+    """Fast path for an all-greedy batch: argmax, and log-probs as logit - logsumexp (no (B, V) log_softmax)."""
+    token_ids = logits.argmax(dim=-1)                                                  # (B,)
+    lse = torch.logsumexp(logits, dim=-1)                                              # (B,)
+    chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - lse
+    if max_top_n == 0:
+        return SamplerOutput(token_ids, chosen, None, None)
+    top = torch.topk(logits, min(max_top_n, logits.shape[1]), dim=-1)
+    return SamplerOutput(token_ids, chosen, top.indices, top.values - lse[:, None])
+
+
+def _output(token_ids: torch.Tensor, logprobs: torch.Tensor, max_top_n: int) -> SamplerOutput:
+    """Gather the chosen log-probs and the top-n alternatives from (B, V) float32 log-probs."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    if max_top_n == 0:
+        return SamplerOutput(token_ids, chosen, None, None)
+    top = torch.topk(logprobs, min(max_top_n, logprobs.shape[1]), dim=-1)
+    return SamplerOutput(token_ids, chosen, top.indices, top.values)

@@ -1,0 +1,274 @@
+"""Tests for engine/sampler.py: logits processors on hand-made logits, seeded sampling, fast paths."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
+                          TopPLogitsWarper, TypicalLogitsWarper)
+
+from lmi_handler.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k,
+                                        apply_top_p, apply_typical_p, exponential_log_noise, greedy_sample, mix64)
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+
+CPU = torch.device("cpu")
+# A hand-made distribution: token i has probability PROBS[i].
+PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
+LOGITS = torch.log(torch.tensor([PROBS]))   # (1, 5)
+
+
+def seq(greedy=False, prompt=(7, 8), output=(), **kw) -> Sequence:
+    return Sequence("r", list(prompt), SamplingParams(greedy=greedy, **kw), output_token_ids=list(output))
+
+
+def meta_for(seqs, vocab_size) -> SamplingMetadata:
+    return SamplingMetadata.from_sequences(seqs, vocab_size, CPU)
+
+
+def kept(logits: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+
+
+# --- processors, table-driven -------------------------------------------------------------------
+
+@pytest.mark.parametrize("top_k, expected", [(1, {0}), (2, {0, 1}), (4, {0, 1, 2, 3}), (0, {0, 1, 2, 3, 4}),
+                                             (99, {0, 1, 2, 3, 4})])
+def test_top_k_keeps_the_k_most_likely_tokens(top_k, expected):
+    assert kept(apply_top_k(LOGITS, torch.tensor([top_k]), max(top_k, 1))) == expected
+
+
+@pytest.mark.parametrize("top_p, expected", [(0.3, {0}), (0.6, {0, 1}), (0.75, {0, 1, 2}), (0.9, {0, 1, 2, 3}),
+                                             (0.97, {0, 1, 2, 3, 4}), (1.0, {0, 1, 2, 3, 4})])
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
+    assert kept(apply_top_p(LOGITS, torch.tensor([top_p]))) == expected
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.0, {0, 1, 2, 3, 4}), (0.15, {0, 1, 2, 3}), (0.25, {0, 1, 2}),
+                                             (0.5, {0}), (0.9, {0})])
+def test_min_p_keeps_tokens_at_least_min_p_times_the_best(min_p, expected):
+    assert kept(apply_min_p(LOGITS, torch.tensor([min_p]))) == expected
+
+
+# Entropy H = 1.333; |-log p - H| ranks tokens 1, 2, 0, 3, 4 with cumulative mass 0.2, 0.35, 0.85, 0.95, 1.
+@pytest.mark.parametrize("typical_p, expected", [(0.1, {1}), (0.3, {1, 2}), (0.5, {0, 1, 2}), (0.9, {0, 1, 2, 3}),
+                                                 (1.0, {0, 1, 2, 3, 4})])
+def test_typical_p_keeps_the_most_typical_tokens(typical_p, expected):
+    assert kept(apply_typical_p(LOGITS, torch.tensor([typical_p]))) == expected
+
+
+def test_neutral_settings_change_nothing():
+    logits = torch.randn(3, 49152) * 5
+    ones = torch.ones(3)
+    assert torch.equal(apply_top_p(logits, ones), logits)
+    assert torch.equal(apply_typical_p(logits, ones), logits)
+    assert torch.equal(apply_min_p(logits, torch.zeros(3)), logits)
+    assert torch.equal(apply_top_k(logits, torch.tensor([0, 0, 0]), 5), logits)
+
+
+def test_filters_match_transformers_warpers_row_by_row():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    cases = [
+        (apply_top_k, lambda v: TopKLogitsWarper(int(v)), torch.tensor([1, 7, 40, 0]), {"max_top_k": 40}),
+        (apply_top_p, lambda v: TopPLogitsWarper(float(v)), torch.tensor([0.1, 0.5, 0.8, 0.95]), {}),
+        (apply_min_p, lambda v: MinPLogitsWarper(float(v)), torch.tensor([0.01, 0.05, 0.2, 0.6]), {}),
+        (apply_typical_p, lambda v: TypicalLogitsWarper(float(v)), torch.tensor([0.2, 0.5, 0.8, 0.95]), {}),
+    ]
+    for ours, theirs, values, extra in cases:
+        got = ours(logits, values, **extra)
+        for row, value in enumerate(values):
+            if ours is apply_top_k and value == 0:
+                assert torch.equal(got[row], logits[row])
+                continue
+            want = theirs(value)(None, logits[row : row + 1].clone())
+            assert torch.equal(torch.isinf(got[row]), torch.isinf(want[0])), (ours.__name__, value)
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    torch.manual_seed(1)
+    vocab = 50
+    logits = torch.randn(3, vocab) * 4
+    logits[:, 5] = 0.0
+    rows = [([5, 6, 7], [8, 8, 9], 1.3), ([1, 2], [], 0.7), ([3, 4, 10], [11, 3], 2.0)]
+    seqs = [seq(prompt=p, output=o, repetition_penalty=r, seed=0) for p, o, r in rows]
+    got = apply_penalties(logits, meta_for(seqs, vocab))
+    for i, (p, o, r) in enumerate(rows):
+        want = RepetitionPenaltyLogitsProcessor(penalty=r)(torch.tensor([p + o]), logits[i : i + 1].clone())
+        torch.testing.assert_close(got[i], want[0], rtol=0, atol=0)
+
+
+def test_presence_and_frequency_penalties_follow_vllm_formula_over_output_only():
+    vocab = 10
+    logits = torch.zeros(2, vocab)
+    seqs = [seq(prompt=[1, 2], output=[3, 3, 3, 4], presence_penalty=0.5, frequency_penalty=0.25),
+            seq(greedy=True, prompt=[3], output=[5], presence_penalty=-1.0, frequency_penalty=0.0)]
+    got = apply_penalties(logits, meta_for(seqs, vocab))
+    want = torch.zeros(2, vocab)
+    want[0, 3] = -(0.5 + 0.25 * 3)
+    want[0, 4] = -(0.5 + 0.25 * 1)
+    want[1, 5] = 1.0          # prompt token 3 is not penalized: presence/frequency look at output only
+    assert torch.equal(got, want)
+
+
+def test_penalties_apply_to_greedy_rows():
+    logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
+    plain = Sampler()(logits, meta_for([seq(greedy=True, prompt=[2], output=[0])], 4))
+    penalized = Sampler()(logits, meta_for([seq(greedy=True, prompt=[2], output=[0], repetition_penalty=1.5)], 4))
+    assert plain.token_ids.tolist() == [0] and penalized.token_ids.tolist() == [1]
+    torch.testing.assert_close(penalized.logprobs, torch.log_softmax(torch.tensor([2.0, 2.9, 0, 0]), -1)[1:2])
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+def test_top_k_one_and_tiny_temperature_equal_greedy():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 1000) * 2
+    greedy = logits.argmax(dim=-1)
+    for params in ({"top_k": 1}, {"temperature": 1e-4}):
+        seqs = [seq(seed=s, **params) for s in range(-3, 3)]
+        for position in range(5):
+            meta = meta_for(seqs, 1000)
+            meta.positions += position
+            assert torch.equal(Sampler()(logits, meta).token_ids, greedy), params
+
+
+def test_sampled_log_prob_is_from_the_processed_distribution():
+    seqs = [seq(seed=s, top_k=2, temperature=0.5) for s in range(40)]
+    logits = LOGITS.repeat(40, 1)
+    out = Sampler()(logits, meta_for(seqs, 5))
+    processed = torch.log_softmax(torch.log(torch.tensor([0.5, 0.2])) / 0.5, -1)
+    assert set(out.token_ids.tolist()) == {0, 1}
+    torch.testing.assert_close(out.logprobs, processed[out.token_ids])
+
+
+def test_top_tokens_come_from_the_same_distribution_best_first():
+    seqs = [seq(greedy=True, top_n_tokens=3), seq(seed=5, top_k=2, top_n_tokens=2)]
+    out = Sampler()(LOGITS.repeat(2, 1), meta_for(seqs, 5))
+    assert out.top_ids.tolist()[0] == [0, 1, 2]
+    torch.testing.assert_close(out.top_logprobs[0], torch.log(torch.tensor([0.5, 0.2, 0.15])))
+    assert out.top_ids.tolist()[1][:2] == [0, 1]
+    torch.testing.assert_close(out.top_logprobs[1, :2], torch.log(torch.tensor([5 / 7, 2 / 7])))
+    assert out.top_logprobs[1, 2] == float("-inf")   # filtered out: the engine drops these
+
+
+def test_all_greedy_fast_path_matches_the_general_path():
+    torch.manual_seed(3)
+    logits = torch.randn(5, 700)
+    meta = meta_for([seq(greedy=True, top_n_tokens=4) for _ in range(5)], 700)
+    assert meta.all_greedy and meta.no_penalties
+    fast = Sampler()(logits, meta)
+    meta.all_greedy = False   # force the masked path: no sampled rows, all greedy rows
+    slow = Sampler()(logits, meta)
+    assert torch.equal(fast.token_ids, slow.token_ids) and torch.equal(fast.top_ids, slow.top_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs)
+    torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs)
+
+
+def _run(seqs: list[Sequence], row: int, steps: int, vocab: int) -> list[int]:
+    """Tokens of seqs[row] over `steps` decode steps; each step's logits depend only on the step."""
+    tokens = []
+    for step in range(steps):
+        logits = torch.randn(vocab, generator=torch.Generator().manual_seed(step)).repeat(len(seqs), 1)
+        out = Sampler()(logits, meta_for(seqs, vocab))
+        tokens.append(int(out.token_ids[row]))
+        for s, t in zip(seqs, out.token_ids.tolist()):
+            s.output_token_ids.append(t)
+    return tokens
+
+
+def test_same_seed_gives_same_tokens_alone_and_in_a_mixed_batch():
+    vocab, steps = 200, 40
+    params = {"seed": 1234, "temperature": 0.9, "top_p": 0.95, "repetition_penalty": 1.1}
+    alone = _run([seq(**params)], 0, steps, vocab)
+    batch = [seq(greedy=True), seq(seed=7, top_k=5, min_p=0.05), seq(**params), seq(greedy=True, frequency_penalty=1),
+             seq(seed=-9, typical_p=0.7, top_n_tokens=3)]
+    assert _run(batch, 2, steps, vocab) == alone
+    assert len(set(alone)) > 5
+
+
+def test_different_seeds_give_different_tokens():
+    vocab, steps = 200, 20
+    runs = {tuple(_run([seq(seed=s)], 0, steps, vocab)) for s in range(10)}
+    assert len(runs) == 10
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1, -123456789])
+def test_negative_and_extreme_seeds_sample_validly_and_repeat(seed):
+    vocab = 100
+    first = _run([seq(seed=seed)], 0, 10, vocab)
+    assert first == _run([seq(seed=seed)], 0, 10, vocab)
+    assert all(0 <= t < vocab for t in first)
+
+
+def test_seed_beyond_int64_wraps_instead_of_failing():
+    meta = meta_for([seq(seed=2**64 + 5), seq(seed=None)], 10)
+    assert meta.seeds.tolist() == [5, 0]
+
+
+def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_draws_over_many_seeds_follow_the_softmax():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
+    n = 20000
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 - 10000
+    noise = exponential_log_noise(seeds, torch.zeros(n, dtype=torch.int64), 8)
+    tokens = (torch.log(probs)[None, :] - noise).argmax(dim=-1)
+    assert _chi_square(tokens, probs) < 24.3   # 7 degrees of freedom, p = 0.001
+
+
+def test_draws_over_many_positions_of_one_seed_follow_the_softmax():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
+    n = 20000
+    meta = meta_for([seq(seed=-42) for _ in range(n)], 8)
+    meta.positions = torch.arange(n, dtype=torch.int64)
+    tokens = Sampler()(torch.log(probs).repeat(n, 1), meta).token_ids
+    assert _chi_square(tokens, probs) < 24.3
+
+
+def _splitmix64_finalizer(z: int) -> int:
+    """Reference splitmix64 mixer on Python ints (uint64)."""
+    mask = (1 << 64) - 1
+    z &= mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_tensor_mixer_is_bit_identical_to_the_uint64_reference():
+    values = [0, 1, -1, 2**63 - 1, -(2**63), 0x9E3779B97F4A7C15 - 2**64, 123456789, -987654321]
+    got = mix64(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [_splitmix64_finalizer(v) for v in values]
+
+
+# --- metadata ------------------------------------------------------------------------------------
+
+def test_metadata_gives_greedy_rows_neutral_knobs_and_pads_with_vocab_size():
+    seqs = [seq(greedy=True, temperature=0.3, top_k=3, prompt=[1, 2, 3], output=[4]),
+            seq(temperature=0.5, top_k=2, top_p=0.9, seed=-3, prompt=[5], output=[6, 7, 8], repetition_penalty=1.2)]
+    meta = meta_for(seqs, 50)
+    assert meta.greedy.tolist() == [True, False]
+    assert meta.temperature.tolist() == [1.0, 0.5] and meta.top_k.tolist() == [0, 2]
+    assert meta.positions.tolist() == [1, 3] and meta.seeds.tolist() == [0, -3]
+    assert meta.prompt_token_ids.tolist() == [[1, 2, 3], [5, 50, 50]]
+    assert meta.output_token_ids.tolist() == [[4, 50, 50], [6, 7, 8]]
+    assert (meta.max_top_k, meta.use_top_p, meta.use_min_p, meta.use_typical_p) == (2, True, False, False)
+    assert not meta.all_greedy and not meta.no_penalties
+
+
+def test_metadata_skips_token_tensors_without_penalties():
+    meta = meta_for([seq(greedy=True), seq(seed=1)], 50)
+    assert meta.prompt_token_ids is None and meta.output_token_ids is None and meta.no_penalties
+    meta = meta_for([seq(greedy=True, presence_penalty=0.5)], 50)
+    assert meta.prompt_token_ids is None and meta.output_token_ids is not None and meta.all_greedy
+
+
+def test_greedy_sample_reports_log_softmax_of_the_chosen_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    out = greedy_sample(logits, 0)
+    assert out.token_ids.tolist() == [1] and out.top_ids is None
+    assert math.isclose(float(out.logprobs[0]), float(torch.log_softmax(logits, -1)[0, 1]), rel_tol=1e-6)

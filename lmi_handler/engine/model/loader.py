@@ -1,0 +1,126 @@
+"""Read an HF model directory (config.json + model.safetensors or a sharded index) into our LlamaModel.
+
+Owns the config-key and weight-name mapping (HF names -> our fused q/k/v and gate/up weights);
+leaves the architecture to llama.py and the KV cache and batching to model_runner.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lmi_handler.engine.model.llama import LlamaArgs, LlamaModel, rope_inv_freq
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """config.json as a dict. Raises FileNotFoundError when absent."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def args_from_config(cfg: dict) -> LlamaArgs:
+    """Map an HF config dict to LlamaArgs.
+
+    rope_theta comes from `rope_parameters` (transformers 5) or the top-level `rope_theta`;
+    scaling from `rope_parameters` or the older `rope_scaling`. Qwen2 always has q/k/v bias.
+    Raises: ValueError for a model_type we do not implement.
+    """
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported {SUPPORTED_MODEL_TYPES}")
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope.update(cfg.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    num_heads = cfg["num_attention_heads"]
+    return LlamaArgs(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+        o_proj_bias=model_type != "qwen2" and cfg.get("attention_bias", False),
+        mlp_bias=cfg.get("mlp_bias", False),
+    )
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of every shard named in model.safetensors.index.json.
+
+    Returns CPU tensors keyed by HF name. Raises FileNotFoundError when neither file exists.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors(.index.json) in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(model_dir / name, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """Our parameter names for layer i, fusing q/k/v and gate/up by concatenating rows."""
+    p = f"model.layers.{i}."
+    ours = f"layers.{i}."
+    state = {
+        ours + "input_layernorm.weight": hf[p + "input_layernorm.weight"],
+        ours + "post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
+        ours + "self_attn.qkv_weight": torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+        ours + "self_attn.o_weight": hf[p + "self_attn.o_proj.weight"],
+        ours + "mlp.gate_up_weight": torch.cat([hf[p + "mlp.gate_proj.weight"],
+                                                hf[p + "mlp.up_proj.weight"]]),
+        ours + "mlp.down_weight": hf[p + "mlp.down_proj.weight"],
+    }
+    if args.attention_bias:
+        state[ours + "self_attn.qkv_bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+    if args.o_proj_bias:
+        state[ours + "self_attn.o_bias"] = hf[p + "self_attn.o_proj.bias"]
+    if args.mlp_bias:
+        state[ours + "mlp.gate_up_bias"] = torch.cat([hf[p + "mlp.gate_proj.bias"], hf[p + "mlp.up_proj.bias"]])
+        state[ours + "mlp.down_bias"] = hf[p + "mlp.down_proj.bias"]
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               row_tile: int | None = None, batch_invariant: bool = False) -> LlamaModel:
+    """Build LlamaModel from an HF directory, weights cast to `dtype` on `device`, in eval mode.
+
+    Raises: KeyError naming a missing weight; ValueError for an unsupported architecture.
+    """
+    args = args_from_config(read_config(model_dir))
+    hf = read_safetensors(model_dir)
+    state = {"embed_tokens": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not args.tie_word_embeddings:
+        state["lm_head"] = hf["lm_head.weight"]
+    for i in range(args.num_layers):
+        state.update(_layer_state(hf, i, args))
+    with torch.device("meta"):
+        model = LlamaModel(args, row_tile=row_tile, batch_invariant=batch_invariant)
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head = model.embed_tokens      # assign-loading replaced the tied Parameter
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
+    model.inv_freq = rope_inv_freq(args)
+    model = model.to(device=device, dtype=dtype).eval()
+    # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model

@@ -1,0 +1,100 @@
+"""Engine test fixtures: tiny random Llama checkpoints written on the fly, and a greedy loop.
+
+The checkpoints are saved by transformers (safetensors) so our loader reads exactly what HF writes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+
+TINY_VOCAB = 512
+
+TINY_VARIANTS = {
+    "gqa_tied": dict(tie_word_embeddings=True),
+    "gqa_untied": dict(tie_word_embeddings=False),
+    "llama3_rope": dict(tie_word_embeddings=False, max_position_embeddings=512,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 32}),
+    "linear_rope_bias": dict(tie_word_embeddings=True, attention_bias=True,
+                             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+}
+
+
+def build_tiny_llama(path: Path, seed: int = 0, **overrides):
+    """Write a random 2-layer GQA Llama (4 heads, 2 kv heads, vocab 512) to `path`; return the HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=256,
+                  initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():   # biases are zero-initialised; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_VARIANTS))
+def tiny_model(request, tmp_path_factory):
+    """(model_dir, hf_model) for each tiny variant."""
+    path = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    return path, build_tiny_llama(path, **TINY_VARIANTS[request.param])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """One tiny GQA checkpoint with tied embeddings, for tests that need just one."""
+    path = tmp_path_factory.mktemp("tiny_default")
+    build_tiny_llama(path, **TINY_VARIANTS["gqa_tied"])
+    return path
+
+
+def make_seq(prompt_ids: list[int], allocator: BlockAllocator, max_tokens: int,
+             request_id: str = "r", prompt_logprobs: bool = False) -> Sequence:
+    """A Sequence with blocks for `max_tokens` tokens already allocated."""
+    seq = Sequence(request_id, list(prompt_ids), SamplingParams(prompt_logprobs=prompt_logprobs))
+    blocks = allocator.allocate(num_blocks_needed(max_tokens, allocator.block_size))
+    assert blocks is not None, "test allocator too small"
+    seq.block_table = blocks
+    return seq
+
+
+def greedy_generate(runner, allocator: BlockAllocator, prompts: list[list[int]], n: int,
+                    chunk_sizes: list[int] | None = None, stop_ids: tuple[int, ...] = ()):
+    """Greedy-decode all prompts together for `n` new tokens; returns (token lists, per-step logits).
+
+    chunk_sizes: prefill each prompt in chunks of at most these many tokens per step (one size
+    per prompt; None = whole prompt in one step). Prefills of different prompts and decodes of
+    finished prefills share steps, as the engine's chunked prefill does. A sequence stops at
+    n tokens or at a token in stop_ids. Blocks are freed at the end.
+    """
+    seqs = [make_seq(p, allocator, len(p) + n, f"r{i}") for i, p in enumerate(prompts)]
+    chunks = chunk_sizes or [len(p) for p in prompts]
+    step_logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+    active = list(range(len(seqs)))
+    while active:
+        counts = [min(chunks[i], seqs[i].num_tokens - seqs[i].num_computed_tokens) for i in active]
+        out = runner.execute([seqs[i] for i in active], counts)
+        for row, (i, count) in enumerate(zip(active, counts)):
+            seq = seqs[i]
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == seq.num_tokens:    # a token is due
+                step_logits[i].append(out.logits[row].clone())
+                seq.output_token_ids.append(int(out.logits[row].argmax()))  # sync: host loop
+        active = [i for i in active
+                  if seqs[i].num_output_tokens < n and not (seqs[i].output_token_ids
+                                                            and seqs[i].output_token_ids[-1] in stop_ids)]
+    for seq in seqs:
+        allocator.free(seq.block_table)
+    return [s.output_token_ids for s in seqs], step_logits

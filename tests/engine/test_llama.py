@@ -1,0 +1,96 @@
+"""Our Llama forward and loader against transformers on tiny random checkpoints."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.model.loader import args_from_config, load_model
+from lmi_handler.engine.model.llama import rope_inv_freq
+from lmi_handler.engine.model_runner import ModelRunner, read_model_config
+from tests.engine.conftest import TINY_VARIANTS, TINY_VOCAB, greedy_generate
+
+PROMPTS = [[1, 17, 300, 45, 9], [1, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 499]]
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("variant", ["llama3_rope", "linear_rope_bias"])
+def test_rope_inv_freq_matches_transformers(variant):
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, **{k: v for k, v in TINY_VARIANTS[variant].items()
+                                                               if k == "rope_parameters"})
+    expected, _ = ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]](cfg, "cpu")
+    assert torch.equal(rope_inv_freq(args_from_config(cfg.to_dict())), expected)
+
+
+def test_config_reads_old_and_new_rope_keys():
+    base = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4)
+    assert args_from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
+    new = args_from_config({**base, "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}})
+    assert new.rope_theta == 1e5 and new.head_dim == 16 and new.num_kv_heads == 4
+    old = args_from_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert rope_inv_freq(old)[0] == 0.5
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(args_from_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    assert args_from_config({**base, "model_type": "qwen2"}).attention_bias
+
+
+def test_eos_ids_are_the_union_of_config_and_generation_config(tiny_model_dir, tmp_path):
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_text((tiny_model_dir / name).read_text())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [2, 7]}))
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [9, 2]}))
+    assert read_model_config(tmp_path).eos_token_ids == (2, 7, 9)
+
+
+def test_prefill_logits_match_transformers(tiny_model):
+    model_dir, hf_model = tiny_model
+    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=4, num_blocks=32)
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    prompt = PROMPTS[2]
+    from tests.engine.conftest import make_seq
+    seq = make_seq(prompt, allocator, len(prompt), prompt_logprobs=True)
+    ours = runner.execute([seq], [len(prompt)]).chunk_logits[0]
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_matches_transformers_generate_alone(tiny_model):
+    model_dir, hf_model = tiny_model
+    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=4, num_blocks=64)
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    for prompt in PROMPTS:
+        ours, _ = greedy_generate(runner, allocator, [prompt], 12, stop_ids=runner.config.eos_token_ids)
+        assert ours[0] == hf_greedy(hf_model, prompt, 12)
+
+
+def test_untied_checkpoint_without_lm_head_is_rejected(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_text((tiny_model_dir / name).read_text())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    save_file(load_file(tiny_model_dir / "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="lm_head"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_bfloat16_runs_and_returns_float32_logits(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, torch.bfloat16, torch.device("cpu"), block_size=4, num_blocks=16)
+    assert runner.kv_cache.dtype == torch.bfloat16
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    tokens, logits = greedy_generate(runner, allocator, [PROMPTS[0]], 3)
+    assert len(tokens[0]) == 3 and logits[0][0].dtype == torch.float32
+    assert logits[0][0].shape == (TINY_VOCAB,)

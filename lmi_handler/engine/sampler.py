@@ -9,35 +9,49 @@ from dataclasses import dataclass
 
 import torch
 
-from lmi_handler.engine.sequence import Sequence
+from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 # ---------------------------------------------------------------------------------------------
-# Counter-based noise: splitmix64 (Steele et al., "Fast splittable pseudorandom number generators")
-# in int64 tensor ops. torch int64 multiplication wraps modulo 2**64; `>>` is arithmetic, so a
-# logical shift right masks off the copied sign bits.
+# Counter-based noise. Per row: splitmix64 (Steele et al., "Fast splittable pseudorandom number
+# generators") over (seed, position) in int64 ops, the (N,) part. Per (row, token): Wellons'
+# lowbias32 mixer in int32 ops, the (N, V) part (int32 is ~2.5x faster than int64 on CPU; the row
+# key is already well mixed). torch integer multiplication wraps; `>>` is arithmetic, so a logical
+# shift right masks off the copied sign bits.
 # ---------------------------------------------------------------------------------------------
+
+
+def _wrap(x: int, bits: int) -> int:
+    """A Python int reduced to the two's-complement value of `bits` bits with the same low bits."""
+    return ((x + (1 << (bits - 1))) & ((1 << bits) - 1)) - (1 << (bits - 1))
 
 
 def _as_int64(x: int) -> int:
-    """A Python int reduced to the two's-complement int64 value with the same low 64 bits."""
-    return ((x + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
+    return _wrap(x, 64)
 
 
-_GAMMA = _as_int64(0x9E3779B97F4A7C15)   # splitmix64 increment (golden ratio)
-_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
-_MIX2 = _as_int64(0x94D049BB133111EB)
+_GAMMA64 = _wrap(0x9E3779B97F4A7C15, 64)   # splitmix64 increment (golden ratio)
+_MIX64 = (_wrap(0xBF58476D1CE4E5B9, 64), _wrap(0x94D049BB133111EB, 64))
+_GAMMA32 = _wrap(0x9E3779B9, 32)
+_MIX32 = (_wrap(0x7FEB352D, 32), _wrap(0x846CA68B, 32))   # lowbias32 (Wellons, hash-prospector)
 
 
-def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Logical shift right of an int64 tensor (0 < shift < 64)."""
-    return (x >> shift) & ((1 << (64 - shift)) - 1)
+def _srl(x: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
+    """Logical shift right of an int64 (bits=64) or int32 (bits=32) tensor, 0 < shift < bits."""
+    return (x >> shift) & ((1 << (bits - shift)) - 1)
 
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer on an int64 tensor, any shape; bit-identical to the uint64 reference."""
-    z = (z ^ _srl(z, 30)) * _MIX1
-    z = (z ^ _srl(z, 27)) * _MIX2
-    return z ^ _srl(z, 31)
+    z = (z ^ _srl(z, 30, 64)) * _MIX64[0]
+    z = (z ^ _srl(z, 27, 64)) * _MIX64[1]
+    return z ^ _srl(z, 31, 64)
+
+
+def mix32_(z: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on an int32 tensor, in place; bit-identical to the uint32 reference."""
+    z.bitwise_xor_(_srl(z, 16, 32)).mul_(_MIX32[0])
+    z.bitwise_xor_(_srl(z, 15, 32)).mul_(_MIX32[1])
+    return z.bitwise_xor_(_srl(z, 16, 32))
 
 
 def exponential_log_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -48,11 +62,12 @@ def exponential_log_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_si
     Uniforms use 23 bits: u = (k + 0.5) / 2**23 lies strictly inside (0, 1) and is exact in float32,
     so E = -log(u) > 0 and log(E) is finite.
     """
-    row_key = mix64(mix64(seeds + _GAMMA) + positions * _GAMMA)                       # (N,)
-    token_key = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _GAMMA
-    bits = mix64(row_key[:, None] + token_key[None, :])                              # (N, V) int64
-    u = (_srl(bits, 41).to(torch.float32) + 0.5) * (2.0 ** -23)                      # (N, V) in (0, 1)
-    return torch.log(-torch.log(u))
+    row_key = mix64(mix64(seeds + _GAMMA64) + positions * _GAMMA64)                   # (N,) int64
+    row_key = (row_key >> 32).to(torch.int32)                                        # high half, (N,) int32
+    token_key = torch.arange(1, vocab_size + 1, dtype=torch.int32, device=seeds.device) * _GAMMA32
+    bits = mix32_(row_key[:, None] + token_key[None, :])                             # (N, V) int32
+    u = (_srl(bits, 9, 32).to(torch.float32) + 0.5) * (2.0 ** -23)                   # (N, V) in (0, 1)
+    return u.log_().neg_().log_()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,23 +115,22 @@ class SamplingMetadata:
 
         Reads seq.params (a seed of None counts as 0: the engine fills seeds of sampled rows at
         admission), seq.prompt_token_ids and seq.output_token_ids. Token-id tensors are built only
-        when some row has a penalty that reads them. Copies to `device` in three transfers.
+        when some row has a penalty that reads them. Knobs travel to `device` in one float and one
+        int transfer.
         """
         params = [s.params for s in seqs]
-        sampled = [not p.greedy for p in params]
-        neutral = [(1.0, 0, 1.0, 0.0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p)
-                   for p in params]
-        floats = torch.tensor([[n[0], n[2], n[3], n[4], p.repetition_penalty, p.presence_penalty,
-                                p.frequency_penalty] for n, p in zip(neutral, params)],
-                              dtype=torch.float32).reshape(len(seqs), 7).T.contiguous().to(device)
-        ints = torch.tensor([[n[1], _as_int64(p.seed or 0), s.num_output_tokens, int(p.greedy)]
-                             for n, p, s in zip(neutral, params, seqs)],
-                            dtype=torch.int64).reshape(len(seqs), 4).T.contiguous().to(device)
-        rows = torch.arange(len(seqs), dtype=torch.int64)
-        is_sampled = torch.tensor(sampled, dtype=torch.bool)
+        knobs = [_knobs(p) for p in params]                   # (temperature, top_k, top_p, min_p, typical_p)
+        floats = torch.tensor([[k[0], k[2], k[3], k[4], p.repetition_penalty, p.presence_penalty,
+                                p.frequency_penalty] for k, p in zip(knobs, params)], dtype=torch.float32)
+        ints = torch.tensor([[k[1], _as_int64(p.seed or 0), s.num_output_tokens, int(p.greedy)]
+                             for k, p, s in zip(knobs, params, seqs)], dtype=torch.int64)
+        floats = floats.reshape(len(seqs), 7).T.contiguous().to(device)   # (7, B)
+        ints = ints.reshape(len(seqs), 4).T.contiguous().to(device)       # (4, B)
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         use_out = use_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
-        knobs = [n for n, s in zip(neutral, sampled) if s]
+        sampled = [k for k, p in zip(knobs, params) if not p.greedy]
+        is_greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+        rows = torch.arange(len(seqs), dtype=torch.int64)
         return cls(
             greedy=ints[3].bool(), temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
             typical_p=floats[3], repetition_penalty=floats[4], presence_penalty=floats[5],
@@ -124,12 +138,19 @@ class SamplingMetadata:
             prompt_token_ids=_pad([s.prompt_token_ids for s in seqs], vocab_size, device) if use_rep else None,
             output_token_ids=_pad([s.output_token_ids for s in seqs], vocab_size, device) if use_out else None,
             max_top_n=max((p.top_n_tokens for p in params), default=0),
-            all_greedy=not any(sampled), no_penalties=not use_out,
-            sampled_rows=rows[is_sampled].to(device), greedy_rows=rows[~is_sampled].to(device),
-            max_top_k=max((n[1] for n in knobs), default=0),
-            use_top_p=any(n[2] < 1.0 for n in knobs), use_min_p=any(n[3] > 0.0 for n in knobs),
-            use_typical_p=any(n[4] < 1.0 for n in knobs),
+            all_greedy=not sampled, no_penalties=not use_out,
+            sampled_rows=rows[~is_greedy].to(device), greedy_rows=rows[is_greedy].to(device),
+            max_top_k=max((k[1] for k in sampled), default=0),
+            use_top_p=any(k[2] < 1.0 for k in sampled), use_min_p=any(k[3] > 0.0 for k in sampled),
+            use_typical_p=any(k[4] < 1.0 for k in sampled),
         )
+
+
+def _knobs(p: SamplingParams) -> tuple[float, int, float, float, float]:
+    """(temperature, top_k, top_p, min_p, typical_p); neutral on greedy rows, so only penalties touch them."""
+    if p.greedy:
+        return (1.0, 0, 1.0, 0.0, 1.0)
+    return (p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p)
 
 
 def _pad(token_lists: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:

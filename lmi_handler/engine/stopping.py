@@ -80,6 +80,7 @@ class StopStringMatcher:
     def __init__(self, stop_sequences: tuple[str, ...], include_stop_str_in_output: bool):
         self.stops = tuple(s for s in dict.fromkeys(stop_sequences) if s)   # "" would match everywhere
         self.include_stop_str_in_output = include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stops), default=0)
         self.matched = False
         self._released = ""            # text of the released tokens
         self._pending: list[str] = []  # texts of added tokens not yet released
@@ -98,7 +99,7 @@ class StopStringMatcher:
         if self.matched:
             self._pending.append("")
             return False
-        search_from = max(0, len(self._pending_text) - max((len(s) for s in self.stops), default=0) + 1)
+        search_from = max(0, len(self._pending_text) - self._max_stop_len + 1)
         self._pending.append(text)
         self._pending_text += text
         cut = self._find_stop(search_from)
@@ -162,7 +163,7 @@ class StopStringMatcher:
     def _longest_partial_suffix(self) -> int:
         """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
         tail = self._pending_text
-        longest = min(len(tail), max((len(s) for s in self.stops), default=1) - 1)
+        longest = min(len(tail), self._max_stop_len - 1)
         for size in range(longest, 0, -1):
             suffix = tail[-size:]
             if any(stop.startswith(suffix) for stop in self.stops):

@@ -1,6 +1,7 @@
 """Tests for engine/sampler.py: logits processors on hand-made logits, seeded sampling, fast paths."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, To
                           TopPLogitsWarper, TypicalLogitsWarper)
 
 from lmi_handler.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k,
-                                        apply_top_p, apply_typical_p, exponential_log_noise, greedy_sample, mix64)
+                                        apply_top_p, apply_typical_p, exponential_log_noise, greedy_sample, mix32_, mix64)
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 CPU = torch.device("cpu")
@@ -239,10 +240,28 @@ def _splitmix64_finalizer(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def test_tensor_mixer_is_bit_identical_to_the_uint64_reference():
+def _lowbias32(z: int) -> int:
+    """Reference lowbias32 mixer on Python ints (uint32)."""
+    mask = (1 << 32) - 1
+    z &= mask
+    z = ((z ^ (z >> 16)) * 0x7FEB352D) & mask
+    z = ((z ^ (z >> 15)) * 0x846CA68B) & mask
+    return z ^ (z >> 16)
+
+
+def test_tensor_mixers_are_bit_identical_to_the_unsigned_references():
     values = [0, 1, -1, 2**63 - 1, -(2**63), 0x9E3779B97F4A7C15 - 2**64, 123456789, -987654321]
     got = mix64(torch.tensor(values, dtype=torch.int64)).tolist()
     assert [g & ((1 << 64) - 1) for g in got] == [_splitmix64_finalizer(v) for v in values]
+    values32 = [0, 1, -1, 2**31 - 1, -(2**31), 123456789, -987654321]
+    got32 = mix32_(torch.tensor(values32, dtype=torch.int32)).tolist()
+    assert [g & ((1 << 32) - 1) for g in got32] == [_lowbias32(v) for v in values32]
+
+
+def test_noise_rows_have_no_repeated_values_across_the_vocabulary():
+    noise = exponential_log_noise(torch.tensor([0, -1]), torch.tensor([0, 7]), 49152)
+    assert torch.isfinite(noise).all()
+    assert all(len(row.unique()) > 49152 - 400 for row in noise)   # 23-bit uniforms: few birthday collisions
 
 
 # --- metadata ------------------------------------------------------------------------------------
@@ -272,3 +291,22 @@ def test_greedy_sample_reports_log_softmax_of_the_chosen_token():
     out = greedy_sample(logits, 0)
     assert out.token_ids.tolist() == [1] and out.top_ids is None
     assert math.isclose(float(out.logprobs[0]), float(torch.log_softmax(logits, -1)[0, 1]), rel_tol=1e-6)
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_argmax_and_its_log_softmax():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 300)
+    seqs = [seq(greedy=True), seq(seed=1, top_p=0.5), seq(greedy=True, top_n_tokens=2), seq(seed=2, top_k=3)]
+    out = Sampler()(logits, meta_for(seqs, 300))
+    logprobs = torch.log_softmax(logits, -1)
+    assert out.token_ids[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
+    torch.testing.assert_close(out.logprobs[[0, 2]], logprobs[[0, 2]].max(-1).values)
+    torch.testing.assert_close(out.top_logprobs[2], logprobs[2].topk(2).values)
+
+
+def test_metadata_without_host_side_facts_gives_the_same_tokens():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 300)
+    meta = meta_for([seq(greedy=True), seq(seed=3, top_k=4), seq(seed=-3, min_p=0.1)], 300)
+    bare = dataclasses.replace(meta, sampled_rows=None, greedy_rows=None, max_top_k=None)
+    assert torch.equal(Sampler()(logits, meta).token_ids, Sampler()(logits, bare).token_ids)

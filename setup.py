@@ -22,9 +22,9 @@ setup(
         "accelerate>=0.30",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "httpx>=0.27", "openai>=1.30"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30"],
         "bench": ["matplotlib", "httpx>=0.27"],
-        "dev": ["pytest>=8", "pytest-timeout", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
     },
     entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},
 )

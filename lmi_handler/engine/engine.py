@@ -201,6 +201,8 @@ class Engine:
         seq.output_logprobs.append(logprob)
         text_state = self.texts[seq.request_id]
         text = text_state.detokenizer.decode_next(token_id)
+        if reason_code != STOP_NONE:  # the last token: complete characters held back go out with it
+            text += text_state.detokenizer.flush()
         text_state.pending.append(TokenOutput(token_id, text, logprob,
                                               text_state.detokenizer.is_special(token_id), top))
         matched = text_state.matcher.add(text)
@@ -267,4 +269,6 @@ def _top_lists(sampled: SamplerOutput) -> list[list[tuple[int, float]]] | None:
         return None
     # host sync: top-n alternatives are reported per token
     ids, lps = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
-    return [list(zip(row_ids, row_lps)) for row_ids, row_lps in zip(ids, lps)]
+    # alternatives filtered out of a row's distribution come back as -inf: not real choices
+    return [[(tid, lp) for tid, lp in zip(row_ids, row_lps) if lp != float("-inf")]
+            for row_ids, row_lps in zip(ids, lps)]

@@ -18,6 +18,13 @@ from lmi_handler.service import PreparedRequest, Service
 logger = logging.getLogger(__name__)
 
 ERROR_CODE = 424  # DESIGN §2: a failed item answers 424
+ROUTE_PROPERTY = "X-Lmi-Route"  # the HTTP path, passed per item like the front end passes headers
+
+
+def _parse_item(service: Service, item: Input):
+    """Parse one item's body by its route (/invocations or an OpenAI route) and content type."""
+    return service.parse(item.get_as_bytes("data"), route=item.get_property(ROUTE_PROPERTY),
+                         content_type=item.get_property("Content-Type"))
 
 
 @dataclass
@@ -75,7 +82,7 @@ class RollingBatch:
     def _admit(self, item: Input) -> ActiveRequest:
         request_id = item.get_property("requestId") or uuid.uuid4().hex
         try:
-            request = self.service.parse(item.get_as_bytes("data"))
+            request = _parse_item(self.service, item)
             prepared: PreparedRequest = self.service.prepare(request, request_id)[0]
             self.service.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params,
                                             seed=_item_seed(item))
@@ -145,17 +152,19 @@ class DynamicBatch:
 
     def _prepare(self, item: Input) -> list[PreparedRequest] | str:
         try:
-            request = self.service.parse(item.get_as_bytes("data"))
+            request = _parse_item(self.service, item)
             return self.service.prepare(request, item.get_property("requestId") or uuid.uuid4().hex)
         except Exception as exc:
             return str(exc)
 
     @staticmethod
-    def _result(prepared: PreparedRequest, out) -> dict:
+    def _result(prepared: PreparedRequest, outputs: list) -> dict:
         """One prompt's `{"generated_text", "details"?}` (LMI dynamic batch answer element)."""
         context = prepared.context
-        context.stream, context.tgi_compat, context.chat = False, False, False
-        return json.loads(make_formatter(context).format(out))
+        context.stream, context.tgi_compat, context.chat, context.completion = False, False, False, False
+        context.output_formatter = "json"
+        formatter = make_formatter(context)
+        return json.loads("".join(formatter.format(out) for out in outputs))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from lmi_handler.engine.engine import Engine, RequestRejected
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.formatters import ResponseContext
-from lmi_handler.protocol.invocations import InvocationRequest
+from lmi_handler.protocol.invocations import ROUTE_CHAT, InvocationRequest
 from lmi_handler.protocol.params import GenerationParameters
 
 logger = logging.getLogger(__name__)
@@ -56,9 +56,10 @@ class Service:
 
     # ---- parsing ---------------------------------------------------------------------------
 
-    def parse(self, body: bytes | str | dict) -> InvocationRequest:
-        """Parse an /invocations body. Raises RequestValidationError (4xx) naming the field."""
-        return InvocationRequest.parse(body)
+    def parse(self, body: bytes | str | dict, route: str | None = None,
+              content_type: str | None = None) -> InvocationRequest:
+        """Parse a body of /invocations (or of an OpenAI route, by `route`). Raises RequestValidationError."""
+        return InvocationRequest.parse(body, content_type=content_type, route=route)
 
     def prepare(self, request: InvocationRequest, request_id: str | None = None) -> list[PreparedRequest]:
         """Tokenize, truncate and check each prompt of a parsed request against the context.
@@ -74,7 +75,7 @@ class Service:
         prepared = []
         for index, (text, token_ids) in enumerate(prompts):
             token_ids = self._truncate(token_ids, params)
-            sampling = params.to_sampling_params(self.engine.eos_token_ids)
+            sampling = self._openai_length(request, len(token_ids)).to_sampling_params(self.engine.eos_token_ids)
             try:
                 self.engine.check_fits(len(token_ids), sampling.max_new_tokens)
             except RequestRejected as exc:
@@ -86,9 +87,17 @@ class Service:
                                             self.response_context(request, text, rid)))
         return prepared
 
+    def _openai_length(self, request: InvocationRequest, num_prompt_tokens: int) -> GenerationParameters:
+        """OpenAI chat route without max_tokens: what is left of the context (vLLM's rule)."""
+        chat = request.chat
+        if request.route != ROUTE_CHAT or chat.max_tokens or chat.max_completion_tokens:
+            return request.parameters
+        remaining = max(self.engine.max_model_len - num_prompt_tokens, 1)
+        return request.parameters.model_copy(update={"max_new_tokens": remaining})
+
     def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
-        if request.messages is not None:
-            text = self.apply_chat_template(request.messages)
+        if request.chat is not None:
+            text = self.apply_chat_template(request.chat.text_messages())
             return [(text, self.tokenizer.encode(text, add_special_tokens=False))]
         inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
         return [(text, self.tokenizer.encode(text)) for text in inputs]
@@ -110,22 +119,31 @@ class Service:
     def response_context(self, request: InvocationRequest, prompt_text: str, request_id: str) -> ResponseContext:
         params = request.parameters
         stream = self.is_streaming(request)
+        openai = request.chat or request.completion
         return ResponseContext(
-            stream=stream, details=params.details,
+            stream=stream, details=params.wants_details(self.settings.tgi_compat),
             decoder_input_details=params.decoder_input_details,
             return_full_text=params.return_full_text, prompt_text=prompt_text,
-            output_formatter=self.output_formatter(stream), tgi_compat=self.settings.tgi_compat,
-            chat=request.messages is not None, model_name=self.model_name, request_id=request_id,
-            created=int(time.time()), decode_token=self.decode_token)
+            output_formatter=self.output_formatter(stream, request.is_openai),
+            tgi_compat=self.settings.tgi_compat, chat=request.chat is not None,
+            completion=request.completion is not None, model_name=self.model_name, request_id=request_id,
+            created=int(time.time()), decode_token=self.decode_token,
+            logprobs=bool(openai and openai.logprobs is not None and openai.logprobs is not False),
+            include_usage=bool(openai and openai.include_usage))
 
     def is_streaming(self, request: InvocationRequest) -> bool:
-        """`stream: true`, or option.output_formatter set to a streaming format (jsonlines | sse)."""
+        """`stream: true`, or (on /invocations) option.output_formatter set to jsonlines | sse."""
+        if request.is_openai:
+            return bool(request.stream)
         return bool(request.stream) or self.settings.output_formatter in ("jsonlines", "sse")
 
-    def output_formatter(self, stream: bool) -> str:
-        """json when not streaming; option.output_formatter, else sse with tgi_compat, else jsonlines."""
+    def output_formatter(self, stream: bool, openai: bool = False) -> str:
+        """json when not streaming; SSE on OpenAI routes; else option.output_formatter, else sse
+        with tgi_compat, else jsonlines (LMI defaults)."""
         if not stream:
             return "json"
+        if openai:
+            return "sse"
         if self.settings.output_formatter and self.settings.output_formatter != "json":
             return self.settings.output_formatter
         return "sse" if self.settings.tgi_compat else "jsonlines"

@@ -155,16 +155,15 @@ class Engine:
                 self._release(seq)
         return outputs
 
-    def generate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, RequestOutput]:
-        """Run the given requests to completion (dynamic batch); returns each one's final output."""
-        final: dict[str, RequestOutput] = {}
+    def generate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
+        """Run the given requests to completion (dynamic batch); returns each one's outputs, step by step."""
+        outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id, _, _ in requests}
         for request_id, prompt_ids, params in requests:
             self.add_request(request_id, prompt_ids, params)
-        while any(rid in self.seqs for rid, _, _ in requests):
+        while any(rid in self.seqs for rid in outputs):
             for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return final
+                outputs[out.request_id].append(out)
+        return outputs
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         if not seqs:

@@ -12,13 +12,16 @@ from typing import Any, Callable
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.openai import ChatCompletionRequest
+from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 
 logger = logging.getLogger(__name__)
 
 DecodeToken = Callable[[int], str]
 _TOP_LEVEL = {"inputs", "parameters", "stream", "messages"}
+ROUTE_INVOCATIONS = "/invocations"
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTE_COMPLETIONS = "/v1/completions"
 
 
 @dataclass
@@ -35,19 +38,38 @@ class InvocationRequest:
     stream: bool = False
     messages: list[dict] | None = None
     chat: ChatCompletionRequest | None = None
+    completion: CompletionRequest | None = None
+    route: str = ROUTE_INVOCATIONS
+
+    @property
+    def is_openai(self) -> bool:
+        """Came in on an OpenAI route: answers and errors take OpenAI's shapes, streams are SSE."""
+        return self.route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
 
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
 
     @classmethod
-    def parse(cls, body: bytes | str | dict, content_type: str | None = None) -> "InvocationRequest":
+    def parse(cls, body: bytes | str | dict, content_type: str | None = None,
+              route: str | None = None) -> "InvocationRequest":
         """Validate a request body. A text/plain `content_type` makes the whole body the input (LMI).
+
+        `route` (the front end passes the HTTP path) selects the OpenAI chat or completions
+        schema for /v1/chat/completions and /v1/completions; anything else is /invocations.
 
         A body with `messages` is a chat request, whatever else it holds (LMI checks messages
         first). Raises RequestValidationError: field "body" for undecodable/non-JSON/non-object
         bodies, "inputs" for a missing or bad input, else the parameter's name.
         """
+        if route == ROUTE_CHAT:
+            chat = ChatCompletionRequest.parse(_load_json(body))
+            return cls(None, chat.to_generation_parameters(), chat.stream, chat.messages, chat, route=route)
+        if route == ROUTE_COMPLETIONS:
+            completion = CompletionRequest.parse(_load_json(body))
+            prompts = completion.prompts
+            return cls(prompts[0] if len(prompts) == 1 else prompts, completion.to_generation_parameters(),
+                       completion.stream, completion=completion, route=route)
         if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
             return cls(_check_inputs(_decode(body)), GenerationParameters())
         data = _load_json(body)

@@ -17,6 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
 from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.formatters import CONTENT_TYPES
+from lmi_handler.protocol.invocations import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS
+from lmi_handler.protocol.openai import openai_error
 from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
 
 logger = logging.getLogger(__name__)
@@ -53,53 +56,69 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
-        return await _serve(front_end, await request.body())
+        return await _serve(front_end, request, ROUTE_INVOCATIONS)
 
     @app.post("/predictions/{model_name}")
     async def predictions(model_name: str, request: Request) -> Response:
-        return await _serve(front_end, await request.body())
+        return await _serve(front_end, request, ROUTE_INVOCATIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(front_end, request, ROUTE_CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(front_end, request, ROUTE_COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        service = get_state().service
+        return JSONResponse({"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                                         "owned_by": "lmi_handler"}]})
 
     return app
 
 
-def error_response(message: str, code: int) -> JSONResponse:
-    """The contract's error body before inference: {"error", "code"} with that HTTP status."""
+def error_response(message: str, code: int, route: str = ROUTE_INVOCATIONS, field: str | None = None) -> JSONResponse:
+    """Errors before inference: LMI's {"error", "code"}, or an OpenAI error object on OpenAI routes."""
+    if route in (ROUTE_CHAT, ROUTE_COMPLETIONS):
+        return JSONResponse(openai_error(message, code, param=field), status_code=code)
     return JSONResponse({"error": message, "code": code}, status_code=code)
 
 
-async def _serve(front_end: FrontEnd, body: bytes) -> Response:
+async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     service = get_state().service
+    body = await request.body()
     try:  # validate before inference: a bad request never reaches the batch
-        parsed = service.parse(body)
-        prepared = service.prepare(parsed)
+        parsed = service.parse(body, route=route, content_type=request.headers.get("content-type"))
+        service.prepare(parsed)
     except RequestValidationError as exc:
-        return error_response(str(exc), exc.status_code)
+        return error_response(str(exc), exc.status_code, route, exc.field)
     stream = service.is_streaming(parsed)
     content_type = _content_type(service, parsed, stream)
-    client = ClientRequest(body, asyncio.get_running_loop())
+    client = ClientRequest(body, asyncio.get_running_loop(), route=route)
     front_end.submit(client)
     first = await client.chunks.get()
     if first.code is not None:
-        return error_response(first.error or "inference failed", first.code)
+        return error_response(first.error or "inference failed", first.code, route)
     if not stream:
-        return await _collect(client, first, content_type)
+        return await _collect(client, first, content_type, route)
     return StreamingResponse(_stream(client, first), media_type=content_type)
 
 
 def _content_type(service, parsed, stream: bool) -> str:
     if not stream:
         return "application/json"
-    return {"jsonlines": "application/jsonlines", "sse": "text/event-stream"}.get(
-        service.output_formatter(True), "application/jsonlines")
+    return CONTENT_TYPES[service.output_formatter(True, parsed.is_openai)]
 
 
-async def _collect(client: ClientRequest, first: Chunk, content_type: str) -> Response:
+async def _collect(client: ClientRequest, first: Chunk, content_type: str, route: str) -> Response:
     parts = [first.data]
     chunk = first
     while not chunk.last:
         chunk = await client.chunks.get()
         if chunk.code is not None:
-            return error_response(chunk.error or "inference failed", chunk.code)
+            return error_response(chunk.error or "inference failed", chunk.code, route)
         parts.append(chunk.data)
     return Response("".join(parts), media_type=content_type)
 

@@ -13,13 +13,9 @@ import torch
 
 from lmi_handler.engine.kv_cache import build_block_tables, build_slot_mapping
 from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.llama import GemmTiles
 from lmi_handler.engine.model.loader import load_model, read_config
 from lmi_handler.engine.sequence import Sequence
-
-# Rows per GEMM in batch-invariant mode. Measured on this project's CPU (MKL, AVX-512, 2 threads):
-# tiles of 2 and 16 rows give bitwise the same row whatever the other rows are; 4 and 8 do not.
-# 2 costs least at decode (about 1.2x a plain GEMM per layer at batch 1), 16 least at long prefill.
-DEFAULT_ROW_TILE = 2
 
 
 @dataclass
@@ -68,20 +64,20 @@ class ModelRunner:
     """Owns the model and its paged KV cache; `execute` runs one engine step.
 
     KV cache: per layer a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
-    head_dim) in `dtype`, zero-initialised. `batch_invariant` (default True) makes a sequence's
-    logits bitwise independent of the rest of the batch (row-tiled GEMMs of `row_tile` rows,
-    one attention call per sequence); False uses plain GEMMs and one padded attention call.
+    head_dim) in `dtype`, zero-initialised (so padded gathers never read NaN).
+    `batch_invariant` (default True) makes a sequence's logits bitwise independent of the rest of
+    the batch: row-tiled GEMMs (llama.GemmTiles; chunks of >= `tiles.large` tokens use the large
+    tile, other rows the small one) and one attention call per sequence. False: plain GEMMs and one
+    padded attention call, faster at large batches, logits may move in the last bits.
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True, row_tile: int = DEFAULT_ROW_TILE):
+                 batch_invariant: bool = True):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant = batch_invariant
-        self.model = load_model(model_dir, dtype, self.device,
-                                row_tile=row_tile if batch_invariant else None,
-                                batch_invariant=batch_invariant)
+        self.model = load_model(model_dir, dtype, self.device)
         c = self.config
         block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
@@ -100,13 +96,32 @@ class ModelRunner:
 
         Raises: IndexError if a block table is too short; ValueError if n < 1 or c+n > num_tokens.
         """
-        input_ids, positions, meta = self._prepare(seqs, num_scheduled_tokens)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)    # (T, hidden_size)
-        rows, chunk_spans = self._logit_rows(seqs, num_scheduled_tokens)
-        logits = self.model.compute_logits(hidden[rows.to(self.device)])  # (R, vocab) float32
-        num_seqs = len(seqs)
-        chunk_logits = {i: logits[start:end] for i, (start, end) in chunk_spans.items()}
-        return ModelOutput(logits=logits[:num_seqs], chunk_logits=chunk_logits)
+        order = self._batch_order(num_scheduled_tokens)       # batch position -> caller's index
+        seqs = [seqs[i] for i in order]
+        counts = [num_scheduled_tokens[i] for i in order]
+        input_ids, positions, meta = self._prepare(seqs, counts)
+        tiles = self._tiles([n for n in counts if n >= GemmTiles.large])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, tiles)  # (T, hidden_size)
+        rows, spans, num_chunk_rows = self._logit_rows(seqs, counts)
+        head_tiles = None if tiles is None else GemmTiles(num_large_rows=num_chunk_rows)
+        logits = self.model.compute_logits(hidden[rows.to(self.device)], head_tiles)  # (R, vocab) f32
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+        last = logits[num_chunk_rows:][inverse.to(self.device)]                # caller's order
+        chunk_logits = {order[j]: logits[a:b] for j, (a, b) in spans.items()}
+        return ModelOutput(logits=last, chunk_logits=chunk_logits)
+
+    def _batch_order(self, num_scheduled_tokens: list[int]) -> list[int]:
+        """Caller's sequence indices in batch order: in batch-invariant mode, long chunks (large
+        GEMM tile) first so their rows are contiguous; otherwise unchanged."""
+        idx = range(len(num_scheduled_tokens))
+        if not self.batch_invariant:
+            return list(idx)
+        large = [i for i in idx if num_scheduled_tokens[i] >= GemmTiles.large]
+        return large + [i for i in idx if num_scheduled_tokens[i] < GemmTiles.large]
+
+    def _tiles(self, large_counts: list[int]) -> GemmTiles | None:
+        return GemmTiles(num_large_rows=sum(large_counts)) if self.batch_invariant else None
 
     def _prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
         """Flatten the step into input_ids (T,), positions (T,) int64 and AttentionMetadata."""
@@ -136,15 +151,15 @@ class ModelRunner:
 
     @staticmethod
     def _logit_rows(seqs: list[Sequence], num_scheduled_tokens: list[int]):
-        """Flat-batch rows to run lm_head on: every sequence's last token, then the whole chunk of
-        each prompt_logprobs sequence still in its prompt. Returns ((R,) int64 CPU, {seq: (a, b)})."""
+        """Flat-batch rows to run lm_head on: first the whole chunk of each prompt_logprobs
+        sequence still in its prompt (these rows take the large GEMM tile), then every sequence's
+        last token. Returns ((R,) int64 CPU, {batch position: (a, b) rows of its chunk}, num chunk rows)."""
         last_rows, chunk_rows, spans = [], [], {}
-        start, num_seqs = 0, len(seqs)
+        start = 0
         for i, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
             last_rows.append(start + n - 1)
             if seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
-                offset = num_seqs + len(chunk_rows)
-                spans[i] = (offset, offset + n)
+                spans[i] = (len(chunk_rows), len(chunk_rows) + n)
                 chunk_rows.extend(range(start, start + n))
             start += n
-        return torch.tensor(last_rows + chunk_rows, dtype=torch.int64), spans
+        return torch.tensor(chunk_rows + last_rows, dtype=torch.int64), spans, len(chunk_rows)

@@ -43,19 +43,19 @@ def test_execute_does_not_modify_sequences_and_returns_float32(tiny_model_dir):
 
 def test_chunk_logits_cover_prompt_chunks_only_for_prompt_logprobs(tiny_model_dir):
     runner, allocator = tiny_runner(tiny_model_dir)
-    prompt = PROMPTS[2]
+    prompt = PROMPTS[2] + list(range(30, 40))                            # 28 tokens
     whole = make_seq(prompt, allocator, len(prompt), "whole", prompt_logprobs=True)
     full = runner.execute([whole], [len(prompt)]).chunk_logits[0]       # (len(prompt), vocab)
     plain = make_seq(prompt, allocator, len(prompt), "plain")
     chunked = make_seq(prompt, allocator, len(prompt), "chunked", prompt_logprobs=True)
-    chunked.num_computed_tokens = plain.num_computed_tokens = 4
-    out = runner.execute([plain, chunked], [5, 5])   # prefix K/V came from `whole`'s blocks? no: recompute below
-    assert set(out.chunk_logits) == {1} and out.chunk_logits[1].shape == (5, runner.config.vocab_size)
-    # a chunk needs its prefix cached: run chunked's first 4 tokens, then the chunk
-    chunked.num_computed_tokens = 0
-    runner.execute([chunked], [4])
-    chunked.num_computed_tokens = 4
-    torch.testing.assert_close(runner.execute([chunked], [5]).chunk_logits[0], full[4:9], rtol=1e-5, atol=1e-5)
+    first = runner.execute([plain, chunked], [4, 4])                    # first chunk of both
+    assert set(first.chunk_logits) == {1}
+    torch.testing.assert_close(first.chunk_logits[1], full[:4], rtol=1e-5, atol=1e-5)
+    plain.num_computed_tokens = chunked.num_computed_tokens = 4
+    second = runner.execute([plain, chunked], [5, 24])     # the long chunk goes first inside execute
+    assert set(second.chunk_logits) == {1} and second.chunk_logits[1].shape == (24, runner.config.vocab_size)
+    torch.testing.assert_close(second.chunk_logits[1], full[4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second.logits, full[[8, -1]], rtol=1e-5, atol=1e-5)
 
 
 def test_num_blocks_follow_kv_cache_bytes(tiny_model_dir):
@@ -98,8 +98,9 @@ def assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target
 def test_logits_are_bitwise_identical_alone_and_in_batch(tiny_model_dir):
     runner, allocator = tiny_runner(tiny_model_dir)
     others = [list(range(3, 40)), [1, 2, 3], list(range(100, 117)), [7] * 9, [1, 400, 401]]
-    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[0], others, 12,
-                                                       chunks=[6, 3, 5, 9, 3])
+    for target in (PROMPTS[0], list(range(200, 230))):   # small-tile and large-tile (>= 16) prefill
+        assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target, others, 12,
+                                                           chunks=[6, 3, 17, 9, 3])
 
 
 def test_plain_gemm_path_shows_where_batch_invariance_breaks(tiny_model_dir):

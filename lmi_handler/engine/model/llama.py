@@ -67,23 +67,46 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           row_tile: int | None) -> torch.Tensor:
-    """x @ weight.T (+ bias). x: (T, in), weight: (out, in) -> (T, out).
+@dataclass(frozen=True)
+class GemmTiles:
+    """Batch-invariant GEMM plan for one forward: rows [0, num_large_rows) are multiplied `large`
+    rows at a time, the rest `small` rows at a time (zero-padded to whole tiles).
 
-    row_tile None: one GEMM over all T rows (BLAS may pick a kernel by T, e.g. GEMV for T=1, so
-    a row's bits depend on its batch). row_tile k: rows are zero-padded to a multiple of k and
-    multiplied k at a time (one bmm over the tiles), so every row goes through the same k-row
-    kernel whatever T is: batch-invariant (measured on MKL, see tests/engine/test_model_runner.py).
+    BLAS picks its kernel (and so its reduction order) by the number of rows, e.g. GEMV for one
+    row, so a plain GEMM makes a row's bits depend on its batch. A fixed tile puts every row
+    through the same kernel whatever else is in the batch. The runner sends the rows of long
+    prefill chunks to the large tile (fast GEMM) and decode rows to the small one (cheap padding).
+    Measured on MKL/AVX-512 with 2 threads: tiles of 2 and 16 rows are invariant, 4 and 8 are not.
     """
-    if row_tile is None:
+
+    num_large_rows: int
+    large: int = 16
+    small: int = 2
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           tiles: GemmTiles | None) -> torch.Tensor:
+    """x @ weight.T (+ bias). x: (T, in), weight: (out, in) -> (T, out) in x's dtype.
+
+    tiles None: one plain GEMM over all T rows (fastest, not batch-invariant).
+    """
+    if tiles is None:
         return F.linear(x, weight, bias)
-    num_rows = x.shape[0]
-    num_tiles = -(-num_rows // row_tile)
-    xp = F.pad(x, (0, 0, 0, num_tiles * row_tile - num_rows)).view(num_tiles, row_tile, -1)
-    out = torch.bmm(xp, weight.t().expand(num_tiles, -1, -1)).view(num_tiles * row_tile, -1)
-    out = out[:num_rows]
+    n = tiles.num_large_rows
+    parts = [_tiled_matmul(x[:n], weight, tiles.large)] if n else []
+    if n < x.shape[0]:
+        parts.append(_tiled_matmul(x[n:], weight, tiles.small))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out if bias is None else out + bias
+
+
+def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """x @ weight.T as one bmm over zero-padded `tile`-row slices of x: (T, in) -> (T, out)."""
+    num_rows = x.shape[0]
+    num_tiles = -(-num_rows // tile)
+    xp = F.pad(x, (0, 0, 0, num_tiles * tile - num_rows)).view(num_tiles, tile, -1)
+    out = torch.bmm(xp, weight.t().expand(num_tiles, -1, -1))     # (num_tiles, tile, out)
+    return out.view(num_tiles * tile, -1)[:num_rows]
 
 
 class RMSNorm(nn.Module):
@@ -118,9 +141,9 @@ class LlamaAttention(nn.Module):
         self.o_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.o_proj_bias else None
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, row_tile, batch_invariant):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, tiles: GemmTiles | None):
         a = self.args
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, row_tile)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, tiles)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
                              a.num_kv_heads * a.head_dim], dim=-1)
         q = apply_rope(q.reshape(-1, a.num_heads, a.head_dim), cos, sin)
@@ -128,9 +151,9 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, a.num_kv_heads, a.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attend = attention_per_sequence if batch_invariant else attention_padded
+        attend = attention_padded if tiles is None else attention_per_sequence
         o = attend(q, k_cache, v_cache, meta, self.scale)             # (T, H, D)
-        return linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, row_tile)
+        return linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, tiles)
 
 
 class LlamaMLP(nn.Module):
@@ -142,9 +165,9 @@ class LlamaMLP(nn.Module):
                              if args.mlp_bias else None)
         self.down_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.mlp_bias else None
 
-    def forward(self, x: torch.Tensor, row_tile: int | None) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, row_tile).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, row_tile)
+    def forward(self, x: torch.Tensor, tiles: GemmTiles | None) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, tiles).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, tiles)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -155,21 +178,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = LlamaMLP(args)
 
-    def forward(self, x, cos, sin, kv_cache, meta, row_tile, batch_invariant):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, row_tile,
-                               batch_invariant)
-        return x + self.mlp(self.post_attention_layernorm(x), row_tile)
+    def forward(self, x, cos, sin, kv_cache, meta, tiles: GemmTiles | None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, tiles)
+        return x + self.mlp(self.post_attention_layernorm(x), tiles)
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack + lm_head. `row_tile` / `batch_invariant` choose the batch-invariant kernels
-    (see `linear` and attention.attention_per_sequence); they are fixed at construction."""
+    """Decoder stack + lm_head over a flat token batch.
 
-    def __init__(self, args: LlamaArgs, row_tile: int | None = None, batch_invariant: bool = False):
+    Every forward takes `tiles`: None runs plain GEMMs and one padded attention call (fastest);
+    a GemmTiles runs row-tiled GEMMs and one attention call per sequence, which makes each
+    sequence's output bitwise independent of the rest of the batch.
+    """
+
+    def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
-        self.row_tile = row_tile
-        self.batch_invariant = batch_invariant
         self.embed_tokens = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -179,7 +203,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, tiles: GemmTiles | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) int64. kv_caches[l]: (K, V), each (num_blocks, block_size,
         num_kv_heads, head_dim). Writes this step's K/V; returns final-norm hidden states (T, hidden)."""
         x = F.embedding(input_ids, self.embed_tokens)
@@ -187,9 +211,9 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                 # (T, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, self.row_tile, self.batch_invariant)
+            x = layer(x, cos, sin, kv_cache, meta, tiles)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, tiles: GemmTiles | None = None) -> torch.Tensor:
         """hidden: (N, hidden_size) -> (N, vocab_size) float32."""
-        return linear(hidden, self.lm_head, None, self.row_tile).float()
+        return linear(hidden, self.lm_head, None, tiles).float()

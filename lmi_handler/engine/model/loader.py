@@ -98,8 +98,7 @@ def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[s
     return state
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               row_tile: int | None = None, batch_invariant: bool = False) -> LlamaModel:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """Build LlamaModel from an HF directory, weights cast to `dtype` on `device`, in eval mode.
 
     Raises: KeyError naming a missing weight; ValueError for an unsupported architecture.
@@ -112,7 +111,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     for i in range(args.num_layers):
         state.update(_layer_state(hf, i, args))
     with torch.device("meta"):
-        model = LlamaModel(args, row_tile=row_tile, batch_invariant=batch_invariant)
+        model = LlamaModel(args)
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head = model.embed_tokens      # assign-loading replaced the tied Parameter

@@ -17,6 +17,16 @@ class SchedulerConfig:
     max_num_seqs: int                  # sequences decoded together
     max_num_batched_tokens: int        # tokens computed in one step (>= max_num_seqs)
 
+    @property
+    def prefill_chunk_size(self) -> int:
+        """Tokens per prefill chunk: the budget less one decode token for every other sequence.
+
+        Chunks are cut at fixed multiples of this size, never to whatever budget is left, so a
+        sequence's chunks (and with them the model runner's GEMM tiles) are the same alone and
+        in any batch: part of the batch-invariance promise (DESIGN §6).
+        """
+        return max(self.max_num_batched_tokens - self.max_num_seqs + 1, 1)
+
 
 @dataclass
 class SchedulerOutput:
@@ -67,7 +77,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq)
+            if n > budget:  # a full chunk or nothing: never a budget-shaped chunk
+                index += 1
+                continue
             while not self._reserve(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -83,8 +96,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n):
+            n = self._chunk(seq)
+            if n > budget or not self._reserve(seq, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -92,6 +105,10 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(n)
             budget -= n
+
+    def _chunk(self, seq: Sequence) -> int:
+        """This step's tokens for `seq`: 1 in decode, else the next fixed-size prefill chunk."""
+        return min(seq.num_tokens - seq.num_computed_tokens, self.config.prefill_chunk_size)
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give `seq` blocks for num_computed_tokens + num_new_tokens tokens; False (nothing taken) if short."""

@@ -30,7 +30,7 @@ def check_invariants(sched: Scheduler, alloc: BlockAllocator) -> None:
 
 def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
     alloc = BlockAllocator(64, 4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), alloc)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=19), alloc)
     seq = make_seq(0, 40)
     sched.add(seq)
     chunks = []
@@ -91,3 +91,28 @@ def test_random_workload_keeps_block_accounting_exact():
                 sched.finish(seq)
         check_invariants(sched, alloc)
     assert sched.num_unfinished <= 300
+
+
+def test_prefill_chunks_are_cut_the_same_alone_and_beside_other_prompts():
+    """Chunk boundaries depend only on the sequence, not on the budget others leave (batch invariance)."""
+    def chunks_of(target_len: int, others: list[int]) -> list[int]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=19), BlockAllocator(200, 4))
+        for i, n in enumerate(others):
+            sched.add(make_seq(i + 1, n))
+        target = make_seq(0, target_len)
+        sched.add(target)
+        sizes = []
+        while not target.output_token_ids:
+            out = sched.schedule()
+            sizes += [n for s, n in zip(out.seqs, out.num_scheduled_tokens) if s is target]
+            sched.update_from_output(out)
+            for s in out.seqs:
+                if s.num_computed_tokens == s.num_tokens:
+                    s.output_token_ids.append(1)
+        return sizes
+
+    alone = chunks_of(40, [])
+    assert alone == [16, 16, 8]
+    assert chunks_of(40, [5]) == alone
+    assert chunks_of(40, [12, 3]) == alone
+    assert chunks_of(40, [30]) == alone

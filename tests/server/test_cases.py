@@ -118,3 +118,123 @@ def test_c16_finish_reason_is_length_eos_or_stop_exactly(client):
         assert details["finish_reason"] == "eos_token"
     if details["finish_reason"] == "length":
         assert details["generated_tokens"] == 200
+
+
+def chat(client: httpx.Client, **body) -> httpx.Response:
+    return client.post("/v1/chat/completions", json=body)
+
+
+def sse_chunks(client: httpx.Client, body: dict) -> tuple[list[dict], list[str]]:
+    """Stream /v1/chat/completions; returns the parsed chunks and the raw data lines."""
+    raw = []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                raw.append(line[len("data: "):])
+    return [json.loads(r) for r in raw if r != "[DONE]"], raw
+
+
+def test_c05_chat_content_never_carries_special_tokens_and_stops_cleanly(client):
+    case = load_case("C05")
+    body = case["request"]
+    content = chat(client, **body).json()["choices"][0]["message"]["content"]
+    assert len(content) >= 12
+    for marker in ("<|im_end|>", "<|im_start|>", "<|endoftext|>"):
+        assert marker not in content
+    stop = content[6:10]
+    assert content.find(stop) == 6
+    stopped = chat(client, **body, stop=[stop]).json()["choices"][0]
+    assert stopped["message"]["content"] == content[:6] and stopped["finish_reason"] == "stop"
+    im_end = chat(client, **body, stop=["<|im_end|>"])
+    assert im_end.status_code == 200
+    choice = im_end.json()["choices"][0]
+    assert "<|im_end|>" not in choice["message"]["content"] and choice["finish_reason"] in ("stop", "length")
+    chunks, raw = sse_chunks(client, {**body, "stop": [stop]})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == content[:6]
+    assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "stop"
+    assert raw[-1] == "[DONE]"
+
+
+def test_c06_boundary_values_accepted_and_invalid_ones_rejected_by_name(client):
+    case = load_case("C06")
+    request = case["request"]
+    params = request["parameters"]
+    ok = client.post("/invocations", json=request)
+    assert ok.status_code == 200 and ok.json()["generated_text"]
+    text = ok.json()["generated_text"]
+    without_top_p = {k: v for k, v in params.items() if k != "top_p"}
+    assert generated_text(client, request["inputs"], **without_top_p) == text
+    without_top_k = {k: v for k, v in params.items() if k != "top_k"}
+    assert generated_text(client, request["inputs"], **without_top_k) == text
+    for name, value in [("top_p", 1.5), ("top_p", 0), ("repetition_penalty", 0)]:
+        bad = client.post("/invocations", json={**request, "parameters": {**params, name: value}})
+        assert bad.status_code == 400 and name in bad.json()["error"]
+    response = chat(client, messages=[{"role": "user", "content": "Hi"}], top_p=1.0, temperature=0, max_tokens=8)
+    assert response.status_code == 200
+
+
+def test_c09_over_long_prompt_is_rejected_without_disturbing_the_batch(client, rolling_server):
+    case = load_case("C09")
+    long_text = expand(case["request"]["inputs"])
+    normal = {"inputs": "The sky is", "parameters": {"do_sample": False, "max_new_tokens": 16}}
+    solo = client.post("/invocations", json=normal).json()["generated_text"]
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict) -> None:
+        with httpx.Client(base_url=rolling_server.url, timeout=300) as http:
+            results[name] = http.post("/invocations", json=body)
+
+    threads = [threading.Thread(target=send, args=("long", case["request"] | {"inputs": long_text}))]
+    threads += [threading.Thread(target=send, args=(f"n{i}", normal)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    long = results["long"]
+    assert long.status_code in (400, 413, 422)
+    assert "token" in long.json()["error"]
+    for i in range(3):
+        assert results[f"n{i}"].status_code == 200
+        assert results[f"n{i}"].json()["generated_text"] == solo
+    time.sleep(2)
+    assert client.post("/invocations", json=normal).status_code == 200
+    truncated = client.post("/invocations", json={"inputs": long_text,
+                                                  "parameters": {"max_new_tokens": 8, "truncate": 256}})
+    assert truncated.status_code == 200 and truncated.json()["generated_text"]
+    chat_long = chat(client, messages=[{"role": "user", "content": long_text}])
+    assert chat_long.status_code == 400 and "error" in chat_long.json()
+
+
+def test_c12_temperature_is_honoured_exactly_as_do_sample_says(client):
+    case = load_case("C12")
+    request = case["request"]
+    greedy20 = generated_text(client, request["inputs"], do_sample=False, max_new_tokens=20)
+    for _ in range(2):
+        assert generated_text(client, request["inputs"], **request["parameters"]) == greedy20
+    greedy8 = generated_text(client, request["inputs"], do_sample=False, max_new_tokens=8)
+    for seed in (1, 2):
+        assert generated_text(client, request["inputs"], do_sample=True, temperature=0.01, max_new_tokens=8,
+                              seed=seed) == greedy8
+    assert generated_text(client, request["inputs"], do_sample=True, temperature=0, max_new_tokens=8) == greedy8
+    hot = [generated_text(client, request["inputs"], do_sample=True, temperature=1.5, max_new_tokens=20, seed=s)
+           for s in (1, 2)]
+    assert hot[0] != hot[1]
+    implied = [generated_text(client, request["inputs"], temperature=1.5, max_new_tokens=20, seed=s) for s in (1, 2)]
+    assert implied[0] != implied[1]
+    messages = [{"role": "user", "content": "Name a fruit and describe it."}]
+    contents = [chat(client, messages=messages, temperature=1.5, seed=s, max_tokens=20).json()
+                ["choices"][0]["message"]["content"] for s in (1, 2)]
+    assert contents[0] != contents[1]
+    cold = [chat(client, messages=messages, temperature=0, max_tokens=20).json()["choices"][0]["message"]["content"]
+            for _ in range(2)]
+    assert cold[0] == cold[1]
+
+
+def test_c16_chat_finish_reasons_use_openai_words(client):
+    short = chat(client, messages=[{"role": "user", "content": "Count from 1 to 20."}], max_tokens=3,
+                 temperature=0).json()
+    assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 3
+    natural = chat(client, messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=300).json()
+    assert natural["choices"][0]["finish_reason"] == "stop"

@@ -68,9 +68,11 @@ def test_return_full_text_prepends_the_prompt(client):
 
 
 def test_stop_token_ids_end_generation_with_stop_sequence(client):
-    tokens = details(client, max_new_tokens=10)["details"]["tokens"]
+    prompt = "The capital of France is"
+    tokens = details(client, prompt, max_new_tokens=10)["details"]["tokens"]
+    assert len(tokens) == 10
     target = tokens[3]["id"]
-    stopped = details(client, max_new_tokens=10, stop_token_ids=[target])["details"]
+    stopped = details(client, prompt, max_new_tokens=10, stop_token_ids=[target])["details"]
     assert stopped["finish_reason"] == "stop_sequence"
     first_hit = next(i for i, t in enumerate(tokens) if t["id"] == target)
     assert stopped["generated_tokens"] == first_hit + 1
@@ -91,13 +93,13 @@ def test_skip_special_tokens_false_renders_the_eos_marker(client):
     assert generated_text(client, chat, max_new_tokens=60, skip_special_tokens=False).endswith("<|im_end|>")
 
 
-def test_truncate_keeps_the_last_prompt_tokens(client):
+def test_truncate_keeps_the_last_prompt_tokens(client, tokenizer):
     long_prompt = "zebra " * 50 + "The capital of France is"
-    short = details(client, "The capital of France is", max_new_tokens=4, decoder_input_details=True)
-    n = len(short["details"]["prefill"])
-    cut = details(client, long_prompt, max_new_tokens=4, truncate=n, decoder_input_details=True)
-    assert [t["id"] for t in cut["details"]["prefill"]] == [t["id"] for t in short["details"]["prefill"]]
-    assert cut["generated_text"] == short["generated_text"]
+    ids = tokenizer.encode(long_prompt)
+    cut = details(client, long_prompt, max_new_tokens=4, truncate=6, decoder_input_details=True)
+    assert [t["id"] for t in cut["details"]["prefill"]] == ids[-6:]
+    full = details(client, long_prompt, max_new_tokens=4, decoder_input_details=True)
+    assert len(full["details"]["prefill"]) == len(ids) > 6
 
 
 def test_decoder_input_details_returns_prompt_tokens_with_log_probs(client):
@@ -109,7 +111,7 @@ def test_decoder_input_details_returns_prompt_tokens_with_log_probs(client):
 
 
 def test_top_n_tokens_returns_alternatives_led_by_the_greedy_choice(client):
-    body = details(client, max_new_tokens=4, top_n_tokens=3)
+    body = details(client, "The capital of France is", max_new_tokens=4, top_n_tokens=3)
     tops = body["details"]["top_tokens"]
     assert len(tops) == 4
     for token, alternatives in zip(body["details"]["tokens"], tops):

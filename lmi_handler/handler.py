@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
-from lmi_handler.protocol.formatters import Formatter, make_formatter
+from lmi_handler.engine.sequence import RequestOutput, SamplingParams
+from lmi_handler.protocol.formatters import Formatter, make_formatter, render_best_of
 from lmi_handler.service import PreparedRequest, Service
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,19 @@ class ActiveRequest:
     formatter: Formatter | None = None
     error: str | None = None          # set when the request failed; answered once with last=true
     done: bool = False
+    prepared: PreparedRequest | None = None
+    members: list[tuple[str, SamplingParams]] = field(default_factory=list)   # n / best_of sequences
+    collected: dict[str, list[RequestOutput]] = field(default_factory=dict)
+
+    def collect(self, outputs: dict[str, RequestOutput]) -> str | None:
+        """n / best_of: gather each member's outputs; the rendered answer once all have finished."""
+        for member_id, _ in self.members:
+            if member_id in outputs:
+                self.collected.setdefault(member_id, []).append(outputs[member_id])
+        runs = [self.collected.get(member_id, []) for member_id, _ in self.members]
+        if not all(run and run[-1].finished for run in runs):
+            return None
+        return render_best_of(self.prepared.context, runs, [params.seed for _, params in self.members])
 
 
 def _truthy(value: str | None) -> bool:
@@ -49,6 +63,19 @@ def _item_seed(item: Input) -> int | None:
         return int(raw.decode().strip()) if raw else None
     except ValueError:
         return None
+
+
+def add_members(engine, prepared: PreparedRequest, members: list, seed: int | None) -> None:
+    """Queue every sequence of a request; if one is refused, the ones already queued are dropped."""
+    added: list[str] = []
+    try:
+        for member_id, params in members:
+            engine.add_request(member_id, prepared.prompt_token_ids, params, seed=seed)
+            added.append(member_id)
+    except Exception:
+        for member_id in added:
+            engine.abort(member_id)
+        raise
 
 
 class RollingBatch:
@@ -75,7 +102,7 @@ class RollingBatch:
         outputs = self._run_engine()
         answer = Output()
         for index, request in enumerate(self.active):
-            self._answer(answer, index, request, outputs.get(request.request_id))
+            self._answer(answer, index, request, outputs)
         self.active = [r for r in self.active if not r.done]
         return answer
 
@@ -84,13 +111,13 @@ class RollingBatch:
         try:
             request = _parse_item(self.service, item)
             prepared: PreparedRequest = self.service.prepare(request, request_id)[0]
-            self.service.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params,
-                                            seed=_item_seed(item))
+            members = prepared.members(_item_seed(item))
+            add_members(self.service.engine, prepared, members, _item_seed(item))
         except Exception as exc:  # any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
             return ActiveRequest(request_id, error=str(exc))
         formatter = make_formatter(prepared.context)
-        return ActiveRequest(request_id, formatter.content_type, formatter)
+        return ActiveRequest(request_id, formatter.content_type, formatter, prepared=prepared, members=members)
 
     def _run_engine(self) -> dict:
         engine = self.service.engine
@@ -106,14 +133,20 @@ class RollingBatch:
             engine.abort_all()
             return {}
 
-    def _answer(self, answer: Output, index: int, request: ActiveRequest, out) -> None:
+    def _answer(self, answer: Output, index: int, request: ActiveRequest, outputs: dict) -> None:
         entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
                                  "request_id": request.request_id}
         if request.error is not None:
             entry.update(last="true", code=str(ERROR_CODE), error=request.error,
                          content_type="application/json")
             request.done = True
-        elif out is not None:
+        elif len(request.members) > 1:
+            rendered = request.collect(outputs)
+            if rendered is not None:
+                entry.update(data=rendered, last="true")
+                request.done = True
+        elif request.request_id in outputs:
+            out = outputs[request.request_id]
             entry["data"] = request.formatter.format(out)
             if out.finished:
                 entry["last"] = "true"
@@ -132,8 +165,10 @@ class DynamicBatch:
     def run(self, inputs: Input) -> Output:
         items = inputs.get_batches()
         plans: list[list[PreparedRequest] | str] = [self._prepare(item) for item in items]
-        requests = [(p.request_id, p.prompt_token_ids, p.params)
-                    for plan in plans if isinstance(plan, list) for p in plan]
+        members = {p.request_id: p.members() for plan in plans if isinstance(plan, list) for p in plan}
+        requests = [(member_id, p.prompt_token_ids, params)
+                    for plan in plans if isinstance(plan, list) for p in plan
+                    for member_id, params in members[p.request_id]]
         try:
             results = self.service.engine.generate(requests)
         except Exception:
@@ -146,7 +181,8 @@ class DynamicBatch:
                 answer.add_as_json({"error": plan, "code": ERROR_CODE}, batch_index=index)
                 answer.add_property(f"batch_{index}_code", str(ERROR_CODE))
             else:
-                answer.add_as_json([self._result(p, results[p.request_id]) for p in plan], batch_index=index)
+                answer.add_as_json([self._result(p, members[p.request_id], results) for p in plan],
+                                   batch_index=index)
             answer.add_property(f"batch_{index}_Content-Type", "application/json")
         return answer
 
@@ -158,13 +194,16 @@ class DynamicBatch:
             return str(exc)
 
     @staticmethod
-    def _result(prepared: PreparedRequest, outputs: list) -> dict:
+    def _result(prepared: PreparedRequest, members: list, results: dict) -> dict:
         """One prompt's `{"generated_text", "details"?}` (LMI dynamic batch answer element)."""
         context = prepared.context
         context.stream, context.tgi_compat, context.chat, context.completion = False, False, False, False
         context.output_formatter = "json"
+        runs = [results[member_id] for member_id, _ in members]
+        if len(runs) > 1:
+            return json.loads(render_best_of(context, runs, [params.seed for _, params in members]))
         formatter = make_formatter(context)
-        return json.loads("".join(formatter.format(out) for out in outputs))
+        return json.loads("".join(formatter.format(out) for out in runs[0]))
 
 
 @dataclass

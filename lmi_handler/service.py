@@ -6,10 +6,11 @@ the DJL step protocol is handler.py's and HTTP is server/'s.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lmi_handler.config import Settings
@@ -23,14 +24,37 @@ from lmi_handler.protocol.params import GenerationParameters
 logger = logging.getLogger(__name__)
 
 
+INT64_MAX = (1 << 63) - 1
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 @dataclass
 class PreparedRequest:
-    """A request ready for the engine: one prompt, its trusted params and how to answer it."""
+    """A request ready for the engine: one prompt, its trusted params and how to answer it.
+
+    `num_sequences` > 1 (n / best_of) runs that many engine sequences ("members") with seeds
+    seed, seed+1, ...; the best by summed log prob answers, the others go to
+    details.best_of_sequences (TGI).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     context: ResponseContext
+    num_sequences: int = 1
+
+    def members(self, front_end_seed: int | None = None) -> list[tuple[str, SamplingParams]]:
+        """(engine request id, params) of each sequence; a single sequence keeps the request id."""
+        if self.num_sequences == 1:
+            return [(self.request_id, self.params)]
+        base = self.params.seed
+        if base is None:
+            base = front_end_seed if front_end_seed is not None else random.randint(-INT64_MAX, INT64_MAX)
+        return [(f"{self.request_id}#{j}", replace(self.params, seed=_wrap_int64(base + j)))
+                for j in range(self.num_sequences)]
 
 
 class Service:
@@ -83,9 +107,26 @@ class Service:
             rid = request_id or uuid.uuid4().hex
             if len(prompts) > 1:
                 rid = f"{rid}-{index}"
-            prepared.append(PreparedRequest(rid, token_ids, sampling,
-                                            self.response_context(request, text, rid)))
+            prepared.append(PreparedRequest(rid, token_ids, sampling, self.response_context(request, text, rid),
+                                            self._num_sequences(request)))
         return prepared
+
+    def _num_sequences(self, request: InvocationRequest) -> int:
+        """n / best_of: several sequences, non-streaming /invocations only (TGI rule), at most a batch."""
+        count = request.parameters.num_sequences
+        if count == 1:
+            return 1
+        name = "best_of" if (request.parameters.best_of or 1) >= request.parameters.n else "n"
+        if request.is_openai:
+            raise RequestValidationError(name, f"Invalid parameter `{name}`: only 1 is supported on the OpenAI "
+                                         f"routes, got {count}")
+        if self.is_streaming(request):
+            raise RequestValidationError(name, f"Invalid parameter `{name}`: {name} > 1 cannot be streamed "
+                                         f"(send stream=false), got {count}")
+        if count > self.settings.max_rolling_batch_size:
+            raise RequestValidationError(name, f"Invalid parameter `{name}`: must be at most "
+                                         f"max_rolling_batch_size ({self.settings.max_rolling_batch_size}), got {count}")
+        return count
 
     def _openai_length(self, request: InvocationRequest, num_prompt_tokens: int) -> GenerationParameters:
         """OpenAI chat route without max_tokens: what is left of the context (vLLM's rule)."""

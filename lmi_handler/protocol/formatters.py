@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
@@ -332,3 +332,25 @@ def make_formatter(ctx: ResponseContext) -> Formatter:
     except KeyError:
         raise ValueError(f"unknown output_formatter {ctx.output_formatter!r}; "
                          f"expected one of {sorted(_LMI_FORMATTERS)}") from None
+
+
+def render_best_of(ctx: ResponseContext, members: list[list[RequestOutput]], seeds: list[int | None]) -> str:
+    """The non-streaming answer of an n / best_of request (TGI best_of semantics).
+
+    members[j] is sequence j's outputs, step by step. The sequence with the highest summed token
+    log prob answers as usual; with details, the others follow in details.best_of_sequences as
+    {generated_text, finish_reason, generated_tokens, seed, tokens} (TGI BestOfSequence).
+    """
+    formatters = [JsonFormatter(replace(ctx, tgi_compat=False, details=True)) for _ in members]
+    docs = [json.loads("".join(f.format(out) for out in outs)) for f, outs in zip(formatters, members)]
+    scores = [sum(t.log_prob for t in f.tokens) for f in formatters]
+    best = max(range(len(members)), key=lambda j: scores[j])
+    doc: dict[str, Any] = {"generated_text": docs[best]["generated_text"]}
+    if ctx.details:
+        doc["details"] = docs[best]["details"]
+        doc["details"]["best_of_sequences"] = [
+            {"generated_text": docs[j]["generated_text"], "finish_reason": docs[j]["details"]["finish_reason"],
+             "generated_tokens": docs[j]["details"]["generated_tokens"], "seed": seeds[j],
+             "tokens": docs[j]["details"]["tokens"]}
+            for j in range(len(members)) if j != best]
+    return dumps([doc] if ctx.tgi_compat else doc)

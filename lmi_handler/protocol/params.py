@@ -203,8 +203,8 @@ class GenerationParameters(BaseModel):
 
         `eos_token_ids` is accepted for the handler's convenience and not copied into
         stop_token_ids: the engine checks eos itself so that finish_reason stays `eos_token`.
-        Raises RequestValidationError for n, best_of or num_beams above 1: the engine returns
-        one sequence per request, and a silently ignored n would lie to the client.
+        Raises RequestValidationError for num_beams above 1 (no beam search), and for n or
+        best_of above 1 on a greedy request (see _check_single_sequence).
         """
         self._check_single_sequence()
         return SamplingParams(
@@ -220,10 +220,20 @@ class GenerationParameters(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             top_n_tokens=self.num_top_tokens, prompt_logprobs=self.decoder_input_details)
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for this request: max(n, best_of) (vLLM/TGI best_of semantics)."""
+        return max(self.n, self.best_of or 1)
+
     def _check_single_sequence(self) -> None:
-        for name in ("n", "best_of", "num_beams"):
-            value = getattr(self, name)
-            if value is not None and value > 1:
-                raise RequestValidationError(
-                    name, f"Invalid parameter `{name}`: this server returns one sequence per request, "
-                          f"so {name} must be 1, got {value}")
+        """num_beams > 1 is refused (no beam search yet); n/best_of > 1 need sampling (TGI rule:
+        several greedy sequences would all be the same)."""
+        if self.num_beams > 1:
+            raise RequestValidationError(
+                "num_beams", f"Invalid parameter `num_beams`: beam search is not supported, so num_beams "
+                             f"must be 1, got {self.num_beams}")
+        if self.num_sequences > 1 and self.is_greedy():
+            name = "best_of" if (self.best_of or 1) >= self.n else "n"
+            raise RequestValidationError(
+                name, f"Invalid parameter `{name}`: {name} > 1 needs sampling (do_sample=true or a sampling "
+                      f"parameter such as temperature), got {getattr(self, name)} with greedy decoding")

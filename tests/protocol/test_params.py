@@ -159,12 +159,22 @@ def test_logprobs_is_used_when_top_n_tokens_is_absent():
     assert GenerationParameters.parse({"logprobs": 4, "top_n_tokens": 2}).to_sampling_params().top_n_tokens == 2
 
 
-@pytest.mark.parametrize("field", ["n", "best_of", "num_beams"])
-def test_more_than_one_sequence_is_rejected_before_inference(field):
-    params = GenerationParameters.parse({field: 2, "best_of": 2} if field == "n" else {field: 2})
+@pytest.mark.parametrize("given, field", [({"n": 2}, "n"), ({"best_of": 2}, "best_of"),
+                                          ({"n": 2, "best_of": 3}, "best_of"), ({"num_beams": 2}, "num_beams"),
+                                          ({"num_beams": 2, "do_sample": True}, "num_beams")])
+def test_beams_and_greedy_multi_sequence_requests_are_rejected_before_inference(given, field):
+    params = GenerationParameters.parse(given)
     with pytest.raises(RequestValidationError) as info:
         params.to_sampling_params()
-    assert info.value.field in ("n", "best_of", "num_beams") and info.value.status_code == 400
+    assert info.value.field == field and info.value.status_code == 400 and field in info.value.message
+
+
+@pytest.mark.parametrize("given, count", [({}, 1), ({"n": 2, "do_sample": True}, 2),
+                                          ({"best_of": 3, "temperature": 0.8}, 3), ({"n": 2, "best_of": 4, "top_p": 0.9}, 4)])
+def test_sampled_requests_may_ask_for_several_sequences(given, count):
+    params = GenerationParameters.parse(given)
+    params.to_sampling_params()
+    assert params.num_sequences == count
 
 
 def test_details_default_follows_tgi_compat():

@@ -127,9 +127,31 @@ def test_log_prob_is_the_chosen_tokens_log_probability(client):
 
 @pytest.mark.parametrize("params, field", [({"num_beams": 2}, "num_beams"), ({"n": 2}, "n"),
                                            ({"best_of": 2}, "best_of")])
-def test_unsupported_multi_sequence_parameters_get_a_clear_400(client, params, field):
+def test_beam_search_and_greedy_multi_sequence_requests_get_a_clear_400(client, params, field):
     response = invoke(client, PROMPT, **params)
     assert response.status_code == 400 and field in response.json()["error"]
+
+
+def test_best_of_returns_the_most_likely_sequence_and_the_others_in_details(client):
+    params = {"do_sample": True, "temperature": 1.0, "seed": 77, "max_new_tokens": 12, "details": True}
+    body = details(client, "The capital of France is", best_of=3, **{k: v for k, v in params.items() if k != "details"})
+    others = body["details"]["best_of_sequences"]
+    assert len(others) == 2
+    best_score = sum(t["log_prob"] for t in body["details"]["tokens"])
+    seeds = set()
+    for other in others:
+        assert sum(t["log_prob"] for t in other["tokens"]) <= best_score
+        assert other["generated_tokens"] == len(other["tokens"])
+        seeds.add(other["seed"])
+    assert len(seeds) == 2 and not seeds & {None}
+    # each member is an ordinary seeded request: seed 77 + j gives the same text alone
+    member_texts = {body["generated_text"]} | {o["generated_text"] for o in others}
+    solo = {generated_text(client, "The capital of France is", **{**params, "seed": 77 + j, "details": False})
+            for j in range(3)}
+    assert member_texts == solo
+    streamed = client.post("/invocations", json={"inputs": "Hi", "stream": True,
+                                                 "parameters": {"best_of": 2, "do_sample": True}})
+    assert streamed.status_code == 400 and "best_of" in streamed.json()["error"]
 
 
 def test_chat_messages_on_invocations_answer_in_the_chat_completion_shape(client):

@@ -43,6 +43,9 @@ class Settings(BaseModel):
     """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
     tensor_parallel_degree: int = Field(1, ge=1, le=1)
     """Only 1 is supported (one device)."""
+    num_threads: int = Field(0, ge=0, le=1024)
+    """CPU threads for PyTorch (torch.set_num_threads); 0 = PyTorch's default. On a shared CPU, 1 avoids
+    threads waiting on each other."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
@@ -85,7 +88,7 @@ class Settings(BaseModel):
                             max_num_batched_tokens=max(self.max_rolling_batch_prefill_tokens,
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
-                            kv_cache_bytes=self.kv_cache_bytes)
+                            kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
@@ -111,6 +114,7 @@ class EngineConfig:
     max_model_len: int | None
     block_size: int
     kv_cache_bytes: int
+    num_threads: int = 0
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

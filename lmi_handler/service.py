@@ -92,6 +92,9 @@ class Service:
         Raises: RequestValidationError naming `inputs`/`max_new_tokens` when a prompt cannot fit.
         """
         params = request.parameters
+        if not self.settings.is_rolling and request.stream:
+            raise RequestValidationError("stream", "Invalid parameter `stream`: streaming needs the rolling batch "
+                                         "(option.rolling_batch other than disable); send stream=false")
         if self.settings.is_rolling and isinstance(request.inputs, list):
             raise RequestValidationError("inputs", "inputs must be one string in rolling batch "
                                          "(a list of strings needs option.rolling_batch=disable)")
@@ -174,6 +177,8 @@ class Service:
 
     def is_streaming(self, request: InvocationRequest) -> bool:
         """`stream: true`, or (on /invocations) option.output_formatter set to jsonlines | sse."""
+        if not self.settings.is_rolling:  # dynamic batch answers whole documents
+            return False
         if request.is_openai:
             return bool(request.stream)
         return bool(request.stream) or self.settings.output_formatter in ("jsonlines", "sse")

@@ -68,6 +68,8 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoTokenizer
 
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device_id)
         self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
                                   block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes)

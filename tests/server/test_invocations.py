@@ -116,3 +116,10 @@ def test_dynamic_batch_answers_a_list_of_generated_texts_per_input(dynamic_serve
         assert all(isinstance(a["generated_text"], str) and a["generated_text"] for a in answers)
         solo = http.post("/invocations", json={"inputs": inputs[1], "parameters": {"max_new_tokens": 6}}).json()
         assert solo == [answers[1]]
+
+
+def test_dynamic_batch_refuses_streaming_with_a_clear_400(dynamic_server):
+    with httpx.Client(base_url=dynamic_server.url, timeout=60) as http:
+        response = http.post("/invocations", json={"inputs": "Hi", "stream": True})
+        assert response.status_code == 400 and "stream" in response.json()["error"]
+        assert http.get("/ping").status_code == 200

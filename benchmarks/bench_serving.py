@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = Path("/work/shared/data/mt_bench_questions.jsonl")
+PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"  # ../shared beside the checkout
 
 
 @dataclass

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 ERROR_CODE = 424  # DESIGN §2: a failed item answers 424
 ROUTE_PROPERTY = "X-Lmi-Route"  # the HTTP path, passed per item like the front end passes headers
+# Ours, not DJL's: the bundled front end marks a running item whose client went away, so its
+# sequences stop at once instead of generating to the end for nobody.
+CANCEL_PROPERTY = "X-Lmi-Cancel"
 
 
 def _parse_item(service: Service, item: Input):
@@ -37,6 +40,7 @@ class ActiveRequest:
     formatter: Formatter | None = None
     error: str | None = None          # set when the request failed; answered once with last=true
     done: bool = False
+    cancelled: bool = False           # the client went away: answered once with last=true, no data
     prepared: PreparedRequest | None = None
     members: list[tuple[str, SamplingParams]] = field(default_factory=list)   # n / best_of sequences
     collected: dict[str, list[RequestOutput]] = field(default_factory=dict)
@@ -97,6 +101,9 @@ class RollingBatch:
         if len(items) < len(self.active):
             logger.error("front end sent %d items for %d active requests; resetting", len(items), len(self.active))
             self.reset()
+        for request, item in zip(self.active, items):
+            if _truthy(item.get_property(CANCEL_PROPERTY)):
+                self._cancel(request)
         for item in items[len(self.active):]:
             self.active.append(self._admit(item))
         outputs = self._run_engine()
@@ -105,6 +112,12 @@ class RollingBatch:
             self._answer(answer, index, request, outputs)
         self.active = [r for r in self.active if not r.done]
         return answer
+
+    def _cancel(self, request: ActiveRequest) -> None:
+        """Stop a running request now: its sequences leave the engine and free their KV blocks."""
+        for member_id, _ in request.members:
+            self.service.engine.abort(member_id)
+        request.cancelled = True
 
     def _admit(self, item: Input) -> ActiveRequest:
         request_id = item.get_property("requestId") or uuid.uuid4().hex
@@ -136,7 +149,10 @@ class RollingBatch:
     def _answer(self, answer: Output, index: int, request: ActiveRequest, outputs: dict) -> None:
         entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
                                  "request_id": request.request_id}
-        if request.error is not None:
+        if request.cancelled:
+            entry["last"] = "true"
+            request.done = True
+        elif request.error is not None:
             entry.update(last="true", code=str(ERROR_CODE), error=request.error,
                          content_type="application/json")
             request.done = True

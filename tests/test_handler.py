@@ -113,3 +113,19 @@ def test_dynamic_batch_answers_each_item_a_list_of_generated_text(monkeypatch, m
     assert [type(a["generated_text"]) for a in first] == [str, str]
     assert second[0]["details"]["generated_tokens"] == 3
     assert third["code"] == 424 and "top_k" in third["error"]
+
+
+def test_cancel_property_ends_a_running_request_and_frees_its_blocks(monkeypatch, model_dir):
+    init_handler(monkeypatch, model_dir)
+    decode(handler.handle(rolling_call([("k", body("Tell me a story", max_new_tokens=500)),
+                                        ("m", body("Hi", max_new_tokens=3))])), 2)
+    call = rolling_call([("k", None), ("m", None)])
+    call.properties["batch_000.X-Lmi-Cancel"] = "true"
+    entries = decode(handler.handle(call), 2)
+    assert entries[0]["last"] == "true" and "code" not in entries[0]
+    assert entries[1]["last"] == "false"  # the other request goes on
+    engine = handler.get_state().service.engine
+    assert "k" not in engine.seqs and "m" in engine.seqs
+    entries = decode(handler.handle(rolling_call([("m", None)])), 1)
+    assert entries[0]["last"] == "true"
+    assert engine.allocator.num_used_blocks == 0

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
@@ -20,6 +21,7 @@ from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.formatters import CONTENT_TYPES
 from lmi_handler.protocol.invocations import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS
 from lmi_handler.protocol.openai import openai_error
+from lmi_handler.server.metrics import Metrics
 from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,19 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
     app = FastAPI(title="lmi_handler", lifespan=lifespan)
     app.state.front_end = front_end
+    metrics = Metrics(lambda: getattr(get_state().service, "engine", None), lambda: front_end)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "unmatched")  # the template, not the raw path
+        if route != "/metrics":
+            metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ping")
     async def ping() -> JSONResponse:
@@ -98,11 +113,13 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     content_type = _content_type(service, parsed, stream)
     client = ClientRequest(body, asyncio.get_running_loop(), route=route)
     front_end.submit(client)
-    first = await client.chunks.get()
+    first = await _next_chunk(request, client)
+    if first is None:
+        return Response(status_code=499)
     if first.code is not None:
         return error_response(first.error or "inference failed", first.code, route)
     if not stream:
-        return await _collect(client, first, content_type, route)
+        return await _collect(request, client, first, content_type, route)
     return StreamingResponse(_stream(client, first), media_type=content_type)
 
 
@@ -112,11 +129,25 @@ def _content_type(service, parsed, stream: bool) -> str:
     return CONTENT_TYPES[service.output_formatter(True, parsed.is_openai)]
 
 
-async def _collect(client: ClientRequest, first: Chunk, content_type: str, route: str) -> Response:
+async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 1.0) -> Chunk | None:
+    """The client's next chunk; None (and the request marked cancelled) once its connection is gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(client.chunks.get(), poll_s)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                client.cancelled = True
+                return None
+
+
+async def _collect(request: Request, client: ClientRequest, first: Chunk, content_type: str,
+                   route: str) -> Response:
     parts = [first.data]
     chunk = first
     while not chunk.last:
-        chunk = await client.chunks.get()
+        chunk = await _next_chunk(request, client)
+        if chunk is None:
+            return Response(status_code=499)  # nobody is listening any more
         if chunk.code is not None:
             return error_response(chunk.error or "inference failed", chunk.code, route)
         parts.append(chunk.data)

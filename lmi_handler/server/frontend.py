@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
-from lmi_handler.handler import ROUTE_PROPERTY
+from lmi_handler.handler import CANCEL_PROPERTY, ROUTE_PROPERTY
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,8 @@ class RollingFrontEnd(FrontEnd):
             prefix = f"batch_{index:03d}."
             is_new = index >= self.num_running
             content.add(prefix + "data", client.body if is_new else b"")
+            if client.cancelled and not is_new:
+                properties[prefix + CANCEL_PROPERTY] = "true"
             if is_new:
                 properties[prefix + "Content-Type"] = "application/json"
                 properties[prefix + "requestId"] = client.request_id

@@ -21,7 +21,7 @@ from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.formatters import CONTENT_TYPES
 from lmi_handler.protocol.invocations import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS
 from lmi_handler.protocol.openai import openai_error
-from lmi_handler.server.metrics import Metrics
+from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
 
 logger = logging.getLogger(__name__)
@@ -52,13 +52,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     app.state.front_end = front_end
     metrics = Metrics(lambda: getattr(get_state().service, "engine", None), lambda: front_end)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")  # the template, not the raw path
-        if route != "/metrics":
-            metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountRequests, counter=metrics.requests)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -41,3 +41,33 @@ class Metrics:
         self.registry.register(EngineCollector(get_engine, get_front_end))
         self.requests = Counter("lmi_http_requests", "HTTP requests answered", ["route", "code"],
                                 registry=self.registry)
+
+
+class CountRequests:
+    """Pure ASGI middleware counting answered requests by route template and status code.
+
+    Not a BaseHTTPMiddleware: that wrapper hides the client's disconnect from request.is_disconnected(),
+    which the app needs to stop generating for clients that went away.
+    """
+
+    def __init__(self, app, counter: Counter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")  # the template, not the raw path
+            if route != "/metrics":
+                self.counter.labels(route, str(status["code"])).inc()

@@ -76,3 +76,17 @@ def dynamic_server(model_dir, tmp_path_factory):
 def client(rolling_server):
     with httpx.Client(base_url=rolling_server.url, timeout=300) as http:
         yield http
+
+
+@pytest.fixture(scope="module")
+def tgi_server(model_dir, tmp_path_factory):
+    server = Server({"tgi_compat": "true"}, tmp_path_factory.mktemp("logs") / "tgi.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def sse_server(model_dir, tmp_path_factory):
+    server = Server({"output_formatter": "sse"}, tmp_path_factory.mktemp("logs") / "sse.log")
+    yield server
+    server.stop()

@@ -197,8 +197,9 @@ class DynamicBatch:
                 answer.add_as_json({"error": plan, "code": ERROR_CODE}, batch_index=index)
                 answer.add_property(f"batch_{index}_code", str(ERROR_CODE))
             else:
-                answer.add_as_json([self._result(p, members[p.request_id], results) for p in plan],
-                                   batch_index=index)
+                docs = [self._result(p, members[p.request_id], results) for p in plan]
+                openai_shape = plan[0].context.chat or plan[0].context.completion
+                answer.add_as_json(docs[0] if openai_shape else docs, batch_index=index)
             answer.add_property(f"batch_{index}_Content-Type", "application/json")
         return answer
 
@@ -211,11 +212,15 @@ class DynamicBatch:
 
     @staticmethod
     def _result(prepared: PreparedRequest, members: list, results: dict) -> dict:
-        """One prompt's `{"generated_text", "details"?}` (LMI dynamic batch answer element)."""
+        """One prompt's answer: `{"generated_text", "details"?}` (LMI dynamic batch list element), or the
+        whole OpenAI object for chat (`messages`) and OpenAI-route requests."""
         context = prepared.context
-        context.stream, context.tgi_compat, context.chat, context.completion = False, False, False, False
-        context.output_formatter = "json"
+        context.stream = False
         runs = [results[member_id] for member_id, _ in members]
+        if context.chat or context.completion:
+            formatter = make_formatter(context)
+            return json.loads("".join(formatter.format(out) for out in runs[0]))
+        context.tgi_compat, context.output_formatter = False, "json"
         if len(runs) > 1:
             return json.loads(render_best_of(context, runs, [params.seed for _, params in members]))
         formatter = make_formatter(context)

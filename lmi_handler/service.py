@@ -95,6 +95,9 @@ class Service:
         if not self.settings.is_rolling and request.stream:
             raise RequestValidationError("stream", "Invalid parameter `stream`: streaming needs the rolling batch "
                                          "(option.rolling_batch other than disable); send stream=false")
+        if request.is_openai and isinstance(request.inputs, list):
+            raise RequestValidationError("prompt", "Invalid parameter `prompt`: one prompt per request is supported "
+                                         f"here, got a list of {len(request.inputs)}")
         if self.settings.is_rolling and isinstance(request.inputs, list):
             raise RequestValidationError("inputs", "inputs must be one string in rolling batch "
                                          "(a list of strings needs option.rolling_batch=disable)")
@@ -103,6 +106,7 @@ class Service:
         for index, (text, token_ids) in enumerate(prompts):
             token_ids = self._truncate(token_ids, params)
             sampling = self._openai_length(request, len(token_ids)).to_sampling_params(self.engine.eos_token_ids)
+            self._check_token_ids(sampling.stop_token_ids)
             try:
                 self.engine.check_fits(len(token_ids), sampling.max_new_tokens)
             except RequestRejected as exc:
@@ -114,15 +118,22 @@ class Service:
                                             self._num_sequences(request)))
         return prepared
 
+    def _check_token_ids(self, token_ids: tuple[int, ...]) -> None:
+        vocab_size = self.engine.runner.config.vocab_size
+        bad = [t for t in token_ids if t >= vocab_size]
+        if bad:
+            raise RequestValidationError("stop_token_ids", f"Invalid parameter `stop_token_ids`: ids must be in "
+                                         f"[0, {vocab_size - 1}] (the model's vocabulary), got {bad}")
+
     def _num_sequences(self, request: InvocationRequest) -> int:
         """n / best_of: several sequences, non-streaming /invocations only (TGI rule), at most a batch."""
         count = request.parameters.num_sequences
         if count == 1:
             return 1
         name = "best_of" if (request.parameters.best_of or 1) >= request.parameters.n else "n"
-        if request.is_openai:
-            raise RequestValidationError(name, f"Invalid parameter `{name}`: only 1 is supported on the OpenAI "
-                                         f"routes, got {count}")
+        if request.is_openai or request.chat is not None:
+            raise RequestValidationError(name, f"Invalid parameter `{name}`: only 1 is supported for chat and on "
+                                         f"the OpenAI routes, got {count}")
         if self.is_streaming(request):
             raise RequestValidationError(name, f"Invalid parameter `{name}`: {name} > 1 cannot be streamed "
                                          f"(send stream=false), got {count}")

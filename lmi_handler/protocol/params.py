@@ -20,12 +20,14 @@ MAX_TOP_N_TOKENS = 20
 # Ours: TGI's default --max-stop-sequences is 4 and OpenAI allows 4; LMI has none. 16 keeps LMI
 # clients with a few more working while bounding the per-step stop-string work.
 MAX_STOP_SEQUENCES = 16
+# vLLM's _SAMPLING_EPS: a temperature below this is greedy (logits / 1e-40 overflow float32).
+GREEDY_TEMPERATURE = 1e-5
 
 # The allowed values in words, for error messages (type and range errors read the same).
 RULES: dict[str, str] = {
     "do_sample": "true or false",
     "seed": f"an integer in [{INT64_MIN}, {INT64_MAX}]",
-    "temperature": "a number >= 0 (0 = greedy)",
+    "temperature": "a number >= 0 (below 1e-5 = greedy)",
     "repetition_penalty": "a number > 0 (1.0 = off)",
     "top_k": "an integer >= 0 (0 or -1 = off)",
     "top_p": "a number in (0, 1] (1.0 = off)",
@@ -175,12 +177,13 @@ class GenerationParameters(BaseModel):
     def is_greedy(self) -> bool:
         """LMI >= 0.32 rule (djl-serving#1645, #2676; case C12).
 
-        An explicit do_sample=false, or temperature 0, means greedy. Otherwise do_sample=true or
+        An explicit do_sample=false, or temperature 0 (below GREEDY_TEMPERATURE, vLLM's epsilon:
+        dividing logits by less would overflow to inf), means greedy. Otherwise do_sample=true or
         any sampling parameter given with an active value (temperature given at all, top_k > 0,
         top_p < 1, min_p > 0, typical_p < 1) means sampling. Nothing given means greedy (LMI default).
         """
         given = self.model_fields_set
-        if self.do_sample is False or ("temperature" in given and self.temperature == 0.0):
+        if self.do_sample is False or ("temperature" in given and self.temperature < GREEDY_TEMPERATURE):
             return True
         if self.do_sample:
             return False

@@ -69,6 +69,9 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
     @app.post("/predictions/{model_name}")
     async def predictions(model_name: str, request: Request) -> Response:
+        served = get_state().service.model_name
+        if model_name != served:  # DJL: an unknown model name is a 404
+            return error_response(f"model {model_name!r} is not served here (this server serves {served!r})", 404)
         return await _serve(front_end, request, ROUTE_INVOCATIONS)
 
     @app.post("/v1/chat/completions")
@@ -105,7 +108,8 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
         return error_response(str(exc), exc.status_code, route, exc.field)
     stream = service.is_streaming(parsed)
     content_type = _content_type(service, parsed, stream)
-    client = ClientRequest(body, asyncio.get_running_loop(), route=route)
+    client = ClientRequest(body, asyncio.get_running_loop(), route=route,
+                           content_type=request.headers.get("content-type", "application/json"))
     front_end.submit(client)
     first = await _next_chunk(request, client)
     if first is None:

@@ -40,6 +40,7 @@ class ClientRequest:
     body: bytes
     loop: asyncio.AbstractEventLoop
     route: str = "/invocations"
+    content_type: str = "application/json"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -153,7 +154,7 @@ class RollingFrontEnd(FrontEnd):
             if client.cancelled and not is_new:
                 properties[prefix + CANCEL_PROPERTY] = "true"
             if is_new:
-                properties[prefix + "Content-Type"] = "application/json"
+                properties[prefix + "Content-Type"] = client.content_type
                 properties[prefix + "requestId"] = client.request_id
                 properties[prefix + ROUTE_PROPERTY] = client.route
                 content.add(prefix + "seed", str(random.randint(-INT64_MAX, INT64_MAX)).encode())
@@ -230,13 +231,13 @@ class DynamicFrontEnd(FrontEnd):
     @staticmethod
     def _build_input(batch: list[ClientRequest]) -> OwnInput:
         if len(batch) == 1:  # DESIGN §2: a batch of one arrives unbatched
-            return OwnInput({"Content-Type": "application/json", "requestId": batch[0].request_id,
+            return OwnInput({"Content-Type": batch[0].content_type, "requestId": batch[0].request_id,
                              ROUTE_PROPERTY: batch[0].route},
                             PairList([("data", batch[0].body)]))
         properties = {"batch_size": str(len(batch))}
         content = PairList()
         for index, client in enumerate(batch):
-            properties[f"batch_{index:03d}.Content-Type"] = "application/json"
+            properties[f"batch_{index:03d}.Content-Type"] = client.content_type
             properties[f"batch_{index:03d}.requestId"] = client.request_id
             properties[f"batch_{index:03d}.{ROUTE_PROPERTY}"] = client.route
             content.add(f"batch_{index:03d}.data", client.body)

@@ -181,3 +181,11 @@ def test_details_default_follows_tgi_compat():
     assert not GenerationParameters.parse({}).wants_details(False)
     assert GenerationParameters.parse({}).wants_details(True)
     assert not GenerationParameters.parse({"details": False}).wants_details(True)
+
+
+@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-300, True), (1e-40, True), (9.9e-6, True),
+                                                 (1e-5, False), (0.01, False)])
+def test_temperatures_below_the_sampling_epsilon_are_greedy(temperature, greedy):
+    params = GenerationParameters.parse({"temperature": temperature, "do_sample": True})
+    assert params.is_greedy() is greedy
+    assert params.to_sampling_params().greedy is greedy

@@ -123,3 +123,30 @@ def test_dynamic_batch_refuses_streaming_with_a_clear_400(dynamic_server):
         response = http.post("/invocations", json={"inputs": "Hi", "stream": True})
         assert response.status_code == 400 and "stream" in response.json()["error"]
         assert http.get("/ping").status_code == 200
+
+
+def test_text_plain_body_is_the_whole_input(client):
+    response = client.post("/invocations", content="The capital of France is".encode(),
+                           headers={"content-type": "text/plain"})
+    assert response.status_code == 200, response.text
+    assert response.json()["generated_text"] == generated_text(client, "The capital of France is")
+
+
+def test_predictions_for_an_unknown_model_is_404(client):
+    response = client.post("/predictions/no-such-model", json={"inputs": "Hi"})
+    assert response.status_code == 404 and "no-such-model" in response.json()["error"]
+
+
+def test_dynamic_batch_answers_chat_and_openai_routes_in_openai_shapes(dynamic_server):
+    with httpx.Client(base_url=dynamic_server.url, timeout=300) as http:
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi."}],
+                                                       "max_tokens": 8, "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["object"] == "chat.completion" and chat.json()["choices"][0]["message"]["content"]
+        lmi_chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "Say hi."}],
+                                                   "max_tokens": 8, "temperature": 0})
+        assert lmi_chat.json()["choices"][0]["message"]["content"] == chat.json()["choices"][0]["message"]["content"]
+        completion = http.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 4, "temperature": 0})
+        assert completion.json()["object"] == "text_completion"
+        listed = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4})
+        assert listed.status_code == 400 and "prompt" in listed.json()["error"]["message"]

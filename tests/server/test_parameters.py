@@ -24,6 +24,8 @@ def test_top_k_1_and_tiny_temperature_equal_greedy(client):
     greedy = generated_text(client, PROMPT, max_new_tokens=16)
     assert generated_text(client, PROMPT, do_sample=True, top_k=1, seed=5, max_new_tokens=16) == greedy
     assert generated_text(client, PROMPT, do_sample=True, temperature=1e-4, seed=9, max_new_tokens=16) == greedy
+    for tiny in (1e-6, 1e-40, 1e-300):  # below vLLM's sampling epsilon: greedy, never inf/NaN logits
+        assert generated_text(client, PROMPT, temperature=tiny, max_new_tokens=16) == greedy
 
 
 def test_seeded_request_gives_the_same_tokens_alone_among_unseeded_and_in_a_dynamic_batch(
@@ -76,6 +78,11 @@ def test_stop_token_ids_end_generation_with_stop_sequence(client):
     assert stopped["finish_reason"] == "stop_sequence"
     first_hit = next(i for i, t in enumerate(tokens) if t["id"] == target)
     assert stopped["generated_tokens"] == first_hit + 1
+
+
+def test_stop_token_ids_outside_the_vocabulary_get_a_400(client):
+    response = invoke(client, PROMPT, stop_token_ids=[49152])
+    assert response.status_code == 400 and "stop_token_ids" in response.json()["error"]
 
 
 def test_ignore_eos_runs_to_max_new_tokens(client):

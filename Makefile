@@ -2,8 +2,8 @@
 # work on a fresh machine with Python >= 3.10 and network access to PyPI.
 PYTHON ?= python3
 VENV ?= .venv
-# A CPU build here (it lies on this machine's disk); on a GPU machine use `make TORCH=torch ...`
-# or install the CUDA build of torch into .venv first.
+# A CPU build on this project's CPU machines (it lies on their disk); on Linux x86_64 with CUDA the
+# same requirement from PyPI is a CUDA build. Another build: `make TORCH="torch==X.Y.Z" ...`.
 TORCH ?= torch==2.13.0
 PORT ?= 8080
 BIN := $(VENV)/bin

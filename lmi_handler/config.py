@@ -46,6 +46,9 @@ class Settings(BaseModel):
     num_threads: int = Field(0, ge=0, le=1024)
     """CPU threads for PyTorch (torch.set_num_threads); 0 = PyTorch's default. On a shared CPU, 1 avoids
     threads waiting on each other."""
+    batch_invariant: bool = True
+    """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
+    call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
@@ -88,7 +91,8 @@ class Settings(BaseModel):
                             max_num_batched_tokens=max(self.max_rolling_batch_prefill_tokens,
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
-                            kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads)
+                            kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
+                            batch_invariant=self.batch_invariant)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
@@ -115,6 +119,7 @@ class EngineConfig:
     block_size: int
     kv_cache_bytes: int
     num_threads: int = 0
+    batch_invariant: bool = True
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -34,3 +34,11 @@ def test_bad_values_raise_config_error_naming_the_key(key, value):
 def test_handle_properties_with_int_cluster_size_and_handler_are_accepted():
     settings = Settings.from_properties({"model_id": "/m", "cluster_size": 1, "handler": "handle", "tgi_compat": "true"})
     assert settings.tgi_compat is True and str(settings.model_path) == "/m"
+
+
+def test_engine_slice_carries_the_engine_options():
+    settings = Settings.from_properties({"max_rolling_batch_size": "8", "max_rolling_batch_prefill_tokens": "16",
+                                         "batch_invariant": "false", "num_threads": "1", "block_size": "32"})
+    engine = settings.engine_config()
+    assert engine.max_num_seqs == 8 and engine.max_num_batched_tokens == 16
+    assert engine.batch_invariant is False and engine.num_threads == 1 and engine.block_size == 32

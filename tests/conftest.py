@@ -5,6 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples every run: a CI failure is reproducible, never a coin toss.
+settings.register_profile("lmi_handler", derandomize=True, print_blob=True)
+settings.load_profile("lmi_handler")
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "model"

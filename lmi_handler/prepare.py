@@ -69,7 +69,7 @@ def prepare_model(out_dir: str | Path = "model", force: bool = False) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = "float32"
+    config.dtype = "float32"
     config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -354,3 +354,13 @@ def render_best_of(ctx: ResponseContext, members: list[list[RequestOutput]], see
              "tokens": docs[j]["details"]["tokens"]}
             for j in range(len(members)) if j != best]
     return dumps([doc] if ctx.tgi_compat else doc)
+
+
+def stream_failure(message: str, code: int, output_formatter: str, openai_route: bool) -> str:
+    """The last text of a stream whose request failed after HTTP 200 went out (DESIGN §3: a final
+    line with finish_reason "error"). OpenAI routes get an error chunk and [DONE], as vLLM sends."""
+    if openai_route:
+        return sse(openai.openai_error(message, code)) + SSE_DONE
+    line = {"token": token_to_dict(SENTINEL_TOKEN), "details": {"finish_reason": FinishReason.ERROR.value},
+            "error": message, "code": code}
+    return sse(line) if output_formatter == "sse" else dumps(line) + "\n"

@@ -6,10 +6,10 @@ front-end loop (frontend.py) that drives handle(); formats are protocol/'s.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from functools import partial
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.formatters import CONTENT_TYPES
+from lmi_handler.protocol.formatters import CONTENT_TYPES, stream_failure
 from lmi_handler.protocol.invocations import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS
 from lmi_handler.protocol.openai import openai_error
 from lmi_handler.server.metrics import CountRequests, Metrics
@@ -118,7 +118,9 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
         return error_response(first.error or "inference failed", first.code, route)
     if not stream:
         return await _collect(request, client, first, content_type, route)
-    return StreamingResponse(_stream(client, first), media_type=content_type)
+    failure = partial(stream_failure, output_formatter=service.output_formatter(True, parsed.is_openai),
+                      openai_route=parsed.is_openai)
+    return StreamingResponse(_stream(client, first, failure), media_type=content_type)
 
 
 def _content_type(service, parsed, stream: bool) -> str:
@@ -152,13 +154,13 @@ async def _collect(request: Request, client: ClientRequest, first: Chunk, conten
     return Response("".join(parts), media_type=content_type)
 
 
-async def _stream(client: ClientRequest, first: Chunk) -> AsyncIterator[str]:
+async def _stream(client: ClientRequest, first: Chunk, failure: Callable[[str, int], str]) -> AsyncIterator[str]:
+    """Send each chunk as it comes; a failure after the 200 went out ends the stream with `failure`'s text."""
     chunk = first
     try:
         while True:
-            if chunk.code is not None:  # 200 already sent: say it in a last line
-                yield json.dumps({"error": chunk.error, "code": chunk.code,
-                                  "details": {"finish_reason": "error"}}) + "\n"
+            if chunk.code is not None:
+                yield failure(chunk.error or "inference failed", chunk.code)
                 return
             if chunk.data:
                 yield chunk.data

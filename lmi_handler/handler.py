@@ -9,11 +9,12 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams
-from lmi_handler.protocol.formatters import Formatter, make_formatter, render_best_of
+from lmi_handler.protocol.formatters import Formatter, dynamic_batch_stream_line, make_formatter, render_best_of
 from lmi_handler.service import PreparedRequest, Service
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ class DynamicBatch:
     def run(self, inputs: Input) -> Output:
         items = inputs.get_batches()
         plans: list[list[PreparedRequest] | str] = [self._prepare(item) for item in items]
+        if len(plans) == 1 and isinstance(plans[0], list) and plans[0][0].context.stream:
+            return self._stream(plans[0])
         members = {p.request_id: p.members() for plan in plans if isinstance(plan, list) for p in plan}
         requests = [(member_id, p.prompt_token_ids, params)
                     for plan in plans if isinstance(plan, list) for p in plan
@@ -202,6 +205,24 @@ class DynamicBatch:
                 answer.add_as_json(docs[0] if openai_shape else docs, batch_index=index)
             answer.add_property(f"batch_{index}_Content-Type", "application/json")
         return answer
+
+    def _stream(self, plan: list[PreparedRequest]) -> Output:
+        """LMI dynamic-batch streaming: one {"outputs": [new text per input]} line per step."""
+        answer = Output()
+        answer.add_property("Content-Type", "application/jsonlines")
+        answer.add_stream_content(self._stream_lines(plan), output_formatter=None)
+        return answer
+
+    def _stream_lines(self, plan: list[PreparedRequest]) -> Iterator[str]:
+        order = [p.request_id for p in plan]
+        steps = self.service.engine.iterate([(p.request_id, p.prompt_token_ids, p.params) for p in plan])
+        try:
+            for outputs in steps:
+                texts = {out.request_id: "".join(t.text for t in out.new_tokens) for out in outputs}
+                if any(texts.values()):
+                    yield dynamic_batch_stream_line([texts.get(rid, "") for rid in order])
+        finally:
+            steps.close()  # a consumer that stops early aborts the sequences still running
 
     def _prepare(self, item: Input) -> list[PreparedRequest] | str:
         try:

@@ -92,9 +92,10 @@ class Service:
         Raises: RequestValidationError naming `inputs`/`max_new_tokens` when a prompt cannot fit.
         """
         params = request.parameters
-        if not self.settings.is_rolling and request.stream:
-            raise RequestValidationError("stream", "Invalid parameter `stream`: streaming needs the rolling batch "
-                                         "(option.rolling_batch other than disable); send stream=false")
+        if not self.settings.is_rolling and request.stream and (request.is_openai or request.chat is not None):
+            raise RequestValidationError("stream", "Invalid parameter `stream`: in dynamic batch only /invocations "
+                                         "with `inputs` streams (as {\"outputs\": [...]} lines); chat and the "
+                                         "OpenAI routes need the rolling batch")
         if request.is_openai and isinstance(request.inputs, list):
             raise RequestValidationError("prompt", "Invalid parameter `prompt`: one prompt per request is supported "
                                          f"here, got a list of {len(request.inputs)}")
@@ -188,8 +189,8 @@ class Service:
 
     def is_streaming(self, request: InvocationRequest) -> bool:
         """`stream: true`, or (on /invocations) option.output_formatter set to jsonlines | sse."""
-        if not self.settings.is_rolling:  # dynamic batch answers whole documents
-            return False
+        if not self.settings.is_rolling:  # dynamic batch: {"outputs": [...]} lines when asked, never by option
+            return bool(request.stream)
         if request.is_openai:
             return bool(request.stream)
         return bool(request.stream) or self.settings.output_formatter in ("jsonlines", "sse")

@@ -129,3 +129,15 @@ def test_cancel_property_ends_a_running_request_and_frees_its_blocks(monkeypatch
     entries = decode(handler.handle(rolling_call([("m", None)])), 1)
     assert entries[0]["last"] == "true"
     assert engine.allocator.num_used_blocks == 0
+
+
+def test_dynamic_batch_stream_answers_with_stream_content_of_outputs_lines(monkeypatch, model_dir):
+    init_handler(monkeypatch, model_dir, rolling_batch="disable")
+    call = OwnInput({"Content-Type": "application/json"},
+                    PairList([("data", json.dumps({"inputs": ["A", "B"], "stream": True,
+                                                   "parameters": {"max_new_tokens": 3}}).encode())]))
+    output = handler.handle(call)
+    stream, _ = output.stream_content
+    rows = [json.loads(line)["outputs"] for line in stream]
+    assert rows and all(len(row) == 2 for row in rows)
+    assert not handler.get_state().service.engine.has_unfinished

@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -158,13 +159,26 @@ class Engine:
                 self._release(seq)
         return outputs
 
+    def iterate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> Iterator[list[RequestOutput]]:
+        """Add the requests, then yield each step's outputs until all of them finished (dynamic batch).
+
+        Closing the iterator early (client gone) aborts whichever of them are still running.
+        """
+        ids = [request_id for request_id, _, _ in requests]
+        try:
+            for request_id, prompt_ids, params in requests:
+                self.add_request(request_id, prompt_ids, params)
+            while any(rid in self.seqs for rid in ids):
+                yield [out for out in self.step() if out.request_id in ids]
+        finally:
+            for request_id in ids:
+                self.abort(request_id)
+
     def generate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
         """Run the given requests to completion (dynamic batch); returns each one's outputs, step by step."""
         outputs: dict[str, list[RequestOutput]] = {request_id: [] for request_id, _, _ in requests}
-        for request_id, prompt_ids, params in requests:
-            self.add_request(request_id, prompt_ids, params)
-        while any(rid in self.seqs for rid in outputs):
-            for out in self.step():
+        for step_outputs in self.iterate(requests):
+            for out in step_outputs:
                 outputs[out.request_id].append(out)
         return outputs
 

@@ -109,7 +109,7 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     stream = service.is_streaming(parsed)
     content_type = _content_type(service, parsed, stream)
     client = ClientRequest(body, asyncio.get_running_loop(), route=route,
-                           content_type=request.headers.get("content-type", "application/json"))
+                           content_type=request.headers.get("content-type", "application/json"), stream=stream)
     front_end.submit(client)
     first = await _next_chunk(request, client)
     if first is None:
@@ -126,6 +126,8 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
 def _content_type(service, parsed, stream: bool) -> str:
     if not stream:
         return "application/json"
+    if not service.settings.is_rolling:  # LMI dynamic batch streams {"outputs": [...]} lines
+        return CONTENT_TYPES["jsonlines"]
     return CONTENT_TYPES[service.output_formatter(True, parsed.is_openai)]
 
 

@@ -41,6 +41,7 @@ class ClientRequest:
     loop: asyncio.AbstractEventLoop
     route: str = "/invocations"
     content_type: str = "application/json"
+    stream: bool = False              # dynamic batch sends a streaming request alone
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -192,6 +193,7 @@ class DynamicFrontEnd(FrontEnd):
         super().__init__(handle, properties)
         self.batch_size = batch_size
         self.max_batch_delay_s = max_batch_delay_ms / 1000
+        self.carry: ClientRequest | None = None   # a streaming client met while filling a batch
 
     def loop_once(self) -> None:
         batch = self._collect()
@@ -199,23 +201,32 @@ class DynamicFrontEnd(FrontEnd):
             return
         try:
             output = self.handle(self._build_input(batch))
-            if output is None or output.code != 200 or output.content.size() != len(batch):
+            streamed = getattr(output, "stream_content", None) is not None
+            if output is None or output.code != 200 or (output.content.size() != len(batch) and not streamed):
                 raise RuntimeError("handler answered a malformed batch")
         except Exception as exc:  # noqa: BLE001 - the loop must survive anything
             logger.exception("dynamic batch failed")
             for client in batch:
                 client.push(Chunk("", True, 424, f"inference failed: {exc}"))
             return
+        if getattr(output, "stream_content", None) is not None:
+            self._pump(batch[0], output.stream_content[0])
+            return
         for index, client in enumerate(batch):
             client.push(self._chunk(output.content.value_at(index)))
 
     def _collect(self) -> list[ClientRequest]:
-        try:
-            first = self.pending.get(timeout=0.5)
-        except queue.Empty:
-            return []
+        """Up to batch_size requests within max_batch_delay; a streaming request always goes alone."""
+        first, self.carry = self.carry, None
         if first is None:
+            try:
+                first = self.pending.get(timeout=0.5)
+            except queue.Empty:
+                return []
+        if first is None or first.cancelled:
             return []
+        if first.stream:
+            return [first]
         batch, deadline = [first], time.monotonic() + self.max_batch_delay_s
         while len(batch) < self.batch_size:
             remaining = deadline - time.monotonic()
@@ -225,8 +236,28 @@ class DynamicFrontEnd(FrontEnd):
                 break
             if client is None:
                 break
+            if client.stream:
+                self.carry = client
+                break
             batch.append(client)
         return [c for c in batch if not c.cancelled]
+
+    @staticmethod
+    def _pump(client: ClientRequest, pieces) -> None:
+        """Send a streamed answer piece by piece; a client that went away closes the stream early."""
+        try:
+            for piece in pieces:
+                if client.cancelled:
+                    break
+                client.push(Chunk(piece, False))
+            client.push(Chunk("", True))
+        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            logger.exception("dynamic stream failed")
+            client.push(Chunk("", True, 424, f"inference failed: {exc}"))
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
 
     @staticmethod
     def _build_input(batch: list[ClientRequest]) -> OwnInput:

@@ -1,6 +1,7 @@
 """/invocations end to end on the real demo model: JSON, jsonlines streaming, concurrency, errors."""
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -118,10 +119,22 @@ def test_dynamic_batch_answers_a_list_of_generated_texts_per_input(dynamic_serve
         assert solo == [answers[1]]
 
 
-def test_dynamic_batch_refuses_streaming_with_a_clear_400(dynamic_server):
-    with httpx.Client(base_url=dynamic_server.url, timeout=60) as http:
-        response = http.post("/invocations", json={"inputs": "Hi", "stream": True})
-        assert response.status_code == 400 and "stream" in response.json()["error"]
+def test_dynamic_batch_streams_outputs_lines_that_join_to_each_inputs_text(dynamic_server):
+    inputs = ["The sky is", "Once upon a time"]
+    with httpx.Client(base_url=dynamic_server.url, timeout=300) as http:
+        whole = http.post("/invocations", json={"inputs": inputs, "parameters": {"max_new_tokens": 8}}).json()
+        rows = []
+        with http.stream("POST", "/invocations", json={"inputs": inputs, "stream": True,
+                                                       "parameters": {"max_new_tokens": 8}}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("application/jsonlines")
+            for line in response.iter_lines():
+                if line.strip():
+                    rows.append(json.loads(line)["outputs"])
+        assert len(rows) >= 2 and all(len(row) == 2 for row in rows)
+        assert ["".join(row[i] for row in rows) for i in range(2)] == [a["generated_text"] for a in whole]
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "stream": True})
+        assert chat.status_code == 400 and "stream" in chat.json()["error"]["message"]
         assert http.get("/ping").status_code == 200
 
 

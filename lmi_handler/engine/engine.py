@@ -256,6 +256,8 @@ class Engine:
             start = end - sched.num_scheduled_tokens[index]
             if seq.prompt_token_logprobs is None:
                 seq.prompt_token_logprobs = [None]
+            elif len(seq.prompt_token_logprobs) > start + 1:
+                continue  # recomputed after a preemption: these were reported already
             # position p predicts token p + 1; keep only targets inside the prompt
             targets = seq.all_token_ids[start + 1:min(end + 1, seq.num_prompt_tokens)]
             if targets:

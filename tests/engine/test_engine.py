@@ -1,0 +1,98 @@
+"""Engine end to end on a tiny random Llama: chunked prefill, preemption, seeds, prompt log probs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmi_handler.config import EngineConfig
+from lmi_handler.engine.engine import Engine, RequestRejected
+from lmi_handler.engine.sequence import FinishReason, SamplingParams
+
+
+def make_engine(model_dir, tokenizer, max_num_batched_tokens=64, kv_cache_bytes=1 << 22, max_num_seqs=4):
+    config = EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=None, block_size=4,
+                          kv_cache_bytes=kv_cache_bytes)
+    return Engine(config, tokenizer=tokenizer)
+
+
+def run(engine, prompts, params_list):
+    results = engine.generate([(f"r{i}", p, params) for i, (p, params) in enumerate(zip(prompts, params_list))])
+    return {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}, results
+
+
+PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 300, 6, 9, 400, 11, 23, 57, 88, 91, 120, 33, 7],
+           [300, 200, 100, 50, 25], [7, 7, 7, 7, 8, 8, 8, 9, 9, 10, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+def test_greedy_tokens_equal_hf_generate_with_chunked_prefill_in_a_batch(tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = make_engine(tiny_model_dir, tokenizer, max_num_batched_tokens=12)  # prompts split in chunks
+    ours, _ = run(engine, PROMPTS, [params] * 3)
+    for i, prompt in enumerate(PROMPTS):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours[f"r{i}"] == expected
+
+
+def test_preempted_sequence_resumes_with_the_same_tokens(tiny_model_dir, tokenizer):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    roomy, _ = run(make_engine(tiny_model_dir, tokenizer), PROMPTS, [params] * 3)
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4  # layers * (K, V) * kv_heads * head_dim * block_size * fp32
+    tight = make_engine(tiny_model_dir, tokenizer, kv_cache_bytes=bytes_per_block * 18)  # 72 token slots
+    preempted = []
+    original = tight.scheduler._preempt
+
+    def spy(seq):
+        preempted.append(seq.request_id)
+        original(seq)
+
+    tight.scheduler._preempt = spy
+    squeezed, _ = run(tight, PROMPTS, [params] * 3)
+    assert preempted, "the small cache should force a preemption"
+    assert squeezed == roomy
+    assert tight.allocator.num_used_blocks == 0
+
+
+def test_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_model_dir, tokenizer):
+    seeded = SamplingParams(greedy=False, temperature=1.0, top_p=0.9, seed=-42, max_new_tokens=16, ignore_eos=True)
+    engine = make_engine(tiny_model_dir, tokenizer)
+    alone, _ = run(engine, [PROMPTS[0]], [seeded])
+    others = [SamplingParams(greedy=False, temperature=0.7, max_new_tokens=9, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, ignore_eos=True)]
+    crowd, _ = run(engine, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others[0], seeded, others[1]])
+    assert crowd["r1"] == alone["r0"]
+    other_seed, _ = run(engine, [PROMPTS[0]], [SamplingParams(greedy=False, seed=43, max_new_tokens=16,
+                                                              ignore_eos=True)])
+    assert other_seed["r0"] != alone["r0"]
+
+
+def test_prompt_log_probs_match_hf_across_chunks(tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = PROMPTS[0]
+    engine = make_engine(tiny_model_dir, tokenizer, max_num_batched_tokens=8)
+    _, results = run(engine, [prompt], [SamplingParams(max_new_tokens=2, prompt_logprobs=True)])
+    prompt_tokens = next(out.prompt_tokens for out in results["r0"] if out.prompt_tokens)
+    assert [t.id for t in prompt_tokens] == prompt and prompt_tokens[0].log_prob is None
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = [logp[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
+    assert [t.log_prob for t in prompt_tokens[1:]] == pytest.approx(expected, abs=1e-4)
+
+
+def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tokenizer):
+    engine = make_engine(tiny_model_dir, tokenizer)
+    _, results = run(engine, [PROMPTS[1]], [SamplingParams(max_new_tokens=3, ignore_eos=True)])
+    final = results["r0"][-1]
+    assert final.finished and final.finish_reason is FinishReason.LENGTH and final.num_generated_tokens == 3
+    ids, _ = run(engine, [PROMPTS[1]], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+    stop_at = ids["r0"][2]
+    _, results = run(engine, [PROMPTS[1]], [SamplingParams(max_new_tokens=6, stop_token_ids=(stop_at,))])
+    assert results["r0"][-1].finish_reason is FinishReason.STOP_SEQUENCE
+    with pytest.raises(RequestRejected, match="token limit"):
+        engine.add_request("long", [5] * 250, SamplingParams(max_new_tokens=10))  # context is 256

@@ -310,3 +310,18 @@ def test_metadata_without_host_side_facts_gives_the_same_tokens():
     meta = meta_for([seq(greedy=True), seq(seed=3, top_k=4), seq(seed=-3, min_p=0.1)], 300)
     bare = dataclasses.replace(meta, sampled_rows=None, greedy_rows=None, max_top_k=None)
     assert torch.equal(Sampler()(logits, meta).token_ids, Sampler()(logits, bare).token_ids)
+
+
+def _top_p_by_full_sort(logits, top_p):
+    """The textbook nucleus filter (full sort): the reference apply_top_p's top-k search must equal."""
+    probs_sorted, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    drop_sorted = ((torch.cumsum(probs_sorted, dim=-1) - probs_sorted) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 8.0])
+def test_top_p_partial_sort_keeps_exactly_what_a_full_sort_keeps(scale):
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(6, 5000, generator=generator) * scale
+    top_p = torch.tensor([1.0, 0.999, 0.9, 0.5, 0.1, 0.01])
+    assert torch.equal(torch.isinf(apply_top_p(logits, top_p)), torch.isinf(_top_p_by_full_sort(logits, top_p)))

@@ -136,8 +136,10 @@ class Service:
             raise RequestValidationError(name, f"Invalid parameter `{name}`: only 1 is supported for chat and on "
                                          f"the OpenAI routes, got {count}")
         if self.is_streaming(request):
+            why = ("send stream=false" if request.stream else
+                   f"option.output_formatter={self.settings.output_formatter} streams every response here")
             raise RequestValidationError(name, f"Invalid parameter `{name}`: {name} > 1 cannot be streamed "
-                                         f"(send stream=false), got {count}")
+                                         f"({why}), got {count}")
         if count > self.settings.max_rolling_batch_size:
             raise RequestValidationError(name, f"Invalid parameter `{name}`: must be at most "
                                          f"max_rolling_batch_size ({self.settings.max_rolling_batch_size}), got {count}")
@@ -154,9 +156,20 @@ class Service:
     def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
         if request.chat is not None:
             text = self.apply_chat_template(request.chat.text_messages())
-            return [(text, self.tokenizer.encode(text, add_special_tokens=False))]
+            return [(text, self._encode(text, "messages", add_special_tokens=False))]
+        field = "prompt" if request.completion is not None else "inputs"
         inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
-        return [(text, self.tokenizer.encode(text)) for text in inputs]
+        return [(text, self._encode(text, field)) for text in inputs]
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Raises RequestValidationError for text that is not valid Unicode
+        (JSON allows lone surrogates such as "\\ud800"; UTF-8 and the tokenizer do not)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestValidationError(field, f"Invalid parameter `{field}`: the text is not valid Unicode "
+                                         f"({exc.reason} at position {exc.start})") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat messages with the tokenizer's chat template, ending in the assistant's turn."""

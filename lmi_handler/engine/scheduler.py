@@ -66,34 +66,54 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's work: running decodes, then new prompts, then chunks of running prefills.
+
+        New prompts come before the next chunk of a long prompt already running, so a request
+        arriving during a long prefill waits about one step for its first token, not the whole
+        prefill; the long prompt's chunk (full or nothing) goes on the step after.
+        """
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefill=False)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        self._schedule_running(out, budget, prefill=True)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: bool) -> int:
+        """Schedule the running sequences in decode (prefill=False) or in chunked prefill (True)."""
+        already = {id(s) for s in out.seqs}   # admitted from waiting earlier in this step
+        for seq in list(self.running):
+            if seq.is_prefill != prefill or seq.status is not SequenceStatus.RUNNING or id(seq) in already:
+                continue
             n = self._chunk(seq)
             if n > budget:  # a full chunk or nothing: never a budget-shaped chunk
-                index += 1
                 continue
-            while not self._reserve(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    return budget
+            if not self._reserve_or_preempt(seq, n, out):
+                if seq.status is SequenceStatus.RUNNING:
+                    break       # nothing left to preempt
+                continue        # seq itself was preempted
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(n)
             budget -= n
-            index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _reserve_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Reserve blocks for `n` more tokens of `seq`, preempting the latest-arrived sequences not
+        already scheduled this step while short. False when `seq` itself had to go, or no victim is left."""
+        while not self._reserve(seq, n):
+            scheduled = {id(s) for s in out.seqs}
+            victims = [s for s in self.running if id(s) not in scheduled]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in FIFO order while the batch, the budget and the KV cache allow."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq)
@@ -105,6 +125,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(n)
             budget -= n
+        return budget
 
     def _chunk(self, seq: Sequence) -> int:
         """This step's tokens for `seq`: 1 in decode, else the next fixed-size prefill chunk."""

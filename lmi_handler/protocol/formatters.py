@@ -341,8 +341,9 @@ def render_best_of(ctx: ResponseContext, members: list[list[RequestOutput]], see
     log prob answers as usual; with details, the others follow in details.best_of_sequences as
     {generated_text, finish_reason, generated_tokens, seed, tokens} (TGI BestOfSequence).
     """
-    formatters = [JsonFormatter(replace(ctx, tgi_compat=False, details=True)) for _ in members]
+    formatters = [JsonFormatter(replace(ctx, details=True)) for _ in members]
     docs = [json.loads("".join(f.format(out) for out in outs)) for f, outs in zip(formatters, members)]
+    docs = [doc[0] if isinstance(doc, list) else doc for doc in docs]    # tgi_compat wraps each in a list
     scores = [sum(t.log_prob for t in f.tokens) for f in formatters]
     best = max(range(len(members)), key=lambda j: scores[j])
     doc: dict[str, Any] = {"generated_text": docs[best]["generated_text"]}

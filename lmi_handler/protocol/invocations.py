@@ -42,6 +42,12 @@ class InvocationRequest:
     route: str = ROUTE_INVOCATIONS
 
     @property
+    def openai_model(self) -> str | None:
+        """The `model` an OpenAI-route request names (None when it names none)."""
+        openai = self.chat or self.completion
+        return openai.model if openai is not None and self.is_openai else None
+
+    @property
     def is_openai(self) -> bool:
         """Came in on an OpenAI route: answers and errors take OpenAI's shapes, streams are SSE."""
         return self.route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
@@ -75,6 +81,10 @@ class InvocationRequest:
         data = _load_json(body)
         stream = _check_stream(data.get("stream"))
         if "messages" in data:
+            if "parameters" in data:
+                raise RequestValidationError("parameters", "Invalid field `parameters`: a chat request (with "
+                                             "`messages`) takes OpenAI fields at the top level (max_tokens, "
+                                             "temperature, top_p, stop, seed, ...)")
             chat = ChatCompletionRequest.parse(data)
             return cls(None, chat.to_generation_parameters(), stream, chat.messages, chat)
         unknown = sorted(set(data) - _TOP_LEVEL)
@@ -105,8 +115,8 @@ def _load_json(body: bytes | str | dict) -> dict:
         raise RequestValidationError("body", "Request body is empty: send a JSON object with \"inputs\"")
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RequestValidationError("body", f"Request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, 4300+ digit integers, absurd nesting
+        raise RequestValidationError("body", f"Request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise RequestValidationError.out_of_range("body", data, "a JSON object")
     return data
@@ -178,7 +188,7 @@ def build_details(*, finish_reason: FinishReason | None, tokens: list[TokenOutpu
     generated_tokens counts `tokens` (the tokens sent to the client), so it equals the number
     of streamed lines. Streaming leaves the tokens out (include_tokens=False, as LMI does).
     tgi_compat adds "prefill": [] when none was asked (TGI's Details always has it).
-    best_of_sequences is never set: the engine returns one sequence per request.
+    best_of_sequences is added by formatters.render_best_of for n / best_of requests.
     """
     details: dict[str, Any] = {"finish_reason": None if finish_reason is None else FinishReason(finish_reason).value,
                                "generated_tokens": len(tokens), "inputs": inputs}

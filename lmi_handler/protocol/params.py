@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lmi_handler.engine.sequence import SamplingParams
-from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
+from lmi_handler.protocol.errors import RequestValidationError, _show, from_pydantic
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +20,7 @@ MAX_TOP_N_TOKENS = 20
 # Ours: TGI's default --max-stop-sequences is 4 and OpenAI allows 4; LMI has none. 16 keeps LMI
 # clients with a few more working while bounding the per-step stop-string work.
 MAX_STOP_SEQUENCES = 16
+MAX_TOP_K = (1 << 31) - 1  # beyond any vocabulary; keeps the engine's int64 tensors safe
 # vLLM's _SAMPLING_EPS: a temperature below this is greedy (logits / 1e-40 overflow float32).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -29,7 +30,7 @@ RULES: dict[str, str] = {
     "seed": f"an integer in [{INT64_MIN}, {INT64_MAX}]",
     "temperature": "a number >= 0 (below 1e-5 = greedy)",
     "repetition_penalty": "a number > 0 (1.0 = off)",
-    "top_k": "an integer >= 0 (0 or -1 = off)",
+    "top_k": "an integer in [0, 2147483647] (0 or -1 = off)",
     "top_p": "a number in (0, 1] (1.0 = off)",
     "max_new_tokens": "an integer >= 1",
     "details": "true or false",
@@ -75,8 +76,8 @@ class GenerationParameters(BaseModel):
     temperature: float = _finite(default=1.0, ge=0.0, description="LMI: softmax temperature, >= 0; 0 = greedy")
     repetition_penalty: float = _finite(default=1.0, gt=0.0,
                                                description="LMI/vLLM: > 0; 1.0 = off; > 1 discourages repeats")
-    top_k: int = Field(0, ge=-1, description="LMI: keep the k most likely tokens, >= 0; 0 = off "
-                       "(vLLM's -1 = off is accepted and stored as 0)")
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="LMI: keep the k most likely tokens, >= 0; 0 = off "
+                       "(vLLM's -1 = off is accepted and stored as 0); at most 2^31 - 1")
     top_p: float = _finite(default=1.0, gt=0.0, le=1.0, description="LMI: nucleus mass in (0, 1]; 1.0 = off")
     max_new_tokens: int = Field(30, ge=1, description="LMI: generated tokens at most, >= 1 (default 30); "
                                 "the handler checks it against the model context")
@@ -234,9 +235,9 @@ class GenerationParameters(BaseModel):
         if self.num_beams > 1:
             raise RequestValidationError(
                 "num_beams", f"Invalid parameter `num_beams`: beam search is not supported, so num_beams "
-                             f"must be 1, got {self.num_beams}")
+                             f"must be 1, got {_show(self.num_beams)}")
         if self.num_sequences > 1 and self.is_greedy():
             name = "best_of" if (self.best_of or 1) >= self.n else "n"
             raise RequestValidationError(
                 name, f"Invalid parameter `{name}`: {name} > 1 needs sampling (do_sample=true or a sampling "
-                      f"parameter such as temperature), got {getattr(self, name)} with greedy decoding")
+                      f"parameter such as temperature), got {_show(getattr(self, name))} with greedy decoding")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import AsyncIterator, Callable
@@ -91,21 +92,45 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     return app
 
 
+MAX_BODY_BYTES = 8 << 20  # 8 MiB: far past any prompt the context could hold
+# One thread parses and tokenizes requests: a large body never stalls the event loop (and the
+# streams it serves), and that thread keeps one tokenizer of its own (service.tokenizer is per thread).
+_VALIDATION = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
+
+
 def error_response(message: str, code: int, route: str = ROUTE_INVOCATIONS, field: str | None = None) -> JSONResponse:
     """Errors before inference: LMI's {"error", "code"}, or an OpenAI error object on OpenAI routes."""
     if route in (ROUTE_CHAT, ROUTE_COMPLETIONS):
-        return JSONResponse(openai_error(message, code, param=field), status_code=code)
+        kind = "invalid_request_error" if code < 424 else "server_error"  # 424: the generation failed
+        return JSONResponse(openai_error(message, code, param=field, error_type=kind), status_code=code)
     return JSONResponse({"error": message, "code": code}, status_code=code)
+
+
+def _validate(service, body: bytes, route: str, content_type: str | None):
+    """Parse and tokenize (in the validation thread). Raises RequestValidationError."""
+    parsed = service.parse(body, route=route, content_type=content_type)
+    service.prepare(parsed)
+    if parsed.is_openai and parsed.openai_model not in (None, service.model_name):
+        raise RequestValidationError("model", f"The model `{parsed.openai_model}` does not exist (this server "
+                                     f"serves `{service.model_name}`)", status_code=404)
+    return parsed
 
 
 async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     service = get_state().service
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, route, "body")
     body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, route, "body")
     try:  # validate before inference: a bad request never reaches the batch
-        parsed = service.parse(body, route=route, content_type=request.headers.get("content-type"))
-        service.prepare(parsed)
+        parsed = await asyncio.get_running_loop().run_in_executor(
+            _VALIDATION, _validate, service, body, route, request.headers.get("content-type"))
     except RequestValidationError as exc:
         return error_response(str(exc), exc.status_code, route, exc.field)
+    except Exception as exc:  # a bug, never the client's fault: still a JSON answer, and the server goes on
+        logger.exception("request validation failed")
+        return error_response(f"internal error while reading the request: {type(exc).__name__}", 500, route)
     stream = service.is_streaming(parsed)
     content_type = _content_type(service, parsed, stream)
     client = ClientRequest(body, asyncio.get_running_loop(), route=route,

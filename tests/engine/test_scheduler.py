@@ -116,3 +116,16 @@ def test_prefill_chunks_are_cut_the_same_alone_and_beside_other_prompts():
     assert chunks_of(40, [5]) == alone
     assert chunks_of(40, [12, 3]) == alone
     assert chunks_of(40, [30]) == alone
+
+
+def test_a_prompt_arriving_during_a_long_prefill_gets_in_before_the_next_chunk():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=19), BlockAllocator(200, 4))
+    long = make_seq(0, 64)
+    sched.add(long)
+    run_step(sched)                      # long: first chunk of 16
+    short = make_seq(1, 6)
+    sched.add(short)
+    seqs = run_step(sched)               # short comes first; long's 16-token chunk no longer fits
+    assert seqs == [short]
+    seqs = run_step(sched)               # short decodes, long's next full chunk goes on
+    assert seqs == [short, long] and long.num_computed_tokens == 32

@@ -243,3 +243,21 @@ def test_error_body_and_dynamic_batch_shapes():
     assert json.loads(error_body("bad top_p", 400)) == {"error": "bad top_p", "code": 400}
     assert json.loads(dynamic_batch_body(["a", "b"])) == [{"generated_text": "a"}, {"generated_text": "b"}]
     assert dynamic_batch_stream_line(["x", "y"]) == '{"outputs": ["x", "y"]}\n'
+
+
+def test_best_of_under_tgi_compat_keeps_tgi_token_names():
+    from lmi_handler.protocol.formatters import render_best_of
+
+    def run(text: str, log_prob: float) -> list[RequestOutput]:
+        token = TokenOutput(id=7, text=text, log_prob=log_prob, special_token=False)
+        return [RequestOutput("r", [token], text, True, FinishReason.LENGTH, 3, 1)]
+
+    ctx = ResponseContext(stream=False, details=True, decoder_input_details=False, return_full_text=False,
+                          prompt_text="p", tgi_compat=True)
+    doc = json.loads(render_best_of(ctx, [run("a", -2.0), run("b", -0.5)], [1, 2]))
+    assert isinstance(doc, list) and doc[0]["generated_text"] == "b"
+    details = doc[0]["details"]
+    assert set(details["tokens"][0]) == {"id", "text", "logprob", "special"}
+    other = details["best_of_sequences"][0]
+    assert other["generated_text"] == "a" and other["seed"] == 1
+    assert set(other["tokens"][0]) == {"id", "text", "logprob", "special"}

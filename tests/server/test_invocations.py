@@ -74,7 +74,9 @@ def test_eight_concurrent_clients_complete_and_greedy_ones_equal_their_solo_runs
 
 
 @pytest.mark.parametrize("parameters, field", [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
-                                               ({"max_new_tokens": "many"}, "max_new_tokens")])
+                                               ({"max_new_tokens": "many"}, "max_new_tokens"),
+                                               ({"top_k": 1180591620717411303424}, "top_k"),
+                                               ({"stop_token_ids": [10 ** 30]}, "stop_token_ids")])
 def test_bad_parameter_gets_4xx_naming_it_while_other_streams_go_on(rolling_server, client, parameters, field):
     body = {"inputs": "Count to twenty: 1, 2, 3,", "parameters": {"max_new_tokens": 40}}
     expected = generated_text(client, body["inputs"], **body["parameters"])
@@ -163,3 +165,27 @@ def test_dynamic_batch_answers_chat_and_openai_routes_in_openai_shapes(dynamic_s
         assert completion.json()["object"] == "text_completion"
         listed = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4})
         assert listed.status_code == 400 and "prompt" in listed.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, field, status", [
+    ('{"inputs": "\\ud800 lone surrogate"}', "inputs", 400),
+    ('{"inputs": "Hi", "parameters": {"n": ' + "9" * 5000 + '}}', "body", 400),
+    ('{"inputs": ' + "[" * 100000 + "]" * 100000 + '}', "body", 400),
+    ('{"messages": [{"role": "user", "content": "Hi"}], "parameters": {"max_new_tokens": 5}}', "parameters", 400),
+])
+def test_hostile_bodies_get_a_json_4xx_naming_the_field(client, body, field, status):
+    response = client.post("/invocations", content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert field in response.json()["error"]
+    assert client.get("/ping").status_code == 200
+
+
+def test_a_body_over_the_size_limit_gets_413(client):
+    response = client.post("/invocations", content=b'{"inputs": "' + b"a" * (9 << 20) + b'"}',
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["code"] == 413
+
+
+def test_openai_routes_refuse_a_model_they_do_not_serve(client):
+    response = client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 404 and "gpt-4" in response.json()["error"]["message"]

@@ -6,7 +6,6 @@ the DJL step protocol is handler.py's and HTTP is server/'s.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 import uuid
@@ -15,20 +14,13 @@ from typing import Any
 
 from lmi_handler.config import Settings
 from lmi_handler.engine.engine import Engine, RequestRejected
-from lmi_handler.engine.sequence import SamplingParams
+from lmi_handler.engine.sequence import SamplingParams, random_seed, wrap_int64
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.formatters import ResponseContext
 from lmi_handler.protocol.invocations import ROUTE_CHAT, InvocationRequest
 from lmi_handler.protocol.params import GenerationParameters
 
 logger = logging.getLogger(__name__)
-
-
-INT64_MAX = (1 << 63) - 1
-
-
-def _wrap_int64(value: int) -> int:
-    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 @dataclass
@@ -52,8 +44,8 @@ class PreparedRequest:
             return [(self.request_id, self.params)]
         base = self.params.seed
         if base is None:
-            base = front_end_seed if front_end_seed is not None else random.randint(-INT64_MAX, INT64_MAX)
-        return [(f"{self.request_id}#{j}", replace(self.params, seed=_wrap_int64(base + j)))
+            base = front_end_seed if front_end_seed is not None else random_seed()
+        return [(f"{self.request_id}#{j}", replace(self.params, seed=wrap_int64(base + j)))
                 for j in range(self.num_sequences)]
 
 

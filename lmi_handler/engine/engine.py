@@ -6,7 +6,6 @@ text state; the parts it calls own their nouns (scheduler, model runner, sampler
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -20,13 +19,12 @@ from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
 from lmi_handler.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import (FinishReason, RequestOutput, SamplingParams, Sequence,
-                                         TokenOutput)
+                                         TokenOutput, random_seed)
 from lmi_handler.engine.stopping import (STOP_EOS, STOP_LENGTH, STOP_NONE, STOP_TOKEN, StopStringMatcher,
                                          build_stop_ids, token_stop_reasons)
 
 logger = logging.getLogger(__name__)
 
-INT64_MAX = (1 << 63) - 1
 TOKEN_REASONS = {STOP_EOS: FinishReason.EOS_TOKEN, STOP_LENGTH: FinishReason.LENGTH,
                  STOP_TOKEN: FinishReason.STOP_SEQUENCE}
 
@@ -117,7 +115,7 @@ class Engine:
         if request_id in self.seqs:
             raise RequestRejected("request_id", f"request_id {request_id!r} is already running")
         if params.seed is None:
-            chosen = seed if seed is not None else random.randint(-INT64_MAX, INT64_MAX)
+            chosen = seed if seed is not None else random_seed()
             params = _with_seed(params, chosen)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
         self.seqs[request_id] = seq

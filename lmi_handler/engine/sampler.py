@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmi_handler.engine.sequence import SamplingParams, Sequence
+from lmi_handler.engine.sequence import SamplingParams, Sequence, wrap_int64
 
 # ---------------------------------------------------------------------------------------------
 # Counter-based noise. Per row: splitmix64 (Steele et al., "Fast splittable pseudorandom number
@@ -23,10 +23,6 @@ from lmi_handler.engine.sequence import SamplingParams, Sequence
 def _wrap(x: int, bits: int) -> int:
     """A Python int reduced to the two's-complement value of `bits` bits with the same low bits."""
     return ((x + (1 << (bits - 1))) & ((1 << bits) - 1)) - (1 << (bits - 1))
-
-
-def _as_int64(x: int) -> int:
-    return _wrap(x, 64)
 
 
 _GAMMA64 = _wrap(0x9E3779B97F4A7C15, 64)   # splitmix64 increment (golden ratio)
@@ -122,7 +118,7 @@ class SamplingMetadata:
         knobs = [_knobs(p) for p in params]                   # (temperature, top_k, top_p, min_p, typical_p)
         floats = torch.tensor([[k[0], k[2], k[3], k[4], p.repetition_penalty, p.presence_penalty,
                                 p.frequency_penalty] for k, p in zip(knobs, params)], dtype=torch.float32)
-        ints = torch.tensor([[k[1], _as_int64(p.seed or 0), s.num_output_tokens, int(p.greedy)]
+        ints = torch.tensor([[k[1], wrap_int64(p.seed or 0), s.num_output_tokens, int(p.greedy)]
                              for k, p, s in zip(knobs, params, seqs)], dtype=torch.int64)
         floats = floats.reshape(len(seqs), 7).T.contiguous().to(device)   # (7, B)
         ints = ints.reshape(len(seqs), 4).T.contiguous().to(device)       # (4, B)

@@ -6,7 +6,21 @@ in protocol/params.py, which turns a request into a trusted `SamplingParams`.
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass, field
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def wrap_int64(value: int) -> int:
+    """`value` reduced to the int64 with the same low 64 bits (seeds may be any int64, e.g. seed + j)."""
+    return ((value + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
+
+
+def random_seed() -> int:
+    """A seed drawn for a request that names none: any int64, as the DJL front end draws them."""
+    return random.randint(INT64_MIN, INT64_MAX)
 
 
 class SequenceStatus(enum.Enum):

@@ -9,12 +9,11 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from lmi_handler.engine.sequence import SamplingParams
+from lmi_handler.engine.sequence import INT64_MAX, INT64_MIN, SamplingParams
 from lmi_handler.protocol.errors import RequestValidationError, _show, from_pydantic
 
 logger = logging.getLogger(__name__)
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # OpenAI `top_logprobs` is 0..20 and vLLM's default max_logprobs is 20: one bound for both APIs.
 MAX_TOP_N_TOKENS = 20
 # Ours: TGI's default --max-stop-sequences is 4 and OpenAI allows 4; LMI has none. 16 keeps LMI

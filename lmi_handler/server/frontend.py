@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import random
 import threading
 import time
 import uuid
@@ -16,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
+from lmi_handler.engine.sequence import random_seed
 from lmi_handler.handler import CANCEL_PROPERTY, ROUTE_PROPERTY
 
 logger = logging.getLogger(__name__)
 
-INT64_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -158,7 +157,7 @@ class RollingFrontEnd(FrontEnd):
                 properties[prefix + "Content-Type"] = client.content_type
                 properties[prefix + "requestId"] = client.request_id
                 properties[prefix + ROUTE_PROPERTY] = client.route
-                content.add(prefix + "seed", str(random.randint(-INT64_MAX, INT64_MAX)).encode())
+                content.add(prefix + "seed", str(random_seed()).encode())
         return OwnInput(properties, content)
 
     def _read_entries(self, output: OwnOutput | None) -> list[dict[str, str]]:

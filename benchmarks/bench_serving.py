@@ -16,9 +16,7 @@ import datetime as dt
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from lmi_handler.server.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"  # ../shared beside the checkout
@@ -45,52 +45,6 @@ class RequestResult:
 
 
 # ---------------------------------------------------------------- server side
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """`lmi-handler serve` in a subprocess; always stop() it (the caller's try/finally)."""
-
-    def __init__(self, options: dict[str, str], log_path: Path, threads: int | None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OPTION_")}
-        env.update({f"OPTION_{k.upper()}": v for k, v in options.items()})
-        if threads:
-            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmi_handler.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--properties", str(REPO / "serving.properties")],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/ping", timeout=2).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server not ready after {timeout_s} s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=20)
-        self.log.close()
-
 
 async def stream_one(client: httpx.AsyncClient, index: int, prompt: str, max_new_tokens: int,
                      timeout_s: float) -> RequestResult:
@@ -148,7 +102,9 @@ async def run_load(url: str, prompts: list[str], concurrency: int, max_new_token
 
 
 def bench_server(args, prompts: list[str], log_path: Path) -> dict:
-    server = ServerProcess({"max_rolling_batch_size": str(args.max_rolling_batch_size)}, log_path, args.threads)
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else {}
+    server = ServerProcess({"max_rolling_batch_size": str(args.max_rolling_batch_size)}, log_path,
+                           REPO / "serving.properties", env=threads)
     try:
         ready_s = server.wait_ready(args.server_start_timeout_s)
         load_before = os.getloadavg()

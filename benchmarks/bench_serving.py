@@ -103,7 +103,8 @@ async def run_load(url: str, prompts: list[str], concurrency: int, max_new_token
 
 def bench_server(args, prompts: list[str], log_path: Path) -> dict:
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else {}
-    server = ServerProcess({"max_rolling_batch_size": str(args.max_rolling_batch_size)}, log_path,
+    server = ServerProcess({"max_rolling_batch_size": str(args.max_rolling_batch_size),
+                            "batch_invariant": args.batch_invariant}, log_path,
                            REPO / "serving.properties", env=threads)
     try:
         ready_s = server.wait_ready(args.server_start_timeout_s)
@@ -312,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-invariant", choices=["true", "false"], default="true",
+                        help="option.batch_invariant of the server (false: plain GEMMs, one padded attention call)")
     parser.add_argument("--max-rolling-batch-size", type=int, default=16,
                         help="OPTION_MAX_ROLLING_BATCH_SIZE for the server")
     parser.add_argument("--threads", type=int, default=1,
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     hf = bench_hf(args, prompts)
     report = build_report(args, prompts, server, hf)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"serving-{dt.date.today().isoformat()}"
+    variant = "" if args.batch_invariant == "true" else "-plain"
+    stem = args.out_dir / f"serving-{dt.date.today().isoformat()}{variant}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, stem.with_suffix(".png"))
     print_summary(report)

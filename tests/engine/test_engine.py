@@ -96,3 +96,24 @@ def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tokenizer):
     assert results["r0"][-1].finish_reason is FinishReason.STOP_SEQUENCE
     with pytest.raises(RequestRejected, match="token limit"):
         engine.add_request("long", [5] * 250, SamplingParams(max_new_tokens=10))  # context is 256
+
+
+@pytest.mark.slow
+def test_engine_greedy_on_the_demo_model_equals_hf_generate_for_mt_bench_prompts(model_dir, tokenizer,
+                                                                                 mt_bench_prompts):
+    """The issue's oracle at the engine level: 4 MT-bench prompts (chat template), 32 tokens, batched."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False) for text in mt_bench_prompts[:4]]
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    config = EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=4,
+                          max_num_batched_tokens=64, max_model_len=None, block_size=16, kv_cache_bytes=1 << 28)
+    engine = Engine(config, tokenizer=tokenizer)
+    ours, results = run(engine, ids, [SamplingParams(max_new_tokens=32)] * 4)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, prompt_ids in enumerate(ids):
+        expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False)[0, len(prompt_ids):]
+        assert ours[f"r{i}"] == expected.tolist()
+        final = results[f"r{i}"][-1]
+        assert final.generated_text == tokenizer.decode(ours[f"r{i}"], skip_special_tokens=True)

@@ -39,6 +39,10 @@ def make_front_end(properties: dict[str, str]) -> FrontEnd:
 def create_app(properties: dict[str, str]) -> FastAPI:
     """Build the app; the model loads in the front end's thread at startup (handle()'s init call)."""
     front_end = make_front_end(properties)
+    for name in PROTOCOL_LOGGERS:
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, QuietValidation) for f in logger_.filters):
+            logger_.addFilter(QuietValidation())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -96,6 +100,17 @@ MAX_BODY_BYTES = 8 << 20  # 8 MiB: far past any prompt the context could hold
 # One thread parses and tokenizes requests: a large body never stalls the event loop (and the
 # streams it serves), and that thread keeps one tokenizer of its own (service.tokenizer is per thread).
 _VALIDATION = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
+
+
+class QuietValidation(logging.Filter):
+    """The HTTP pre-validation parses each request before the handler parses it again: warnings about
+    a request (e.g. unknown parameters) are logged once, by the handler, not twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.threadName.startswith("validate")
+
+
+PROTOCOL_LOGGERS = ("lmi_handler.protocol.params", "lmi_handler.protocol.invocations", "lmi_handler.protocol.openai")
 
 
 def error_response(message: str, code: int, route: str = ROUTE_INVOCATIONS, field: str | None = None) -> JSONResponse:

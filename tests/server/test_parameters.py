@@ -178,9 +178,11 @@ def test_streamed_texts_concatenate_to_generated_text_for_every_sampled_stream(c
         assert streamed_text(lines) == lines[-1]["generated_text"]
 
 
-def test_unknown_parameters_are_ignored(client):
-    response = invoke(client, "Hello", max_new_tokens=2, frobnicate=True)
+def test_unknown_parameters_are_ignored_with_one_warning(client, rolling_server):
+    response = invoke(client, "Hello", max_new_tokens=2, frobnicate_7x=True)
     assert response.status_code == 200
+    warnings = [line for line in rolling_server.log_path.read_text().splitlines() if "frobnicate_7x" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0]
 
 
 def test_openai_completions_route_answers_text_completion(client):

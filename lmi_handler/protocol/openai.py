@@ -20,7 +20,7 @@ OPENAI_RULES: dict[str, str] = {
     **RULES,
     "model": "a string",
     "messages": f"a non-empty list of {{role, content}} objects (role one of {', '.join(ROLES)}; "
-                "content a string or a list of text parts)",
+                "content a string or a list of text parts; only assistant messages may omit it)",
     "prompt": "a non-empty string or a non-empty list of strings",
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
@@ -139,6 +139,8 @@ class ChatCompletionRequest(_SamplingRequest):
             content = message.get("content")
             if message.get("role") not in ROLES or not isinstance(content, (str, list, type(None))):
                 raise ValueError("bad message")
+            if content is None and message.get("role") != "assistant":  # OpenAI: only assistant may omit it
+                raise ValueError("missing content")
             if isinstance(content, list) and not all(_is_text_part(p) for p in content):
                 raise ValueError("non-text content part")
         return messages

@@ -123,3 +123,18 @@ def test_chat_completion_response_shape():
                                    finish_reason=FinishReason.LENGTH, prompt_tokens=5, completion_tokens=3)
     assert doc["choices"][0]["finish_reason"] == "length"
     assert doc["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+@pytest.mark.parametrize("messages", [[{"role": "user"}], [{"role": "system", "content": None}],
+                                      [{"role": "user", "content": "hi"}, {"role": "user"}]])
+def test_messages_other_than_assistant_need_content(messages):
+    with pytest.raises(RequestValidationError) as info:
+        ChatCompletionRequest.parse({"messages": messages})
+    assert info.value.field.startswith("messages")
+
+
+def test_an_assistant_message_may_omit_content():
+    request = ChatCompletionRequest.parse({"messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "assistant", "content": None},
+                                                        {"role": "user", "content": "again"}]})
+    assert request.text_messages()[1]["content"] == ""

@@ -125,8 +125,9 @@ class RollingBatch:
         try:
             request = _parse_item(self.service, item)
             prepared: PreparedRequest = self.service.prepare(request, request_id)[0]
-            members = prepared.members(_item_seed(item))
-            add_members(self.service.engine, prepared, members, _item_seed(item))
+            seed = _item_seed(item)
+            members = prepared.members(seed)
+            add_members(self.service.engine, prepared, members, seed)
         except Exception as exc:  # any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
             return ActiveRequest(request_id, error=str(exc))

@@ -168,7 +168,8 @@ class Service:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors on malformed messages
-            raise RequestValidationError("messages", f"messages cannot be rendered by the chat template: {exc}")
+            raise RequestValidationError("messages",
+                                         f"messages cannot be rendered by the chat template: {exc}") from None
 
     @staticmethod
     def _truncate(token_ids: list[int], params: GenerationParameters) -> list[int]:

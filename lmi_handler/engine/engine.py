@@ -20,13 +20,10 @@ from lmi_handler.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import (FinishReason, RequestOutput, SamplingParams, Sequence,
                                          TokenOutput, random_seed)
-from lmi_handler.engine.stopping import (STOP_EOS, STOP_LENGTH, STOP_NONE, STOP_TOKEN, StopStringMatcher,
-                                         build_stop_ids, token_stop_reasons)
+from lmi_handler.engine.stopping import (FINISH_REASONS, STOP_NONE, StopStringMatcher, build_stop_ids,
+                                         token_stop_reasons)
 
 logger = logging.getLogger(__name__)
-
-TOKEN_REASONS = {STOP_EOS: FinishReason.EOS_TOKEN, STOP_LENGTH: FinishReason.LENGTH,
-                 STOP_TOKEN: FinishReason.STOP_SEQUENCE}
 
 
 class RequestRejected(ValueError):
@@ -223,7 +220,7 @@ class Engine:
         if matched:
             seq.finish_reason = FinishReason.STOP_SEQUENCE
         elif reason_code != STOP_NONE:
-            seq.finish_reason = TOKEN_REASONS[reason_code]
+            seq.finish_reason = FINISH_REASONS[reason_code]
         finished = seq.finish_reason is not None
         if finished:
             self.scheduler.finish(seq)

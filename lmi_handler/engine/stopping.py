@@ -32,12 +32,9 @@ def build_stop_ids(seqs: list[Sequence], eos_token_ids: tuple[int, ...],
     """
     rows = [_row_stop_ids(s, eos_token_ids) for s in seqs]
     width = max(1, max((len(r) for r in rows), default=0))
-    stop_ids = torch.full((len(seqs), width), -1, dtype=torch.int64)
-    is_eos = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, row in enumerate(rows):   # host-side packing of small per-row lists
-        if row:
-            stop_ids[i, : len(row)] = torch.tensor([tok for tok, _ in row], dtype=torch.int64)
-            is_eos[i, : len(row)] = torch.tensor([eos for _, eos in row], dtype=torch.bool)
+    rows = [row + [(-1, False)] * (width - len(row)) for row in rows]   # pad on the host, one tensor each
+    stop_ids = torch.tensor([[tok for tok, _ in row] for row in rows], dtype=torch.int64).reshape(len(seqs), width)
+    is_eos = torch.tensor([[eos for _, eos in row] for row in rows], dtype=torch.bool).reshape(len(seqs), width)
     return stop_ids.to(device), is_eos.to(device)
 
 

@@ -6,6 +6,7 @@ what the entries mean is handler.py's, HTTP is app.py's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -275,8 +276,6 @@ class DynamicFrontEnd(FrontEnd):
 
     @staticmethod
     def _chunk(raw: bytes) -> Chunk:
-        import json
-
         text = raw.decode("utf-8")
         value = json.loads(text)
         if isinstance(value, dict) and "error" in value and "code" in value:

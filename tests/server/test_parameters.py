@@ -1,7 +1,6 @@
 """Each generation parameter's effect on the real model, through the running server (LMI schema)."""
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.formatters import CONTENT_TYPES, stream_failure
+from lmi_handler.protocol.formatters import CONTENT_TYPES, error_body, stream_failure
 from lmi_handler.protocol.invocations import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS
 from lmi_handler.protocol.openai import openai_error
 from lmi_handler.server.metrics import CountRequests, Metrics
@@ -113,12 +113,12 @@ class QuietValidation(logging.Filter):
 PROTOCOL_LOGGERS = ("lmi_handler.protocol.params", "lmi_handler.protocol.invocations", "lmi_handler.protocol.openai")
 
 
-def error_response(message: str, code: int, route: str = ROUTE_INVOCATIONS, field: str | None = None) -> JSONResponse:
+def error_response(message: str, code: int, route: str = ROUTE_INVOCATIONS, field: str | None = None) -> Response:
     """Errors before inference: LMI's {"error", "code"}, or an OpenAI error object on OpenAI routes."""
     if route in (ROUTE_CHAT, ROUTE_COMPLETIONS):
         kind = "invalid_request_error" if code < 424 else "server_error"  # 424: the generation failed
         return JSONResponse(openai_error(message, code, param=field, error_type=kind), status_code=code)
-    return JSONResponse({"error": message, "code": code}, status_code=code)
+    return Response(error_body(message, code), status_code=code, media_type="application/json")
 
 
 def _validate(service, body: bytes, route: str, content_type: str | None):

@@ -8,7 +8,7 @@ import pytest
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.invocations import InvocationRequest, build_details, prefill_to_dicts, token_to_dict
-from tests.conftest import load_case
+from tests.helpers import load_case
 
 
 def test_text_request_parses_from_bytes_str_and_dict():

@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PORT ?= 8080
 BIN := $(VENV)/bin
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve lint test-fast test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,21 @@ model: $(VENV)/.installed
 serve: model
 	$(BIN)/lmi-handler serve --port $(PORT)
 
+LINT := $(BIN)/ruff check .
+PYTEST := $(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(LINT)
+
+# the tests that need neither the demo model nor a server (seconds)
+test-fast: $(VENV)/.installed
+	$(PYTEST) -m "not slow"
+
+# what CI runs (.ci/run): lint first, then the fast tests, then the slow ones (real model, real servers)
 test: model
-	$(BIN)/python -m pytest -q
+	$(LINT)
+	$(PYTEST) -m "not slow"
+	$(PYTEST) -m slow
 
 bench: model
 	$(BIN)/python benchmarks/bench_serving.py

@@ -52,10 +52,6 @@ class InvocationRequest:
         """Came in on an OpenAI route: answers and errors take OpenAI's shapes, streams are SSE."""
         return self.route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
 
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None
-
     @classmethod
     def parse(cls, body: bytes | str | dict, content_type: str | None = None,
               route: str | None = None) -> "InvocationRequest":

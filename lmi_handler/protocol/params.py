@@ -224,11 +224,6 @@ class GenerationParameters(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             top_n_tokens=self.num_top_tokens, prompt_logprobs=self.decoder_input_details)
 
-    @property
-    def num_sequences(self) -> int:
-        """Sequences generated for this request: max(n, best_of) (protocol/sequences.py)."""
-        return sequences.requested(self.n, self.best_of)[0]
-
     def _check_single_sequence(self) -> None:
         """num_beams > 1 is refused (no beam search yet); n/best_of > 1 need sampling (sequences.check_sampled)."""
         if self.num_beams > 1:

@@ -8,6 +8,7 @@ import pytest
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol.errors import RequestValidationError, error_object
 from lmi_handler.protocol.params import MAX_STOP_SEQUENCES, GenerationParameters
+from lmi_handler.protocol.sequences import requested
 from tests.helpers import load_case
 
 BAD_VALUES = [
@@ -174,7 +175,7 @@ def test_beams_and_greedy_multi_sequence_requests_are_rejected_before_inference(
 def test_sampled_requests_may_ask_for_several_sequences(given, count):
     params = GenerationParameters.parse(given)
     params.to_sampling_params()
-    assert params.num_sequences == count
+    assert requested(params.n, params.best_of)[0] == count
 
 
 def test_details_default_follows_tgi_compat():

@@ -71,9 +71,9 @@ class Service:
             request_id=request_id, kind=kind, shape=rules.shape_of(kind, request.route),
             wire=rules.wire_of(kind, stream, settings.output_formatter, settings.tgi_compat), stream=stream,
             prompts=prompts, sequences=count,
-            details=params.wants_details(settings.tgi_compat and kind is not Kind.TGI_GENERATE),
+            details=params.wants_details(rules.details_by_default(kind, settings.tgi_compat)),
             decoder_input_details=params.decoder_input_details, return_full_text=params.return_full_text,
-            tgi_names=kind is Kind.TGI_GENERATE or (settings.tgi_compat and kind is Kind.LMI_TEXT),
+            tgi_names=rules.tgi_names(kind, settings.tgi_compat),
             logprobs=bool(openai and openai.logprobs is not None and openai.logprobs is not False),
             include_usage=bool(openai and openai.include_usage), model_name=self.model_name,
             created=int(time.time()), decode_token=self.decode_token)

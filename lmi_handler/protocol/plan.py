@@ -139,3 +139,13 @@ def wire_of(kind: Kind, stream: bool, output_formatter: str | None, tgi_compat: 
     if output_formatter and output_formatter != "json":
         return Wire(output_formatter)
     return Wire.SSE if tgi_compat else Wire.JSONLINES
+
+
+def tgi_names(kind: Kind, tgi_compat: bool) -> bool:
+    """TGI's token names (and list-wrapped LMI json): always on /generate; for LMI text under tgi_compat."""
+    return kind is Kind.TGI_GENERATE or (tgi_compat and kind is Kind.LMI_TEXT)
+
+
+def details_by_default(kind: Kind, tgi_compat: bool) -> bool:
+    """`details` when the request does not say: on under tgi_compat (LMI), off on /generate (TGI)."""
+    return tgi_compat and kind is not Kind.TGI_GENERATE

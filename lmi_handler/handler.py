@@ -16,7 +16,7 @@ from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_object
 from lmi_handler.protocol.formatters import Answer, Formatter, outputs_line, response_body, stream_formatter
 from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, RequestPlan
-from lmi_handler.protocol.sequences import Member, members
+from lmi_handler.protocol.sequences import Member
 from lmi_handler.service import Service
 
 logger = logging.getLogger(__name__)
@@ -146,9 +146,8 @@ class RollingBatch:
         request_id = item.get_property("requestId") or uuid.uuid4().hex
         try:
             plan = plan_item(self.service, item, request_id)
-            prompt = plan.prompts[0]
-            request_members = members(plan.request_id, prompt.params, plan.sequences, _item_seed(item))
-            add_members(self.service.engine, prompt.token_ids, request_members)
+            (request_members,) = plan.members(_item_seed(item))     # rolling batch: one prompt
+            add_members(self.service.engine, plan.prompts[0].token_ids, request_members)
         except Exception as exc:  # any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
             return ActiveRequest(request_id, error=str(exc))
@@ -200,8 +199,7 @@ class DynamicBatch:
         plans: list[RequestPlan | str] = [self._plan(item) for item in items]
         if len(plans) == 1 and isinstance(plans[0], RequestPlan) and plans[0].stream:
             return self._stream(plans[0])
-        members_of = {p.request_id: [members(q.request_id, q.params, p.sequences) for q in p.prompts]
-                      for p in plans if isinstance(p, RequestPlan)}
+        members_of = {p.request_id: p.members() for p in plans if isinstance(p, RequestPlan)}
         requests = [(m.request_id, list(q.token_ids), m.params)
                     for p in plans if isinstance(p, RequestPlan)
                     for q, prompt_members in zip(p.prompts, members_of[p.request_id]) for m in prompt_members]

@@ -310,9 +310,10 @@ class Answer:
 
 def response_body(plan: RequestPlan, members: Sequence[Sequence[Member]],
                   outputs: dict[str, Sequence[RequestOutput]]) -> Any:
-    """The answer object of a finished request: `outputs[member.request_id]` holds each member's
-    RequestOutputs, step by step, the last one finished (Engine.generate's result). For an OpenAI
-    plan (chat, completion, batch line) this is the OpenAI response body dict."""
+    """The answer object of a finished request: `members` is plan.members() (the sequences that ran),
+    `outputs[member.request_id]` each member's RequestOutputs step by step, the last one finished
+    (Engine.generate's result). For an OpenAI plan (chat, completion, batch line) this is the OpenAI
+    response body dict; batch output lines embed it as response.body."""
     answer = Answer(plan, members)
     for prompt_members in members:
         for member in prompt_members:

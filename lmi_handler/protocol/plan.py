@@ -11,7 +11,7 @@ from typing import Callable
 
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol.encoder import CONTENT_TYPES, Wire
-from lmi_handler.protocol.sequences import SINGLE, SequencePlan
+from lmi_handler.protocol.sequences import SINGLE, Member, SequencePlan, members
 
 DecodeToken = Callable[[int], str]
 
@@ -88,6 +88,10 @@ class RequestPlan:
     def is_openai(self) -> bool:
         """Answers and errors take OpenAI's shapes."""
         return self.kind in OPENAI_KINDS
+
+    def members(self, front_end_seed: int | None = None) -> list[list[Member]]:
+        """The engine sequences of each prompt (n / best_of; seeds resolved now, see sequences.members)."""
+        return [members(p.request_id, p.params, self.sequences, front_end_seed) for p in self.prompts]
 
 
 def kind_of(route: str | None, chat: bool, rolling: bool) -> Kind:

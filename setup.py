@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30"],
-        "bench": ["matplotlib", "httpx>=0.27"],
+        "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
     },
     entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},

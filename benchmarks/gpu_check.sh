@@ -8,12 +8,13 @@
 # On a machine set up with `make install model` nothing else is needed. A bare device machine (no
 # network, its own python3 with torch/transformers but not fastapi/uvicorn/pydantic, no model/) gets:
 #   .gpu-carry/whl/    wheels of the missing packages (--prepare downloads them for Python 3.12)
+#   .gpu-carry/mt_bench_questions.jsonl  the workload's prompts (../shared does not travel)
 #   .gpu-carry/model/  the demo model's config, generation config, tokenizer and chat template (no weights:
 #                      the 0.5 GB checkpoint is larger than what travels); the weights are then made
 #                      RANDOM with the same shapes. Throughput does not depend on weight values (EOS is
 #                      ignored), and the engine tests compare against transformers on the same weights,
 #                      but the tests that need the real demo weights are deselected; the output says so.
-# Pass .gpu-carry in the device tool's `carry`. Budget: tests 200 s, benchmark 240 s (timeouts below).
+# Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Budget: tests 200 s, benchmark 240 s (timeouts below).
 #
 # Status: written without a GPU (none was lent to the session that wrote it): untested on CUDA.
 set -uo pipefail
@@ -25,15 +26,16 @@ CARRY=.gpu-carry
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   mkdir -p "$CARRY/whl" "$CARRY/model"
-  grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> "$(git rev-parse --git-path info/exclude)"
   for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja special_tokens_map.json; do
-    [[ -e model/$f ]] && cp -L "model/$f" "$CARRY/model/"
+    if [[ -e model/$f ]]; then cp -L "model/$f" "$CARRY/model/"; fi
   done
+  prompts=$(cd benchmarks && python3 -c "import workload; print(workload.PROMPTS)")
+  cp "$prompts" "$CARRY/"
   # what the device image lacks (KINDS.md lists what it has); pure-Python wheels except pydantic-core
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$CARRY/whl" \
     fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection prometheus-client \
-    python-multipart
+    python-multipart opentelemetry-api typing-extensions
   du -sh "$CARRY"
   exit 0
 fi
@@ -88,7 +90,9 @@ echo "tests: exit $tests_rc in $(( $(date +%s) - start )) s"
 
 echo "== benchmark, bf16 =="
 start=$(date +%s)
-timeout 240 "$PY" benchmarks/bench.py --dtype bfloat16 --skip vllm --c1-prompts 4 --threads 4 \
+PROMPTS_ARG=()
+if [[ -f $CARRY/mt_bench_questions.jsonl ]]; then PROMPTS_ARG=(--prompts "$CARRY/mt_bench_questions.jsonl"); fi
+timeout 240 "$PY" benchmarks/bench.py --dtype bfloat16 --skip vllm --c1-prompts 4 --threads 4 "${PROMPTS_ARG[@]}" \
   --phase-timeout-s 120 --server-start-timeout-s 90 2>&1 | tee "$OUT_DIR/gpu-bench.log"
 bench_rc=${PIPESTATUS[0]}
 if [[ "$OUT_DIR" != benchmarks/results ]]; then

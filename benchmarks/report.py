@@ -100,9 +100,27 @@ def add_summary(result: dict) -> None:
         ratios[f"ours_server_c{c}_vs_ours_offline"] = _ratio(tps[key], tps.get("ours_offline"))
         ratios[f"ours_server_c{c}_vs_vllm_server_c{c}"] = _ratio(tps[key], tps.get(f"vllm_server_c{c}"))
     result["rows"] = rows
+    result["greedy_agreement_with_ours_offline"] = greedy_agreement(ph)
     result["batch1_decode_tokens_per_s"] = b1
     result["ratios"] = ratios
     result["skipped"] = {name: res["skipped"] for name, res in ph.items() if "skipped" in res}
+
+
+def greedy_agreement(phases: dict) -> dict:
+    """Per engine: how many prompts got exactly our offline token ids (greedy; informational, never asserted).
+
+    fp32 near-ties can flip a token anywhere in 128, so a few differences are normal. Drops the token
+    ids from the phases afterwards (the raw worker files keep them).
+    """
+    ours = (_ok(phases, "ours_offline") or {}).get("output_token_ids")
+    out = {}
+    for name in ("ours_offline_plain", "hf", "vllm_offline"):
+        theirs = (_ok(phases, name) or {}).get("output_token_ids")
+        if ours and theirs:
+            out[name] = f"{sum(a == b for a, b in zip(ours, theirs, strict=False))}/{len(ours)}"
+    for res in phases.values():
+        res.pop("output_token_ids", None)
+    return out
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -124,6 +142,8 @@ def table(result: dict) -> str:
                  f"ours {_fmt(b1['ours_offline'], '.1f')}, vLLM {_fmt(b1['vllm_offline'], '.1f')}.")
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items() if v is not None)
     lines.append(f"Ratios: {ratios or '–'}.")
+    agree = ", ".join(f"{k} {v}" for k, v in result.get("greedy_agreement_with_ours_offline", {}).items())
+    lines.append(f"Prompts whose greedy tokens equal ours offline, token for token: {agree or '–'}.")
     m = result["machine"]
     threads = (_ok(result["phases"], "ours_offline") or {}).get("torch_num_threads")
     lines.append(f"Machine: {m['cpu']}, {m['affinity_cpus']} CPUs; torch threads {threads}; load average before "

@@ -58,8 +58,9 @@ def add_summary(result: dict) -> None:
             rows.append(_row(label, res))
             tps[name] = res["output_tokens_per_s"]
     if res := _ok(ph, "batch_runner"):
+        excl = res.get("output_tokens_per_s_excl_startup")
         rows.append(_row("ours batch file (`lmi-handler batch`)", res,
-                         note=f"{res.get('output_tokens_per_s_excl_startup') or 0:.1f} tok/s excl. start-up"))
+                         note=f"{excl:.1f} tok/s excl. start-up" if excl else "start-up included"))
         tps["batch_runner"] = res["output_tokens_per_s"]
         tps["batch_runner_excl_startup"] = res.get("output_tokens_per_s_excl_startup")
     if res := _ok(ph, "hf"):

@@ -73,7 +73,8 @@ def run(args) -> dict:
     llm = make_llm(workload.model, args)
     startup_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
-    llm.generate(prompts[:2], greedy(4), use_tqdm=False)  # warm-up, as for our engine
+    # warm-up, the same as our engine's
+    llm.generate([{"prompt_token_ids": ids} for ids in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, greedy(workload.max_new_tokens), use_tqdm=False)
     wall = time.perf_counter() - start

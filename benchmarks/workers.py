@@ -71,7 +71,7 @@ def ours_offline(args, workload: Workload) -> dict:
     startup_s = time.perf_counter() - start
     params = SamplingParams(greedy=True, max_new_tokens=workload.max_new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    run_engine(engine, workload.head(min(2, workload.num_prompts)), replace(params, max_new_tokens=4), "warmup-")
+    run_engine(engine, workload.warmup(), replace(params, max_new_tokens=2), "warmup-")
     warmup_s = time.perf_counter() - start
     main = run_engine(engine, workload, params, "r")
     times = main.pop("token_times")

@@ -51,6 +51,12 @@ class Workload:
                         self.prompt_token_ids[:n])
 
 
+    def warmup(self) -> "Workload":
+        """Every prompt with its token ids reversed, 2 tokens: the batch shapes of the real run (so a
+        compiled engine has compiled them) without warming a prefix cache for it (no shared prefix)."""
+        return Workload(self.model, 2, self.questions, self.prompts, [ids[::-1] for ids in self.prompt_token_ids])
+
+
 def build_workload(model: Path, num_prompts: int, max_new_tokens: int, prompts_path: Path = PROMPTS) -> Workload:
     """Read the first `num_prompts` MT-bench questions (turns[0]) and apply the model's chat template.
 

@@ -84,7 +84,7 @@ fi
 
 echo "== correctness tests on CUDA (engine; ${DESELECT[*]:-all of tests/engine}) =="
 start=$(date +%s)
-timeout 200 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine "${DESELECT[@]}" 2>&1 | tee "$OUT_DIR/gpu-tests.log"
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/engine "${DESELECT[@]}" 2>&1 | tee "$OUT_DIR/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: exit $tests_rc in $(( $(date +%s) - start )) s"
 

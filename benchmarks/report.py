@@ -147,7 +147,8 @@ def table(result: dict) -> str:
     lines.append(f"Prompts whose greedy tokens equal ours offline, token for token: {agree or '–'}.")
     m = result["machine"]
     threads = (_ok(result["phases"], "ours_offline") or {}).get("torch_num_threads")
-    lines.append(f"Machine: {m['cpu']}, {m['affinity_cpus']} CPUs; torch threads {threads}; load average before "
+    lines.append(f"Machine: {m['cpu']}, {m['affinity_cpus']} CPUs; --threads {result['config']['threads']} "
+                 f"(torch threads seen in our engine: {threads if threads is not None else '–'}); load average before "
                  f"{'/'.join(f'{x:.2f}' for x in m['before']['loadavg_1_5_15'])}, after "
                  f"{'/'.join(f'{x:.2f}' for x in m['after']['loadavg_1_5_15'])}; other processes used "
                  f"{m['before']['other_cpu_cores_busy']:.2f} cores before the run.")

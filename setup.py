@@ -25,7 +25,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6"],
-        "bench": ["matplotlib", "httpx>=0.27"],
+        "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
     },
     entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},

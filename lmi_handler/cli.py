@@ -37,7 +37,7 @@ def _prepare(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from lmi_handler.batch.runner import BatchRejected, BatchRunner
     from lmi_handler.config import Settings, read_serving_properties
-    from lmi_handler.protocol.batch_lines import BatchDefaults
+    from lmi_handler.protocol.batch_lines import BatchDefaults, read_batch
     from lmi_handler.protocol.errors import RequestValidationError
     from lmi_handler.service import Service
 
@@ -49,6 +49,11 @@ def _batch(args: argparse.Namespace) -> int:
         return 2
     if not args.input.is_file():
         print(f"error: no such input file: {args.input}", file=sys.stderr)
+        return 2
+    with open(args.input, encoding="utf-8", errors="replace") as lines:
+        rejection = read_batch(lines, defaults).rejection()   # before the model loads: no work at all
+    if rejection:
+        print(f"error: batch rejected, nothing was run: {rejection}", file=sys.stderr)
         return 2
     service = Service(Settings.from_properties(read_serving_properties(args.properties)))
     try:

@@ -13,15 +13,12 @@ from pathlib import Path
 
 from lmi_handler.batch.executor import LineRequest, prepare_line
 from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
-from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, LineError, check_lines, read_batch
+from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, BatchRejected, LineError, check_lines, read_batch
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.openai import openai_error
 
 logger = logging.getLogger(__name__)
-
-
-class BatchRejected(ValueError):
-    """The whole batch is refused before any work (DESIGN §4: a line with no output length at all)."""
+__all__ = ["BatchRejected", "BatchRunner", "BatchSummary"]
 
 
 @dataclass

@@ -26,6 +26,10 @@ BATCH_RULES = {**OPENAI_RULES, "max_decoding_length": "an integer >= 1",
                "top_k": "an integer >= -1 (0 or -1 = off, 1 = argmax)"}
 
 
+class BatchRejected(ValueError):
+    """The whole batch is refused before any work (DESIGN §4: a line with no output length at all)."""
+
+
 class BatchDefaults(BaseModel):
     """Batch-level values (CLI flags, or extra fields of POST /v1/batches). None = not given.
 

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from lmi_handler.server.process import ServerProcess
 from tests.conftest import REPO
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_FILE_BYTES = 200_000   # option.batch_max_file_bytes of the test servers (the 413 test)
 
 
 def batch_line(custom_id: str, body: dict, url: str = CHAT, method: str = "POST") -> dict:
@@ -69,3 +71,23 @@ def runner(service):
     from lmi_handler.batch.runner import BatchRunner
 
     return BatchRunner(service)
+
+
+def start(tmp_path_factory, batch_dir, name: str) -> ServerProcess:
+    """A server on the repo's serving.properties with its batch state in `batch_dir` (use with `with`)."""
+    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    return ServerProcess({"batch_dir": str(batch_dir), "num_threads": "1",
+                          "batch_max_file_bytes": str(MAX_FILE_BYTES)}, log, REPO / "serving.properties")
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    with start(tmp_path_factory, tmp_path_factory.mktemp("batches"), "batch-api") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def sdk(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

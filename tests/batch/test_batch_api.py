@@ -8,31 +8,12 @@ import httpx
 import openai
 import pytest
 
-from lmi_handler.server.process import ServerProcess
-from tests.batch.conftest import CHAT, COMPLETIONS, batch_line, by_custom_id, content
-from tests.conftest import REPO, load_case
+from tests.batch.conftest import CHAT, COMPLETIONS, MAX_FILE_BYTES, batch_line, by_custom_id, content, start
+from tests.conftest import load_case
 
 pytestmark = pytest.mark.slow
 
 ORDER = ["validating", "in_progress", "finalizing", "completed"]
-MAX_FILE_BYTES = 200_000   # option.batch_max_file_bytes for the 413 test
-
-
-def start(tmp_path_factory, batch_dir, name: str) -> ServerProcess:
-    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    return ServerProcess({"batch_dir": str(batch_dir), "num_threads": "1",
-                          "batch_max_file_bytes": str(MAX_FILE_BYTES)}, log, REPO / "serving.properties")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with start(tmp_path_factory, tmp_path_factory.mktemp("batches"), "batch-api") as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def jsonl(lines: list) -> bytes:

@@ -191,6 +191,9 @@ class BatchJobs:
         try:
             self.front_end.submit(client)
             record = await _collect(client, line)
+        except Exception as exc:  # a bug must cost this line only, and still give it a record
+            logger.exception("batch %s line %d failed", batch_id, line.line)
+            record = success_record(line.custom_id, request_id, openai_error(f"internal error: {exc}", 500), 500)
         finally:
             self.inflight.pop(request_id, None)
         if record is not None:

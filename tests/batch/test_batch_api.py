@@ -224,3 +224,15 @@ def test_a_server_restart_during_a_batch_loses_no_line_and_repeats_none(model_di
         assert batch.status == "completed" and batch.request_counts.completed == 200
         out = records(client, batch.output_file_id)
         assert sorted(r["custom_id"] for r in out) == [line["custom_id"] for line in lines]   # each exactly once
+
+
+def test_the_offline_runner_and_the_live_route_give_a_seeded_line_the_same_text(sdk, runner, tmp_path):
+    from tests.batch.conftest import read_jsonl, write_jsonl
+
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 99}
+    lines = [batch_line("seeded", body, COMPLETIONS),
+             *[batch_line(f"o{i}", {"prompt": f"Item {i}:", "max_tokens": 3, "temperature": 1.0}, COMPLETIONS)
+               for i in range(3)]]
+    runner.run(write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", progress=False)
+    offline = by_custom_id(read_jsonl(tmp_path / "out.jsonl"))["seeded"]
+    assert content(offline) == sdk.completions.create(model="model", **body).choices[0].text

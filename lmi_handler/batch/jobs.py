@@ -70,7 +70,9 @@ class BatchJobs:
 
     async def _run(self) -> None:
         while True:
-            row = self.store.next_active()
+            # servers sharing a batch_dir: only the lock holder runs jobs (the others still take uploads
+            # and create jobs; the holder finds them within IDLE_S)
+            row = self.store.next_active() if self.store.try_lock() else None
             if row is None:
                 self.wakeup.clear()
                 try:

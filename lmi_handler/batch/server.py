@@ -5,6 +5,8 @@ Owns wiring only (app.py calls mount_batch_api, then start/stop in its lifespan)
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 from lmi_handler.batch.jobs import BatchJobs
@@ -19,7 +21,13 @@ class BatchApi:
     """/v1/files + /v1/batches: `router` to include, `start()` once the model is ready, `stop()` at shutdown."""
 
     def __init__(self, settings: Settings, front_end, service: Callable[[], Any]):
-        self.store = BatchStore(settings.batch_path)
+        try:
+            self.store = BatchStore(settings.batch_path)
+        except OSError as exc:  # e.g. a read-only model directory: jobs still work, but not across restarts
+            fallback = Path(tempfile.mkdtemp(prefix="lmi-batches-"))
+            logger.warning("option.batch_dir %s is not usable (%s); batch state goes to %s, which a restart "
+                           "does not keep", settings.batch_path, exc, fallback)
+            self.store = BatchStore(fallback)
         self.jobs = BatchJobs(self.store, front_end, service)
         self.router = batch_router(self.jobs, settings.batch_max_file_bytes)
 

@@ -5,6 +5,7 @@ running jobs is jobs.py's, HTTP routes.py's.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import sqlite3
@@ -48,6 +49,19 @@ class BatchStore:
         self.db = sqlite3.connect(self.root / "state.sqlite3", isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.executescript(_SCHEMA)
+        self._lock_file = None
+
+    def try_lock(self) -> bool:
+        """Take the directory's worker lock (one job runner per batch_dir, whatever shares it); True if held."""
+        if self._lock_file is None:
+            file = open(self.root / "worker.lock", "a")
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                file.close()
+                return False
+            self._lock_file = file
+        return True
 
     # ---- files ---------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ setup(
         "safetensors>=0.4",
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        "python-multipart>=0.0.9",  # /v1/files uploads (multipart form)
+        "tqdm>=4.60",  # the batch runner's progress bar
         "prometheus_client>=0.20",
         "numpy",
         # serving.properties is Java's .properties format (DJL reads it with java.util.Properties)

@@ -34,6 +34,39 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(args: argparse.Namespace) -> int:
+    from lmi_handler.batch.runner import BatchRejected, BatchRunner
+    from lmi_handler.config import Settings, read_serving_properties
+    from lmi_handler.protocol.batch_lines import BatchDefaults, read_batch
+    from lmi_handler.protocol.errors import RequestValidationError
+    from lmi_handler.service import Service
+
+    try:
+        defaults = BatchDefaults.parse({"max_decoding_length": args.max_decoding_length,
+                                        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})
+    except RequestValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.input.is_file():
+        print(f"error: no such input file: {args.input}", file=sys.stderr)
+        return 2
+    with open(args.input, encoding="utf-8", errors="replace") as lines:
+        rejection = read_batch(lines, defaults).rejection()   # before the model loads: no work at all
+    if rejection:
+        print(f"error: batch rejected, nothing was run: {rejection}", file=sys.stderr)
+        return 2
+    service = Service(Settings.from_properties(read_serving_properties(args.properties)))
+    try:
+        summary = BatchRunner(service).run(args.input, args.output, args.errors, defaults, progress=not args.quiet)
+    except BatchRejected as exc:
+        print(f"error: batch rejected, nothing was run: {exc}", file=sys.stderr)
+        return 2
+    print(f"batch done: {summary.total} lines, {summary.completed} completed, {summary.failed} failed "
+          f"({summary.already_done} already done before this run); {summary.output_tokens} output tokens in "
+          f"{summary.elapsed_s:.1f} s ({summary.output_tokens_per_s:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmi-handler", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -50,6 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--out", default="model", type=Path)
     prepare.add_argument("--force", action="store_true", help="rewrite even when the checkpoint is already there")
     prepare.set_defaults(func=_prepare)
+
+    batch = sub.add_parser("batch", help="run a JSONL file of OpenAI batch requests offline (results by custom_id)")
+    batch.add_argument("input", type=Path, help="batch input JSONL: {custom_id, method, url, body} per line")
+    batch.add_argument("-o", "--output", required=True, type=Path,
+                       help="output JSONL (OpenAI batch output records); rerun to finish an interrupted run")
+    batch.add_argument("--errors", type=Path, help="failed lines go here (default: the output file)")
+    batch.add_argument("--max-decoding-length", type=int,
+                       help="output tokens of lines with neither max_completion_tokens nor max_tokens")
+    batch.add_argument("--temperature", type=float, help="default for lines without one (absent: greedy)")
+    batch.add_argument("--top-p", type=float, help="default for lines without one (absent: 1.0)")
+    batch.add_argument("--top-k", type=int, help="default for lines without one (absent or 0: off; 1: argmax)")
+    batch.add_argument("--properties", default="serving.properties", type=Path,
+                       help="serving.properties file (OPTION_* environment variables override its keys)")
+    batch.add_argument("--quiet", action="store_true", help="no progress bar")
+    batch.set_defaults(func=_batch)
     return parser
 
 

@@ -64,6 +64,11 @@ class Settings(BaseModel):
     """Dynamic batch: milliseconds to wait for a batch to fill."""
     predict_timeout: int = Field(120, ge=1)
     """Seconds one handle() call may take before the front end gives up on it."""
+    batch_dir: str = "batches"
+    """Where /v1/files and /v1/batches keep their SQLite state and files; relative paths start at model_dir
+    (the directory of serving.properties)."""
+    batch_max_file_bytes: int = Field(200 << 20, ge=1)
+    """Largest /v1/files upload in bytes (OpenAI's batch input limit, 200 MB); larger answers 413."""
 
     @field_validator("dtype")
     @classmethod
@@ -84,6 +89,11 @@ class Settings(BaseModel):
     @property
     def model_path(self) -> Path:
         path = Path(self.model_id)
+        return path if path.is_absolute() else Path(self.model_dir) / path
+
+    @property
+    def batch_path(self) -> Path:
+        path = Path(self.batch_dir)
         return path if path.is_absolute() else Path(self.model_dir) / path
 
     def engine_config(self) -> "EngineConfig":

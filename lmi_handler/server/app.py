@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lmi_handler.batch.server import mount_batch_api
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
 from lmi_handler.protocol.encoder import encode, encode_bytes
@@ -40,6 +41,7 @@ def make_front_end(properties: dict[str, str]) -> FrontEnd:
 def create_app(properties: dict[str, str]) -> FastAPI:
     """Build the app; the model loads in the front end's thread at startup (handle()'s init call)."""
     front_end = make_front_end(properties)
+    batch_jobs = mount_batch_api(Settings.from_properties(properties), front_end, lambda: get_state().service)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,7 +49,9 @@ def create_app(properties: dict[str, str]) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, front_end.ready.wait)
         if front_end.init_error is not None:
             raise RuntimeError(f"model initialization failed: {front_end.init_error}")
+        await batch_jobs.start()
         yield
+        await batch_jobs.stop()
         front_end.stop()
 
     app = FastAPI(title="lmi_handler", lifespan=lifespan)
@@ -55,6 +59,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     metrics = Metrics(lambda: getattr(get_state().service, "engine", None), lambda: front_end)
 
     app.add_middleware(CountRequests, counter=metrics.requests)
+    app.include_router(batch_jobs.router)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,263 @@
+"""The /v1/batches job worker: runs stored jobs one at a time through the server's own front end, live traffic first.
+
+Owns a job's life (validating -> in_progress -> finalizing -> completed, failed, expired, cancelling ->
+cancelled) and how many of its lines share the engine; rows are store.py's, line rules batch_lines.py's.
+
+Each line goes through the front end's queue as an internal request on its route (so it is admitted
+by handle() like a live request and answered with the very body the route sends). Live requests
+come first: a job keeps at most `max_batch_size - reserve` lines in flight (reserve = a quarter of
+the batch, at least 1) and adds one only while no live request waits in the queue and the active
+batch has room past the reserve, so an arriving request finds a free place at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from lmi_handler.batch.executor import check_body
+from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
+from lmi_handler.batch.store import BatchStore, now_s
+from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, LineError, check_lines, read_batch
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.openai import openai_error
+from lmi_handler.server.frontend import ClientRequest
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05          # how often a waiting job looks for room in the batch
+IDLE_S = 1.0           # how often an idle worker looks for expired jobs
+
+
+class JobStopped(Exception):
+    """The job was cancelled or expired while it ran."""
+
+
+class BatchJobs:
+    """The store plus one asyncio task (on the server's event loop) that works through the active jobs."""
+
+    def __init__(self, store: BatchStore, front_end, service: Callable[[], Any]):
+        self.store = store
+        self.front_end = front_end
+        self.service = service
+        size = getattr(front_end, "max_batch_size", None) or getattr(front_end, "batch_size", 4)
+        self.max_batch_size = size
+        self.reserve = max(1, size // 4)
+        self.max_in_flight = max(1, size - self.reserve)
+        self.inflight: dict[str, ClientRequest] = {}
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prepare")
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="batch-jobs")
+
+    async def stop(self) -> None:
+        """Stop at once: lines in flight are dropped and redone on the next start (their jobs stay in_progress)."""
+        for client in self.inflight.values():
+            client.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    async def _run(self) -> None:
+        while True:
+            # servers sharing a batch_dir: only the lock holder runs jobs (the others still take uploads
+            # and create jobs; the holder finds them within IDLE_S)
+            row = self.store.next_active() if self.store.try_lock() else None
+            if row is None:
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), IDLE_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                await self._work(row["id"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not stop every later job: this one fails
+                logger.exception("batch %s failed", row["id"])
+                self.store.update(row["id"], status="failed",
+                                  errors=[{"code": "internal_error", "message": str(exc), "param": None,
+                                           "line": None}])
+
+    # ---- one job -------------------------------------------------------------------------------
+
+    async def _work(self, batch_id: str) -> None:
+        row = self.store.row(batch_id)
+        defaults = BatchDefaults.parse(json.loads(row["defaults"]))
+        if row["status"] == "validating" and not await self._validate(row, defaults):
+            return
+        if self.store.row(batch_id)["status"] == "in_progress":
+            try:
+                await self._process(batch_id, defaults)
+            except JobStopped:
+                pass
+        self._finish(batch_id)
+
+    async def _validate(self, row, defaults: BatchDefaults) -> bool:
+        """validating -> in_progress, or failed with `errors` when the file itself is unusable."""
+        path = self.store.file_path(row["input_file_id"])
+        if not path.is_file():
+            self.store.update(row["id"], status="failed", errors=[_file_error(
+                "missing_file", f"input file {row['input_file_id']} no longer exists", "input_file_id")])
+            return False
+        plan = await asyncio.get_running_loop().run_in_executor(
+            self.prepare_pool, _read_plan, path, defaults, row["endpoint"])
+        errors = [_file_error("missing_max_tokens", f"line {b.line} ({b.custom_id}) has no output length: give "
+                              "it max_completion_tokens or max_tokens, or create the batch with "
+                              "max_decoding_length", "body.max_completion_tokens", b.line)
+                  for b in plan.missing_length]
+        if plan.total == 0:
+            errors.append(_file_error("empty_file", "the input file holds no requests", "input_file_id"))
+        if errors:
+            self.store.update(row["id"], status="failed", errors=errors, total=plan.total)
+            return False
+        if self.store.row(row["id"])["status"] == "validating":   # not cancelled meanwhile
+            defaults.log_once()
+            self.store.update(row["id"], status="in_progress", total=plan.total)
+        return True
+
+    async def _process(self, batch_id: str, defaults: BatchDefaults) -> None:
+        """Run every line that has no result yet; results are appended (and flushed) as they finish."""
+        work = self.store.work_dir(batch_id)
+        with ResultFiles(work / "output.jsonl", work / "errors.jsonl") as results, \
+                open(self.store.file_path(self.store.row(batch_id)["input_file_id"]), encoding="utf-8",
+                     errors="replace") as lines:
+            self._count(batch_id, results)
+            tasks: set[asyncio.Task] = set()
+            try:
+                for item in check_lines(lines, defaults, self.store.row(batch_id)["endpoint"]):
+                    if line_key(item) in results.done:
+                        continue
+                    if isinstance(item, LineError):
+                        self._write(batch_id, results, line_error_record(item))
+                        continue
+                    await self._wait_for_room(batch_id)
+                    task = asyncio.create_task(self._run_line(batch_id, item, results))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks:
+                    await asyncio.wait(set(tasks), timeout=IDLE_S)
+                    self._check_stopped(batch_id)
+            finally:
+                for client in self.inflight.values():
+                    client.cancelled = True
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _wait_for_room(self, batch_id: str) -> None:
+        while not self._has_room():
+            self._check_stopped(batch_id)
+            await asyncio.sleep(POLL_S)
+        self._check_stopped(batch_id)
+
+    def _has_room(self) -> bool:
+        """Live first: no live request waiting, the active batch has room past the reserve, the job under its cap."""
+        if len(self.inflight) >= self.max_in_flight:
+            return False
+        active = list(getattr(self.front_end, "active", []))
+        mine_waiting = sum(1 for client in self.inflight.values() if not any(client is a for a in active))
+        waiting = self.front_end.pending.qsize()
+        return waiting - mine_waiting <= 0 and len(active) + waiting <= self.max_batch_size - self.reserve
+
+    def _check_stopped(self, batch_id: str) -> None:
+        row = self.store.row(batch_id)
+        if row["status"] == "cancelling":
+            raise JobStopped
+        if row["expires_at"] is not None and now_s() >= row["expires_at"]:
+            self.store.update(batch_id, status="expired")
+            raise JobStopped
+
+    async def _run_line(self, batch_id: str, line: BatchLine, results: ResultFiles) -> None:
+        request_id = uuid.uuid4().hex
+        service = self.service()
+        try:  # the route's own checks first (as the HTTP pre-validation does): a refused line never queues
+            await asyncio.get_running_loop().run_in_executor(self.prepare_pool, _prepare, service, line)
+        except RequestValidationError as exc:
+            body = openai_error(str(exc), exc.status_code, param=exc.field, error_type="invalid_request_error")
+            self._write(batch_id, results, success_record(line.custom_id, request_id, body, exc.status_code))
+            return
+        client = ClientRequest(json.dumps(line.body).encode(), asyncio.get_running_loop(), route=line.url,
+                               request_id=request_id)
+        self.inflight[request_id] = client
+        try:
+            self.front_end.submit(client)
+            record = await _collect(client, line)
+        except Exception as exc:  # a bug must cost this line only, and still give it a record
+            logger.exception("batch %s line %d failed", batch_id, line.line)
+            record = success_record(line.custom_id, request_id, openai_error(f"internal error: {exc}", 500), 500)
+        finally:
+            self.inflight.pop(request_id, None)
+        if record is not None:
+            self._write(batch_id, results, record)
+
+    def _write(self, batch_id: str, results: ResultFiles, record: dict) -> None:
+        results.write(record)
+        self._count(batch_id, results)
+
+    def _count(self, batch_id: str, results: ResultFiles) -> None:
+        self.store.update(batch_id, completed=results.num_completed, failed=results.num_failed)
+
+    # ---- the end of a job ----------------------------------------------------------------------
+
+    def _finish(self, batch_id: str) -> None:
+        """Results become files (purpose batch_output); then completed, cancelled or expired (failed stays)."""
+        row = self.store.row(batch_id)
+        if row["status"] == "failed":
+            return
+        final = {"in_progress": "completed", "finalizing": "completed", "validating": "cancelled",
+                 "cancelling": "cancelled"}.get(row["status"], row["status"])
+        if row["status"] == "in_progress":
+            self.store.update(batch_id, status="finalizing")
+        work = self.store.work_dir(batch_id)
+        fields: dict[str, Any] = {}
+        for column, name in (("output_file_id", "output.jsonl"), ("error_file_id", "errors.jsonl")):
+            path = work / name
+            if row[column] is None and path.is_file() and path.stat().st_size > 0:
+                fields[column] = self.store.add_file(f"{batch_id}_{name}", "batch_output", path)["id"]
+        self.store.update(batch_id, **fields, status=final)
+
+
+def _read_plan(path: Path, defaults: BatchDefaults, endpoint: str):
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        return read_batch(lines, defaults, endpoint)
+
+
+def _prepare(service, line: BatchLine) -> None:
+    service.prepare(check_body(service, line))
+
+
+def _file_error(code: str, message: str, param: str | None, line: int | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+async def _collect(client: ClientRequest, line: BatchLine) -> dict | None:
+    """The line's answer from its chunks, as a result record; None when it was cancelled before finishing."""
+    parts: list[str] = []
+    while True:
+        try:
+            chunk = await asyncio.wait_for(client.chunks.get(), POLL_S * 10)
+        except asyncio.TimeoutError:
+            if client.cancelled:   # a cancelled request the front end never admitted gets no answer
+                return None
+            continue
+        if chunk.code is not None:
+            body = openai_error(chunk.error or "inference failed", chunk.code)
+            return success_record(line.custom_id, client.request_id, body, chunk.code)
+        parts.append(chunk.data)
+        if chunk.last:
+            break
+    text = "".join(parts)
+    if not text:
+        return None   # cancelled: the handler ended it without an answer
+    return success_record(line.custom_id, client.request_id, json.loads(text))

@@ -1,0 +1,151 @@
+"""The offline batch runner: a JSONL file of OpenAI requests through the rolling-batch engine, results by custom_id.
+
+Owns the admission window and the step loop (no HTTP, no handle() calls); line rules are
+protocol/batch_lines.py's, route answers executor.py's, result files results.py's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmi_handler.batch.executor import LineRequest, prepare_line
+from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
+from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, BatchRejected, LineError, check_lines, read_batch
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.openai import openai_error
+
+logger = logging.getLogger(__name__)
+__all__ = ["BatchRejected", "BatchRunner", "BatchSummary"]
+
+
+@dataclass
+class BatchSummary:
+    """What a run did: lines in the file, results already there, and this run's counts and output tokens."""
+
+    total: int
+    already_done: int
+    completed: int
+    failed: int
+    output_tokens: int
+    elapsed_s: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class _Progress:
+    """tqdm bar: lines done (of the file), failed, output tokens/s and the ETA tqdm computes."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="req", desc="batch", disable=not enabled,
+                        mininterval=0.5, dynamic_ncols=True)
+        self.started = time.monotonic()
+        self.failed = 0
+        self.output_tokens = 0
+
+    def update(self, ok: bool, output_tokens: int) -> None:
+        self.failed += not ok
+        self.output_tokens += output_tokens
+        rate = self.output_tokens / max(time.monotonic() - self.started, 1e-9)
+        self.bar.set_postfix(failed=self.failed, tok_s=f"{rate:.1f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class BatchRunner:
+    """Runs batch files on one loaded Service's engine. `window` bounds the lines inside the engine at once
+    (default: twice the engine's max_num_seqs, so its waiting queue never runs dry), so memory does not
+    grow with the file."""
+
+    def __init__(self, service, window: int | None = None):
+        self.service = service
+        self.engine = service.engine
+        self.window = window or 2 * self.engine.scheduler.config.max_num_seqs
+
+    def run(self, input_path: Path, output_path: Path, errors_path: Path | None = None,
+            defaults: BatchDefaults | None = None, progress: bool = True) -> BatchSummary:
+        """Run every line of `input_path` that has no result yet in the output/error files.
+
+        Raises BatchRejected (naming the lines) when some line has no output length, before any
+        file is written. Successes go to `output_path`; failures to `errors_path` (or `output_path`).
+        """
+        input_path, defaults = Path(input_path), defaults or BatchDefaults()
+        with open(input_path, encoding="utf-8", errors="replace") as lines:
+            plan = read_batch(lines, defaults)
+        if plan.rejection():
+            raise BatchRejected(plan.rejection())
+        defaults.log_once()
+        started = time.monotonic()
+        with ResultFiles(output_path, errors_path) as results:
+            already = len(results.done)
+            if already:
+                logger.info("resuming: %d of %d lines already have a result", already, plan.total)
+            bar = _Progress(plan.total, already, progress)
+            try:
+                with open(input_path, encoding="utf-8", errors="replace") as lines:
+                    self._run_lines(check_lines(lines, defaults), results, bar)
+            finally:
+                bar.close()
+                self.engine.abort_all()
+            return BatchSummary(plan.total, already, results.num_completed, results.num_failed,
+                                bar.output_tokens, time.monotonic() - started)
+
+    def _run_lines(self, items, results: ResultFiles, bar: _Progress) -> None:
+        inflight: dict[str, LineRequest] = {}
+        for item in items:
+            if line_key(item) in results.done:
+                continue
+            if isinstance(item, LineError):
+                results.write(line_error_record(item))
+                bar.update(False, 0)
+                continue
+            request = self._admit(item, results, bar)
+            if request is not None:
+                inflight[request.request_id] = request
+            while len(inflight) >= self.window:
+                self._step(inflight, results, bar)
+        while inflight:
+            self._step(inflight, results, bar)
+
+    def _admit(self, line: BatchLine, results: ResultFiles, bar: _Progress) -> LineRequest | None:
+        request_id = uuid.uuid4().hex
+        try:
+            request = prepare_line(self.service, line, request_id)
+            self.engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+        except (RequestValidationError, ValueError) as exc:
+            status, field = getattr(exc, "status_code", 400), getattr(exc, "field", None)
+            body = openai_error(str(exc), status, param=field, error_type="invalid_request_error")
+            results.write(success_record(line.custom_id, request_id, body, status))
+            bar.update(False, 0)
+            return None
+        return request
+
+    def _step(self, inflight: dict[str, LineRequest], results: ResultFiles, bar: _Progress) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # a bug in a step fails the lines inside the engine, not the whole file
+            logger.exception("engine step failed; failing %d in-flight lines", len(inflight))
+            self.engine.abort_all()
+            for request in inflight.values():
+                body = openai_error("internal error during generation", 500)
+                results.write(success_record(request.line.custom_id, request.request_id, body, 500))
+                bar.update(False, 0)
+            inflight.clear()
+            return
+        for out in outputs:
+            request = inflight.get(out.request_id)
+            body = request.answer(out) if request is not None else None
+            if body is None:
+                continue
+            del inflight[out.request_id]
+            ok = "error" not in body
+            results.write(success_record(request.line.custom_id, request.request_id, body, 200 if ok else 500))
+            bar.update(ok, out.num_generated_tokens)

@@ -1,0 +1,68 @@
+"""lmi_handler.batch's helper: create_batch checks early; submit_batch runs on a server or offline, and the
+README's "Batch jobs" examples work as printed."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from lmi_handler.batch import BatchRejected, create_batch, submit_batch
+from lmi_handler.protocol.errors import RequestValidationError
+from tests.batch.conftest import COMPLETIONS, batch_line, by_custom_id, cli_env, read_jsonl, write_jsonl
+from tests.conftest import REPO
+
+
+def test_create_batch_names_the_lines_without_a_length_and_the_bad_default(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", {"prompt": "x"}, COMPLETIONS)])
+    with pytest.raises(BatchRejected, match=r"line 1 \(a\)"):
+        create_batch(source)
+    with pytest.raises(RequestValidationError, match="top_p"):
+        create_batch(source, max_decoding_length=4, top_p=2.0)
+    spec = create_batch(source, max_decoding_length=4, temperature=0.5)
+    assert (spec.total, spec.num_bad_lines, spec.endpoint) == (1, 0, COMPLETIONS)
+
+
+@pytest.mark.slow
+def test_submit_batch_to_a_server_writes_the_records_with_the_batch_defaults(server, tmp_path):
+    lines = [batch_line("own", {"prompt": "1, 2,", "max_tokens": 2, "ignore_eos": True}, COMPLETIONS),
+             batch_line("default", {"prompt": "1, 2,", "ignore_eos": True}, COMPLETIONS),
+             batch_line("bad", {"prompt": "1, 2,", "top_p": 7}, COMPLETIONS)]
+    spec = create_batch(write_jsonl(tmp_path / "in.jsonl", lines), max_decoding_length=3)
+    result = submit_batch(spec, tmp_path / "out.jsonl", tmp_path / "err.jsonl", base_url=server.url + "/v1",
+                          poll_s=0.3, timeout_s=300)
+    assert (result.status, result.total, result.completed, result.failed) == ("completed", 3, 2, 1)
+    out = by_custom_id(read_jsonl(tmp_path / "out.jsonl"))
+    assert {k: r["response"]["body"]["usage"]["completion_tokens"] for k, r in out.items()} == {"own": 2, "default": 3}
+    assert [r["custom_id"] for r in read_jsonl(tmp_path / "err.jsonl")] == ["bad"]
+
+
+def readme_examples() -> list[tuple[str, str]]:
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Batch jobs")
+    section = text[start:text.index("\n## ", start + 1)]
+    return re.findall(r"```(bash|python)\n(.*?)```", section, re.S)
+
+
+@pytest.mark.slow
+def test_the_readme_batch_examples_work_as_printed(server, tmp_path):
+    """Run in a directory laid out like a checkout; only the server's port and the interpreter differ."""
+    shutil.copy(REPO / "serving.properties", tmp_path / "serving.properties")
+    (tmp_path / "model").symlink_to(REPO / "model")
+    examples = readme_examples()
+    assert [lang for lang, _ in examples] == ["bash", "bash", "python", "python"]
+    for lang, code in examples:
+        code = code.replace("http://localhost:8080", server.url)
+        command = (["bash", "-c", code.replace(".venv/bin/lmi-handler", f"{sys.executable} -m lmi_handler.cli")]
+                   if lang == "bash" else [sys.executable, "-c", code])
+        done = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
+    custom_ids = {"greedy", "sampled", "legacy"}
+    for name in ("results.jsonl", "offline.jsonl"):
+        records = by_custom_id(read_jsonl(tmp_path / name))
+        assert set(records) == custom_ids and all(r["response"]["status_code"] == 200 for r in records.values())
+    assert read_jsonl(tmp_path / "errors.jsonl") == []
+    greedy = by_custom_id(read_jsonl(tmp_path / "offline.jsonl"))["greedy"]
+    assert greedy["response"]["body"]["usage"]["completion_tokens"] <= 16

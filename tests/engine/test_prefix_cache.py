@@ -67,7 +67,7 @@ def test_greedy_tokens_equal_hf_generate_with_prefix_caching_chunked_prefill_and
         for caching in (True, False):
             engine = make_engine(tiny_model_dir, tokenizer, caching, **kwargs)
             preempted = count_preemptions(engine)
-            for round_ in range(2):                       # the second round starts with a warm cache
+            for round_ in range(2 if caching else 1):     # the second round starts with a warm cache
                 ours, _ = run(engine, PROMPTS, params)
                 assert ours == expected, (name, caching, round_)
             stats = engine.allocator.prefix_cache_stats

@@ -52,6 +52,11 @@ class Settings(BaseModel):
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of a common prompt prefix (system prompt, chat template) between requests:
+    full blocks keyed by a hash of their tokens and all before them, kept after their requests end and
+    evicted least recently used when blocks run out. Outputs are unchanged by it; requests with
+    decoder_input_details compute their whole prompt (vLLM: prompt log probs skip the cache)."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV-cache size in bytes (all layers, K and V)."""
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
@@ -103,7 +108,8 @@ class Settings(BaseModel):
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
-                            batch_invariant=self.batch_invariant)
+                            batch_invariant=self.batch_invariant,
+                            enable_prefix_caching=self.enable_prefix_caching)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
@@ -131,6 +137,7 @@ class EngineConfig:
     kv_cache_bytes: int
     num_threads: int = 0
     batch_invariant: bool = True
+    enable_prefix_caching: bool = True
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

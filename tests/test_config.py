@@ -38,10 +38,12 @@ def test_handle_properties_with_int_cluster_size_and_handler_are_accepted():
 
 def test_engine_slice_carries_the_engine_options():
     settings = Settings.from_properties({"max_rolling_batch_size": "8", "max_rolling_batch_prefill_tokens": "16",
-                                         "batch_invariant": "false", "num_threads": "1", "block_size": "32"})
+                                         "batch_invariant": "false", "num_threads": "1", "block_size": "32",
+                                         "enable_prefix_caching": "false"})
     engine = settings.engine_config()
     assert engine.max_num_seqs == 8 and engine.max_num_batched_tokens == 16
     assert engine.batch_invariant is False and engine.num_threads == 1 and engine.block_size == 32
+    assert engine.enable_prefix_caching is False and Settings().engine_config().enable_prefix_caching is True
 
 
 def test_serving_properties_is_read_as_java_properties(tmp_path):

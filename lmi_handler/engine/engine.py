@@ -72,7 +72,8 @@ class Engine:
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.allocator = BlockAllocator(self.runner.num_blocks, self.runner.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   enable_prefix_caching=config.enable_prefix_caching),
                                    self.allocator)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}

@@ -1,14 +1,14 @@
 """Scheduler: waiting/running queues, admission by batch size, token budget and free KV blocks.
 
-Owns which sequences run each step and how many tokens each computes (chunked prefill,
-recompute preemption); it never sees a tensor: the model runner turns its output into one.
+Owns which sequences run each step and how many tokens each computes (chunked prefill, prefix-cache
+hits, recompute preemption); it never sees a tensor: the model runner turns its output into one.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.kv_cache import BlockAllocator, BlockHash, extend_block_hashes, num_blocks_needed
 from lmi_handler.engine.sequence import Sequence, SequenceStatus
 
 
@@ -16,6 +16,7 @@ from lmi_handler.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int                  # sequences decoded together
     max_num_batched_tokens: int        # tokens computed in one step (>= max_num_seqs)
+    enable_prefix_caching: bool = True  # share computed full blocks between sequences (kv_cache.py)
 
     @property
     def prefill_chunk_size(self) -> int:
@@ -49,6 +50,15 @@ class Scheduler:
     arrived last is preempted by recompute: its blocks are freed and it goes back to the head of
     the waiting queue, keeping its tokens (seeded draws depend only on position, so it resumes
     with the same tokens).
+
+    Prefix caching (config.enable_prefix_caching): every full block a sequence has computed is
+    registered in the allocator's prefix cache under its chain hash. At admission a sequence
+    attaches the longest cached run of its leading full blocks and starts computing after them, so
+    a shared system prompt or chat template is prefilled once; a resumed preempted sequence hits
+    its own blocks unless they were evicted meanwhile. The hit always leaves the last token to
+    compute (the step needs its logits), and a hit block is never written again. Sequences asking
+    for prompt log probs (decoder_input_details) take no hits, since every prompt position's logits
+    must be computed, but their blocks still fill the cache.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
@@ -116,8 +126,9 @@ class Scheduler:
         """Admit waiting sequences in FIFO order while the batch, the budget and the KV cache allow."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._chunk(seq)
-            if n > budget or not self._reserve(seq, n):
+            hits = self._cached_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.allocator.block_size, self.config.prefill_chunk_size)
+            if n > budget or not self._admit(seq, hits, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -126,6 +137,48 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
         return budget
+
+    def _uses_prefix_cache(self, seq: Sequence) -> bool:
+        return self.config.enable_prefix_caching and not seq.params.prompt_logprobs
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of a waiting `seq` (full blocks only, none of them
+        holding its last token), or [] when it does not use the cache. Changes nothing but seq's hashes."""
+        if not self._uses_prefix_cache(seq):
+            return []
+        num_blocks = (seq.num_tokens - 1) // self.allocator.block_size
+        return self.allocator.match_prefix(self._block_hashes(seq, num_blocks))
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        if len(seq.block_hashes) >= num_blocks:   # all_token_ids copies: build it only when needed
+            return seq.block_hashes[:num_blocks]
+        return extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.allocator.block_size, num_blocks)
+
+    def _admit(self, seq: Sequence, hits: list[int], n: int) -> bool:
+        """Give a waiting `seq` the cached blocks `hits` plus new blocks for its next `n` tokens;
+        False (nothing changes) when the free blocks do not cover that."""
+        block_size = self.allocator.block_size
+        num_hit_tokens = len(hits) * block_size
+        missing = num_blocks_needed(num_hit_tokens + n, block_size) - len(hits)
+        if missing > self.allocator.num_free_after_attach(hits):
+            return False
+        self.allocator.attach(hits)
+        seq.block_table = hits + self.allocator.allocate(missing)
+        seq.num_computed_tokens = seq.num_cached_tokens = num_hit_tokens
+        seq.num_cached_blocks = len(hits)
+        if self._uses_prefix_cache(seq):
+            self.allocator.prefix_cache_stats.record(seq.num_tokens, num_hit_tokens)
+        return True
+
+    def _cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks `seq` has finished computing since the last call."""
+        num_full = seq.num_computed_tokens // self.allocator.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_cached_blocks, num_full):
+            self.allocator.cache_block(seq.block_table[i], hashes[i])
+        seq.num_cached_blocks = num_full
 
     def _chunk(self, seq: Sequence) -> int:
         """This step's tokens for `seq`: 1 in decode, else the next fixed-size prefill chunk."""
@@ -154,11 +207,15 @@ class Scheduler:
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []
+        seq.num_cached_blocks = 0
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """The step ran: every scheduled sequence now has its scheduled tokens in the KV cache."""
+        """The step ran: every scheduled sequence now has its scheduled tokens in the KV cache, and
+        the full blocks they completed join the prefix cache."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += n
+            if self.config.enable_prefix_caching:
+                self._cache_computed_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence from either queue and free its blocks."""

@@ -103,6 +103,12 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # prefix caching (scheduler.py): chain hashes of the full blocks of all_token_ids computed so
+    # far (they stay valid across preemption: tokens never change), how many leading blocks of
+    # block_table are in the prefix cache, and the tokens found cached at the latest admission
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     # filled by the engine's output path

@@ -1,4 +1,4 @@
-"""Scheduler invariants on toy sizes: token budget, batch size, KV blocks, recompute preemption."""
+"""Scheduler invariants on toy sizes: token budget, batch size, KV blocks, recompute preemption, prefix caching."""
 import random
 
 from lmi_handler.engine.kv_cache import BlockAllocator
@@ -6,8 +6,10 @@ from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
-def make_seq(i: int, prompt_len: int) -> Sequence:
-    return Sequence(f"r{i}", list(range(prompt_len)), SamplingParams(max_new_tokens=8))
+def make_seq(i: int, prompt_len: int, prefix: list[int] = (), prompt_logprobs: bool = False) -> Sequence:
+    """Request r{i}: `prefix`, then prompt tokens no other request has (so only `prefix` can hit the cache)."""
+    own = list(range(1000 * (i + 1), 1000 * (i + 1) + prompt_len - len(prefix)))
+    return Sequence(f"r{i}", list(prefix) + own, SamplingParams(max_new_tokens=8, prompt_logprobs=prompt_logprobs))
 
 
 def run_step(sched: Scheduler) -> list[Sequence]:
@@ -21,11 +23,23 @@ def run_step(sched: Scheduler) -> list[Sequence]:
 
 
 def check_invariants(sched: Scheduler, alloc: BlockAllocator) -> None:
-    owned = [b for s in sched.running + list(sched.waiting) for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert alloc.num_free_blocks + len(owned) == alloc.num_blocks
+    """Block accounting with sharing: ref counts are the number of tables holding each block."""
+    tables = [s.block_table for s in sched.running + list(sched.waiting)]
+    holders = [0] * alloc.num_blocks
+    for table in tables:
+        assert len(table) == len(set(table)), "a block is owned twice by one table"
+        for b in table:
+            holders[b] += 1
+    assert [alloc.ref_count(b) for b in range(alloc.num_blocks)] == holders
+    assert alloc.num_used_blocks == sum(1 for h in holders if h)
+    assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
+    evictable = alloc.evictable_block_ids()
+    assert sorted(evictable) == [b for b in range(alloc.num_blocks) if not holders[b] and alloc.block_hash(b)]
     for seq in sched.running:
         assert len(seq.block_table) * alloc.block_size >= seq.num_computed_tokens
+        assert seq.num_cached_blocks <= seq.num_computed_tokens // alloc.block_size
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
 
 
 def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
@@ -129,3 +143,182 @@ def test_a_prompt_arriving_during_a_long_prefill_gets_in_before_the_next_chunk()
     assert seqs == [short]
     seqs = run_step(sched)               # short decodes, long's next full chunk goes on
     assert seqs == [short, long] and long.num_computed_tokens == 32
+
+
+# ---- prefix caching --------------------------------------------------------------------------
+
+def finish_all(sched: Scheduler) -> None:
+    for seq in list(sched.running) + list(sched.waiting):
+        sched.finish(seq)
+
+
+def test_a_second_prompt_with_the_same_prefix_attaches_the_cached_full_blocks():
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    system = list(range(10))                       # 2 full blocks + 2 tokens
+    first = make_seq(0, 15, prefix=system)
+    sched.add(first)
+    run_step(sched)
+    second = make_seq(1, 13, prefix=system)
+    sched.add(second)
+    out = sched.schedule()
+    assert out.seqs == [first, second] and out.num_scheduled_tokens == [1, 13 - 8]
+    assert second.num_computed_tokens == second.num_cached_tokens == 8
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] not in first.block_table
+    assert [alloc.ref_count(b) for b in first.block_table[:2]] == [2, 2]
+    assert alloc.prefix_cache_stats.num_queried_tokens == 15 + 13
+    assert alloc.prefix_cache_stats.num_hit_tokens == 8
+    check_invariants(sched, alloc)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    prompt = list(range(12))                       # exactly 3 full blocks
+    first = Sequence("a", prompt, SamplingParams())
+    sched.add(first)
+    run_step(sched)
+    first_blocks = list(first.block_table)
+    sched.finish(first)
+    again = Sequence("b", prompt, SamplingParams())
+    sched.add(again)
+    out = sched.schedule()
+    # the third block holds the last token, whose logits the step needs: only 2 blocks are hits,
+    # and the last block is a fresh one (a hit block is never written again)
+    assert again.num_cached_tokens == 8 and out.num_scheduled_tokens == [4]
+    assert again.block_table[:2] == first_blocks[:2]
+    assert alloc.ref_count(again.block_table[2]) == 1 and alloc.block_hash(again.block_table[2]) is None
+    check_invariants(sched, alloc)
+
+
+def test_requests_for_prompt_log_probs_take_no_hits_but_fill_the_cache():
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    system = list(range(8))
+    details = make_seq(0, 12, prefix=system, prompt_logprobs=True)
+    sched.add(details)
+    run_step(sched)
+    assert details.num_cached_tokens == 0 and alloc.num_cached_blocks == 3
+    plain = make_seq(1, 10, prefix=system)
+    details_again = make_seq(2, 10, prefix=system, prompt_logprobs=True)
+    sched.add(plain)
+    sched.add(details_again)
+    sched.schedule()
+    assert plain.num_cached_tokens == 8 and details_again.num_cached_tokens == 0
+    assert alloc.prefix_cache_stats.num_queries == 1          # prompt-logprob requests do not query
+    check_invariants(sched, alloc)
+
+
+def test_disabled_prefix_caching_neither_caches_nor_hits():
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(4, 64, enable_prefix_caching=False), alloc)
+    a, b = make_seq(0, 12, prefix=list(range(8))), make_seq(1, 12, prefix=list(range(8)))
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    run_step(sched)
+    assert b.num_cached_tokens == 0 and alloc.num_cached_blocks == 0
+    assert alloc.prefix_cache_stats.num_queries == 0
+    finish_all(sched)
+    assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_evictable_blocks == 0
+
+
+def test_a_preempted_sequence_resumes_from_its_own_cached_blocks_and_eviction_is_lru():
+    alloc = BlockAllocator(6, 4)  # 24 token slots
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    a, b = make_seq(0, 12), make_seq(1, 12)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)          # both prefilled: 3 full (cached) blocks each, cache full
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    run_step(sched)          # a's 13th token needs a 4th block: b is preempted and its blocks become
+    assert b.status is SequenceStatus.WAITING      # evictable, its last block first: a takes that one
+    assert alloc.block_hash(b_blocks[2]) is None and a.block_table[3] == b_blocks[2]
+    assert alloc.evictable_block_ids() == [b_blocks[1], b_blocks[0]]
+    check_invariants(sched, alloc)
+    sched.finish(a)          # a's partial last block is empty; its 3 full ones queue up after b's
+    assert alloc.evictable_block_ids() == [b_blocks[1], b_blocks[0], a_blocks[2], a_blocks[1], a_blocks[0]]
+    out = sched.schedule()
+    assert out.seqs == [b] and b.num_cached_tokens == 8 and b.block_table[:2] == b_blocks[:2]
+    assert out.num_scheduled_tokens == [13 - 8]
+    # b's 2 new blocks: the empty one, then the least recently released cached one (a's last)
+    assert b.block_table[2:] == [b_blocks[2], a_blocks[2]]
+    assert alloc.evictable_block_ids() == [a_blocks[1], a_blocks[0]]
+    check_invariants(sched, alloc)
+
+
+class ShadowCache:
+    """What the model would have written: slot -> every token up to and including that position.
+
+    Checks that a sequence's computed positions hold exactly its own prefix, whoever computed them
+    (a hit attaches the right K/V), and that no step writes into a block another table holds.
+    """
+
+    def __init__(self, alloc: BlockAllocator):
+        self.alloc = alloc
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def write(self, out) -> None:
+        bs = self.alloc.block_size
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            tokens = seq.all_token_ids
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block = seq.block_table[p // bs]
+                assert self.alloc.ref_count(block) == 1, "a step writes into a shared block"
+                self.slots[block, p % bs] = tuple(tokens[:p + 1])
+
+    def check(self, seqs: list[Sequence]) -> None:
+        bs = self.alloc.block_size
+        for seq in seqs:
+            tokens = seq.all_token_ids
+            for p in range(seq.num_computed_tokens):
+                assert self.slots[seq.block_table[p // bs], p % bs] == tuple(tokens[:p + 1])
+
+
+def check_lru(before: list[int], alloc: BlockAllocator) -> None:
+    """Across one schedule(): blocks evicted from `before` (oldest first) were its oldest survivors."""
+    now = alloc.evictable_block_ids()
+    still = set(now)
+    evicted = [i for i, b in enumerate(before) if alloc.block_hash(b) is None]
+    for i in evicted:
+        assert not still.intersection(before[:i]), "a cached block was evicted before an older one"
+    survivors = [b for b in before if b in still]
+    assert now[:len(survivors)] == survivors, "surviving evictable blocks changed their order"
+
+
+def test_random_workloads_with_shared_prefixes_keep_block_and_cache_accounting_exact():
+    """Toy sizes, every step checked: ref counts, free + used == total, LRU eviction, correct hits."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        alloc = BlockAllocator(rng.choice([18, 24, 40]), rng.choice([2, 4]))  # >= the longest request (36 tokens)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(2, 5), max_num_batched_tokens=24), alloc)
+        shadow = ShadowCache(alloc)
+        prefixes = [list(range(500 + 100 * k, 500 + 100 * k + rng.randint(2, 14))) for k in range(3)]
+        seqs, hits = [], 0
+        for step in range(250):
+            if step < 200 and rng.random() < 0.35:
+                prefix = rng.choice(prefixes + [[]])
+                seq = make_seq(step, len(prefix) + rng.randint(1, 12), prefix, prompt_logprobs=rng.random() < 0.1)
+                seqs.append(seq)
+                sched.add(seq)
+            before = alloc.evictable_block_ids()
+            out = sched.schedule()
+            check_lru(before, alloc)
+            check_invariants(sched, alloc)
+            shadow.check(out.seqs)              # hits carry this sequence's own prefix
+            shadow.write(out)
+            sched.update_from_output(out)
+            for seq in out.seqs:
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.output_token_ids.append(rng.choice([1, 2]))
+            for seq in list(sched.running):
+                if seq.num_output_tokens >= seq.params.max_new_tokens or rng.random() < 0.03:
+                    sched.finish(seq)
+            check_invariants(sched, alloc)
+            hits += sum(1 for s in out.seqs if s.num_cached_tokens and s.num_computed_tokens == s.num_cached_tokens)
+        finish_all(sched)
+        check_invariants(sched, alloc)
+        assert all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
+        assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_used_blocks == 0
+        assert alloc.num_evictable_blocks == alloc.num_cached_blocks
+        assert alloc.prefix_cache_stats.num_hit_tokens > 0, f"seed {seed}: the workload never hit the cache"

@@ -226,27 +226,60 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// out[0..D) = sum_t p[t] * v_t / denom, v_t at v_rows[t]; four vectors of D at a time
+// s[t] = dot(q, k_rows[t]) * scale for t < n, four keys at a time (four independent chains, each
+// exactly the operations of dot()); returns the max
+float score_row(const float* q, const float* const* k_rows, int64_t n, int64_t D, float scale, float* s) {
+  float mx = -INFINITY;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *k0 = k_rows[t], *k1 = k_rows[t + 1], *k2 = k_rows[t + 2], *k3 = k_rows[t + 3];
+    Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+    int64_t d = 0;
+    for (; d + Vec::W <= D; d += Vec::W) {
+      const Vec qv = Vec::load(q + d);
+      a0 = Vec::fma(qv, Vec::load(k0 + d), a0);
+      a1 = Vec::fma(qv, Vec::load(k1 + d), a1);
+      a2 = Vec::fma(qv, Vec::load(k2 + d), a2);
+      a3 = Vec::fma(qv, Vec::load(k3 + d), a3);
+    }
+    float r0 = a0.sum(), r1 = a1.sum(), r2 = a2.sum(), r3 = a3.sum();
+    for (; d < D; ++d) {
+      r0 = std::fma(q[d], k0[d], r0);
+      r1 = std::fma(q[d], k1[d], r1);
+      r2 = std::fma(q[d], k2[d], r2);
+      r3 = std::fma(q[d], k3[d], r3);
+    }
+    s[t] = r0 * scale; s[t + 1] = r1 * scale; s[t + 2] = r2 * scale; s[t + 3] = r3 * scale;
+    mx = std::max(std::max(mx, std::max(s[t], s[t + 1])), std::max(s[t + 2], s[t + 3]));
+  }
+  for (; t < n; ++t) {
+    s[t] = dot(q, k_rows[t], D) * scale;
+    mx = std::max(mx, s[t]);
+  }
+  return mx;
+}
+
+// out[d0 .. d0 + C*W) = sum_t p[t] * v_t[...]: C independent FMA chains over t in order
+template <int C>
+void weighted_chunk(const float* p, const float* const* v_rows, int64_t n, int64_t d0, float* out) {
+  Vec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = Vec::zero();
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec w = Vec::bcast(p[t]);
+    const float* v = v_rows[t] + d0;
+    for (int c = 0; c < C; ++c) acc[c] = Vec::fma(w, Vec::load(v + c * Vec::W), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) acc[c].store(out + d0 + c * Vec::W);
+}
+
+// out[0..D) = sum_t p[t] * v_t / denom, v_t at v_rows[t]. Each lane d is one FMA chain over t in
+// order whichever chunk it falls in; eight vectors per pass hide the FMA latency.
 void weighted_sum(const float* p, const float* const* v_rows, int64_t n, int64_t D, float denom,
                   float* out) {
   int64_t d = 0;
-  for (; d + 4 * Vec::W <= D; d += 4 * Vec::W) {
-    Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
-    for (int64_t t = 0; t < n; ++t) {
-      const Vec w = Vec::bcast(p[t]);
-      const float* v = v_rows[t] + d;
-      a0 = Vec::fma(w, Vec::load(v), a0);
-      a1 = Vec::fma(w, Vec::load(v + Vec::W), a1);
-      a2 = Vec::fma(w, Vec::load(v + 2 * Vec::W), a2);
-      a3 = Vec::fma(w, Vec::load(v + 3 * Vec::W), a3);
-    }
-    a0.store(out + d); a1.store(out + d + Vec::W); a2.store(out + d + 2 * Vec::W); a3.store(out + d + 3 * Vec::W);
-  }
-  for (; d + Vec::W <= D; d += Vec::W) {
-    Vec a = Vec::zero();
-    for (int64_t t = 0; t < n; ++t) a = Vec::fma(Vec::bcast(p[t]), Vec::load(v_rows[t] + d), a);
-    a.store(out + d);
-  }
+  for (; d + 8 * Vec::W <= D; d += 8 * Vec::W) weighted_chunk<8>(p, v_rows, n, d, out);
+  for (; d + 4 * Vec::W <= D; d += 4 * Vec::W) weighted_chunk<4>(p, v_rows, n, d, out);
+  for (; d + Vec::W <= D; d += Vec::W) weighted_chunk<1>(p, v_rows, n, d, out);
   for (; d < D; ++d) {
     float a = 0.f;
     for (int64_t t = 0; t < n; ++t) a = std::fma(p[t], v_rows[t][d], a);
@@ -305,11 +338,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       for (int64_t h = 0; h < G; ++h) {
         const float* qh = qp + (r * H + g * G + h) * D;
         float* sh = scores.data() + h * max_ctx;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = dot(qh, k_rows[t], D) * fscale;
-          mx = std::max(mx, sh[t]);
-        }
+        const float mx = score_row(qh, k_rows.data(), n, D, fscale, sh);
         const float denom = exp_and_sum(sh, n, mx);
         weighted_sum(sh, v_rows.data(), n, D, denom, op + (r * H + g * G + h) * D);
       }

@@ -56,9 +56,9 @@ def bench_linears(repeats: int) -> list[dict]:
             x = torch.randn(m, k)
             r = max(2, repeats // 10) if name == "lm_head" else repeats
             rows.append({"op": name, "M": m, "K": k, "N": n,
-                         "packed_ms": best_ms(lambda: packed_linear(x, packed, None), r),
-                         "mkl_ms": best_ms(lambda: F.linear(x, weight), r),
-                         "tiled16_ms": best_ms(lambda: _tiled_matmul(x, weight, INVARIANT_TILE), r)})
+                         "packed_ms": best_ms(lambda x=x, p=packed: packed_linear(x, p, None), r),
+                         "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
+                         "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)})
             print(rows[-1], flush=True)
     return rows
 
@@ -92,7 +92,7 @@ def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int) -> d
             seq.block_table = allocator.allocate(num_blocks_needed(context, runner.block_size))
             seq.num_computed_tokens = context - 1        # decode of the last token; KV left as is
             seqs.append(seq)
-        ms = best_ms(lambda: runner.execute(seqs, [1] * num_seqs), repeats)  # noqa: B023 (runs now)
+        ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(seqs, [1] * n), repeats)
         result[f"step_ms_batch{num_seqs}"] = ms
         result[f"tok_s_batch{num_seqs}"] = num_seqs / ms * 1e3
         for seq in seqs:

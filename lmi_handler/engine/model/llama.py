@@ -212,6 +212,10 @@ class LlamaModel(nn.Module):
         if tied:
             del self.embed_tokens
             self.embed_tokens = packed
+        # the checkpoint's tensors may be views of one mapped file: copy the small ones left (norms,
+        # biases) so that no view keeps the whole file resident next to the packed copy
+        for param in self.parameters():
+            param.data = param.data.clone()
         return True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

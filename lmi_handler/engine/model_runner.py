@@ -13,7 +13,6 @@ import torch
 
 from lmi_handler.engine.kv_cache import build_block_tables, build_slot_mapping
 from lmi_handler.engine.model.attention import AttentionMetadata
-from lmi_handler.engine.model.llama import GemmTiles
 from lmi_handler.engine.model.loader import load_model, read_config
 from lmi_handler.engine.sequence import Sequence
 
@@ -66,9 +65,9 @@ class ModelRunner:
     KV cache: per layer a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
     head_dim) in `dtype`, zero-initialised (so padded gathers never read NaN).
     `batch_invariant` (default True) makes a sequence's logits bitwise independent of the rest of
-    the batch: row-tiled GEMMs (llama.GemmTiles; chunks of >= `tiles.large` tokens use the large
-    tile, other rows the small one) and one attention call per sequence. False: plain GEMMs and one
-    padded attention call, faster at large batches, logits may move in the last bits.
+    the batch: the C++ row-invariant linear over packed weights and the paged attention kernel
+    (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
+    False: plain F.linear GEMMs, logits may move in the last bits with the batch.
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
@@ -77,7 +76,7 @@ class ModelRunner:
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant = batch_invariant
-        self.model = load_model(model_dir, dtype, self.device)
+        self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant)
         c = self.config
         block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
@@ -96,32 +95,13 @@ class ModelRunner:
 
         Raises: IndexError if a block table is too short; ValueError if n < 1 or c+n > num_tokens.
         """
-        order = self._batch_order(num_scheduled_tokens)       # batch position -> caller's index
-        seqs = [seqs[i] for i in order]
-        counts = [num_scheduled_tokens[i] for i in order]
-        input_ids, positions, meta = self._prepare(seqs, counts)
-        tiles = self._tiles([n for n in counts if n >= GemmTiles.large])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, tiles)  # (T, hidden_size)
-        rows, spans, num_chunk_rows = self._logit_rows(seqs, counts)
-        head_tiles = None if tiles is None else GemmTiles(num_large_rows=num_chunk_rows)
-        logits = self.model.compute_logits(hidden[rows.to(self.device)], head_tiles)  # (R, vocab) f32
-        inverse = torch.empty(len(order), dtype=torch.int64)
-        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
-        last = logits[num_chunk_rows:][inverse.to(self.device)]                # caller's order
-        chunk_logits = {order[j]: logits[a:b] for j, (a, b) in spans.items()}
-        return ModelOutput(logits=last, chunk_logits=chunk_logits)
-
-    def _batch_order(self, num_scheduled_tokens: list[int]) -> list[int]:
-        """Caller's sequence indices in batch order: in batch-invariant mode, long chunks (large
-        GEMM tile) first so their rows are contiguous; otherwise unchanged."""
-        idx = range(len(num_scheduled_tokens))
-        if not self.batch_invariant:
-            return list(idx)
-        large = [i for i in idx if num_scheduled_tokens[i] >= GemmTiles.large]
-        return large + [i for i in idx if num_scheduled_tokens[i] < GemmTiles.large]
-
-    def _tiles(self, large_counts: list[int]) -> GemmTiles | None:
-        return GemmTiles(num_large_rows=sum(large_counts)) if self.batch_invariant else None
+        input_ids, positions, meta = self._prepare(seqs, num_scheduled_tokens)
+        invariant = self.batch_invariant
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, invariant)  # (T, hidden_size)
+        rows, spans, num_chunk_rows = self._logit_rows(seqs, num_scheduled_tokens)
+        logits = self.model.compute_logits(hidden[rows.to(self.device)], invariant)  # (R, vocab) f32
+        chunk_logits = {i: logits[a:b] for i, (a, b) in spans.items()}
+        return ModelOutput(logits=logits[num_chunk_rows:], chunk_logits=chunk_logits)
 
     def _prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
         """Flatten the step into input_ids (T,), positions (T,) int64 and AttentionMetadata."""
@@ -152,7 +132,7 @@ class ModelRunner:
     @staticmethod
     def _logit_rows(seqs: list[Sequence], num_scheduled_tokens: list[int]):
         """Flat-batch rows to run lm_head on: first the whole chunk of each prompt_logprobs
-        sequence still in its prompt (these rows take the large GEMM tile), then every sequence's
+        sequence still in its prompt, then every sequence's
         last token. Returns ((R,) int64 CPU, {batch position: (a, b) rows of its chunk}, num chunk rows)."""
         last_rows, chunk_rows, spans = [], [], {}
         start = 0

@@ -8,6 +8,7 @@ from lmi_handler.engine.kv_cache import BlockAllocator, build_block_tables, buil
 from lmi_handler.engine.model.attention import (
     AttentionMetadata,
     attention_padded,
+    attention_paged,
     attention_per_sequence,
     reference_attention,
     write_kv,
@@ -51,7 +52,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("kernel", [attention_per_sequence, attention_padded])
+@pytest.mark.parametrize("kernel", [attention_paged, attention_per_sequence, attention_padded])
 def test_paged_attention_matches_reference(case, kernel):
     q, k, v, k_cache, v_cache, meta, keys, values = build_case(*CASES[case])
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -60,15 +61,112 @@ def test_paged_attention_matches_reference(case, kernel):
     torch.testing.assert_close(kernel(q, k_cache, v_cache, meta, scale), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_per_sequence_attention_is_bitwise_identical_alone_and_in_batch():
+@pytest.mark.parametrize("kernel", [attention_paged, attention_per_sequence])
+def test_invariant_attention_is_bitwise_identical_alone_and_in_batch(kernel):
     scale = HEAD_DIM ** -0.5
     q, k, v, k_cache, v_cache, meta, keys, values = build_case([0, 6, 13, 4], [5, 1, 7, 1])
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    batched = attention_per_sequence(q, k_cache, v_cache, meta, scale)
+    batched = kernel(q, k_cache, v_cache, meta, scale)
     for i in range(meta.num_seqs):
         rows = slice(int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1]))
         alone = AttentionMetadata(meta.slot_mapping[rows], meta.block_tables[i:i + 1],
                                   meta.context_lens[i:i + 1], torch.tensor([0, rows.stop - rows.start],
                                                                            dtype=torch.int32),
                                   meta.query_lens[i:i + 1], meta.context_lens_host[i:i + 1], BLOCK)
-        assert torch.equal(attention_per_sequence(q[rows], k_cache, v_cache, alone, scale), batched[rows])
+        assert torch.equal(kernel(q[rows], k_cache, v_cache, alone, scale), batched[rows])
+
+
+def random_paged_case(starts: list[int], lengths: list[int], heads: int, kv_heads: int, head_dim: int,
+                      block_size: int, seed: int, num_blocks: int = 256):
+    """Random K/V for every sequence's whole context in a paged cache with shuffled block ids, and
+    queries for the step's rows. Returns (q, k_cache, v_cache, meta, keys, values)."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [s + n for s, n in zip(starts, lengths)]
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for c in ctx:
+        need = num_blocks_needed(c, block_size)
+        tables.append(ids[:need])
+        ids = ids[need:]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)   # junk outside contexts
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    keys = [torch.randn(c, kv_heads, head_dim, generator=g) for c in ctx]
+    values = [torch.randn(c, kv_heads, head_dim, generator=g) for c in ctx]
+    write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values),
+             build_slot_mapping(tables, [0] * len(ctx), ctx, block_size))
+    meta = make_meta(tables, starts, lengths, block_size)
+    q = torch.randn(sum(lengths), heads, head_dim, generator=g)
+    return q, k_cache, v_cache, meta, keys, values
+
+
+def make_meta(tables: list[list[int]], starts: list[int], lengths: list[int], block_size: int) -> AttentionMetadata:
+    ctx = [s + n for s, n in zip(starts, lengths)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=build_slot_mapping(tables, starts, lengths, block_size),
+        block_tables=build_block_tables(tables), context_lens=torch.tensor(ctx, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), query_lens=list(lengths), context_lens_host=ctx,
+        block_size=block_size)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 12, 1), (6, 2, 128, 3), (2, 1, 5, 7)])
+def test_paged_kernel_matches_reference_on_random_shapes(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    num_seqs = 6
+    lengths = [int(x) for x in torch.randint(1, 20, (num_seqs,), generator=g)]
+    lengths[1] = lengths[3] = 1                                           # decode rows among prefills
+    starts = [int(x) for x in torch.randint(0, 40, (num_seqs,), generator=g)]
+    starts[0] = 0
+    q, k_cache, v_cache, meta, keys, values = random_paged_case(starts, lengths, heads, kv_heads, head_dim,
+                                                                block_size, seed=1)
+    scale = head_dim ** -0.5
+    expected = reference_attention(q.double(), [k.double() for k in keys], [v.double() for v in values],
+                                   meta.query_lens, scale).float()
+    torch.testing.assert_close(attention_paged(q, k_cache, v_cache, meta, scale), expected, rtol=1e-5, atol=2e-6)
+
+
+def test_paged_rows_have_the_same_bits_alone_in_batch_and_under_any_chunking():
+    """One sequence's last 12 positions computed as one chunk, alone; as 1+4+7 chunks; and mixed into
+    batches with other prefills and decodes. Prefix caching and chunked prefill produce such splits."""
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    start, n = 29, 12
+    q, k_cache, v_cache, meta, _, _ = random_paged_case([start, 5, 0, 60], [n, 1, 33, 1], heads, kv_heads,
+                                                        head_dim, block, seed=3)
+    scale = head_dim ** -0.5
+    table = meta.block_tables[0, :num_blocks_needed(start + n, block)].tolist()
+    target_q = q[:n]
+    alone = attention_paged(target_q, k_cache, v_cache, make_meta([table], [start], [n], block), scale)
+    batched = attention_paged(q, k_cache, v_cache, meta, scale)
+    assert torch.equal(batched[:n], alone)
+    pieces, pos = [], start
+    for size in (1, 4, 7):
+        rows = slice(pos - start, pos - start + size)
+        pieces.append(attention_paged(target_q[rows], k_cache, v_cache, make_meta([table], [pos], [size], block),
+                                      scale))
+        pos += size
+    assert torch.equal(torch.cat(pieces), alone)
+    others = q[n:]
+    for order in ([1, 0], [0, 1]):   # the target's chunk after / before the others' rows
+        parts = [others, target_q] if order == [1, 0] else [target_q, others]
+        tables = [meta.block_tables[i, :num_blocks_needed(meta.context_lens_host[i], block)].tolist()
+                  for i in (1, 2, 3)]
+        all_tables = tables + [table] if order == [1, 0] else [table] + tables
+        all_starts = [5, 0, 60, start] if order == [1, 0] else [start, 5, 0, 60]
+        all_lengths = [1, 33, 1, n] if order == [1, 0] else [n, 1, 33, 1]
+        out = attention_paged(torch.cat(parts), k_cache, v_cache,
+                              make_meta(all_tables, all_starts, all_lengths, block), scale)
+        target_rows = slice(35, 35 + n) if order == [1, 0] else slice(0, n)
+        assert torch.equal(out[target_rows], alone)
+
+
+def test_paged_rows_do_not_depend_on_which_physical_blocks_hold_the_context():
+    heads, kv_heads, head_dim, block = 4, 2, 16, 4
+    q, k_cache, v_cache, meta, keys, values = random_paged_case([10], [3], heads, kv_heads, head_dim, block, seed=4)
+    scale = head_dim ** -0.5
+    first = attention_paged(q, k_cache, v_cache, meta, scale)
+    moved = list(range(200, 200 + num_blocks_needed(13, block)))
+    write_kv(k_cache, v_cache, keys[0], values[0], build_slot_mapping([moved], [0], [13], block))
+    assert torch.equal(attention_paged(q, k_cache, v_cache, make_meta([moved], [10], [3], block), scale), first)

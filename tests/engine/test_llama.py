@@ -97,20 +97,35 @@ def test_bfloat16_runs_and_returns_float32_logits(tiny_model_dir):
 
 
 @pytest.mark.parametrize("in_features,out_features", [(576, 192), (576, 3072), (1536, 576), (64, 512)])
-def test_tiled_gemm_rows_do_not_depend_on_the_batch(in_features, out_features):
-    """A row's bits through `linear` with GemmTiles are the same for any batch size and position.
-    Plain F.linear is shown alongside: on MKL it differs (1-row GEMV vs GEMM), by < 1e-4 here."""
-    from lmi_handler.engine.model.llama import GemmTiles, linear
+def test_fallback_tiled_gemm_rows_do_not_depend_on_the_batch(in_features, out_features):
+    """Where the C++ kernels are not used (bf16, CUDA, no compiler), `linear(..., invariant=True)`
+    runs 16-row tiled bmm: a row's bits are the same for any batch size and position (measured on
+    MKL here). Plain F.linear is shown alongside: on MKL it differs (1-row GEMV vs GEMM), by float32
+    rounding of a length-K dot product (< 1e-5 * sqrt(K) for unit-normal inputs)."""
+    from lmi_handler.engine.model.llama import linear
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(70, in_features, generator=g)
-    for num_large in (0, 40):
-        tiles = GemmTiles(num_large_rows=num_large)
-        full = linear(x, weight, None, tiles)
-        small_row = linear(x[num_large:num_large + 1], weight, None, GemmTiles(num_large_rows=0))
-        assert torch.equal(full[num_large], small_row[0])
-        if num_large:
-            assert torch.equal(linear(x[:17], weight, None, GemmTiles(num_large_rows=17)), full[:17])
+    full = linear(x, weight, None, invariant=True)
+    for num_rows, start in ((1, 0), (1, 37), (3, 5), (17, 0), (40, 30)):
+        assert torch.equal(linear(x[start:start + num_rows], weight, None, invariant=True),
+                           full[start:start + num_rows]), (num_rows, start)
     plain_diff = (F_linear := torch.nn.functional.linear)(x[:1], weight)[0] - F_linear(x, weight)[0]
-    assert plain_diff.abs().max() < 1e-4
+    assert plain_diff.abs().max() < 1e-5 * in_features ** 0.5
+
+
+def test_packed_model_equals_the_unpacked_model_within_rounding(tiny_model_dir):
+    """pack_weights swaps every linear (and the tied embedding) for the C++ kernel's layout; the
+    logits stay those of the plain weights up to float32 rounding, and embeddings stay exact."""
+    from lmi_handler.engine.model.kernels import PackedWeight
+
+    plain = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+    packed = load_model(tiny_model_dir, torch.float32, torch.device("cpu"), pack_weights=True)
+    assert isinstance(packed.lm_head, PackedWeight) and packed.embed_tokens is packed.lm_head
+    assert isinstance(packed.layers[0].mlp.down_weight, PackedWeight)
+    ids = torch.tensor(PROMPTS[2])
+    assert torch.equal(packed.embed(ids), plain.embed(ids))
+    hidden = torch.randn(len(ids), packed.args.hidden_size)
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden, invariant=False),
+                               rtol=1e-5, atol=1e-5)

@@ -1,7 +1,8 @@
 """Paged attention over a flat token batch: write new K/V into the block cache, attend causally.
 
-Owns AttentionMetadata and the attention kernels (two fast paths and a pure-PyTorch reference);
-leaves building the metadata from Sequences to model_runner.py and projections/RoPE to llama.py.
+Owns AttentionMetadata and the attention kernels (the C++ paged kernel, two SDPA paths and a
+pure-PyTorch reference); leaves building the metadata from Sequences to model_runner.py and
+projections/RoPE to llama.py.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lmi_handler.engine.model.kernels import cpu_kernels
 
 
 @dataclass
@@ -54,6 +57,36 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float, invariant: bool) -> torch.Tensor:
+    """Causal GQA attention of the step's queries over the paged cache, by the fastest fit path.
+
+    float32 on CPU with the C++ kernels built: attention_paged (batch-invariant by construction,
+    used in both modes). Otherwise attention_per_sequence when `invariant`, else attention_padded.
+    q: (T, num_heads, head_dim). Returns (T, num_heads, head_dim) in q's dtype.
+    """
+    if q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels() is not None:
+        return attention_paged(q, k_cache, v_cache, meta, scale)
+    if invariant:
+        return attention_per_sequence(q, k_cache, v_cache, meta, scale)
+    return attention_padded(q, k_cache, v_cache, meta, scale)
+
+
+def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """C++ kernel reading K/V straight from the block cache (no per-sequence gather).
+
+    Each (query row, kv head) is one work item: the row's scores against its keys 0..pos in order,
+    softmax, then the weighted sum of values in the same order. Nothing in it depends on other rows,
+    on the number of sequences or on how a sequence's tokens were cut into chunks, so a row's bits
+    are the same alone, in any batch and under any chunking (tests/engine/test_attention.py).
+    q: (T, num_heads, head_dim) float32 CPU; caches float32 contiguous. Returns (T, num_heads, head_dim).
+    Raises: RuntimeError (from the kernel) on inconsistent metadata, e.g. a too-short block table.
+    """
+    return cpu_kernels().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                         meta.cu_seqlens_q, scale)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

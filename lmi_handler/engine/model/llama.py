@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmi_handler.engine.model.attention import (AttentionMetadata, attention_padded,
-                                                attention_per_sequence, write_kv)
+from lmi_handler.engine.model.attention import AttentionMetadata, attend, write_kv
+from lmi_handler.engine.model.kernels import PackedWeight, cpu_kernels, pack_weight, packed_linear
 
 
 @dataclass(frozen=True)
@@ -67,36 +67,24 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-@dataclass(frozen=True)
-class GemmTiles:
-    """Batch-invariant GEMM plan for one forward: rows [0, num_large_rows) are multiplied `large`
-    rows at a time, the rest `small` rows at a time (zero-padded to whole tiles).
+INVARIANT_TILE = 16   # rows per bmm tile on the PyTorch fallback (MKL: 16-row tiles measured invariant)
 
-    BLAS picks its kernel (and so its reduction order) by the number of rows, e.g. GEMV for one
-    row, so a plain GEMM makes a row's bits depend on its batch. A fixed tile puts every row
-    through the same kernel whatever else is in the batch. The runner sends the rows of long
-    prefill chunks to the large tile (fast GEMM) and decode rows to the small one (cheap padding).
-    Measured on MKL/AVX-512 with 2 threads: tiles of 2 and 16 rows are invariant, 4 and 8 are not.
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None,
+           invariant: bool) -> torch.Tensor:
+    """x @ weight.T (+ bias). x: (T, in), weight: (out, in) or its PackedWeight -> (T, out) in x's dtype.
+
+    PackedWeight (float32 CPU, set up by LlamaModel.pack_weights): the C++ kernel, one FMA chain per
+    output, so a row's bits never depend on the batch. A plain weight: one F.linear when not
+    `invariant` (fastest; BLAS picks kernels by row count, e.g. GEMV for one row, so bits move with
+    the batch); when `invariant`, one bmm over zero-padded 16-row tiles (the fallback where the C++
+    kernels are unavailable: every row goes through the same BLAS kernel whatever its batch).
     """
-
-    num_large_rows: int
-    large: int = 16
-    small: int = 2
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           tiles: GemmTiles | None) -> torch.Tensor:
-    """x @ weight.T (+ bias). x: (T, in), weight: (out, in) -> (T, out) in x's dtype.
-
-    tiles None: one plain GEMM over all T rows (fastest, not batch-invariant).
-    """
-    if tiles is None:
+    if isinstance(weight, PackedWeight):
+        return packed_linear(x, weight, bias)
+    if not invariant:
         return F.linear(x, weight, bias)
-    n = tiles.num_large_rows
-    parts = [_tiled_matmul(x[:n], weight, tiles.large)] if n else []
-    if n < x.shape[0]:
-        parts.append(_tiled_matmul(x[n:], weight, tiles.small))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = _tiled_matmul(x, weight, INVARIANT_TILE)
     return out if bias is None else out + bias
 
 
@@ -141,9 +129,9 @@ class LlamaAttention(nn.Module):
         self.o_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.o_proj_bias else None
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, tiles: GemmTiles | None):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, invariant: bool):
         a = self.args
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, tiles)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, invariant)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
                              a.num_kv_heads * a.head_dim], dim=-1)
         q = apply_rope(q.reshape(-1, a.num_heads, a.head_dim), cos, sin)
@@ -151,9 +139,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, a.num_kv_heads, a.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attend = attention_padded if tiles is None else attention_per_sequence
-        o = attend(q, k_cache, v_cache, meta, self.scale)             # (T, H, D)
-        return linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, tiles)
+        o = attend(q, k_cache, v_cache, meta, self.scale, invariant)   # (T, H, D)
+        return linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, invariant)
 
 
 class LlamaMLP(nn.Module):
@@ -165,9 +152,9 @@ class LlamaMLP(nn.Module):
                              if args.mlp_bias else None)
         self.down_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.mlp_bias else None
 
-    def forward(self, x: torch.Tensor, tiles: GemmTiles | None) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, tiles).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, tiles)
+    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, invariant).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, invariant)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -178,17 +165,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = LlamaMLP(args)
 
-    def forward(self, x, cos, sin, kv_cache, meta, tiles: GemmTiles | None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, tiles)
-        return x + self.mlp(self.post_attention_layernorm(x), tiles)
+    def forward(self, x, cos, sin, kv_cache, meta, invariant: bool):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, invariant)
+        return x + self.mlp(self.post_attention_layernorm(x), invariant)
 
 
 class LlamaModel(nn.Module):
     """Decoder stack + lm_head over a flat token batch.
 
-    Every forward takes `tiles`: None runs plain GEMMs and one padded attention call (fastest);
-    a GemmTiles runs row-tiled GEMMs and one attention call per sequence, which makes each
-    sequence's output bitwise independent of the rest of the batch.
+    Every forward takes `invariant`: True makes each sequence's output bitwise independent of the
+    rest of the batch (packed-weight C++ linears after pack_weights(), else 16-row tiled bmm; the
+    paged attention kernel, else one SDPA call per sequence); False runs plain F.linear GEMMs.
     """
 
     def __init__(self, args: LlamaArgs):
@@ -201,19 +188,55 @@ class LlamaModel(nn.Module):
                         else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    def pack_weights(self) -> bool:
+        """Repack every linear weight (and lm_head) for the C++ row-invariant kernel, in place.
+
+        Only for float32 weights on CPU with the kernels built; returns whether it packed. Each
+        weight is replaced (one copy held at a time, so peak memory grows by one weight). A tied
+        lm_head replaces the embedding too: embedding rows are read back from the packed panels.
+        """
+        if self.embed_tokens.device.type != "cpu" or self.embed_tokens.dtype != torch.float32:
+            return False
+        if cpu_kernels() is None:
+            return False
+        for layer in self.layers:
+            for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"),
+                                 (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
+                packed = pack_weight(getattr(module, name).detach())
+                delattr(module, name)                     # drop the Parameter before holding both
+                setattr(module, name, packed)
+        tied = self.lm_head is self.embed_tokens
+        packed = pack_weight(self.lm_head.detach())
+        del self.lm_head
+        self.lm_head = packed
+        if tied:
+            del self.embed_tokens
+            self.embed_tokens = packed
+        # the checkpoint's tensors may be views of one mapped file: copy the small ones left (norms,
+        # biases) so that no view keeps the whole file resident next to the packed copy
+        for param in self.parameters():
+            param.data = param.data.clone()
+        return True
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) int64 -> (T, hidden) rows of the embedding (exact copies, packed or not)."""
+        if isinstance(self.embed_tokens, PackedWeight):
+            return self.embed_tokens.rows(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, tiles: GemmTiles | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, invariant: bool = True) -> torch.Tensor:
         """input_ids, positions: (T,) int64. kv_caches[l]: (K, V), each (num_blocks, block_size,
         num_kv_heads, head_dim). Writes this step's K/V; returns final-norm hidden states (T, hidden)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # (T, D/2) float32
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                 # (T, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, tiles)
+            x = layer(x, cos, sin, kv_cache, meta, invariant)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor, tiles: GemmTiles | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor:
         """hidden: (N, hidden_size) -> (N, vocab_size) float32."""
-        return linear(hidden, self.lm_head, None, tiles).float()
+        return linear(hidden, self.lm_head, None, invariant).float()

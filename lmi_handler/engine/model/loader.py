@@ -98,9 +98,13 @@ def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[s
     return state
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               pack_weights: bool = False) -> LlamaModel:
     """Build LlamaModel from an HF directory, weights cast to `dtype` on `device`, in eval mode.
 
+    pack_weights: repack the linear weights for the C++ row-invariant kernels (LlamaModel.pack_weights;
+    float32 on CPU only, else a no-op), after the checkpoint's own tensors are released so that
+    only one extra weight is held at a time.
     Raises: KeyError naming a missing weight; ValueError for an unsupported architecture.
     """
     args = args_from_config(read_config(model_dir))
@@ -113,6 +117,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     with torch.device("meta"):
         model = LlamaModel(args)
     model.load_state_dict(state, strict=False, assign=True)
+    del hf, state        # the model holds the tensors now; packing below must be able to free them
     if args.tie_word_embeddings:
         model.lm_head = model.embed_tokens      # assign-loading replaced the tied Parameter
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -122,4 +127,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     model = model.to(device=device, dtype=dtype).eval()
     # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
     model.inv_freq = rope_inv_freq(args).to(device)
+    if pack_weights:
+        model.pack_weights()
     return model

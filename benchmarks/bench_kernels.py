@@ -1,0 +1,134 @@
+"""Microbenchmark of the batch-invariant CPU kernels against MKL and the previous tiled path.
+
+Per op (the demo model's shapes): packed C++ linear vs F.linear (MKL, not invariant) vs 16-row
+tiled bmm (the PyTorch fallback) at M = 1, 16, 64; paged attention vs one SDPA call per
+sequence for a 64-sequence decode step; and a whole ModelRunner decode step at batch 1 and 64
+in both modes (KV contents are left as they are: timing only). Best of a few runs, wall clock;
+on a shared machine the numbers are noisy, so the load average is written alongside, and
+`--threads 1 --clock cpu` (process CPU time) gives what one idle core would take.
+Writes benchmarks/results/kernels-<date>.json.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_kernels.py [--model-dir model --threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged, attention_per_sequence
+from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
+from lmi_handler.engine.model.llama import INVARIANT_TILE, _tiled_matmul
+from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        best = min(best, clock() - start)
+    return best * 1e3
+
+
+def bench_linears(repeats: int) -> list[dict]:
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        weight = torch.randn(n, k)
+        packed = pack_weight(weight)
+        for m in (1, 16, 64):
+            x = torch.randn(m, k)
+            r = max(2, repeats // 10) if name == "lm_head" else repeats
+            rows.append({"op": name, "M": m, "K": k, "N": n,
+                         "packed_ms": best_ms(lambda x=x, p=packed: packed_linear(x, p, None), r),
+                         "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
+                         "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def bench_attention(repeats: int, num_seqs: int = 64, context: int = 200) -> dict:
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    per_seq = num_blocks_needed(context, block)
+    k_cache = torch.randn(num_seqs * per_seq, block, kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(num_seqs * per_seq, dtype=torch.int32).view(num_seqs, per_seq)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.int64), block_tables=tables,
+                             context_lens=torch.full((num_seqs,), context, dtype=torch.int32),
+                             cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
+                             query_lens=[1] * num_seqs, context_lens_host=[context] * num_seqs, block_size=block)
+    q = torch.randn(num_seqs, heads, head_dim)
+    return {"num_seqs": num_seqs, "context": context,
+            "paged_ms": best_ms(lambda: attention_paged(q, k_cache, v_cache, meta, 0.125), repeats),
+            "per_sequence_sdpa_ms": best_ms(lambda: attention_per_sequence(q, k_cache, v_cache, meta, 0.125),
+                                            repeats)}
+
+
+def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int) -> dict:
+    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=16, num_blocks=2048,
+                         batch_invariant=batch_invariant)
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    result = {"batch_invariant": batch_invariant}
+    for num_seqs, context in ((1, 200), (64, 200)):
+        seqs = []
+        for i in range(num_seqs):
+            seq = Sequence(f"r{i}", [(7 * i + t) % 1000 + 1 for t in range(context)], SamplingParams())
+            seq.block_table = allocator.allocate(num_blocks_needed(context, runner.block_size))
+            seq.num_computed_tokens = context - 1        # decode of the last token; KV left as is
+            seqs.append(seq)
+        ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(seqs, [1] * n), repeats)
+        result[f"step_ms_batch{num_seqs}"] = ms
+        result[f"tok_s_batch{num_seqs}"] = num_seqs / ms * 1e3
+        for seq in seqs:
+            allocator.free(seq.block_table)
+    print(result, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=REPO / "model")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--skip-model", action="store_true", help="per-op numbers only")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="cpu: process CPU time (meaningful with --threads 1 on a busy machine)")
+    args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    if cpu_kernels() is None:
+        raise SystemExit("the C++ kernels did not build; see the warning above")
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "threads": args.threads, "clock": args.clock,
+              "kernel_load_s": time.perf_counter() - start, "load_average_before": os.getloadavg(),
+              "linear": bench_linears(args.repeats), "attention_decode": bench_attention(args.repeats)}
+    print(report["attention_decode"], flush=True)
+    if not args.skip_model:
+        report["decode_step"] = [bench_decode_step(args.model_dir, inv, max(3, args.repeats // 4))
+                                 for inv in (True, False)]
+    report["load_average_after"] = os.getloadavg()
+    out = REPO / "benchmarks" / "results" / f"kernels-{dt.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+// Batch-invariant CPU kernels (float32): a row-invariant linear over pre-packed weights and a
+// paged attention that reads K/V straight from the block cache.
+//
+// Invariance by construction: every output element is one fixed sequence of float operations
+// that reads only its own row's inputs. In the linear, y[m, n] is one FMA chain over k = 0..K-1
+// (vector lanes run over n), whatever M is and wherever the row sits. In attention, a query row's
+// scores, softmax and weighted sum loop over its own keys 0..pos in order, whatever else is in
+// the batch and however its sequence was cut into chunks.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t PANEL = 32;  // output columns per packed weight panel
+
+// ---- one vector of floats: AVX-512, AVX2+FMA, or a scalar fallback (std::fma keeps the chain) ----
+#if defined(__AVX512F__)
+struct Vec {
+  __m512 v;
+  static constexpr int W = 16;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec bcast(float x) { return {_mm512_set1_ps(x)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  __m256 v;
+  static constexpr int W = 8;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec bcast(float x) { return {_mm256_set1_ps(x)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  float sum() const {  // fixed pairwise order
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+struct Vec {
+  float v;
+  static constexpr int W = 1;
+  static Vec zero() { return {0.f}; }
+  static Vec load(const float* p) { return {*p}; }
+  static Vec bcast(float x) { return {x}; }
+  void store(float* p) const { *p = v; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {a.v + b.v}; }
+  static Vec mul(Vec a, Vec b) { return {a.v * b.v}; }
+  float sum() const { return v; }
+};
+#endif
+
+constexpr int NV = PANEL / Vec::W;  // vectors per panel row
+
+// ---------------------------------------------------------------- linear ----------------------
+// R rows of x (stride ldx), k = k0..k0+kc-1, C vectors of columns of one panel w (kc x PANEL,
+// row stride PANEL): acc[i][j] = fma(x[i, k], w[k, j], acc[i][j]) in k order. acc lives in `buf`
+// (R rows of stride PANEL) between K blocks: storing and reloading a float is exact, so the chain
+// is the same as one long loop, and which kernel shape computes an element never changes its bits.
+template <int R, int C>
+void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* buf, bool first) {
+  Vec acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = first ? Vec::zero() : Vec::load(buf + i * PANEL + j * Vec::W);
+  for (int64_t k = 0; k < kc; ++k) {
+    Vec b[C];
+    for (int j = 0; j < C; ++j) b[j] = Vec::load(w + k * PANEL + j * Vec::W);
+    for (int i = 0; i < R; ++i) {
+      const Vec a = Vec::bcast(x[i * ldx + k]);
+      for (int j = 0; j < C; ++j) acc[i][j] = Vec::fma(a, b[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j].store(buf + i * PANEL + j * Vec::W);
+}
+
+// R rows over the whole panel: one call when R x NV accumulators fit in 12 registers, else in
+// column pairs (R x 2 accumulators: the classic 6x16 shape on AVX2, which loads each W vector once).
+template <int R>
+void rows_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* buf, bool first) {
+  if constexpr (R * NV <= 12) {
+    micro_kernel<R, NV>(x, ldx, w, kc, buf, first);
+  } else {
+    for (int c = 0; c < NV; c += 2)
+      micro_kernel<R, 2>(x, ldx, w + c * Vec::W, kc, buf + c * Vec::W, first);
+  }
+}
+
+constexpr int64_t MR = 6;  // rows per register tile
+static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
+
+void tile_kernel(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t kc, float* buf,
+                 bool first) {
+  switch (rows) {
+    case 1: return rows_kernel<1>(x, ldx, w, kc, buf, first);
+    case 2: return rows_kernel<2>(x, ldx, w, kc, buf, first);
+    case 3: return rows_kernel<3>(x, ldx, w, kc, buf, first);
+    case 4: return rows_kernel<4>(x, ldx, w, kc, buf, first);
+    case 5: return rows_kernel<5>(x, ldx, w, kc, buf, first);
+    default: return rows_kernel<6>(x, ldx, w, kc, buf, first);
+  }
+}
+
+// Cache blocking: a K block of one panel (K_BLOCK x PANEL floats, 16 KiB) stays in L1 while the
+// M block's rows stream past it; the M block's accumulators (M_BLOCK x PANEL, 12 KiB) stay close.
+constexpr int64_t K_BLOCK = 128;
+constexpr int64_t M_BLOCK = 96;  // a multiple of MR
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                     c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be (M, K) float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous() &&
+              packed.scalar_type() == torch::kFloat32,
+              "packed weight must be contiguous float32 (num_panels, K, ", PANEL, ")");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "in_features mismatch: x has ", K, ", weight ", packed.size(1));
+  TORCH_CHECK(out_features <= P * PANEL && out_features > (P - 1) * PANEL, "bad out_features");
+  const bool has_bias = bias.has_value() && bias->defined();
+  torch::Tensor b_cont;
+  if (has_bias) {
+    b_cont = bias->contiguous();
+    TORCH_CHECK(b_cont.scalar_type() == torch::kFloat32 && b_cont.numel() == out_features, "bad bias");
+  }
+  auto y = torch::empty({M, out_features}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = has_bias ? b_cont.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
+  // work item = (M block, panel), panels fastest: threads split the panels of each M block
+  at::parallel_for(0, num_mb * P, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[M_BLOCK * PANEL];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t mb = item / P, p = item % P;
+      const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
+      const int64_t n0 = p * PANEL, ncols = std::min(PANEL, out_features - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK) {
+        const int64_t kc = std::min(K_BLOCK, K - k0);
+        const float* w = wp + (p * K + k0) * PANEL;
+        for (int64_t i = 0; i < rows; i += MR)
+          tile_kernel(std::min(MR, rows - i), xp + (m0 + i) * K + k0, K, w, kc, buf + i * PANEL, k0 == 0);
+      }
+      for (int64_t i = 0; i < rows; ++i) {  // copy out, + bias (one add after the chain)
+        float* dst = yp + (m0 + i) * out_features + n0;
+        const float* src = buf + i * PANEL;
+        if (bp) {
+          for (int64_t j = 0; j < ncols; ++j) dst[j] = src[j] + bp[n0 + j];
+        } else {
+          std::copy(src, src + ncols, dst);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// -------------------------------------------------------------- attention ---------------------
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp for 8 floats: Cephes range reduction x = n ln2 + r and a degree-5 polynomial (~1 ulp)
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+#endif
+
+// s[t] = exp(s[t] - max) in place for t < n; returns the sum (fixed order)
+float exp_and_sum(float* s, int64_t n, float max) {
+  int64_t t = 0;
+  float total = 0.f;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(max);
+  for (; t + 8 <= n; t += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = Vec{acc}.sum();
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - max);
+    total += s[t];
+  }
+  return total;
+}
+
+// dot(a, b) over D floats in a fixed order: vector lanes, then lanes summed, then a scalar tail
+inline float dot(const float* a, const float* b, int64_t D) {
+  Vec acc = Vec::zero();
+  int64_t d = 0;
+  for (; d + Vec::W <= D; d += Vec::W) acc = Vec::fma(Vec::load(a + d), Vec::load(b + d), acc);
+  float s = acc.sum();
+  for (; d < D; ++d) s = std::fma(a[d], b[d], s);
+  return s;
+}
+
+// s[t] = dot(q, k_rows[t]) * scale for t < n, four keys at a time (four independent chains, each
+// exactly the operations of dot()); returns the max
+float score_row(const float* q, const float* const* k_rows, int64_t n, int64_t D, float scale, float* s) {
+  float mx = -INFINITY;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *k0 = k_rows[t], *k1 = k_rows[t + 1], *k2 = k_rows[t + 2], *k3 = k_rows[t + 3];
+    Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+    int64_t d = 0;
+    for (; d + Vec::W <= D; d += Vec::W) {
+      const Vec qv = Vec::load(q + d);
+      a0 = Vec::fma(qv, Vec::load(k0 + d), a0);
+      a1 = Vec::fma(qv, Vec::load(k1 + d), a1);
+      a2 = Vec::fma(qv, Vec::load(k2 + d), a2);
+      a3 = Vec::fma(qv, Vec::load(k3 + d), a3);
+    }
+    float r0 = a0.sum(), r1 = a1.sum(), r2 = a2.sum(), r3 = a3.sum();
+    for (; d < D; ++d) {
+      r0 = std::fma(q[d], k0[d], r0);
+      r1 = std::fma(q[d], k1[d], r1);
+      r2 = std::fma(q[d], k2[d], r2);
+      r3 = std::fma(q[d], k3[d], r3);
+    }
+    s[t] = r0 * scale; s[t + 1] = r1 * scale; s[t + 2] = r2 * scale; s[t + 3] = r3 * scale;
+    mx = std::max(std::max(mx, std::max(s[t], s[t + 1])), std::max(s[t + 2], s[t + 3]));
+  }
+  for (; t < n; ++t) {
+    s[t] = dot(q, k_rows[t], D) * scale;
+    mx = std::max(mx, s[t]);
+  }
+  return mx;
+}
+
+// out[d0 .. d0 + C*W) = sum_t p[t] * v_t[...]: C independent FMA chains over t in order
+template <int C>
+void weighted_chunk(const float* p, const float* const* v_rows, int64_t n, int64_t d0, float* out) {
+  Vec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = Vec::zero();
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec w = Vec::bcast(p[t]);
+    const float* v = v_rows[t] + d0;
+    for (int c = 0; c < C; ++c) acc[c] = Vec::fma(w, Vec::load(v + c * Vec::W), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) acc[c].store(out + d0 + c * Vec::W);
+}
+
+// out[0..D) = sum_t p[t] * v_t / denom, v_t at v_rows[t]. Each lane d is one FMA chain over t in
+// order whichever chunk it falls in; eight vectors per pass hide the FMA latency.
+void weighted_sum(const float* p, const float* const* v_rows, int64_t n, int64_t D, float denom,
+                  float* out) {
+  int64_t d = 0;
+  for (; d + 8 * Vec::W <= D; d += 8 * Vec::W) weighted_chunk<8>(p, v_rows, n, d, out);
+  for (; d + 4 * Vec::W <= D; d += 4 * Vec::W) weighted_chunk<4>(p, v_rows, n, d, out);
+  for (; d + Vec::W <= D; d += Vec::W) weighted_chunk<1>(p, v_rows, n, d, out);
+  for (; d < D; ++d) {
+    float a = 0.f;
+    for (int64_t t = 0; t < n; ++t) a = std::fma(p[t], v_rows[t][d], a);
+    out[d] = a;
+  }
+  for (d = 0; d < D; ++d) out[d] /= denom;
+}
+
+// q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (S, max_blocks)
+// int32; context_lens: (S,) int32; cu_seqlens_q: (S+1,) int32. Row r of sequence s sits at
+// position context_lens[s] - query_len[s] + (r - cu_seqlens_q[s]) and attends to keys 0..pos.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor context_lens,
+                              torch::Tensor cu_seqlens_q, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+              v_cache.scalar_type() == torch::kFloat32, "paged_attention is float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+              cu_seqlens_q.scalar_type() == torch::kInt32, "metadata must be int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t S = context_lens.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes mismatch");
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  TORCH_CHECK(cu[S] == T, "cu_seqlens_q[-1] must equal the number of query rows");
+  std::vector<int32_t> seq_of_row(T);
+  int64_t max_ctx = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ctx[s] >= cu[s + 1] - cu[s] && (ctx[s] + BS - 1) / BS <= MB, "bad context length");
+    for (int64_t r = cu[s]; r < cu[s + 1]; ++r) seq_of_row[r] = static_cast<int32_t>(s);
+    max_ctx = std::max<int64_t>(max_ctx, ctx[s]);
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // work item = (query row, kv head): the G query heads of a group share each K/V row read
+  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * max_ctx);
+    std::vector<const float*> k_rows(max_ctx), v_rows(max_ctx);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / KVH, g = item % KVH, s = seq_of_row[r];
+      const int64_t n = ctx[s] - (cu[s + 1] - cu[s]) + (r - cu[s]) + 1;  // keys 0..pos
+      const int32_t* table = tables + s * MB;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t off = ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + g) * D;
+        k_rows[t] = kp + off;
+        v_rows[t] = vp + off;
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = qp + (r * H + g * G + h) * D;
+        float* sh = scores.data() + h * max_ctx;
+        const float mx = score_row(qh, k_rows.data(), n, D, fscale, sh);
+        const float denom = exp_and_sum(sh, n, mx);
+        weighted_sum(sh, v_rows.data(), n, D, denom, op + (r * H + g * G + h) * D);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("PANEL") = PANEL;
+  m.attr("VECTOR_WIDTH") = Vec::W;
+  m.def("linear", &linear, "row-invariant x @ W^T (+ bias) over a packed (panels, K, PANEL) weight");
+  m.def("paged_attention", &paged_attention, "causal GQA attention over the paged K/V cache");
+}

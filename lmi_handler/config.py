@@ -49,6 +49,8 @@ class Settings(BaseModel):
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
+    compile: bool = False
+    """torch.compile (inductor) for the model's forward; off by default (see model_runner.compiled_forward)."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
@@ -92,7 +94,7 @@ class Settings(BaseModel):
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
-                            batch_invariant=self.batch_invariant)
+                            batch_invariant=self.batch_invariant, compile=self.compile)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
@@ -120,6 +122,7 @@ class EngineConfig:
     kv_cache_bytes: int
     num_threads: int = 0
     batch_invariant: bool = True
+    compile: bool = False
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

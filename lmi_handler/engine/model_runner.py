@@ -1,20 +1,22 @@
-"""Turn one step's scheduled sequences into a flat token batch, run the model, return logits.
+"""The step contract: SchedulerOutput -> ModelInput (plain tensors) -> ModelRunner.execute -> logits.
 
-Owns the paged KV-cache tensors, ModelConfig, and the Sequence -> tensors flattening; leaves
-choosing what to run (and allocating blocks) to scheduler.py, and sampling to sampler.py.
+Owns the paged KV-cache tensors, ModelConfig, ModelInput and the Sequence -> tensors flattening
+(`prepare`); leaves choosing what to run (and allocating blocks) to scheduler.py, and sampling to sampler.py.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
-from lmi_handler.engine.kv_cache import build_block_tables, build_slot_mapping
+from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.llama import GemmTiles
 from lmi_handler.engine.model.loader import load_model, read_config
+from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
 
@@ -60,24 +62,85 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
                        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
 
 
+@dataclass
+class ModelInput:
+    """One step's work as plain tensors and ints: what `ModelRunner.execute` runs (no Sequence objects).
+
+    Built by `ModelRunner.prepare` from a SchedulerOutput. Rows are in batch order: in
+    batch-invariant mode the sequences whose chunk takes the large GEMM tile come first, the rest
+    keep the caller's order. Picklable (tensors, ints, lists, a dict), so a step can be broadcast to
+    tensor-parallel workers; every tensor's shape depends only on the batch composition (the
+    scheduled token counts and the longest block table), never on token values.
+
+        flat rows   |<- seq 0: n0 rows ->|<- seq 1: n1 rows ->| ...   T = sum(n)
+        logit_rows  [ chunk rows of prompt-logprob sequences ... | last row of every sequence ]
+                    |<-------- num_chunk_rows ---------------->|<---------- S ------------->|
+    """
+
+    input_ids: torch.Tensor             # (T,) int64
+    positions: torch.Tensor             # (T,) int64: num_computed_tokens + 0..n-1 of each sequence
+    attn: AttentionMetadata             # slot_mapping (T,), block_tables (S, max_blocks), context_lens, ...
+    logit_rows: torch.Tensor            # (R,) int64 flat rows lm_head runs on, R = num_chunk_rows + S
+    num_chunk_rows: int                 # leading entries of logit_rows that are prompt-logprob chunks
+    last_token_order: torch.Tensor | None   # (S,) int64: caller's index -> batch position; None = same order
+    chunk_spans: dict[int, tuple[int, int]]  # caller's index -> rows [a, b) of lm_head's output (its chunk)
+    num_large_rows: int | None          # GEMM plan: leading flat rows on the large tile; None = plain GEMMs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.attn.num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> "ModelInput":
+        """The same step with every tensor on `device` (host -> device copies, no sync)."""
+        attn = replace(self.attn, **{f: getattr(self.attn, f).to(device) for f in _ATTN_TENSORS})
+        order = None if self.last_token_order is None else self.last_token_order.to(device)
+        return replace(self, input_ids=self.input_ids.to(device), positions=self.positions.to(device),
+                       attn=attn, logit_rows=self.logit_rows.to(device), last_token_order=order)
+
+
+_ATTN_TENSORS = ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q")
+
+
+# ---- the batch-invariant GEMM plan: the only code that knows llama.GemmTiles ----------------------
+
+def _takes_large_tile(num_tokens: int) -> bool:
+    """A chunk this long runs on the large GEMM tile (fast GEMM); shorter chunks and decodes on the small one."""
+    return num_tokens >= GemmTiles.large
+
+
+def _gemm_tiles(num_large_rows: int | None) -> GemmTiles | None:
+    """The tile plan for a GEMM whose first `num_large_rows` rows take the large tile; None = plain GEMMs."""
+    return None if num_large_rows is None else GemmTiles(num_large_rows=num_large_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
 class ModelRunner:
-    """Owns the model and its paged KV cache; `execute` runs one engine step.
+    """Owns the model and its paged KV cache; `prepare` builds a step's ModelInput, `execute` runs it.
 
     KV cache: per layer a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
     head_dim) in `dtype`, zero-initialised (so padded gathers never read NaN).
     `batch_invariant` (default True) makes a sequence's logits bitwise independent of the rest of
-    the batch: row-tiled GEMMs (llama.GemmTiles; chunks of >= `tiles.large` tokens use the large
-    tile, other rows the small one) and one attention call per sequence. False: plain GEMMs and one
-    padded attention call, faster at large batches, logits may move in the last bits.
+    the batch: row-tiled GEMMs (chunks of >= the large tile's rows use the large tile, other rows
+    the small one) and one attention call per sequence. False: plain GEMMs and one padded
+    attention call, faster at large batches, logits may move in the last bits.
+    `compile` wraps the model's forward in torch.compile (inductor, dynamic shapes); see
+    compiled_forward for what it covers.
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, compile: bool = False):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant = batch_invariant
         self.model = load_model(model_dir, dtype, self.device)
+        self.forward = compiled_forward(self.model) if compile else self.model
         c = self.config
         block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
@@ -87,28 +150,59 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
-    @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> ModelOutput:
-        """Compute seq.all_token_ids[c : c+n] at positions c..c+n-1 for every sequence, where
-        c = seq.num_computed_tokens and n = num_scheduled_tokens[i]; write their K/V into the
-        blocks of seq.block_table (which must already hold c+n tokens) and attend causally to
-        positions 0..c+n-1. Prefill chunks and decode steps mix freely. Does not modify seqs.
+    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """Flatten the step: sequence i computes seq.all_token_ids[c : c+n] at positions c..c+n-1, where
+        c = seq.num_computed_tokens (prefix-cache hits included) and n = sched.num_scheduled_tokens[i],
+        writing K/V into the blocks of seq.block_table (which must already hold c+n tokens).
+        Prefill chunks and decode steps mix freely. Reads the sequences, never modifies them; the loops
+        are per sequence, the per-token work is tensor ops. Returns the ModelInput on the runner's device.
 
         Raises: IndexError if a block table is too short; ValueError if n < 1 or c+n > num_tokens.
         """
-        order = self._batch_order(num_scheduled_tokens)       # batch position -> caller's index
-        seqs = [seqs[i] for i in order]
-        counts = [num_scheduled_tokens[i] for i in order]
-        input_ids, positions, meta = self._prepare(seqs, counts)
-        tiles = self._tiles([n for n in counts if n >= GemmTiles.large])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, tiles)  # (T, hidden_size)
-        rows, spans, num_chunk_rows = self._logit_rows(seqs, counts)
-        head_tiles = None if tiles is None else GemmTiles(num_large_rows=num_chunk_rows)
-        logits = self.model.compute_logits(hidden[rows.to(self.device)], head_tiles)  # (R, vocab) f32
-        inverse = torch.empty(len(order), dtype=torch.int64)
-        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
-        last = logits[num_chunk_rows:][inverse.to(self.device)]                # caller's order
-        chunk_logits = {order[j]: logits[a:b] for j, (a, b) in spans.items()}
+        order = self._batch_order(sched.num_scheduled_tokens)          # batch position -> caller's index
+        seqs = [sched.seqs[i] for i in order]
+        counts = [sched.num_scheduled_tokens[i] for i in order]
+        starts = [s.num_computed_tokens for s in seqs]
+        token_ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, counts):
+            _check_schedulable(seq, start, n, self.block_size)
+            token_ids += _token_slice(seq, start, n)
+        cu = list(accumulate(counts, initial=0))
+        positions, seq_index = _positions(starts, counts, cu)
+        block_tables = build_block_tables([s.block_table for s in seqs])
+        context_lens = [start + n for start, n in zip(starts, counts)]
+        attn = AttentionMetadata(
+            slot_mapping=slots_for_positions(block_tables, seq_index, positions, self.block_size),
+            block_tables=block_tables, context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), query_lens=counts,
+            context_lens_host=context_lens, block_size=self.block_size)
+        chunked = [j for j, seq in enumerate(seqs)
+                   if seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens]
+        logit_rows = torch.tensor([r for j in chunked for r in range(cu[j], cu[j + 1])] + cu[1:], dtype=torch.int64)
+        logit_rows[-len(seqs):] -= 1                                    # each sequence's last row
+        spans, row = {}, 0
+        for j in chunked:
+            spans[order[j]] = (row, row + counts[j])
+            row += counts[j]
+        large = sum(n for n in counts if _takes_large_tile(n)) if self.batch_invariant else None
+        model_input = ModelInput(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, attn=attn,
+            logit_rows=logit_rows, num_chunk_rows=row, last_token_order=_inverse(order),
+            chunk_spans=spans, num_large_rows=large)
+        return model_input if self.device.type == "cpu" else model_input.to(self.device)
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        """Run one step: write its K/V into the cache, return float32 logits in the caller's order."""
+        mi = model_input
+        hidden = self.forward(mi.input_ids, mi.positions, self.kv_caches, mi.attn,
+                              _gemm_tiles(mi.num_large_rows))                       # (T, hidden_size)
+        head_rows = None if mi.num_large_rows is None else mi.num_chunk_rows  # chunk rows take the large tile
+        logits = self.model.compute_logits(hidden[mi.logit_rows], _gemm_tiles(head_rows))  # (R, vocab) f32
+        last = logits[mi.num_chunk_rows:]
+        if mi.last_token_order is not None:
+            last = last[mi.last_token_order]                                          # caller's order
+        chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
         return ModelOutput(logits=last, chunk_logits=chunk_logits)
 
     def _batch_order(self, num_scheduled_tokens: list[int]) -> list[int]:
@@ -117,49 +211,47 @@ class ModelRunner:
         idx = range(len(num_scheduled_tokens))
         if not self.batch_invariant:
             return list(idx)
-        large = [i for i in idx if num_scheduled_tokens[i] >= GemmTiles.large]
-        return large + [i for i in idx if num_scheduled_tokens[i] < GemmTiles.large]
+        large = [i for i in idx if _takes_large_tile(num_scheduled_tokens[i])]
+        return large + [i for i in idx if not _takes_large_tile(num_scheduled_tokens[i])]
 
-    def _tiles(self, large_counts: list[int]) -> GemmTiles | None:
-        return GemmTiles(num_large_rows=sum(large_counts)) if self.batch_invariant else None
 
-    def _prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
-        """Flatten the step into input_ids (T,), positions (T,) int64 and AttentionMetadata."""
-        starts = [s.num_computed_tokens for s in seqs]
-        ids: list[int] = []
-        for seq, start, n in zip(seqs, starts, num_scheduled_tokens):
-            if n < 1 or start + n > seq.num_tokens:
-                raise ValueError(f"request {seq.request_id}: cannot schedule {n} tokens from "
-                                 f"position {start} of {seq.num_tokens}")
-            ids.extend(seq.all_token_ids[start:start + n])
-        positions = [p for start, n in zip(starts, num_scheduled_tokens) for p in range(start, start + n)]
-        tables = [s.block_table for s in seqs]
-        context_lens = [start + n for start, n in zip(starts, num_scheduled_tokens)]
-        cu = [0]
-        for n in num_scheduled_tokens:
-            cu.append(cu[-1] + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=build_slot_mapping(tables, starts, num_scheduled_tokens, self.block_size).to(dev),
-            block_tables=build_block_tables(tables).to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            query_lens=list(num_scheduled_tokens), context_lens_host=context_lens,
-            block_size=self.block_size)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+def _check_schedulable(seq: Sequence, start: int, n: int, block_size: int) -> None:
+    if n < 1 or start + n > seq.num_tokens:
+        raise ValueError(f"request {seq.request_id}: cannot schedule {n} tokens from "
+                         f"position {start} of {seq.num_tokens}")
+    if -(-(start + n) // block_size) > len(seq.block_table):
+        raise IndexError(f"request {seq.request_id}: {len(seq.block_table)} blocks cannot hold "
+                         f"{start + n} tokens of {block_size}")
 
-    @staticmethod
-    def _logit_rows(seqs: list[Sequence], num_scheduled_tokens: list[int]):
-        """Flat-batch rows to run lm_head on: first the whole chunk of each prompt_logprobs
-        sequence still in its prompt (these rows take the large GEMM tile), then every sequence's
-        last token. Returns ((R,) int64 CPU, {batch position: (a, b) rows of its chunk}, num chunk rows)."""
-        last_rows, chunk_rows, spans = [], [], {}
-        start = 0
-        for i, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
-            last_rows.append(start + n - 1)
-            if seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
-                spans[i] = (len(chunk_rows), len(chunk_rows) + n)
-                chunk_rows.extend(range(start, start + n))
-            start += n
-        return torch.tensor(chunk_rows + last_rows, dtype=torch.int64), spans, len(chunk_rows)
+
+def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.all_token_ids[start:start + n] without copying the whole sequence (decode reads one token)."""
+    num_prompt = seq.num_prompt_tokens
+    if start >= num_prompt:
+        return seq.output_token_ids[start - num_prompt:start - num_prompt + n]
+    head = seq.prompt_token_ids[start:start + n]
+    return head if start + n <= num_prompt else head + seq.output_token_ids[:start + n - num_prompt]
+
+
+def _positions(starts: list[int], counts: list[int], cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """((T,) int64 positions, (T,) int64 sequence index of each flat row), as tensor ops."""
+    num_tokens = cu[-1]
+    if num_tokens == len(counts):                      # all decodes: one row per sequence
+        return torch.tensor(starts, dtype=torch.int64), torch.arange(num_tokens)
+    seq_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=num_tokens)
+    offset = torch.tensor(starts, dtype=torch.int64) - torch.tensor(cu[:-1], dtype=torch.int64)   # (S,)
+    return torch.arange(num_tokens) + offset[seq_index], seq_index
+
+
+def _inverse(order: list[int]) -> torch.Tensor | None:
+    """(S,) int64 with inverse[order[j]] = j; None when order is the identity (no reordering copy)."""
+    if all(i == j for j, i in enumerate(order)):
+        return None
+    inverse = torch.empty(len(order), dtype=torch.int64)
+    inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+    return inverse
+
+
+def compiled_forward(model):
+    """torch.compile (inductor, dynamic shapes) over the model's forward. Placeholder, see below."""
+    return torch.compile(model, dynamic=True)

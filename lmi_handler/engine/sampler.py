@@ -5,7 +5,7 @@ top-n alternatives. Leaves the forward pass to model_runner.py, stop checks to s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -140,6 +140,18 @@ class SamplingMetadata:
             use_top_p=any(k[2] < 1.0 for k in sampled), use_min_p=any(k[3] > 0.0 for k in sampled),
             use_typical_p=any(k[4] < 1.0 for k in sampled),
         )
+
+    def advanced(self, token_ids: torch.Tensor) -> "SamplingMetadata":
+        """The next step's metadata for the same rows, once each row i gained token_ids[i] (B,) int64.
+
+        Positions move by one and the output-token table (when a penalty reads it) gains the new
+        column, on the device: no host work and no transfer. Equal in effect to from_sequences on the
+        grown sequences (the table's padding then sits mid-row; only token counts are read from it).
+        """
+        outputs = self.output_token_ids
+        if outputs is not None:
+            outputs = torch.cat([outputs, token_ids[:, None]], dim=1)
+        return replace(self, positions=self.positions + 1, output_token_ids=outputs)
 
 
 def _knobs(p: SamplingParams) -> tuple[float, int, float, float, float]:

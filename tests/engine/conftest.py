@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 512
@@ -85,7 +86,8 @@ def greedy_generate(runner, allocator: BlockAllocator, prompts: list[list[int]],
     active = list(range(len(seqs)))
     while active:
         counts = [min(chunks[i], seqs[i].num_tokens - seqs[i].num_computed_tokens) for i in active]
-        out = runner.execute([seqs[i] for i in active], counts)
+        out = runner.execute(runner.prepare(SchedulerOutput(seqs=[seqs[i] for i in active],
+                                                            num_scheduled_tokens=counts)))
         for row, (i, count) in enumerate(zip(active, counts)):
             seq = seqs[i]
             seq.num_computed_tokens += count

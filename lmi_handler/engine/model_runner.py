@@ -253,5 +253,13 @@ def _inverse(order: list[int]) -> torch.Tensor | None:
 
 
 def compiled_forward(model):
-    """torch.compile (inductor, dynamic shapes) over the model's forward. Placeholder, see below."""
-    return torch.compile(model, dynamic=True)
+    """The model with torch.compile (inductor, dynamic shapes) on each layer's MLP and the norms.
+
+    Paged attention (Python loops over sequences, in-place cache writes) stays eager: compiling it
+    would recompile for every batch composition. Returns the model, its submodules wrapped.
+    """
+    for layer in model.layers:
+        layer.mlp = torch.compile(layer.mlp, dynamic=True)
+        layer.input_layernorm = torch.compile(layer.input_layernorm, dynamic=True)
+        layer.post_attention_layernorm = torch.compile(layer.post_attention_layernorm, dynamic=True)
+    return model

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -15,7 +15,8 @@ import torch
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
-from lmi_handler.engine.output_processor import OutputProcessor, StepSample, prompt_logprobs
+from lmi_handler.engine.output_processor import (OutputProcessor, PromptChunk, StepSample, gather_prompt_logprobs,
+                                                 plan_prompt_logprobs)
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
@@ -132,26 +133,39 @@ class Engine:
         if sched.is_empty:
             return []
         model_input = self.runner.prepare(sched)         # SchedulerOutput -> ModelInput (plain tensors)
+        sampling = self._prepare_sampling(sched)         # rows due a token, their tables (device)
         model_out = self.runner.execute(model_input)     # forward: logits
         self.scheduler.update_from_output(sched)         # their tokens are in the KV cache now
-        sampled = self._sample(sched, model_out)         # token ids, log probs, stop reasons (device)
+        sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
         outputs = self.output.process(sampled)           # the one host sync; text, stop strings
         self._finish(sampled.seqs)                       # free what finished
         return outputs
 
-    def _sample(self, sched: SchedulerOutput, model_out: ModelOutput) -> StepSample:
-        """Sample the rows whose prompt is done (a token is due), and check eos / stop ids / length."""
-        chunks, prompt_values = prompt_logprobs(sched, model_out)
-        rows = [i for i, seq in enumerate(sched.seqs) if seq.num_computed_tokens == seq.num_tokens]
+    def _prepare_sampling(self, sched: SchedulerOutput) -> SamplingInput:
+        """Before the forward, so every host -> device copy is queued ahead of it: the rows whose prompt is
+        done after this step (a token is due), their sampling and stop tables, the prompt-logprob targets."""
+        rows = [i for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens))
+                if seq.num_computed_tokens + n == seq.num_tokens]
         seqs = [sched.seqs[i] for i in rows]
+        chunks, targets = plan_prompt_logprobs(sched, self.device)
         if not seqs:
-            return StepSample([], None, None, chunks, prompt_values)
-        logits = model_out.logits if len(rows) == len(sched.seqs) else model_out.logits[rows]  # (B, vocab)
+            return SamplingInput(seqs, None, None, None, chunks, targets)
         meta, stops = self.row_tables.get(seqs)
-        sampled = self.sampler(logits, meta)
+        row_index = None if len(rows) == len(sched.seqs) else torch.tensor(rows).to(self.device)
+        return SamplingInput(seqs, row_index, meta, stops, chunks, targets)
+
+    def _sample(self, sampling: SamplingInput, model_out: ModelOutput) -> StepSample:
+        """Sample the due rows and check eos / stop ids / length, all on the device."""
+        prompt_values = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
+        if not sampling.seqs:
+            return StepSample([], None, None, sampling.prompt_chunks, prompt_values)
+        logits = model_out.logits                                                   # (S, vocab) float32
+        if sampling.row_index is not None:
+            logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
+        sampled = self.sampler(logits, sampling.meta)
         self.row_tables.record(sampled.token_ids)
-        reasons = stops.reasons(sampled.token_ids, meta.positions + 1)
-        return StepSample(seqs, sampled, reasons, chunks, prompt_values)
+        reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
+        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values)
 
     def _finish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -182,6 +196,18 @@ class Engine:
             for out in step_outputs:
                 outputs[out.request_id].append(out)
         return outputs
+
+
+@dataclass
+class SamplingInput:
+    """The sampling side of one step, built before its forward (Engine._prepare_sampling)."""
+
+    seqs: list[Sequence]                 # rows due a token, in the step's order
+    row_index: torch.Tensor | None       # (B,) int64 their rows in the step's logits; None = every row
+    meta: SamplingMetadata | None
+    stops: StopTable | None
+    prompt_chunks: list[PromptChunk]
+    prompt_targets: torch.Tensor | None  # (N,) int64 on the device
 
 
 class RowTables:

@@ -31,12 +31,13 @@ class TextState:
 
 @dataclass
 class PromptChunk:
-    """Prompt log probs due this step for one sequence: `num_targets` values for prompt positions
-    start + 1 .. start + num_targets (position p predicts token p + 1), ending the prompt when `ends_prompt`."""
+    """Prompt log probs due this step for one sequence (index `index` of the step): `num_targets` values
+    for prompt positions start + 1 .. start + num_targets (position p predicts token p + 1)."""
 
+    index: int
     seq: Sequence
     num_targets: int
-    ends_prompt: bool
+    ends_prompt: bool        # the chunk reaches the prompt's end: its prompt tokens go out this step
 
 
 @dataclass
@@ -51,26 +52,38 @@ class StepSample:
     prompt_logprobs: torch.Tensor | None   # (sum of num_targets,) float32, in prompt_chunks order
 
 
-def prompt_logprobs(sched: SchedulerOutput, model_out: ModelOutput) -> tuple[list[PromptChunk], torch.Tensor | None]:
-    """decoder_input_details: log prob of each prompt token given the ones before it, for the chunks run
-    this step (call after the scheduler counted them computed). Chunks recomputed after a preemption are
-    skipped (reported already). Returns the chunks and their log probs, concatenated, on the device."""
-    chunks, values = [], []
-    for index, chunk_logits in model_out.chunk_logits.items():
-        seq = sched.seqs[index]
-        end = seq.num_computed_tokens
-        start = end - sched.num_scheduled_tokens[index]
+def plan_prompt_logprobs(sched: SchedulerOutput,
+                         device: torch.device) -> tuple[list[PromptChunk], torch.Tensor | None]:
+    """decoder_input_details, before the forward: which prompt-logprob chunks report this step (the
+    runner's chunk rows: params.prompt_logprobs and a chunk starting inside the prompt), and their target
+    ids ((N,) int64 on `device`, copied before the forward is queued). Chunks recomputed after a
+    preemption are skipped (reported already)."""
+    chunks, targets = [], []
+    for index, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens)):
+        start = seq.num_computed_tokens
+        if not seq.params.prompt_logprobs or start >= seq.num_prompt_tokens:
+            continue
         if seq.prompt_token_logprobs is None:
             seq.prompt_token_logprobs = [None]
         elif len(seq.prompt_token_logprobs) > start + 1:
             continue
-        targets = seq.prompt_token_ids[start + 1:min(end + 1, seq.num_prompt_tokens)]
-        if targets:
-            logp = torch.log_softmax(chunk_logits[:len(targets)].float(), dim=-1)
-            target_t = torch.tensor(targets, device=logp.device).unsqueeze(1)       # host -> device, no sync
-            values.append(logp.gather(1, target_t).squeeze(1))
-        chunks.append(PromptChunk(seq, len(targets), end >= seq.num_prompt_tokens))
-    return chunks, (torch.cat(values) if values else None)
+        ids = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
+        chunks.append(PromptChunk(index, seq, len(ids), start + n >= seq.num_prompt_tokens))
+        targets += ids
+    return chunks, (torch.tensor(targets, dtype=torch.int64).to(device) if targets else None)
+
+
+def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None,
+                           model_out: ModelOutput) -> torch.Tensor | None:
+    """Log prob of each planned target given the tokens before it: (N,) float32 on the device."""
+    values, offset = [], 0
+    for chunk in chunks:
+        if chunk.num_targets:
+            logp = torch.log_softmax(model_out.chunk_logits[chunk.index][:chunk.num_targets].float(), dim=-1)
+            target = targets[offset:offset + chunk.num_targets, None]                    # (n, 1)
+            values.append(logp.gather(1, target).squeeze(1))
+            offset += chunk.num_targets
+    return torch.cat(values) if values else None
 
 
 class OutputProcessor:

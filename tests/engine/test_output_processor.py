@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lmi_handler.engine.model_runner import ModelOutput
-from lmi_handler.engine.output_processor import OutputProcessor, StepSample, prompt_logprobs
+from lmi_handler.engine.output_processor import (OutputProcessor, StepSample, gather_prompt_logprobs,
+                                                 plan_prompt_logprobs)
 from lmi_handler.engine.sampler import SamplerOutput
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -99,8 +100,10 @@ def test_prompt_log_probs_cover_every_prompt_token_across_two_chunks(tiny_tokeni
     outputs = []
     for start, end in ((0, cut), (cut, len(prompt))):
         sched = SchedulerOutput(seqs=[seq], num_scheduled_tokens=[end - start])
-        seq.num_computed_tokens = end                                   # the scheduler counted them computed
-        chunks, values = prompt_logprobs(sched, ModelOutput(logits[end - 1:end], {0: logits[start:end]}))
+        seq.num_computed_tokens = start
+        chunks, targets = plan_prompt_logprobs(sched, torch.device("cpu"))          # before the forward
+        seq.num_computed_tokens = end                                                # the step ran
+        values = gather_prompt_logprobs(chunks, targets, ModelOutput(logits[end - 1:end], {0: logits[start:end]}))
         due = [seq] if end == len(prompt) else []
         tokens = [9] if due else []
         sampled = SamplerOutput(torch.tensor(tokens), torch.zeros(len(tokens)), None, None) if due else None

@@ -248,7 +248,9 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     while True:
         probs_sorted, order = torch.topk(probs, k, dim=-1)                            # (N, k) descending
         cum = torch.cumsum(probs_sorted, dim=-1)
-        # host sync (at most a few per step): is k large enough for every filtering row?
+        # host sync, the step's only one besides the copy of its results, and only when a row uses top_p
+        # (usually once: 64 candidates hold the mass): is k large enough for every filtering row? A full
+        # sort instead would cost ~40x more for a 49k vocabulary.
         if k == logits.shape[1] or bool(((cum[:, -1] >= top_p) | ~active).all()):
             break
         k = min(k * 4, logits.shape[1])

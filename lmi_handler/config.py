@@ -50,6 +50,8 @@ class Settings(BaseModel):
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
+    compile: bool = False
+    """torch.compile (inductor) for the model's forward; off by default (see model_runner.compiled_forward)."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True
@@ -108,7 +110,7 @@ class Settings(BaseModel):
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
-                            batch_invariant=self.batch_invariant,
+                            batch_invariant=self.batch_invariant, compile=self.compile,
                             enable_prefix_caching=self.enable_prefix_caching)
 
     @classmethod
@@ -138,6 +140,7 @@ class EngineConfig:
     num_threads: int = 0
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
+    compile: bool = False
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -1,25 +1,31 @@
 """Engine: add_request / step / abort — the continuous-batching loop both batch modes share.
 
-Owns the step's order (schedule, forward, sample, stop, detokenize, emit) and each request's
-text state; the parts it calls own their nouns (scheduler, model runner, sampler, stopping).
+Owns the step's order (schedule, prepare, forward, sample, update, emit) and the requests in flight;
+the parts it calls own their nouns (scheduler, model runner, sampler, stopping, output processor).
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
 
 from lmi_handler.config import EngineConfig
-from lmi_handler.engine.detokenizer import IncrementalDetokenizer
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
-from lmi_handler.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from lmi_handler.engine.output_processor import (
+    OutputProcessor,
+    PromptChunk,
+    StepSample,
+    gather_prompt_logprobs,
+    plan_prompt_logprobs,
+)
+from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, TokenOutput, random_seed
-from lmi_handler.engine.stopping import FINISH_REASONS, STOP_NONE, StopStringMatcher, build_stop_ids, token_stop_reasons
+from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
+from lmi_handler.engine.stopping import StopTable
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +36,6 @@ class RequestRejected(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
-
-
-@dataclass
-class TextState:
-    """A request's text side: incremental detokenizer, stop-string matcher, tokens awaiting release."""
-
-    detokenizer: IncrementalDetokenizer
-    matcher: StopStringMatcher
-    pending: list[TokenOutput] = field(default_factory=list)
-    prompt_tokens: list[TokenOutput] | None = None
 
 
 def pick_device(device_id: int) -> torch.device:
@@ -67,7 +63,7 @@ class Engine:
         self.device = pick_device(config.device_id)
         self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
                                   block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, compile=config.compile)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -76,8 +72,10 @@ class Engine:
                                                    enable_prefix_caching=config.enable_prefix_caching),
                                    self.allocator)
         self.sampler = Sampler()
+        self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
+                                    self.device)
+        self.output = OutputProcessor(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
-        self.texts: dict[str, TextState] = {}
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.device, self.runner.dtype, self.runner.num_blocks, self.runner.block_size,
                     self.max_model_len)
@@ -111,20 +109,17 @@ class Engine:
         if request_id in self.seqs:
             raise RequestRejected("request_id", f"request_id {request_id!r} is already running")
         if params.seed is None:
-            chosen = seed if seed is not None else random_seed()
-            params = _with_seed(params, chosen)
+            params = replace(params, seed=seed if seed is not None else random_seed())
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
         self.seqs[request_id] = seq
-        self.texts[request_id] = TextState(
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens),
-            StopStringMatcher(params.stop_sequences, params.include_stop_str_in_output))
+        self.output.add(seq)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once (client gone, reset); frees its KV blocks. Unknown ids are ignored."""
         seq = self.seqs.pop(request_id, None)
-        self.texts.pop(request_id, None)
+        self.output.remove(request_id)
         if seq is not None:
             self.scheduler.finish(seq)
 
@@ -140,18 +135,50 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step for every scheduled sequence; return the outputs of requests that moved."""
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule()                # which sequences, how many tokens each
         if sched.is_empty:
             return []
-        model_out = self.runner.execute(sched.seqs, sched.num_scheduled_tokens)
-        self.scheduler.update_from_output(sched)
-        self._record_prompt_logprobs(sched, model_out)
-        rows = [i for i, seq in enumerate(sched.seqs) if seq.num_computed_tokens == seq.num_tokens]
-        outputs = self._sample_and_append([sched.seqs[i] for i in rows], model_out.logits[rows])
-        for seq in sched.seqs:
-            if seq.is_finished:
-                self._release(seq)
+        model_input = self.runner.prepare(sched)         # SchedulerOutput -> ModelInput (plain tensors)
+        sampling = self._prepare_sampling(sched)         # rows due a token, their tables (device)
+        model_out = self.runner.execute(model_input)     # forward: logits
+        self.scheduler.update_from_output(sched)         # their tokens are in the KV cache now
+        sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
+        outputs = self.output.process(sampled)           # the one host sync; text, stop strings
+        self._finish(sampled.seqs)                       # free what finished
         return outputs
+
+    def _prepare_sampling(self, sched: SchedulerOutput) -> SamplingInput:
+        """Before the forward, so every host -> device copy is queued ahead of it: the rows whose prompt is
+        done after this step (a token is due), their sampling and stop tables, the prompt-logprob targets."""
+        rows = [i for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens))
+                if seq.num_computed_tokens + n == seq.num_tokens]
+        seqs = [sched.seqs[i] for i in rows]
+        chunks, targets = plan_prompt_logprobs(sched, self.device)
+        if not seqs:
+            return SamplingInput(seqs, None, None, None, chunks, targets)
+        meta, stops = self.row_tables.get(seqs)
+        row_index = None if len(rows) == len(sched.seqs) else torch.tensor(rows).to(self.device)
+        return SamplingInput(seqs, row_index, meta, stops, chunks, targets)
+
+    def _sample(self, sampling: SamplingInput, model_out: ModelOutput) -> StepSample:
+        """Sample the due rows and check eos / stop ids / length, all on the device."""
+        prompt_values = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
+        if not sampling.seqs:
+            return StepSample([], None, None, sampling.prompt_chunks, prompt_values)
+        logits = model_out.logits                                                   # (S, vocab) float32
+        if sampling.row_index is not None:
+            logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
+        sampled = self.sampler(logits, sampling.meta)
+        self.row_tables.record(sampled.token_ids)
+        reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
+        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values)
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.seqs.pop(seq.request_id, None)
+                self.output.remove(seq.request_id)
 
     def iterate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> Iterator[list[RequestOutput]]:
         """Add the requests, then yield each step's outputs until all of them finished (dynamic batch).
@@ -176,111 +203,50 @@ class Engine:
                 outputs[out.request_id].append(out)
         return outputs
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
-        if not seqs:
-            return []
-        meta = SamplingMetadata.from_sequences(seqs, self.runner.config.vocab_size, logits.device)
-        sampled = self.sampler(logits, meta)
-        reasons = self._token_reasons(seqs, sampled.token_ids)
-        # one host sync per step: the new tokens, their log probs and stop reasons go to Python
-        token_ids = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist()
-        tops = _top_lists(sampled)
-        reasons_list = reasons.tolist()
-        now = time.monotonic()
-        outputs = []
-        for i, seq in enumerate(seqs):
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            top = tops[i][:seq.params.top_n_tokens] if tops and seq.params.top_n_tokens else None
-            outputs.append(self._append_token(seq, token_ids[i], logprobs[i], top, reasons_list[i]))
-        return outputs
 
-    def _token_reasons(self, seqs: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
-        device = token_ids.device
-        stop_ids, is_eos = build_stop_ids(seqs, self.eos_token_ids, device)
-        num_out = torch.tensor([s.num_output_tokens + 1 for s in seqs], dtype=torch.int64, device=device)
-        # the context limit acts as a length limit too
-        max_new = torch.tensor([min(s.params.max_new_tokens, self.max_model_len - s.num_prompt_tokens)
-                                for s in seqs], dtype=torch.int64, device=device)
-        return token_stop_reasons(token_ids, stop_ids, num_out, max_new, is_eos=is_eos)
+@dataclass
+class SamplingInput:
+    """The sampling side of one step, built before its forward (Engine._prepare_sampling)."""
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: float,
-                      top: list[tuple[int, float]] | None, reason_code: int) -> RequestOutput:
-        seq.output_token_ids.append(token_id)
-        seq.output_logprobs.append(logprob)
-        text_state = self.texts[seq.request_id]
-        text = text_state.detokenizer.decode_next(token_id)
-        if reason_code != STOP_NONE:  # the last token: complete characters held back go out with it
-            text += text_state.detokenizer.flush()
-        text_state.pending.append(TokenOutput(token_id, text, logprob,
-                                              text_state.detokenizer.is_special(token_id), top))
-        matched = text_state.matcher.add(text)
-        if matched:
-            seq.finish_reason = FinishReason.STOP_SEQUENCE
-        elif reason_code != STOP_NONE:
-            seq.finish_reason = FINISH_REASONS[reason_code]
-        finished = seq.finish_reason is not None
-        if finished:
-            self.scheduler.finish(seq)
-        return self._emit(seq, text_state, final=finished)
-
-    def _emit(self, seq: Sequence, state: TextState, final: bool) -> RequestOutput:
-        released = state.matcher.release(final=final)
-        new_tokens = state.pending[:len(released)]
-        del state.pending[:len(released)]
-        for token, text in zip(new_tokens, released):
-            token.text = text
-        prompt_tokens = None
-        if state.prompt_tokens is not None:
-            prompt_tokens, state.prompt_tokens = state.prompt_tokens, None
-        return RequestOutput(seq.request_id, new_tokens, state.matcher.text, seq.is_finished,
-                             seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
-                             prompt_tokens=prompt_tokens)
-
-    def _release(self, seq: Sequence) -> None:
-        self.seqs.pop(seq.request_id, None)
-        self.texts.pop(seq.request_id, None)
-
-    def _record_prompt_logprobs(self, sched: SchedulerOutput, model_out: ModelOutput) -> None:
-        """decoder_input_details: log prob of each prompt token given the ones before it."""
-        for index, chunk_logits in model_out.chunk_logits.items():
-            seq = sched.seqs[index]
-            end = seq.num_computed_tokens
-            start = end - sched.num_scheduled_tokens[index]
-            if seq.prompt_token_logprobs is None:
-                seq.prompt_token_logprobs = [None]
-            elif len(seq.prompt_token_logprobs) > start + 1:
-                continue  # recomputed after a preemption: these were reported already
-            # position p predicts token p + 1; keep only targets inside the prompt
-            targets = seq.all_token_ids[start + 1:min(end + 1, seq.num_prompt_tokens)]
-            if targets:
-                logp = torch.log_softmax(chunk_logits[:len(targets)].float(), dim=-1)
-                target_t = torch.tensor(targets, device=logp.device).unsqueeze(1)
-                # host sync: prompt log probs are reported once, with the first output
-                seq.prompt_token_logprobs.extend(logp.gather(1, target_t).squeeze(1).tolist())
-            if end >= seq.num_prompt_tokens:
-                self._set_prompt_tokens(seq)
-
-    def _set_prompt_tokens(self, seq: Sequence) -> None:
-        state = self.texts[seq.request_id]
-        texts = state.detokenizer.decode_prompt_tokens()
-        state.prompt_tokens = [
-            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid))
-            for tid, text, lp in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs)]
+    seqs: list[Sequence]                 # rows due a token, in the step's order
+    row_index: torch.Tensor | None       # (B,) int64 their rows in the step's logits; None = every row
+    meta: SamplingMetadata | None
+    stops: StopTable | None
+    prompt_chunks: list[PromptChunk]
+    prompt_targets: torch.Tensor | None  # (N,) int64 on the device
 
 
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
+class RowTables:
+    """The sampled rows' SamplingMetadata and StopTable, kept between steps.
 
-    return replace(params, seed=seed)
+    While a step samples the same sequences, in the same order, as the step before (steady decode),
+    the tables are advanced on the device (positions + 1, the sampled tokens appended) instead of
+    being rebuilt from the sequences; any other composition rebuilds them.
+    """
 
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], max_model_len: int, device: torch.device):
+        self.vocab_size, self.eos_token_ids, self.max_model_len = vocab_size, eos_token_ids, max_model_len
+        self.device = device
+        self._seqs: list[Sequence] = []
+        self._counts: list[int] = []
+        self._tables: tuple[SamplingMetadata, StopTable] | None = None
+        self._last_tokens: torch.Tensor | None = None
 
-def _top_lists(sampled: SamplerOutput) -> list[list[tuple[int, float]]] | None:
-    if sampled.top_ids is None:
-        return None
-    # host sync: top-n alternatives are reported per token
-    ids, lps = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
-    # alternatives filtered out of a row's distribution come back as -inf: not real choices
-    return [[(tid, lp) for tid, lp in zip(row_ids, row_lps) if lp != float("-inf")]
-            for row_ids, row_lps in zip(ids, lps)]
+    def get(self, seqs: list[Sequence]) -> tuple[SamplingMetadata, StopTable]:
+        """Tables for these rows; record() must follow with the tokens sampled from them."""
+        counts = [s.num_output_tokens for s in seqs]
+        same = (self._tables is not None and self._last_tokens is not None and len(seqs) == len(self._seqs)
+                and all(a is b for a, b in zip(seqs, self._seqs))
+                and all(c == c0 + 1 for c, c0 in zip(counts, self._counts)))   # each row gained one token
+        if same:
+            meta, stops = self._tables
+            self._tables = (meta.advanced(self._last_tokens), stops)
+        else:
+            self._tables = (SamplingMetadata.from_sequences(seqs, self.vocab_size, self.device),
+                            StopTable.from_sequences(seqs, self.eos_token_ids, self.max_model_len, self.device))
+        self._seqs, self._counts, self._last_tokens = list(seqs), counts, None
+        return self._tables
+
+    def record(self, token_ids: torch.Tensor) -> None:
+        """The (B,) int64 tokens just sampled for the rows of the last get()."""
+        self._last_tokens = token_ids

@@ -1,19 +1,21 @@
-"""Turn one step's scheduled sequences into a flat token batch, run the model, return logits.
+"""The step contract: SchedulerOutput -> ModelInput (plain tensors) -> ModelRunner.execute -> logits.
 
-Owns the paged KV-cache tensors, ModelConfig, and the Sequence -> tensors flattening; leaves
-choosing what to run (and allocating blocks) to scheduler.py, and sampling to sampler.py.
+Owns the paged KV-cache tensors, ModelConfig, ModelInput and the Sequence -> tensors flattening
+(`prepare`); leaves choosing what to run (and allocating blocks) to scheduler.py, and sampling to sampler.py.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
-from lmi_handler.engine.kv_cache import build_block_tables, build_slot_mapping
+from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.loader import load_model, read_config
+from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
 
@@ -59,8 +61,48 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
                        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
 
 
+@dataclass
+class ModelInput:
+    """One step's work as plain tensors and ints: what `ModelRunner.execute` runs (no Sequence objects).
+
+    Built by `ModelRunner.prepare` from a SchedulerOutput, rows in the scheduler's order (the
+    batch-invariant kernels make a row's bits independent of its neighbours, so nothing is reordered).
+    Picklable (tensors, ints, lists, a dict), so a step can be broadcast to
+    tensor-parallel workers; every tensor's shape depends only on the batch composition (the
+    scheduled token counts and the longest block table), never on token values.
+
+        flat rows   |<- seq 0: n0 rows ->|<- seq 1: n1 rows ->| ...   T = sum(n)
+        logit_rows  [ chunk rows of prompt-logprob sequences ... | last row of every sequence ]
+                    |<-------- num_chunk_rows ---------------->|<---------- S ------------->|
+    """
+
+    input_ids: torch.Tensor             # (T,) int64
+    positions: torch.Tensor             # (T,) int64: num_computed_tokens + 0..n-1 of each sequence
+    attn: AttentionMetadata             # slot_mapping (T,), block_tables (S, max_blocks), context_lens, ...
+    logit_rows: torch.Tensor            # (R,) int64 flat rows lm_head runs on, R = num_chunk_rows + S
+    num_chunk_rows: int                 # leading entries of logit_rows that are prompt-logprob chunks
+    chunk_spans: dict[int, tuple[int, int]]  # caller's index -> rows [a, b) of lm_head's output (its chunk)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.attn.num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> "ModelInput":
+        """The same step with every tensor on `device` (host -> device copies, no sync)."""
+        attn = replace(self.attn, **{f: getattr(self.attn, f).to(device) for f in _ATTN_TENSORS})
+        return replace(self, input_ids=self.input_ids.to(device), positions=self.positions.to(device),
+                       attn=attn, logit_rows=self.logit_rows.to(device))
+
+
+_ATTN_TENSORS = ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q")
+
+
 class ModelRunner:
-    """Owns the model and its paged KV cache; `execute` runs one engine step.
+    """Owns the model and its paged KV cache; `prepare` builds a step's ModelInput, `execute` runs it.
 
     KV cache: per layer a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
     head_dim) in `dtype`, zero-initialised (so padded gathers never read NaN).
@@ -68,15 +110,18 @@ class ModelRunner:
     the batch: the C++ row-invariant linear over packed weights and the paged attention kernel
     (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
     False: plain F.linear GEMMs, logits may move in the last bits with the batch.
+    `compile` wraps the model's forward in torch.compile (inductor, dynamic shapes); see
+    compiled_forward for what it covers.
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, compile: bool = False):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant = batch_invariant
         self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant)
+        self.forward = compiled_forward(self.model) if compile else self.model
         c = self.config
         block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
@@ -86,60 +131,91 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
-    @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> ModelOutput:
-        """Compute seq.all_token_ids[c : c+n] at positions c..c+n-1 for every sequence, where
-        c = seq.num_computed_tokens and n = num_scheduled_tokens[i]; write their K/V into the
-        blocks of seq.block_table (which must already hold c+n tokens) and attend causally to
-        positions 0..c+n-1. Prefill chunks and decode steps mix freely. Does not modify seqs.
+    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """Flatten the step: sequence i computes seq.all_token_ids[c : c+n] at positions c..c+n-1, where
+        c = seq.num_computed_tokens (prefix-cache hits included) and n = sched.num_scheduled_tokens[i],
+        writing K/V into the blocks of seq.block_table (which must already hold c+n tokens).
+        Prefill chunks and decode steps mix freely. Reads the sequences, never modifies them; the loops
+        are per sequence, the per-token work is tensor ops. Returns the ModelInput on the runner's device.
 
         Raises: IndexError if a block table is too short; ValueError if n < 1 or c+n > num_tokens.
         """
-        input_ids, positions, meta = self._prepare(seqs, num_scheduled_tokens)
-        invariant = self.batch_invariant
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, invariant)  # (T, hidden_size)
-        rows, spans, num_chunk_rows = self._logit_rows(seqs, num_scheduled_tokens)
-        logits = self.model.compute_logits(hidden[rows.to(self.device)], invariant)  # (R, vocab) f32
-        chunk_logits = {i: logits[a:b] for i, (a, b) in spans.items()}
-        return ModelOutput(logits=logits[num_chunk_rows:], chunk_logits=chunk_logits)
-
-    def _prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
-        """Flatten the step into input_ids (T,), positions (T,) int64 and AttentionMetadata."""
+        seqs, counts = sched.seqs, sched.num_scheduled_tokens
         starts = [s.num_computed_tokens for s in seqs]
-        ids: list[int] = []
-        for seq, start, n in zip(seqs, starts, num_scheduled_tokens):
-            if n < 1 or start + n > seq.num_tokens:
-                raise ValueError(f"request {seq.request_id}: cannot schedule {n} tokens from "
-                                 f"position {start} of {seq.num_tokens}")
-            ids.extend(seq.all_token_ids[start:start + n])
-        positions = [p for start, n in zip(starts, num_scheduled_tokens) for p in range(start, start + n)]
-        tables = [s.block_table for s in seqs]
-        context_lens = [start + n for start, n in zip(starts, num_scheduled_tokens)]
-        cu = [0]
-        for n in num_scheduled_tokens:
-            cu.append(cu[-1] + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=build_slot_mapping(tables, starts, num_scheduled_tokens, self.block_size).to(dev),
-            block_tables=build_block_tables(tables).to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            query_lens=list(num_scheduled_tokens), context_lens_host=context_lens,
-            block_size=self.block_size)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+        token_ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, counts):
+            _check_schedulable(seq, start, n, self.block_size)
+            token_ids += _token_slice(seq, start, n)
+        cu = list(accumulate(counts, initial=0))
+        positions, seq_index = _positions(starts, counts, cu)
+        block_tables = build_block_tables([s.block_table for s in seqs])
+        context_lens = [start + n for start, n in zip(starts, counts)]
+        attn = AttentionMetadata(
+            slot_mapping=slots_for_positions(block_tables, seq_index, positions, self.block_size),
+            block_tables=block_tables, context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), query_lens=counts,
+            context_lens_host=context_lens, block_size=self.block_size)
+        chunked = [j for j, seq in enumerate(seqs)
+                   if seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens]
+        logit_rows = torch.tensor([r for j in chunked for r in range(cu[j], cu[j + 1])] + cu[1:], dtype=torch.int64)
+        logit_rows[-len(seqs):] -= 1                                    # each sequence's last row
+        spans, row = {}, 0
+        for j in chunked:
+            spans[j] = (row, row + counts[j])
+            row += counts[j]
+        model_input = ModelInput(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, attn=attn,
+            logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans)
+        return model_input if self.device.type == "cpu" else model_input.to(self.device)
 
-    @staticmethod
-    def _logit_rows(seqs: list[Sequence], num_scheduled_tokens: list[int]):
-        """Flat-batch rows to run lm_head on: first the whole chunk of each prompt_logprobs
-        sequence still in its prompt, then every sequence's
-        last token. Returns ((R,) int64 CPU, {batch position: (a, b) rows of its chunk}, num chunk rows)."""
-        last_rows, chunk_rows, spans = [], [], {}
-        start = 0
-        for i, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
-            last_rows.append(start + n - 1)
-            if seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
-                spans[i] = (len(chunk_rows), len(chunk_rows) + n)
-                chunk_rows.extend(range(start, start + n))
-            start += n
-        return torch.tensor(chunk_rows + last_rows, dtype=torch.int64), spans, len(chunk_rows)
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        """Run one step: write its K/V into the cache, return float32 logits in the caller's order."""
+        mi = model_input
+        invariant = self.batch_invariant
+        hidden = self.forward(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant)  # (T, hidden)
+        logits = self.model.compute_logits(hidden[mi.logit_rows], invariant)              # (R, vocab) f32
+        last = logits[mi.num_chunk_rows:]
+        chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
+        return ModelOutput(logits=last, chunk_logits=chunk_logits)
+
+
+def _check_schedulable(seq: Sequence, start: int, n: int, block_size: int) -> None:
+    if n < 1 or start + n > seq.num_tokens:
+        raise ValueError(f"request {seq.request_id}: cannot schedule {n} tokens from "
+                         f"position {start} of {seq.num_tokens}")
+    if -(-(start + n) // block_size) > len(seq.block_table):
+        raise IndexError(f"request {seq.request_id}: {len(seq.block_table)} blocks cannot hold "
+                         f"{start + n} tokens of {block_size}")
+
+
+def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.all_token_ids[start:start + n] without copying the whole sequence (decode reads one token)."""
+    num_prompt = seq.num_prompt_tokens
+    if start >= num_prompt:
+        return seq.output_token_ids[start - num_prompt:start - num_prompt + n]
+    head = seq.prompt_token_ids[start:start + n]
+    return head if start + n <= num_prompt else head + seq.output_token_ids[:start + n - num_prompt]
+
+
+def _positions(starts: list[int], counts: list[int], cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """((T,) int64 positions, (T,) int64 sequence index of each flat row), as tensor ops."""
+    num_tokens = cu[-1]
+    if num_tokens == len(counts):                      # all decodes: one row per sequence
+        return torch.tensor(starts, dtype=torch.int64), torch.arange(num_tokens)
+    seq_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=num_tokens)
+    offset = torch.tensor(starts, dtype=torch.int64) - torch.tensor(cu[:-1], dtype=torch.int64)   # (S,)
+    return torch.arange(num_tokens) + offset[seq_index], seq_index
+
+
+def compiled_forward(model):
+    """The model with torch.compile (inductor, dynamic shapes) on each layer's MLP and the norms.
+
+    Paged attention (Python loops over sequences, in-place cache writes) stays eager: compiling it
+    would recompile for every batch composition. Returns the model, its submodules wrapped.
+    """
+    for layer in model.layers:
+        layer.mlp = torch.compile(layer.mlp, dynamic=True)
+        layer.input_layernorm = torch.compile(layer.input_layernorm, dynamic=True)
+        layer.post_attention_layernorm = torch.compile(layer.post_attention_layernorm, dynamic=True)
+    return model

@@ -5,6 +5,8 @@ start a stop string). Leaves sampling to sampler.py, token text to detokenizer.p
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmi_handler.engine.sequence import FinishReason, Sequence
@@ -62,6 +64,31 @@ def token_stop_reasons(token_ids: torch.Tensor, stop_ids: torch.Tensor, num_outp
         reasons = torch.where((hits & ~is_eos).any(dim=1), STOP_TOKEN, reasons)
         reasons = torch.where((hits & is_eos).any(dim=1), STOP_EOS, reasons)
     return reasons.to(torch.int8)
+
+
+@dataclass
+class StopTable:
+    """The per-row token stop rules of a batch, on the device: built once per batch composition.
+
+    stop_ids / is_eos as build_stop_ids returns them; max_new_tokens is each row's length limit,
+    params.max_new_tokens capped by the context (max_model_len - num_prompt_tokens).
+    """
+
+    stop_ids: torch.Tensor         # (B, S) int64, padded with -1
+    is_eos: torch.Tensor           # (B, S) bool
+    max_new_tokens: torch.Tensor   # (B,) int64
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], max_model_len: int,
+                       device: torch.device) -> "StopTable":
+        stop_ids, is_eos = build_stop_ids(seqs, eos_token_ids, device)
+        max_new = torch.tensor([min(s.params.max_new_tokens, max_model_len - s.num_prompt_tokens) for s in seqs],
+                               dtype=torch.int64).to(device)
+        return cls(stop_ids, is_eos, max_new)
+
+    def reasons(self, token_ids: torch.Tensor, num_output_tokens: torch.Tensor) -> torch.Tensor:
+        """(B,) int8 stop codes for the tokens just sampled; num_output_tokens (B,) int64 counts them."""
+        return token_stop_reasons(token_ids, self.stop_ids, num_output_tokens, self.max_new_tokens, self.is_eos)
 
 
 class StopStringMatcher:

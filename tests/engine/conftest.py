@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 512
@@ -85,7 +86,8 @@ def greedy_generate(runner, allocator: BlockAllocator, prompts: list[list[int]],
     active = list(range(len(seqs)))
     while active:
         counts = [min(chunks[i], seqs[i].num_tokens - seqs[i].num_computed_tokens) for i in active]
-        out = runner.execute([seqs[i] for i in active], counts)
+        out = runner.execute(runner.prepare(SchedulerOutput(seqs=[seqs[i] for i in active],
+                                                            num_scheduled_tokens=counts)))
         for row, (i, count) in enumerate(zip(active, counts)):
             seq = seqs[i]
             seq.num_computed_tokens += count
@@ -98,3 +100,29 @@ def greedy_generate(runner, allocator: BlockAllocator, prompts: list[list[int]],
     for seq in seqs:
         allocator.free(seq.block_table)
     return [s.output_token_ids for s in seqs], step_logits
+
+
+TINY_TOKENIZER_TEXTS = ["Hello world, hello there.", "The cat sat on the mat.", "Stop here. STOP now!",
+                        "我很好😀。日本語のテキスト", "emoji at the end 🎉", "Ünïcödé àçcénts — “quotes” …"]
+
+
+def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB):
+    """A GPT2-style byte-level BPE trained on a few strings (ids 0, 1 are <s>, </s>), padded with added
+    tokens to `vocab_size` ids, wrapped like a real checkpoint's tokenizer. Needs no prepared model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TINY_TOKENIZER_TEXTS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.add_tokens([f"<extra_{i}>" for i in range(vocab_size - len(fast))])
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()

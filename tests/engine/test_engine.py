@@ -25,12 +25,12 @@ PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 300, 6, 9, 400, 11, 23, 57, 88, 91
            [300, 200, 100, 50, 25], [7, 7, 7, 7, 8, 8, 8, 9, 9, 10, 10, 11, 12, 13, 14, 15, 16, 17]]
 
 
-def test_greedy_tokens_equal_hf_generate_with_chunked_prefill_in_a_batch(tiny_model_dir, tokenizer):
+def test_greedy_tokens_equal_hf_generate_with_chunked_prefill_in_a_batch(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    engine = make_engine(tiny_model_dir, tokenizer, max_num_batched_tokens=12)  # prompts split in chunks
+    engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_batched_tokens=12)  # prompts split in chunks
     ours, _ = run(engine, PROMPTS, [params] * 3)
     for i, prompt in enumerate(PROMPTS):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
@@ -38,11 +38,11 @@ def test_greedy_tokens_equal_hf_generate_with_chunked_prefill_in_a_batch(tiny_mo
         assert ours[f"r{i}"] == expected
 
 
-def test_preempted_sequence_resumes_with_the_same_tokens(tiny_model_dir, tokenizer):
+def test_preempted_sequence_resumes_with_the_same_tokens(tiny_model_dir, tiny_tokenizer):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    roomy, _ = run(make_engine(tiny_model_dir, tokenizer), PROMPTS, [params] * 3)
+    roomy, _ = run(make_engine(tiny_model_dir, tiny_tokenizer), PROMPTS, [params] * 3)
     bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4  # layers * (K, V) * kv_heads * head_dim * block_size * fp32
-    tight = make_engine(tiny_model_dir, tokenizer, kv_cache_bytes=bytes_per_block * 18)  # 72 token slots
+    tight = make_engine(tiny_model_dir, tiny_tokenizer, kv_cache_bytes=bytes_per_block * 18)  # 72 token slots
     preempted = []
     original = tight.scheduler._preempt
 
@@ -57,9 +57,9 @@ def test_preempted_sequence_resumes_with_the_same_tokens(tiny_model_dir, tokeniz
     assert tight.allocator.num_used_blocks == 0
 
 
-def test_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_model_dir, tokenizer):
+def test_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_model_dir, tiny_tokenizer):
     seeded = SamplingParams(greedy=False, temperature=1.0, top_p=0.9, seed=-42, max_new_tokens=16, ignore_eos=True)
-    engine = make_engine(tiny_model_dir, tokenizer)
+    engine = make_engine(tiny_model_dir, tiny_tokenizer)
     alone, _ = run(engine, [PROMPTS[0]], [seeded])
     others = [SamplingParams(greedy=False, temperature=0.7, max_new_tokens=9, ignore_eos=True),
               SamplingParams(max_new_tokens=5, ignore_eos=True)]
@@ -70,12 +70,27 @@ def test_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_
     assert other_seed["r0"] != alone["r0"]
 
 
-def test_prompt_log_probs_match_hf_across_chunks(tiny_model_dir, tokenizer):
+def test_penalized_seeded_request_is_the_same_alone_and_in_a_batch_that_changes_every_few_steps(
+        tiny_model_dir, tiny_tokenizer):
+    """Alone, the sampling tables are advanced on the device every decode step; in the crowd, requests
+    finishing at different steps make the engine rebuild them. Both must give the same tokens."""
+    target = SamplingParams(greedy=False, seed=7, repetition_penalty=1.3, frequency_penalty=0.5,
+                            presence_penalty=0.2, max_new_tokens=14, ignore_eos=True)
+    engine = make_engine(tiny_model_dir, tiny_tokenizer)
+    alone, results = run(engine, [PROMPTS[0]], [target])
+    others = [SamplingParams(max_new_tokens=k, ignore_eos=True, repetition_penalty=1.1) for k in (3, 6, 9)]
+    crowd, _ = run(engine, [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1]], [others[0], target, others[1], others[2]])
+    assert crowd["r1"] == alone["r0"] and len(alone["r0"]) == 14
+    final = results["r0"][-1]
+    assert "".join(t.text for out in results["r0"] for t in out.new_tokens) == final.generated_text
+
+
+def test_prompt_log_probs_match_hf_across_chunks(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompt = PROMPTS[0]
-    engine = make_engine(tiny_model_dir, tokenizer, max_num_batched_tokens=8)
+    engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_batched_tokens=8)
     _, results = run(engine, [prompt], [SamplingParams(max_new_tokens=2, prompt_logprobs=True)])
     prompt_tokens = next(out.prompt_tokens for out in results["r0"] if out.prompt_tokens)
     assert [t.id for t in prompt_tokens] == prompt and prompt_tokens[0].log_prob is None
@@ -85,8 +100,8 @@ def test_prompt_log_probs_match_hf_across_chunks(tiny_model_dir, tokenizer):
     assert [t.log_prob for t in prompt_tokens[1:]] == pytest.approx(expected, abs=1e-4)
 
 
-def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tokenizer):
-    engine = make_engine(tiny_model_dir, tokenizer)
+def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tiny_tokenizer):
+    engine = make_engine(tiny_model_dir, tiny_tokenizer)
     _, results = run(engine, [PROMPTS[1]], [SamplingParams(max_new_tokens=3, ignore_eos=True)])
     final = results["r0"][-1]
     assert final.finished and final.finish_reason is FinishReason.LENGTH and final.num_generated_tokens == 3
@@ -96,6 +111,13 @@ def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tokenizer):
     assert results["r0"][-1].finish_reason is FinishReason.STOP_SEQUENCE
     with pytest.raises(RequestRejected, match="token limit"):
         engine.add_request("long", [5] * 250, SamplingParams(max_new_tokens=10))  # context is 256
+
+
+def test_option_compile_reaches_the_engine_config_and_is_off_by_default():
+    from lmi_handler.config import Settings
+
+    assert Settings.from_properties({}).engine_config().compile is False
+    assert Settings.from_properties({"compile": "true"}).engine_config().compile is True
 
 
 @pytest.mark.slow

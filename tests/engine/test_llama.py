@@ -61,7 +61,9 @@ def test_prefill_logits_match_transformers(tiny_model):
     prompt = PROMPTS[2]
     from tests.engine.conftest import make_seq
     seq = make_seq(prompt, allocator, len(prompt), prompt_logprobs=True)
-    ours = runner.execute([seq], [len(prompt)]).chunk_logits[0]
+    from lmi_handler.engine.scheduler import SchedulerOutput
+    step = runner.prepare(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[len(prompt)]))
+    ours = runner.execute(step).chunk_logits[0]
     with torch.no_grad():
         theirs = hf_model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

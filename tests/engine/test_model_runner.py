@@ -7,10 +7,16 @@ import torch
 
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.scheduler import SchedulerOutput
 from tests.engine.conftest import build_tiny_llama, greedy_generate, make_seq
 from tests.engine.test_llama import PROMPTS, hf_greedy
 
 CPU = torch.device("cpu")
+
+
+def run_step(runner: ModelRunner, seqs, counts):
+    """One step through the contract: SchedulerOutput -> prepare -> ModelInput -> execute."""
+    return runner.execute(runner.prepare(SchedulerOutput(seqs=list(seqs), num_scheduled_tokens=list(counts))))
 
 
 def tiny_runner(model_dir, **kwargs) -> tuple[ModelRunner, BlockAllocator]:
@@ -35,7 +41,7 @@ def test_execute_does_not_modify_sequences_and_returns_float32(tiny_model_dir):
     runner, allocator = tiny_runner(tiny_model_dir)
     seq = make_seq(PROMPTS[0], allocator, 8)
     before = (seq.num_computed_tokens, list(seq.output_token_ids), list(seq.block_table))
-    out = runner.execute([seq], [3])
+    out = run_step(runner, [seq], [3])
     assert (seq.num_computed_tokens, seq.output_token_ids, seq.block_table) == before
     assert out.logits.shape == (1, runner.config.vocab_size) and out.logits.dtype == torch.float32
     assert out.chunk_logits == {}
@@ -45,14 +51,14 @@ def test_chunk_logits_cover_prompt_chunks_only_for_prompt_logprobs(tiny_model_di
     runner, allocator = tiny_runner(tiny_model_dir)
     prompt = PROMPTS[2] + list(range(30, 40))                            # 28 tokens
     whole = make_seq(prompt, allocator, len(prompt), "whole", prompt_logprobs=True)
-    full = runner.execute([whole], [len(prompt)]).chunk_logits[0]       # (len(prompt), vocab)
+    full = run_step(runner, [whole], [len(prompt)]).chunk_logits[0]       # (len(prompt), vocab)
     plain = make_seq(prompt, allocator, len(prompt), "plain")
     chunked = make_seq(prompt, allocator, len(prompt), "chunked", prompt_logprobs=True)
-    first = runner.execute([plain, chunked], [4, 4])                    # first chunk of both
+    first = run_step(runner, [plain, chunked], [4, 4])                    # first chunk of both
     assert set(first.chunk_logits) == {1}
     torch.testing.assert_close(first.chunk_logits[1], full[:4], rtol=1e-5, atol=1e-5)
     plain.num_computed_tokens = chunked.num_computed_tokens = 4
-    second = runner.execute([plain, chunked], [5, 24])     # the long chunk goes first inside execute
+    second = run_step(runner, [plain, chunked], [5, 24])     # the long chunk goes first inside execute
     assert set(second.chunk_logits) == {1} and second.chunk_logits[1].shape == (24, runner.config.vocab_size)
     torch.testing.assert_close(second.chunk_logits[1], full[4:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second.logits, full[[8, -1]], rtol=1e-5, atol=1e-5)
@@ -145,3 +151,17 @@ def test_real_model_logits_are_bitwise_identical_alone_and_in_batch(real_runner,
     prompts = [chat_ids(tokenizer, p) for p in mt_bench_prompts[:4]]
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, prompts[0], prompts[1:], 8,
                                                        chunks=[len(prompts[1]), 16, 1])
+
+
+@pytest.mark.slow
+def test_compiled_forward_gives_the_same_greedy_tokens_over_changing_shapes(tiny_model_dir):
+    """option.compile: torch.compile (inductor, dynamic shapes) on the MLPs and norms. Batched, chunked and
+    decode steps give shapes that change every step; the tokens must stay transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    runner, allocator = tiny_runner(tiny_model_dir, compile=True)
+    expected = [hf_greedy(hf_model, p, 8) for p in PROMPTS]
+    chunked, _ = greedy_generate(runner, allocator, PROMPTS, 8, chunk_sizes=[2, 1, 7],
+                                 stop_ids=runner.config.eos_token_ids)
+    assert chunked == expected

@@ -341,3 +341,20 @@ def test_top_p_partial_sort_keeps_exactly_what_a_full_sort_keeps(scale):
     logits = torch.randn(6, 5000, generator=generator) * scale
     top_p = torch.tensor([1.0, 0.999, 0.9, 0.5, 0.1, 0.01])
     assert torch.equal(torch.isinf(apply_top_p(logits, top_p)), torch.isinf(_top_p_by_full_sort(logits, top_p)))
+
+
+def test_advanced_metadata_samples_exactly_like_metadata_rebuilt_from_the_grown_sequences():
+    vocab = 50
+    seqs = [seq(greedy=False, prompt=(3, 4, 4), output=(7,), seed=5, repetition_penalty=1.3, frequency_penalty=0.4),
+            seq(greedy=True, prompt=(1, 2), output=(), presence_penalty=0.7),
+            seq(greedy=False, prompt=(9,), output=(9, 9, 2), seed=-8, temperature=0.8, top_p=0.9)]
+    meta = meta_for(seqs, vocab)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    for _ in range(4):
+        tokens = Sampler()(logits, meta).token_ids
+        for s, t in zip(seqs, tokens.tolist()):
+            s.output_token_ids.append(t)
+        meta, rebuilt = meta.advanced(tokens), meta_for(seqs, vocab)
+        assert torch.equal(meta.positions, rebuilt.positions)
+        a, b = Sampler()(logits, meta), Sampler()(logits, rebuilt)
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logprobs, b.logprobs)

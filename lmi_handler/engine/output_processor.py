@@ -1,0 +1,200 @@
+"""The text side of a step: sampled token ids -> tokens, text, stop strings, RequestOutputs.
+
+Owns each request's TextState (incremental detokenizer, stop-string matcher, tokens held back for a
+possible stop string, prompt tokens for decoder_input_details) and the step's one host-device sync.
+Leaves sampling to sampler.py, eos / stop-id / length checks to stopping.py, queues and blocks to the engine.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lmi_handler.engine.detokenizer import IncrementalDetokenizer
+from lmi_handler.engine.model_runner import ModelOutput
+from lmi_handler.engine.sampler import SamplerOutput
+from lmi_handler.engine.scheduler import SchedulerOutput
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, Sequence, TokenOutput
+from lmi_handler.engine.stopping import FINISH_REASONS, STOP_NONE, StopStringMatcher
+
+
+@dataclass
+class TextState:
+    """A request's text side: incremental detokenizer, stop-string matcher, tokens awaiting release."""
+
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    pending: list[TokenOutput] = field(default_factory=list)
+    prompt_tokens: list[TokenOutput] | None = None
+
+
+@dataclass
+class PromptChunk:
+    """Prompt log probs due this step for one sequence (index `index` of the step): `num_targets` values
+    for prompt positions start + 1 .. start + num_targets (position p predicts token p + 1)."""
+
+    index: int
+    seq: Sequence
+    num_targets: int
+    ends_prompt: bool        # the chunk reaches the prompt's end: its prompt tokens go out this step
+
+
+@dataclass
+class StepSample:
+    """What a step computed, still on the device: the sampled rows' tokens and stop reasons, and the
+    prompt log probs of its prompt-logprob chunks. OutputProcessor.process brings it to the host at once."""
+
+    seqs: list[Sequence]                   # the sampled rows, in row order
+    sampled: SamplerOutput | None          # token ids, log probs, top-n of those rows (None: no row sampled)
+    stop_reasons: torch.Tensor | None      # (B,) int8 stopping codes
+    prompt_chunks: list[PromptChunk]
+    prompt_logprobs: torch.Tensor | None   # (sum of num_targets,) float32, in prompt_chunks order
+
+
+def plan_prompt_logprobs(sched: SchedulerOutput,
+                         device: torch.device) -> tuple[list[PromptChunk], torch.Tensor | None]:
+    """decoder_input_details, before the forward: which prompt-logprob chunks report this step (the
+    runner's chunk rows: params.prompt_logprobs and a chunk starting inside the prompt), and their target
+    ids ((N,) int64 on `device`, copied before the forward is queued). Chunks recomputed after a
+    preemption are skipped (reported already)."""
+    chunks, targets = [], []
+    for index, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens)):
+        start = seq.num_computed_tokens
+        if not seq.params.prompt_logprobs or start >= seq.num_prompt_tokens:
+            continue
+        if seq.prompt_token_logprobs is None:
+            seq.prompt_token_logprobs = [None]
+        elif len(seq.prompt_token_logprobs) > start + 1:
+            continue
+        ids = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
+        chunks.append(PromptChunk(index, seq, len(ids), start + n >= seq.num_prompt_tokens))
+        targets += ids
+    return chunks, (torch.tensor(targets, dtype=torch.int64).to(device) if targets else None)
+
+
+def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None,
+                           model_out: ModelOutput) -> torch.Tensor | None:
+    """Log prob of each planned target given the tokens before it: (N,) float32 on the device."""
+    values, offset = [], 0
+    for chunk in chunks:
+        if chunk.num_targets:
+            logp = torch.log_softmax(model_out.chunk_logits[chunk.index][:chunk.num_targets].float(), dim=-1)
+            target = targets[offset:offset + chunk.num_targets, None]                    # (n, 1)
+            values.append(logp.gather(1, target).squeeze(1))
+            offset += chunk.num_targets
+    return torch.cat(values) if values else None
+
+
+class OutputProcessor:
+    """Per-request text state, and `process`: a step's device results -> RequestOutputs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts: dict[str, TextState] = {}
+
+    def add(self, seq: Sequence) -> None:
+        params = seq.params
+        self.texts[seq.request_id] = TextState(
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens),
+            StopStringMatcher(params.stop_sequences, params.include_stop_str_in_output))
+
+    def remove(self, request_id: str) -> None:
+        self.texts.pop(request_id, None)
+
+    def process(self, step: StepSample) -> list[RequestOutput]:
+        """Record prompt log probs, append each sampled token, and emit what its text releases.
+
+        Sets seq.finish_reason on the rows that stop (eos / stop id / length, or a stop string in the
+        text); the caller finishes those in the scheduler. Returns one RequestOutput per sampled row.
+        """
+        host = _to_host(step)
+        offset = 0
+        for chunk in step.prompt_chunks:
+            chunk.seq.prompt_token_logprobs.extend(host.prompt_logprobs[offset:offset + chunk.num_targets])
+            offset += chunk.num_targets
+            if chunk.ends_prompt:
+                self._set_prompt_tokens(chunk.seq)
+        now = time.monotonic()
+        outputs = []
+        for i, seq in enumerate(step.seqs):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            n = seq.params.top_n_tokens
+            top = host.tops[i][:n] if host.tops and n else None
+            outputs.append(self.append_token(seq, host.token_ids[i], host.logprobs[i], top, host.reasons[i]))
+        return outputs
+
+    def append_token(self, seq: Sequence, token_id: int, logprob: float,
+                     top: list[tuple[int, float]] | None, reason_code: int) -> RequestOutput:
+        """Add one generated token to `seq` and its text; `reason_code` is its stopping code (STOP_*)."""
+        seq.output_token_ids.append(token_id)
+        seq.output_logprobs.append(logprob)
+        state = self.texts[seq.request_id]
+        text = state.detokenizer.decode_next(token_id)
+        if reason_code != STOP_NONE:  # the last token: complete characters held back go out with it
+            text += state.detokenizer.flush()
+        state.pending.append(TokenOutput(token_id, text, logprob, state.detokenizer.is_special(token_id), top))
+        if state.matcher.add(text):
+            seq.finish_reason = FinishReason.STOP_SEQUENCE
+        elif reason_code != STOP_NONE:
+            seq.finish_reason = FINISH_REASONS[reason_code]
+        return self._emit(seq, state, final=seq.finish_reason is not None)
+
+    def _emit(self, seq: Sequence, state: TextState, final: bool) -> RequestOutput:
+        released = state.matcher.release(final=final)
+        new_tokens = state.pending[:len(released)]
+        del state.pending[:len(released)]
+        for token, text in zip(new_tokens, released):
+            token.text = text
+        prompt_tokens, state.prompt_tokens = state.prompt_tokens, None
+        return RequestOutput(seq.request_id, new_tokens, state.matcher.text, final, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens, prompt_tokens=prompt_tokens)
+
+    def _set_prompt_tokens(self, seq: Sequence) -> None:
+        state = self.texts[seq.request_id]
+        texts = state.detokenizer.decode_prompt_tokens()
+        state.prompt_tokens = [
+            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid))
+            for tid, text, lp in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs)]
+
+
+@dataclass
+class _HostStep:
+    token_ids: list[int]
+    logprobs: list[float]
+    reasons: list[int]
+    tops: list[list[tuple[int, float]]] | None
+    prompt_logprobs: list[float]
+
+
+def _to_host(step: StepSample) -> _HostStep:
+    """The step's results as Python values through one device -> host copy.
+
+    Everything is packed into one float64 vector: token ids (< 2**53) and stop codes are exact in
+    float64, float32 log probs widen exactly (so the values equal a float32 .tolist()).
+    """
+    parts, num_rows, k = [], len(step.seqs), 0
+    s = step.sampled
+    if s is not None:
+        parts += [s.token_ids, s.logprobs, step.stop_reasons]
+        if s.top_ids is not None:
+            k = s.top_ids.shape[1]
+            parts += [s.top_ids.flatten(), s.top_logprobs.flatten()]
+    if step.prompt_logprobs is not None:
+        parts.append(step.prompt_logprobs)
+    if not parts:
+        return _HostStep([], [], [], None, [])
+    # host sync, the step's only one: sampled tokens, stop reasons and log probs go to Python
+    flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    token_ids = [int(t) for t in flat[:num_rows]]
+    logprobs = flat[num_rows:2 * num_rows]
+    reasons = [int(r) for r in flat[2 * num_rows:3 * num_rows]]
+    tops, end = None, 3 * num_rows
+    if k:
+        ids, lps = flat[end:end + num_rows * k], flat[end + num_rows * k:end + 2 * num_rows * k]
+        end += 2 * num_rows * k
+        # alternatives filtered out of a row's distribution come back as -inf: not real choices
+        tops = [[(int(t), lp) for t, lp in zip(ids[r * k:(r + 1) * k], lps[r * k:(r + 1) * k]) if lp != float("-inf")]
+                for r in range(num_rows)]
+    return _HostStep(token_ids, logprobs, reasons, tops, flat[end:])

@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PORT ?= 8080
 BIN := $(VENV)/bin
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve lint test-fast test bench bench-setup bench-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,34 @@ model: $(VENV)/.installed
 serve: model
 	$(BIN)/lmi-handler serve --port $(PORT)
 
-test: model
-	$(BIN)/python -m pytest -q
+LINT := $(BIN)/ruff check .
+PYTEST := $(BIN)/python -m pytest -q
 
-bench: model
-	$(BIN)/python benchmarks/bench_serving.py
+lint: $(VENV)/.installed
+	$(LINT)
+
+# the tests that need neither the demo model nor a server (seconds)
+test-fast: $(VENV)/.installed
+	$(PYTEST) -m "not slow"
+
+# what CI runs (.ci/run): lint first, then the fast tests, then the slow ones (real model, real servers)
+test: model
+	$(LINT)
+	$(PYTEST) -m "not slow"
+	$(PYTEST) -m slow
+
+# The benchmark (benchmarks/README.md): ours offline, batch file, server, HF generate and vLLM's CPU build,
+# one after the other. bench-setup installs vLLM into its own venv (benchmarks/.venv-vllm); when that
+# fails the benchmark says so and runs without it. Extra flags: make bench BENCH_ARGS="--write-readme".
+BENCH_ARGS ?=
+bench-setup: $(VENV)/.installed
+	$(BIN)/python benchmarks/vllm_peer.py setup || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
+
+bench: model bench-setup
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+bench-smoke: model
+	$(BIN)/python benchmarks/bench.py --smoke $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) model/*.json model/*.safetensors model/*.jinja

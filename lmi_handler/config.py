@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Mapping
 
+import javaproperties
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
@@ -135,20 +136,19 @@ class EngineConfig:
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Read serving.properties and apply OPTION_* overrides, as the LMI container does.
 
-    `option.foo=bar` becomes {"foo": "bar"}; top-level keys (batch_size, max_batch_delay,
-    engine) are kept as they are; an environment variable OPTION_FOO=baz overrides option.foo
-    (LMI: OPTION_<KEY> in upper case). `model_dir` is set to the file's directory.
-    A missing file gives just the environment overrides.
+    The file is Java's .properties format (DJL reads it with java.util.Properties): `key=value`,
+    `key: value` and `key value` are all legal, as are `#`/`!` comments, backslash line
+    continuations and \\uXXXX escapes. Values lose trailing whitespace. `option.foo=bar` becomes
+    {"foo": "bar"}; top-level keys (batch_size, max_batch_delay, engine) are kept as they are; an
+    environment variable OPTION_FOO=baz overrides option.foo (LMI: OPTION_<KEY> in upper case).
+    `model_dir` is set to the file's directory. A missing file gives just the environment overrides.
+    Raises javaproperties.InvalidUEscapeError for a malformed \\u escape.
     """
     path = Path(path)
     props: dict[str, str] = {}
     if path.is_file():
-        for line in path.read_text().splitlines():
-            line = line.strip()
-            if not line or line.startswith(("#", "!")) or "=" not in line:
-                continue
-            key, value = (part.strip() for part in line.split("=", 1))
-            props[key[len("option."):] if key.startswith("option.") else key] = value
+        for key, value in javaproperties.loads(path.read_text(encoding="utf-8")).items():
+            props[key[len("option."):] if key.startswith("option.") else key] = value.rstrip()
     environ = os.environ if environ is None else environ
     for key, value in environ.items():
         if key.startswith("OPTION_"):

@@ -9,6 +9,8 @@ import json
 import struct
 from typing import Any, Iterator
 
+from lmi_handler.protocol.errors import GENERATION_ERROR_CODE
+
 
 class CaseInsensitiveDict(dict):
     """str -> str map whose lookups ignore case, as the front end's properties do (DESIGN §2)."""
@@ -159,7 +161,7 @@ class OwnOutput:
         self.properties[key] = value
         return self
 
-    def error(self, error: str, code: int = 424, message: str = "prediction failure") -> "OwnOutput":
+    def error(self, error: str, code: int = GENERATION_ERROR_CODE, message: str = "prediction failure") -> "OwnOutput":
         """Mark the whole call failed; the body is {"code", "message", "error"}."""
         self.code = code
         self.message = message

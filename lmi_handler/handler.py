@@ -1,11 +1,10 @@
 """handle(inputs): the DJL Serving Python entry point — init on the first call, then rolling or dynamic batch.
 
 Owns the DJL step protocol of DESIGN §2 (batch_NNN keys, one binary-encoded entry per item,
-order kept); parsing is protocol/'s, generation the engine's, HTTP server/'s.
+order kept); the request plan is service.py's, objects are protocol/'s, generation the engine's.
 """
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -13,23 +12,33 @@ from typing import Iterator
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
-from lmi_handler.engine.sequence import RequestOutput, SamplingParams
-from lmi_handler.protocol.formatters import Formatter, dynamic_batch_stream_line, make_formatter, render_best_of
-from lmi_handler.service import PreparedRequest, Service
+from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
+from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_object
+from lmi_handler.protocol.formatters import Answer, Formatter, outputs_line, response_body, stream_formatter
+from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, RequestPlan
+from lmi_handler.protocol.sequences import Member
+from lmi_handler.service import Service
 
 logger = logging.getLogger(__name__)
 
-ERROR_CODE = 424  # DESIGN §2: a failed item answers 424
 ROUTE_PROPERTY = "X-Lmi-Route"  # the HTTP path, passed per item like the front end passes headers
 # Ours, not DJL's: the bundled front end marks a running item whose client went away, so its
 # sequences stop at once instead of generating to the end for nobody.
 CANCEL_PROPERTY = "X-Lmi-Cancel"
+# Ours, in-process only: the bundled front end hands over the RequestPlan it built from the same bytes
+# (to answer 4xx early), as a content entry beside `data`; DJL's front end never sends it, so the
+# handler then plans from `data` itself. Either way a request is parsed and tokenized once.
+PLAN_KEY = "X-Lmi-Plan"
 
 
-def _parse_item(service: Service, item: Input):
-    """Parse one item's body by its route (/invocations or an OpenAI route) and content type."""
-    return service.parse(item.get_as_bytes("data"), route=item.get_property(ROUTE_PROPERTY),
-                         content_type=item.get_property("Content-Type"))
+def plan_item(service: Service, item: Input, request_id: str) -> RequestPlan:
+    """The item's plan: the one the front end handed over, else parsed from its body by its route
+    (/invocations, an OpenAI route, /generate) and content type. Raises RequestValidationError."""
+    handed = item.content.get(PLAN_KEY)
+    if isinstance(handed, RequestPlan):
+        return handed
+    return service.plan(item.get_as_bytes("data"), route=item.get_property(ROUTE_PROPERTY),
+                        content_type=item.get_property("Content-Type"), request_id=request_id)
 
 
 @dataclass
@@ -37,24 +46,37 @@ class ActiveRequest:
     """One item of the front end's active batch, in the front end's order."""
 
     request_id: str
-    content_type: str = "application/json"
-    formatter: Formatter | None = None
+    plan: RequestPlan | None = None
+    members: list[Member] = field(default_factory=list)    # n / best_of: the engine sequences
     error: str | None = None          # set when the request failed; answered once with last=true
     done: bool = False
     cancelled: bool = False           # the client went away: answered once with last=true, no data
-    prepared: PreparedRequest | None = None
-    members: list[tuple[str, SamplingParams]] = field(default_factory=list)   # n / best_of sequences
-    collected: dict[str, list[RequestOutput]] = field(default_factory=dict)
+    stream: Formatter | None = field(default=None, init=False)     # a streamed answer's formatter
+    answer: Answer | None = field(default=None, init=False)          # a whole answer's collector
 
-    def collect(self, outputs: dict[str, RequestOutput]) -> str | None:
-        """n / best_of: gather each member's outputs; the rendered answer once all have finished."""
-        for member_id, _ in self.members:
-            if member_id in outputs:
-                self.collected.setdefault(member_id, []).append(outputs[member_id])
-        runs = [self.collected.get(member_id, []) for member_id, _ in self.members]
-        if not all(run and run[-1].finished for run in runs):
-            return None
-        return render_best_of(self.prepared.context, runs, [params.seed for _, params in self.members])
+    def __post_init__(self) -> None:
+        if self.plan is not None and self.plan.stream:
+            self.stream = stream_formatter(self.plan, self.plan.prompts[0])
+        elif self.plan is not None:
+            self.answer = Answer(self.plan, [self.members])
+
+    @property
+    def content_type(self) -> str:
+        return self.plan.content_type if self.plan is not None else "application/json"
+
+    def data(self, outputs: dict) -> tuple[str, bool]:
+        """This step's text and whether it is the last: streamed as it comes, else the whole answer at the end."""
+        if self.stream is not None:
+            out = outputs.get(self.members[0].request_id)
+            if out is None:
+                return "", False
+            return encode(self.stream.events(out), self.plan.wire), out.finished
+        for member in self.members:
+            if member.request_id in outputs:
+                self.answer.add(outputs[member.request_id])
+        if not self.answer.done:
+            return "", False
+        return encode([self.answer.body()], Wire.JSON), True
 
 
 def _truthy(value: str | None) -> bool:
@@ -70,16 +92,16 @@ def _item_seed(item: Input) -> int | None:
         return None
 
 
-def add_members(engine, prepared: PreparedRequest, members: list, seed: int | None) -> None:
-    """Queue every sequence of a request; if one is refused, the ones already queued are dropped."""
+def add_members(engine, prompt_token_ids, request_members: list[Member]) -> None:
+    """Queue every sequence of a prompt; if one is refused, the ones already queued are dropped."""
     added: list[str] = []
     try:
-        for member_id, params in members:
-            engine.add_request(member_id, prepared.prompt_token_ids, params, seed=seed)
-            added.append(member_id)
+        for member in request_members:
+            engine.add_request(member.request_id, list(prompt_token_ids), member.params)
+            added.append(member.request_id)
     except Exception:
-        for member_id in added:
-            engine.abort(member_id)
+        for request_id in added:
+            engine.abort(request_id)
         raise
 
 
@@ -116,23 +138,20 @@ class RollingBatch:
 
     def _cancel(self, request: ActiveRequest) -> None:
         """Stop a running request now: its sequences leave the engine and free their KV blocks."""
-        for member_id, _ in request.members:
-            self.service.engine.abort(member_id)
+        for member in request.members:
+            self.service.engine.abort(member.request_id)
         request.cancelled = True
 
     def _admit(self, item: Input) -> ActiveRequest:
         request_id = item.get_property("requestId") or uuid.uuid4().hex
         try:
-            request = _parse_item(self.service, item)
-            prepared: PreparedRequest = self.service.prepare(request, request_id)[0]
-            seed = _item_seed(item)
-            members = prepared.members(seed)
-            add_members(self.service.engine, prepared, members, seed)
+            plan = plan_item(self.service, item, request_id)
+            (request_members,) = plan.members(_item_seed(item))     # rolling batch: one prompt
+            add_members(self.service.engine, plan.prompts[0].token_ids, request_members)
         except Exception as exc:  # any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
             return ActiveRequest(request_id, error=str(exc))
-        formatter = make_formatter(prepared.context)
-        return ActiveRequest(request_id, formatter.content_type, formatter, prepared=prepared, members=members)
+        return ActiveRequest(request_id, plan, request_members)
 
     def _run_engine(self) -> dict:
         engine = self.service.engine
@@ -155,18 +174,13 @@ class RollingBatch:
             entry["last"] = "true"
             request.done = True
         elif request.error is not None:
-            entry.update(last="true", code=str(ERROR_CODE), error=request.error,
+            entry.update(last="true", code=str(GENERATION_ERROR_CODE), error=request.error,
                          content_type="application/json")
             request.done = True
-        elif len(request.members) > 1:
-            rendered = request.collect(outputs)
-            if rendered is not None:
-                entry.update(data=rendered, last="true")
-                request.done = True
-        elif request.request_id in outputs:
-            out = outputs[request.request_id]
-            entry["data"] = request.formatter.format(out)
-            if out.finished:
+        else:
+            data, last = request.data(outputs)
+            entry["data"] = data
+            if last:
                 entry["last"] = "true"
                 request.done = True
         answer.add(Output.binary_encode(entry), key="data", batch_index=index)
@@ -182,71 +196,56 @@ class DynamicBatch:
 
     def run(self, inputs: Input) -> Output:
         items = inputs.get_batches()
-        plans: list[list[PreparedRequest] | str] = [self._prepare(item) for item in items]
-        if len(plans) == 1 and isinstance(plans[0], list) and plans[0][0].context.stream:
+        plans: list[RequestPlan | str] = [self._plan(item) for item in items]
+        if len(plans) == 1 and isinstance(plans[0], RequestPlan) and plans[0].stream:
             return self._stream(plans[0])
-        members = {p.request_id: p.members() for plan in plans if isinstance(plan, list) for p in plan}
-        requests = [(member_id, p.prompt_token_ids, params)
-                    for plan in plans if isinstance(plan, list) for p in plan
-                    for member_id, params in members[p.request_id]]
+        members_of = {p.request_id: p.members() for p in plans if isinstance(p, RequestPlan)}
+        requests = [(m.request_id, list(q.token_ids), m.params)
+                    for p in plans if isinstance(p, RequestPlan)
+                    for q, prompt_members in zip(p.prompts, members_of[p.request_id]) for m in prompt_members]
         try:
             results = self.service.engine.generate(requests)
         except Exception:
             logger.exception("dynamic batch failed")
             self.service.engine.abort_all()
-            results, plans = {}, ["internal error during generation" if isinstance(p, list) else p for p in plans]
+            results, plans = {}, ["internal error during generation" if isinstance(p, RequestPlan) else p
+                                  for p in plans]
         answer = Output()
-        for index, plan in enumerate(plans):
+        for index, (item, plan) in enumerate(zip(items, plans)):
             if isinstance(plan, str):
-                answer.add_as_json({"error": plan, "code": ERROR_CODE}, batch_index=index)
-                answer.add_property(f"batch_{index}_code", str(ERROR_CODE))
+                openai = item.get_property(ROUTE_PROPERTY) in (ROUTE_CHAT, ROUTE_COMPLETIONS)
+                body = error_object(plan, GENERATION_ERROR_CODE, openai=openai)
+                answer.add_property(f"batch_{index}_code", str(GENERATION_ERROR_CODE))
             else:
-                docs = [self._result(p, members[p.request_id], results) for p in plan]
-                openai_shape = plan[0].context.chat or plan[0].context.completion
-                answer.add_as_json(docs[0] if openai_shape else docs, batch_index=index)
+                body = response_body(plan, members_of[plan.request_id], results)
+            answer.add(encode_bytes(body), key="data", batch_index=index)
             answer.add_property(f"batch_{index}_Content-Type", "application/json")
+        answer.add_property("content-type", "application/json")
         return answer
 
-    def _stream(self, plan: list[PreparedRequest]) -> Output:
+    def _stream(self, plan: RequestPlan) -> Output:
         """LMI dynamic-batch streaming: one {"outputs": [new text per input]} line per step."""
         answer = Output()
-        answer.add_property("Content-Type", "application/jsonlines")
+        answer.add_property("Content-Type", plan.content_type)
         answer.add_stream_content(self._stream_lines(plan), output_formatter=None)
         return answer
 
-    def _stream_lines(self, plan: list[PreparedRequest]) -> Iterator[str]:
-        order = [p.request_id for p in plan]
-        steps = self.service.engine.iterate([(p.request_id, p.prompt_token_ids, p.params) for p in plan])
+    def _stream_lines(self, plan: RequestPlan) -> Iterator[str]:
+        order = [p.request_id for p in plan.prompts]
+        steps = self.service.engine.iterate([(p.request_id, list(p.token_ids), p.params) for p in plan.prompts])
         try:
             for outputs in steps:
                 texts = {out.request_id: "".join(t.text for t in out.new_tokens) for out in outputs}
                 if any(texts.values()):
-                    yield dynamic_batch_stream_line([texts.get(rid, "") for rid in order])
+                    yield encode([outputs_line([texts.get(rid, "") for rid in order])], plan.wire)
         finally:
             steps.close()  # a consumer that stops early aborts the sequences still running
 
-    def _prepare(self, item: Input) -> list[PreparedRequest] | str:
+    def _plan(self, item: Input) -> RequestPlan | str:
         try:
-            request = _parse_item(self.service, item)
-            return self.service.prepare(request, item.get_property("requestId") or uuid.uuid4().hex)
+            return plan_item(self.service, item, item.get_property("requestId") or uuid.uuid4().hex)
         except Exception as exc:
             return str(exc)
-
-    @staticmethod
-    def _result(prepared: PreparedRequest, members: list, results: dict) -> dict:
-        """One prompt's answer: `{"generated_text", "details"?}` (LMI dynamic batch list element), or the
-        whole OpenAI object for chat (`messages`) and OpenAI-route requests."""
-        context = prepared.context
-        context.stream = False
-        runs = [results[member_id] for member_id, _ in members]
-        if context.chat or context.completion:
-            formatter = make_formatter(context)
-            return json.loads("".join(formatter.format(out) for out in runs[0]))
-        context.tgi_compat, context.output_formatter = False, "json"
-        if len(runs) > 1:
-            return json.loads(render_best_of(context, runs, [params.seed for _, params in members]))
-        formatter = make_formatter(context)
-        return json.loads("".join(formatter.format(out) for out in runs[0]))
 
 
 @dataclass
@@ -280,5 +279,5 @@ def handle(inputs: Input) -> Output | None:
 
 
 def get_state() -> HandlerState:
-    """The handler's state, for the bundled front end (pre-validation with the same tokenizer)."""
+    """The handler's state, for the bundled front end (it plans requests with the same Service)."""
     return _STATE

@@ -7,13 +7,11 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.helpers import MODEL_DIR, SHARED
+
 # Property tests draw the same examples every run: a CI failure is reproducible, never a coin toss.
 settings.register_profile("lmi_handler", derandomize=True, print_blob=True)
 settings.load_profile("lmi_handler")
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO / "model"
-SHARED = REPO.parent / "shared"
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +33,3 @@ def mt_bench_prompts() -> list[str]:
     """First turns of the MT-Bench questions (../shared/data), in file order."""
     path = SHARED / "data" / "mt_bench_questions.jsonl"
     return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
-
-
-def load_case(case_id: str) -> dict:
-    """A request case from ../shared/cases (real bug reports against similar servers)."""
-    return json.loads((SHARED / "cases" / f"{case_id}.json").read_text())

@@ -42,3 +42,26 @@ def test_engine_slice_carries_the_engine_options():
     engine = settings.engine_config()
     assert engine.max_num_seqs == 8 and engine.max_num_batched_tokens == 16
     assert engine.batch_invariant is False and engine.num_threads == 1 and engine.block_size == 32
+
+
+def test_serving_properties_is_read_as_java_properties(tmp_path):
+    """DJL reads the file with java.util.Properties: `key: value`, `key value`, continuations and escapes."""
+    path = tmp_path / "serving.properties"
+    path.write_text("option.model_id: model\n"
+                    "option.dtype fp32\n"
+                    "option.max_rolling_batch_size = \\\n"
+                    "    12\n"
+                    "! a comment\n"
+                    "option.output_formatter=json   \n"
+                    "option.tgi_compat=\\u0074rue\n", encoding="utf-8")
+    props = read_serving_properties(path, environ={})
+    assert props["model_id"] == "model" and props["dtype"] == "fp32"
+    assert props["max_rolling_batch_size"] == "12"
+    assert props["output_formatter"] == "json" and props["tgi_compat"] == "true"
+    settings = Settings.from_properties(props)
+    assert settings.max_rolling_batch_size == 12 and settings.tgi_compat is True
+
+
+def test_a_missing_file_gives_just_the_environment_overrides(tmp_path):
+    props = read_serving_properties(tmp_path / "absent.properties", environ={"OPTION_DTYPE": "bf16"})
+    assert props == {"dtype": "bf16", "model_dir": str(tmp_path.resolve())}

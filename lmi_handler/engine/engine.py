@@ -18,10 +18,8 @@ from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
 from lmi_handler.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from lmi_handler.engine.sequence import (FinishReason, RequestOutput, SamplingParams, Sequence,
-                                         TokenOutput, random_seed)
-from lmi_handler.engine.stopping import (FINISH_REASONS, STOP_NONE, StopStringMatcher, build_stop_ids,
-                                         token_stop_reasons)
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, TokenOutput, random_seed
+from lmi_handler.engine.stopping import FINISH_REASONS, STOP_NONE, StopStringMatcher, build_stop_ids, token_stop_reasons
 
 logger = logging.getLogger(__name__)
 

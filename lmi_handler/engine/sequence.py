@@ -9,7 +9,6 @@ import enum
 import random
 from dataclasses import dataclass, field
 
-
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 

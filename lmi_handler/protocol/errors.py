@@ -1,12 +1,18 @@
-"""The typed error every protocol parser raises for bad client input, and its wire bodies.
+"""The typed error every protocol parser raises for bad client input, and the error objects of both dialects.
 
-The server and handler map it to an HTTP status; OpenAI-shaped bodies are built in protocol/openai.py.
+Owns the error shapes (LMI {"error", "code"}, OpenAI {"error": {...}}) and the 424 status; the server and
+handler pick the status, the encoder turns the objects into bytes.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
+
+# DJL (DESIGN §2): an item that fails inside the handler (parsing, generation) answers 424.
+GENERATION_ERROR_CODE = 424
+
+ErrorType = Literal["invalid_request_error", "server_error"]
 
 
 class RequestValidationError(ValueError):
@@ -23,14 +29,31 @@ class RequestValidationError(ValueError):
         self.message = message
         self.status_code = status_code
 
-    def to_dict(self) -> dict[str, Any]:
-        """LMI schema error body: {"error": message, "code": status_code}."""
-        return {"error": self.message, "code": self.status_code}
-
     @classmethod
     def out_of_range(cls, field: str, value: Any, allowed: str) -> "RequestValidationError":
         """`field` must be `allowed`, got `value` (the one message shape for type and range errors)."""
         return cls(field, f"Invalid parameter `{field}`: must be {allowed}, got {_show(value)}")
+
+
+def lmi_error(message: str, code: int) -> dict[str, Any]:
+    """LMI schema error object {"error": message, "code": code} (DESIGN §3: validation errors, failed items)."""
+    return {"error": message, "code": code}
+
+
+def openai_error(message: str, code: int, param: str | None = None,
+                 error_type: ErrorType | None = None) -> dict[str, Any]:
+    """OpenAI error object {"error": {message, type, param, code}}; code is the HTTP status (as vLLM)."""
+    kind = error_type or ("invalid_request_error" if code < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_object(message: str, code: int, *, openai: bool, param: str | None = None) -> dict[str, Any]:
+    """The body of a request that failed before its answer began: OpenAI's shape on OpenAI routes
+    (a generation failure, code >= 424, is a server_error), else LMI's."""
+    if openai:
+        kind: ErrorType = "invalid_request_error" if code < GENERATION_ERROR_CODE else "server_error"
+        return openai_error(message, code, param=param, error_type=kind)
+    return lmi_error(message, code)
 
 
 def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "") -> RequestValidationError:

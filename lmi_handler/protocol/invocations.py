@@ -8,20 +8,20 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
+from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTE_INVOCATIONS, DecodeToken
 
 logger = logging.getLogger(__name__)
 
-DecodeToken = Callable[[int], str]
 _TOP_LEVEL = {"inputs", "parameters", "stream", "messages"}
-ROUTE_INVOCATIONS = "/invocations"
-ROUTE_CHAT = "/v1/chat/completions"
-ROUTE_COMPLETIONS = "/v1/completions"
+# Deeper JSON is refused by a rule, not by wherever the parser's recursion limit happens to fall
+# (json.loads fails near 1000 levels minus the caller's stack depth). Real bodies nest under 10.
+MAX_JSON_DEPTH = 512
 
 
 @dataclass
@@ -52,34 +52,28 @@ class InvocationRequest:
         """Came in on an OpenAI route: answers and errors take OpenAI's shapes, streams are SSE."""
         return self.route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
 
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None
-
     @classmethod
     def parse(cls, body: bytes | str | dict, content_type: str | None = None,
               route: str | None = None) -> "InvocationRequest":
         """Validate a request body. A text/plain `content_type` makes the whole body the input (LMI).
 
         `route` (the front end passes the HTTP path) selects the OpenAI chat or completions
-        schema for /v1/chat/completions and /v1/completions; anything else is /invocations.
+        schema for /v1/chat/completions and /v1/completions; TGI /generate takes the LMI text
+        schema (no `messages`); anything else is /invocations.
 
         A body with `messages` is a chat request, whatever else it holds (LMI checks messages
         first). Raises RequestValidationError: field "body" for undecodable/non-JSON/non-object
         bodies, "inputs" for a missing or bad input, else the parameter's name.
         """
-        if route == ROUTE_CHAT:
-            chat = ChatCompletionRequest.parse(_load_json(body))
-            return cls(None, chat.to_generation_parameters(), chat.stream, chat.messages, chat, route=route)
-        if route == ROUTE_COMPLETIONS:
-            completion = CompletionRequest.parse(_load_json(body))
-            prompts = completion.prompts
-            return cls(prompts[0] if len(prompts) == 1 else prompts, completion.to_generation_parameters(),
-                       completion.stream, completion=completion, route=route)
+        if route in (ROUTE_CHAT, ROUTE_COMPLETIONS):
+            return cls.parse_openai(_load_json(body), route)
         if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
-            return cls(_check_inputs(_decode(body)), GenerationParameters())
+            return cls(_check_inputs(_decode(body)), GenerationParameters(), route=route or ROUTE_INVOCATIONS)
         data = _load_json(body)
         stream = _check_stream(data.get("stream"))
+        if route == ROUTE_GENERATE and "messages" in data:
+            raise RequestValidationError("messages", "Invalid field `messages`: /generate takes TGI's "
+                                         '{"inputs", "parameters"}; chat goes to /v1/chat/completions')
         if "messages" in data:
             if "parameters" in data:
                 raise RequestValidationError("parameters", "Invalid field `parameters`: a chat request (with "
@@ -93,7 +87,24 @@ class InvocationRequest:
         if data.get("inputs") is None:
             raise RequestValidationError("inputs", 'Missing field `inputs`: the request needs "inputs" '
                                          '(a string, or a list of strings in dynamic batch) or "messages"')
-        return cls(_check_inputs(data["inputs"]), GenerationParameters.parse(data.get("parameters")), stream)
+        return cls(_check_inputs(data["inputs"]), GenerationParameters.parse(data.get("parameters")), stream,
+                   route=route or ROUTE_INVOCATIONS)
+
+    @classmethod
+    def parse_openai(cls, data: Any, route: str, **generation: Any) -> "InvocationRequest":
+        """An OpenAI chat (route /v1/chat/completions) or completions body, already a dict.
+
+        `generation` goes to to_generation_parameters (batch files: greedy_when_unset=True,
+        defaults, default_max_new_tokens for chat). Raises RequestValidationError naming the field.
+        """
+        if route == ROUTE_CHAT:
+            chat = ChatCompletionRequest.parse(data)
+            return cls(None, chat.to_generation_parameters(**generation), chat.stream, chat.messages, chat,
+                       route=route)
+        completion = CompletionRequest.parse(data)
+        prompts = completion.prompts
+        return cls(prompts[0] if len(prompts) == 1 else prompts, completion.to_generation_parameters(**generation),
+                   completion.stream, completion=completion, route=route)
 
 
 def _decode(body: bytes | str | dict) -> str:
@@ -119,7 +130,20 @@ def _load_json(body: bytes | str | dict) -> dict:
         raise RequestValidationError("body", f"Request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise RequestValidationError.out_of_range("body", data, "a JSON object")
+    _check_depth(data)
     return data
+
+
+def _check_depth(data: dict) -> None:
+    """Raise RequestValidationError("body") for JSON nested deeper than MAX_JSON_DEPTH (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestValidationError("body", f"Request body is nested deeper than {MAX_JSON_DEPTH} "
+                                         "levels (JSON this deep is refused)")
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _check_inputs(inputs: Any) -> str | list[str]:

@@ -1,11 +1,11 @@
 """OpenAI chat/completions wire schema: requests -> GenerationParameters, and response/chunk/error dicts.
 
-Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); serializing to bytes is formatters.py's job.
+Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); error objects are errors.py's, bytes the encoder's.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -282,18 +282,3 @@ def usage_chunk(*, request_id: str, created: int, model: str, chat: bool, prompt
     prefix, kind = ("chatcmpl", "chat.completion.chunk") if chat else ("cmpl", "text_completion")
     return {"id": f"{prefix}-{request_id}", "object": kind, "created": created, "model": model,
             "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
-
-
-ErrorType = Literal["invalid_request_error", "server_error"]
-
-
-def openai_error(message: str, code: int, param: str | None = None,
-                 error_type: ErrorType | None = None) -> dict:
-    """OpenAI error object {"error": {message, type, param, code}}; code is the HTTP status (as vLLM)."""
-    kind = error_type or ("invalid_request_error" if code < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def openai_error_body(err: RequestValidationError) -> dict:
-    """The OpenAI-shaped body for a validation error (status err.status_code, usually 400)."""
-    return openai_error(err.message, err.status_code, param=err.field, error_type="invalid_request_error")

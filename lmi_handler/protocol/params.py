@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lmi_handler.engine.sequence import INT64_MAX, INT64_MIN, SamplingParams
+from lmi_handler.protocol import sequences
 from lmi_handler.protocol.errors import RequestValidationError, _show, from_pydantic
 
 logger = logging.getLogger(__name__)
@@ -223,20 +224,10 @@ class GenerationParameters(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             top_n_tokens=self.num_top_tokens, prompt_logprobs=self.decoder_input_details)
 
-    @property
-    def num_sequences(self) -> int:
-        """Sequences generated for this request: max(n, best_of) (vLLM/TGI best_of semantics)."""
-        return max(self.n, self.best_of or 1)
-
     def _check_single_sequence(self) -> None:
-        """num_beams > 1 is refused (no beam search yet); n/best_of > 1 need sampling (TGI rule:
-        several greedy sequences would all be the same)."""
+        """num_beams > 1 is refused (no beam search yet); n/best_of > 1 need sampling (sequences.check_sampled)."""
         if self.num_beams > 1:
             raise RequestValidationError(
                 "num_beams", f"Invalid parameter `num_beams`: beam search is not supported, so num_beams "
                              f"must be 1, got {_show(self.num_beams)}")
-        if self.num_sequences > 1 and self.is_greedy():
-            name = "best_of" if (self.best_of or 1) >= self.n else "n"
-            raise RequestValidationError(
-                name, f"Invalid parameter `{name}`: {name} > 1 needs sampling (do_sample=true or a sampling "
-                      f"parameter such as temperature), got {_show(getattr(self, name))} with greedy decoding")
+        sequences.check_sampled(self.n, self.best_of, self.is_greedy())

@@ -1,7 +1,8 @@
 """The bundled HTTP front end (FastAPI): /ping, /invocations, /predictions/{model}, OpenAI routes.
 
-Owns HTTP only: validation errors become 4xx before inference, accepted requests go to the
-front-end loop (frontend.py) that drives handle(); formats are protocol/'s.
+Owns HTTP only: each request is planned once (parse + tokenize, in the validation thread) and its
+errors become 4xx before inference; the plan goes with the request to the front-end loop
+(frontend.py) that drives handle(); shapes are protocol/'s.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lmi_handler.batch.server import mount_batch_api
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.formatters import CONTENT_TYPES, error_body, stream_failure
-from lmi_handler.protocol.invocations import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS
-from lmi_handler.protocol.openai import openai_error
-from lmi_handler.server.metrics import CountRequests, Metrics
+from lmi_handler.protocol.encoder import encode, encode_bytes
+from lmi_handler.protocol.errors import RequestValidationError, error_object
+from lmi_handler.protocol.formatters import stream_failure
+from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTE_INVOCATIONS, RequestPlan
 from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
+from lmi_handler.server.metrics import CountRequests, Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,6 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     """Build the app; the model loads in the front end's thread at startup (handle()'s init call)."""
     front_end = make_front_end(properties)
     batch_jobs = mount_batch_api(Settings.from_properties(properties), front_end, lambda: get_state().service)
-    for name in PROTOCOL_LOGGERS:
-        logger_ = logging.getLogger(name)
-        if not any(isinstance(f, QuietValidation) for f in logger_.filters):
-            logger_.addFilter(QuietValidation())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +81,10 @@ def create_app(properties: dict[str, str]) -> FastAPI:
             return error_response(f"model {model_name!r} is not served here (this server serves {served!r})", 404)
         return await _serve(front_end, request, ROUTE_INVOCATIONS)
 
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await _serve(front_end, request, ROUTE_GENERATE)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _serve(front_end, request, ROUTE_CHAT)
@@ -102,78 +103,52 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far past any prompt the context could hold
-# One thread parses and tokenizes requests: a large body never stalls the event loop (and the
-# streams it serves), and that thread keeps one tokenizer of its own (service.tokenizer is per thread).
+# One thread plans (parses and tokenizes) requests: a large body never stalls the event loop (and the
+# streams it serves), and the Service's tokenizer is never used by two HTTP requests at once.
 _VALIDATION = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
 
 
-class QuietValidation(logging.Filter):
-    """The HTTP pre-validation parses each request before the handler parses it again: warnings about
-    a request (e.g. unknown parameters) are logged once, by the handler, not twice."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.threadName.startswith("validate")
+def error_response(message: str, code: int, openai: bool = False, field: str | None = None) -> Response:
+    """Errors before the answer began: LMI's {"error", "code"}, or an OpenAI error object on OpenAI routes."""
+    body = encode_bytes(error_object(message, code, openai=openai, param=field))
+    return Response(body, status_code=code, media_type="application/json")
 
 
-PROTOCOL_LOGGERS = ("lmi_handler.protocol.params", "lmi_handler.protocol.invocations", "lmi_handler.protocol.openai")
-
-
-def error_response(message: str, code: int, route: str = ROUTE_INVOCATIONS, field: str | None = None) -> Response:
-    """Errors before inference: LMI's {"error", "code"}, or an OpenAI error object on OpenAI routes."""
-    if route in (ROUTE_CHAT, ROUTE_COMPLETIONS):
-        kind = "invalid_request_error" if code < 424 else "server_error"  # 424: the generation failed
-        return JSONResponse(openai_error(message, code, param=field, error_type=kind), status_code=code)
-    return Response(error_body(message, code), status_code=code, media_type="application/json")
-
-
-def _validate(service, body: bytes, route: str, content_type: str | None):
-    """Parse and tokenize (in the validation thread). Raises RequestValidationError."""
-    parsed = service.parse(body, route=route, content_type=content_type)
-    service.prepare(parsed)
-    if parsed.is_openai and parsed.openai_model not in (None, service.model_name):
-        raise RequestValidationError("model", f"The model `{parsed.openai_model}` does not exist (this server "
-                                     f"serves `{service.model_name}`)", status_code=404)
-    return parsed
+def _failed(chunk: Chunk, plan: RequestPlan) -> Response:
+    if chunk.error is None and chunk.data:  # the handler answered the item's own error body
+        return Response(chunk.data, status_code=chunk.code, media_type="application/json")
+    return error_response(chunk.error or "inference failed", chunk.code, plan.is_openai)
 
 
 async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     service = get_state().service
+    openai_route = route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, route, "body")
+        return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
-        return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, route, "body")
-    try:  # validate before inference: a bad request never reaches the batch
-        parsed = await asyncio.get_running_loop().run_in_executor(
-            _VALIDATION, _validate, service, body, route, request.headers.get("content-type"))
+        return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
+    content_type = request.headers.get("content-type", "application/json")
+    client = ClientRequest(body, asyncio.get_running_loop(), route=route, content_type=content_type)
+    try:  # plan before inference: a bad request never reaches the batch
+        client.plan = await asyncio.get_running_loop().run_in_executor(
+            _VALIDATION, partial(service.plan, body, route=route, content_type=request.headers.get("content-type"),
+                                 request_id=client.request_id))
     except RequestValidationError as exc:
-        return error_response(str(exc), exc.status_code, route, exc.field)
+        return error_response(str(exc), exc.status_code, openai_route, exc.field)
     except Exception as exc:  # a bug, never the client's fault: still a JSON answer, and the server goes on
         logger.exception("request validation failed")
-        return error_response(f"internal error while reading the request: {type(exc).__name__}", 500, route)
-    stream = service.is_streaming(parsed)
-    content_type = _content_type(service, parsed, stream)
-    client = ClientRequest(body, asyncio.get_running_loop(), route=route,
-                           content_type=request.headers.get("content-type", "application/json"), stream=stream)
+        return error_response(f"internal error while reading the request: {type(exc).__name__}", 500, openai_route)
+    plan = client.plan
     front_end.submit(client)
     first = await _next_chunk(request, client)
     if first is None:
         return Response(status_code=499)
     if first.code is not None:
-        return error_response(first.error or "inference failed", first.code, route)
-    if not stream:
-        return await _collect(request, client, first, content_type, route)
-    failure = partial(stream_failure, output_formatter=service.output_formatter(True, parsed.is_openai),
-                      openai_route=parsed.is_openai)
-    return StreamingResponse(_stream(client, first, failure), media_type=content_type)
-
-
-def _content_type(service, parsed, stream: bool) -> str:
-    if not stream:
-        return "application/json"
-    if not service.settings.is_rolling:  # LMI dynamic batch streams {"outputs": [...]} lines
-        return CONTENT_TYPES["jsonlines"]
-    return CONTENT_TYPES[service.output_formatter(True, parsed.is_openai)]
+        return _failed(first, plan)
+    if not plan.stream:
+        return await _collect(request, client, first, plan)
+    return StreamingResponse(_stream(client, first, plan), media_type=plan.content_type)
 
 
 async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 1.0) -> Chunk | None:
@@ -187,8 +162,7 @@ async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 1
                 return None
 
 
-async def _collect(request: Request, client: ClientRequest, first: Chunk, content_type: str,
-                   route: str) -> Response:
+async def _collect(request: Request, client: ClientRequest, first: Chunk, plan: RequestPlan) -> Response:
     parts = [first.data]
     chunk = first
     while not chunk.last:
@@ -196,18 +170,18 @@ async def _collect(request: Request, client: ClientRequest, first: Chunk, conten
         if chunk is None:
             return Response(status_code=499)  # nobody is listening any more
         if chunk.code is not None:
-            return error_response(chunk.error or "inference failed", chunk.code, route)
+            return _failed(chunk, plan)
         parts.append(chunk.data)
-    return Response("".join(parts), media_type=content_type)
+    return Response("".join(parts), media_type=plan.content_type)
 
 
-async def _stream(client: ClientRequest, first: Chunk, failure: Callable[[str, int], str]) -> AsyncIterator[str]:
-    """Send each chunk as it comes; a failure after the 200 went out ends the stream with `failure`'s text."""
+async def _stream(client: ClientRequest, first: Chunk, plan: RequestPlan) -> AsyncIterator[str]:
+    """Send each chunk as it comes; a failure after the 200 went out ends the stream in the plan's format."""
     chunk = first
     try:
         while True:
             if chunk.code is not None:
-                yield failure(chunk.error or "inference failed", chunk.code)
+                yield encode(stream_failure(chunk.error or "inference failed", chunk.code, plan), plan.wire)
                 return
             if chunk.data:
                 yield chunk.data

@@ -6,7 +6,6 @@ what the entries mean is handler.py's, HTTP is app.py's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import threading
@@ -17,15 +16,20 @@ from typing import Callable
 
 from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
 from lmi_handler.engine.sequence import random_seed
-from lmi_handler.handler import CANCEL_PROPERTY, ROUTE_PROPERTY
+from lmi_handler.handler import CANCEL_PROPERTY, PLAN_KEY, ROUTE_PROPERTY
+from lmi_handler.protocol.errors import GENERATION_ERROR_CODE
+from lmi_handler.protocol.plan import RequestPlan
 
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class Chunk:
-    """One piece of a response: text to send, and whether it is the last; errors carry a status code."""
+    """One piece of a response: text to send, and whether it is the last.
+
+    A failure carries a status `code` and either an `error` message (the app builds the body) or,
+    with `error` None, its whole body in `data` (dynamic batch items answer their own error body).
+    """
 
     data: str
     last: bool
@@ -35,16 +39,25 @@ class Chunk:
 
 @dataclass
 class ClientRequest:
-    """An accepted HTTP request waiting for (or inside) the active batch."""
+    """An accepted HTTP request waiting for (or inside) the active batch.
+
+    `plan` is the RequestPlan the app built from `body` (under `request_id`); it travels to the handler
+    beside the bytes, so the request is not parsed again. Without one the handler parses `body`.
+    """
 
     body: bytes
     loop: asyncio.AbstractEventLoop
     route: str = "/invocations"
     content_type: str = "application/json"
-    stream: bool = False              # dynamic batch sends a streaming request alone
+    plan: RequestPlan | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+
+    @property
+    def stream(self) -> bool:
+        """A streamed answer (dynamic batch sends a streaming request alone)."""
+        return self.plan is not None and self.plan.stream
 
     def push(self, chunk: Chunk) -> None:
         """Thread-safe: hand a chunk to the client's event loop."""
@@ -159,6 +172,7 @@ class RollingFrontEnd(FrontEnd):
                 properties[prefix + "requestId"] = client.request_id
                 properties[prefix + ROUTE_PROPERTY] = client.route
                 content.add(prefix + "seed", str(random_seed()).encode())
+                _hand_over(content, prefix, client)
         return OwnInput(properties, content)
 
     def _read_entries(self, output: OwnOutput | None) -> list[dict[str, str]]:
@@ -181,7 +195,7 @@ class RollingFrontEnd(FrontEnd):
 
     def _fail_all(self, message: str) -> None:
         for client in self.active:
-            client.push(Chunk("", True, 424, message))
+            client.push(Chunk("", True, GENERATION_ERROR_CODE, message))
         self.active = []
         self.reset_next = True
 
@@ -207,13 +221,15 @@ class DynamicFrontEnd(FrontEnd):
         except Exception as exc:  # noqa: BLE001 - the loop must survive anything
             logger.exception("dynamic batch failed")
             for client in batch:
-                client.push(Chunk("", True, 424, f"inference failed: {exc}"))
+                client.push(Chunk("", True, GENERATION_ERROR_CODE, f"inference failed: {exc}"))
             return
         if getattr(output, "stream_content", None) is not None:
             self._pump(batch[0], output.stream_content[0])
             return
         for index, client in enumerate(batch):
-            client.push(self._chunk(output.content.value_at(index)))
+            code = output.properties.get(f"batch_{index}_code")
+            text = output.content.value_at(index).decode("utf-8")
+            client.push(Chunk(text, True, int(code)) if code is not None else Chunk(text, True))
 
     def _collect(self) -> list[ClientRequest]:
         """Up to batch_size requests within max_batch_delay; a streaming request always goes alone."""
@@ -253,7 +269,7 @@ class DynamicFrontEnd(FrontEnd):
             client.push(Chunk("", True))
         except Exception as exc:  # noqa: BLE001 - the loop must survive anything
             logger.exception("dynamic stream failed")
-            client.push(Chunk("", True, 424, f"inference failed: {exc}"))
+            client.push(Chunk("", True, GENERATION_ERROR_CODE, f"inference failed: {exc}"))
         finally:
             close = getattr(pieces, "close", None)
             if close is not None:
@@ -262,9 +278,10 @@ class DynamicFrontEnd(FrontEnd):
     @staticmethod
     def _build_input(batch: list[ClientRequest]) -> OwnInput:
         if len(batch) == 1:  # DESIGN §2: a batch of one arrives unbatched
+            content = PairList([("data", batch[0].body)])
+            _hand_over(content, "", batch[0])
             return OwnInput({"Content-Type": batch[0].content_type, "requestId": batch[0].request_id,
-                             ROUTE_PROPERTY: batch[0].route},
-                            PairList([("data", batch[0].body)]))
+                             ROUTE_PROPERTY: batch[0].route}, content)
         properties = {"batch_size": str(len(batch))}
         content = PairList()
         for index, client in enumerate(batch):
@@ -272,12 +289,11 @@ class DynamicFrontEnd(FrontEnd):
             properties[f"batch_{index:03d}.requestId"] = client.request_id
             properties[f"batch_{index:03d}.{ROUTE_PROPERTY}"] = client.route
             content.add(f"batch_{index:03d}.data", client.body)
+            _hand_over(content, f"batch_{index:03d}.", client)
         return OwnInput(properties, content)
 
-    @staticmethod
-    def _chunk(raw: bytes) -> Chunk:
-        text = raw.decode("utf-8")
-        value = json.loads(text)
-        if isinstance(value, dict) and "error" in value and "code" in value:
-            return Chunk("", True, int(value["code"]), value["error"])
-        return Chunk(text, True)
+
+def _hand_over(content: PairList, prefix: str, client: ClientRequest) -> None:
+    """In-process only: the plan built from the client's bytes goes beside them (handler.PLAN_KEY)."""
+    if client.plan is not None:
+        content.add(prefix + PLAN_KEY, client.plan)

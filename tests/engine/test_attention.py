@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from lmi_handler.engine.kv_cache import BlockAllocator, build_block_tables, build_slot_mapping, num_blocks_needed
-from lmi_handler.engine.model.attention import (AttentionMetadata, attention_padded, attention_per_sequence,
-                                                reference_attention, write_kv)
+from lmi_handler.engine.model.attention import (
+    AttentionMetadata,
+    attention_padded,
+    attention_per_sequence,
+    reference_attention,
+    write_kv,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 

@@ -6,8 +6,7 @@ import random
 import pytest
 import torch
 
-from lmi_handler.engine.kv_cache import (BlockAllocator, build_block_tables, build_slot_mapping,
-                                         num_blocks_needed)
+from lmi_handler.engine.kv_cache import BlockAllocator, build_block_tables, build_slot_mapping, num_blocks_needed
 
 
 def check_invariants(allocator: BlockAllocator, owned: dict[int, list[int]]) -> None:

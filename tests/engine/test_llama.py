@@ -9,8 +9,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmi_handler.engine.kv_cache import BlockAllocator
-from lmi_handler.engine.model.loader import args_from_config, load_model
 from lmi_handler.engine.model.llama import rope_inv_freq
+from lmi_handler.engine.model.loader import args_from_config, load_model
 from lmi_handler.engine.model_runner import ModelRunner, read_model_config
 from tests.engine.conftest import TINY_VARIANTS, TINY_VOCAB, greedy_generate
 

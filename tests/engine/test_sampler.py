@@ -6,11 +6,27 @@ import math
 
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
-                          TopPLogitsWarper, TypicalLogitsWarper)
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
-from lmi_handler.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k,
-                                        apply_top_p, apply_typical_p, exponential_log_noise, greedy_sample, mix32_, mix64)
+from lmi_handler.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    apply_typical_p,
+    exponential_log_noise,
+    greedy_sample,
+    mix32_,
+    mix64,
+)
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 CPU = torch.device("cpu")

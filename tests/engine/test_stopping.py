@@ -8,8 +8,16 @@ from hypothesis import strategies as st
 
 from lmi_handler.engine.detokenizer import IncrementalDetokenizer
 from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence
-from lmi_handler.engine.stopping import (FINISH_REASONS, STOP_EOS, STOP_LENGTH, STOP_NONE, STOP_TOKEN,
-                                         StopStringMatcher, build_stop_ids, token_stop_reasons)
+from lmi_handler.engine.stopping import (
+    FINISH_REASONS,
+    STOP_EOS,
+    STOP_LENGTH,
+    STOP_NONE,
+    STOP_TOKEN,
+    StopStringMatcher,
+    build_stop_ids,
+    token_stop_reasons,
+)
 
 CPU = torch.device("cpu")
 EOS = (2,)

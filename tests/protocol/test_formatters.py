@@ -1,53 +1,27 @@
-"""Output formatters: byte shapes of json / jsonlines / sse / tgi_compat / chat / completions over several steps."""
+"""Formatters: response objects of json / jsonlines / sse / tgi_compat / TGI / chat / completions over several
+steps, as the encoder sends them."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
-from lmi_handler.protocol.formatters import (SSE_DONE, ResponseContext, dynamic_batch_body,
-                                             dynamic_batch_stream_line, error_body, make_formatter,
-                                             resolve_output_formatter)
-
-PROMPT = "Say:"
-
-
-def tok(i: int, text: str, top: bool = False) -> TokenOutput:
-    return TokenOutput(i, text, -0.1 * i, False, [(i, -0.1 * i), (99, -5.0)] if top else None)
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, TokenOutput
+from lmi_handler.protocol.encoder import SSE_DONE, Wire, encode
+from lmi_handler.protocol.formatters import outputs_line, response_body, stream_failure
+from lmi_handler.protocol.plan import Kind
+from lmi_handler.protocol.sequences import Combine, Member, SequencePlan
+from tests.protocol.helpers import PROMPT, lines_of, make_plan, run, steps, tok
 
 
-def steps(reason: FinishReason = FinishReason.LENGTH, top: bool = False) -> list[RequestOutput]:
-    """Three steps: one token, none (text held back), then two tokens and finish; "Hi 我😀"."""
-    return [
-        RequestOutput("r1", [tok(1, "Hi", top)], "Hi", False, None, 4, 1,
-                      prompt_tokens=[TokenOutput(7, "Say", None, False), TokenOutput(8, ":", -2.0, False)]),
-        RequestOutput("r1", [], "Hi", False, None, 4, 2),
-        RequestOutput("r1", [tok(2, " 我", top), tok(3, "😀", top)], "Hi 我😀", True, reason, 4, 3),
-    ]
-
-
-def ctx(**kw) -> ResponseContext:
-    base = dict(stream=False, details=False, decoder_input_details=False, return_full_text=False,
-                prompt_text=PROMPT, output_formatter="json", model_name="smol", request_id="abc", created=1700000000)
-    return ResponseContext(**{**base, **kw})
-
-
-def run(context: ResponseContext, outs: list[RequestOutput]) -> list[str]:
-    formatter = make_formatter(context)
-    return [formatter.format(out) for out in outs]
-
-
-def lines_of(text: str, sse: bool = False) -> list[dict]:
-    """The JSON objects in one step's text ("" = nothing sent); SSE events must be `data: ...`."""
-    if not text:
-        return []
-    if sse:
-        events = [e for e in text.split("\n\n") if e]
-        assert all(e.startswith("data: ") for e in events)
-        return [json.loads(e[len("data: "):]) for e in events if e != "data: [DONE]"]
-    assert text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
+def ctx(chat: bool = False, completion: bool = False, stream: bool = False, output_formatter: str = "json",
+        tgi_compat: bool = False, **fields):
+    """The plan of the old ResponseContext spelling (kept so each case reads as before)."""
+    kind = Kind.OPENAI_CHAT if chat else Kind.OPENAI_COMPLETION if completion else Kind.LMI_TEXT
+    if chat and output_formatter == "jsonlines":
+        kind = Kind.LMI_CHAT            # LMI's jsonlines_chat: /invocations with messages
+    wire = Wire(output_formatter) if stream else Wire.JSON
+    return make_plan(kind, wire, tgi_names=tgi_compat, **fields)
 
 
 # ---- json --------------------------------------------------------------------------------
@@ -89,14 +63,14 @@ def test_json_tgi_compat_wraps_in_list_with_tgi_token_names():
 
 
 def test_json_error_keeps_partial_text_and_says_error():
-    outs = steps()[:2] + [RequestOutput("r1", [], "Hi", True, FinishReason.ERROR, 4, 1, error="CUDA OOM")]
+    outs = steps()[:2] + [RequestOutput("abc", [], "Hi", True, FinishReason.ERROR, 4, 1, error="CUDA OOM")]
     doc = json.loads(run(ctx(), outs)[2])
     assert doc["generated_text"] == "Hi" and doc["error"] == "CUDA OOM"
     assert doc["details"]["finish_reason"] == "error"
 
 
 def test_json_error_under_tgi_compat_is_tgi_error_object():
-    outs = [RequestOutput("r1", [], "", True, FinishReason.ERROR, 4, 0, error="boom")]
+    outs = [RequestOutput("abc", [], "", True, FinishReason.ERROR, 4, 0, error="boom")]
     assert json.loads(run(ctx(tgi_compat=True), outs)[0]) == {"error": "boom", "error_type": "generation"}
 
 
@@ -105,9 +79,8 @@ def test_json_error_under_tgi_compat_is_tgi_error_object():
 @pytest.mark.parametrize("fmt", ["jsonlines", "sse"])
 def test_stream_one_line_per_token_only_last_carries_final_fields(fmt):
     c = ctx(stream=True, details=True, output_formatter=fmt)
-    formatter = make_formatter(c)
-    sent = [formatter.format(out) for out in steps()]
-    assert formatter.content_type == {"jsonlines": "application/jsonlines", "sse": "text/event-stream"}[fmt]
+    sent = run(c, steps())
+    assert c.content_type == {"jsonlines": "application/jsonlines", "sse": "text/event-stream"}[fmt]
     assert sent[1] == ""  # no new token: nothing to send this step
     lines = [line for chunk in sent for line in lines_of(chunk, sse=fmt == "sse")]
     assert len(lines) == 3 and all("token" in line for line in lines)
@@ -137,8 +110,8 @@ def test_jsonlines_return_full_text_and_prefill():
 
 
 def test_jsonlines_finish_without_new_token_uses_sentinel_line():
-    outs = [RequestOutput("r1", [tok(1, "A")], "A", False, None, 2, 1),
-            RequestOutput("r1", [], "A", True, FinishReason.STOP_SEQUENCE, 2, 4)]
+    outs = [RequestOutput("abc", [tok(1, "A")], "A", False, None, 2, 1),
+            RequestOutput("abc", [], "A", True, FinishReason.STOP_SEQUENCE, 2, 4)]
     sent = run(ctx(stream=True, details=True, output_formatter="jsonlines"), outs)
     last = lines_of(sent[1])
     assert len(last) == 1 and last[0]["token"]["id"] == -1 and last[0]["token"]["text"] == ""
@@ -147,8 +120,8 @@ def test_jsonlines_finish_without_new_token_uses_sentinel_line():
 
 
 def test_jsonlines_mid_stream_error_is_final_line_with_error():
-    outs = [RequestOutput("r1", [tok(1, "A")], "A", False, None, 2, 1),
-            RequestOutput("r1", [], "A", True, FinishReason.ERROR, 2, 1, error="engine failed")]
+    outs = [RequestOutput("abc", [tok(1, "A")], "A", False, None, 2, 1),
+            RequestOutput("abc", [], "A", True, FinishReason.ERROR, 2, 1, error="engine failed")]
     lines = [line for chunk in run(ctx(stream=True, output_formatter="jsonlines"), outs) for line in lines_of(chunk)]
     assert "generated_text" not in lines[0]
     assert lines[-1]["details"]["finish_reason"] == "error" and lines[-1]["error"] == "engine failed"
@@ -178,9 +151,9 @@ def test_chat_completion_object():
 
 
 def test_chat_stream_chunks_end_with_done():
-    formatter = make_formatter(ctx(chat=True, stream=True, output_formatter="sse"))
-    sent = [formatter.format(out) for out in steps(FinishReason.STOP_SEQUENCE)]
-    assert formatter.content_type == "text/event-stream"
+    c = ctx(chat=True, stream=True, output_formatter="sse")
+    sent = run(c, steps(FinishReason.STOP_SEQUENCE))
+    assert c.content_type == "text/event-stream"
     assert sent[1] == "" and sent[-1].endswith(SSE_DONE)
     chunks = [c for chunk in sent for c in lines_of(chunk, sse=True)]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-abc" for c in chunks)
@@ -198,14 +171,14 @@ def test_chat_stream_usage_chunk_and_logprobs():
 
 
 def test_chat_stream_jsonlines_has_no_done_marker():
-    formatter = make_formatter(ctx(chat=True, stream=True, output_formatter="jsonlines"))
-    sent = "".join(formatter.format(out) for out in steps())
-    assert formatter.content_type == "application/jsonlines" and "[DONE]" not in sent
+    c = ctx(chat=True, stream=True, output_formatter="jsonlines")
+    sent = "".join(run(c, steps()))
+    assert c.content_type == "application/jsonlines" and "[DONE]" not in sent
     assert [json.loads(line)["object"] for line in sent.splitlines()] == ["chat.completion.chunk"] * 2
 
 
 def test_chat_errors_are_openai_error_objects():
-    err = RequestOutput("r1", [], "", True, FinishReason.ERROR, 4, 0, error="boom")
+    err = RequestOutput("abc", [], "", True, FinishReason.ERROR, 4, 0, error="boom")
     assert json.loads(run(ctx(chat=True), [err])[0])["error"]["message"] == "boom"
     sent = run(ctx(chat=True, stream=True, output_formatter="sse"), [err])[0]
     assert sent.endswith(SSE_DONE) and lines_of(sent, sse=True)[0]["error"]["message"] == "boom"
@@ -224,37 +197,65 @@ def test_completion_stream_texts_concatenate():
     assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [2, 4]
 
 
-# ---- helpers -----------------------------------------------------------------------------
+# ---- TGI /generate ----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("name", "stream", "tgi", "expected"), [
-    (None, False, False, "json"), (None, True, False, "jsonlines"), (None, True, True, "sse"),
-    ("sse", True, False, "sse"), ("jsonlines", False, False, "jsonlines"), ("bogus", True, False, "jsonlines"),
-])
-def test_resolve_output_formatter_follows_lmi(name, stream, tgi, expected):
-    assert resolve_output_formatter(name, stream, tgi) == expected
-
-
-def test_unknown_formatter_name_is_a_value_error():
-    with pytest.raises(ValueError):
-        make_formatter(ctx(output_formatter="xml"))
+def test_tgi_generate_answers_tgi_details_with_the_seed_of_a_sampled_request():
+    plan = make_plan(Kind.TGI_GENERATE, params=SamplingParams(greedy=False, seed=5), details=True)
+    doc = json.loads(run(plan, steps())[2])
+    assert doc["generated_text"] == "Hi 我😀"
+    assert list(doc["details"]) == ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"]
+    assert doc["details"]["seed"] == 5 and doc["details"]["prefill"] == []
+    assert doc["details"]["tokens"][0] == {"id": 1, "text": "Hi", "logprob": -0.1, "special": False}
 
 
-def test_error_body_and_dynamic_batch_shapes():
-    assert json.loads(error_body("bad top_p", 400)) == {"error": "bad top_p", "code": 400}
-    assert json.loads(dynamic_batch_body(["a", "b"])) == [{"generated_text": "a"}, {"generated_text": "b"}]
-    assert dynamic_batch_stream_line(["x", "y"]) == '{"outputs": ["x", "y"]}\n'
+def test_tgi_generate_reports_no_seed_for_greedy_and_no_details_unless_asked():
+    assert json.loads(run(make_plan(Kind.TGI_GENERATE), steps())[2]) == {"generated_text": "Hi 我😀"}
+    doc = json.loads(run(make_plan(Kind.TGI_GENERATE, details=True), steps())[2])
+    assert doc["details"]["seed"] is None
+
+
+# ---- whole answers and the rest ----------------------------------------------------------
+
+def test_dynamic_list_answers_one_lmi_document_per_prompt_in_order():
+    plan = make_plan(Kind.DYNAMIC_LIST)
+    plan = plan.__class__(**{**plan.__dict__, "prompts": (plan.prompts[0], plan.prompts[0].__class__(
+        "abc-1", "Go:", (9,), SamplingParams()))})
+    two = [[Member("abc", SamplingParams())], [Member("abc-1", SamplingParams())]]
+    other = [RequestOutput("abc-1", [tok(4, "ok")], "ok", True, FinishReason.EOS_TOKEN, 1, 1)]
+    assert response_body(plan, two, {"abc": steps(), "abc-1": other}) == [
+        {"generated_text": "Hi 我😀"}, {"generated_text": "ok"}]
+
+
+def test_openai_response_body_is_the_chat_completion_object():
+    body = response_body(ctx(chat=True), [[Member("abc", SamplingParams())]], {"abc": steps(FinishReason.EOS_TOKEN)})
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "Hi 我😀"
+
+
+def test_dynamic_batch_stream_line_shape():
+    assert encode([outputs_line(["x", "y"])], Wire.JSONLINES) == '{"outputs": ["x", "y"]}\n'
+
+
+@pytest.mark.parametrize("wire", [Wire.JSONLINES, Wire.SSE])
+def test_a_stream_failure_is_a_final_lmi_error_line_in_the_plans_wire(wire):
+    text = encode(stream_failure("boom", 424, make_plan(wire=wire)), wire)
+    line = lines_of(text, sse=wire is Wire.SSE)[-1]
+    assert line["details"]["finish_reason"] == "error" and line["code"] == 424 and line["token"]["id"] == -1
+
+
+def test_an_openai_stream_failure_is_an_error_chunk_then_done():
+    text = encode(stream_failure("boom", 424, make_plan(Kind.OPENAI_CHAT, Wire.SSE)), Wire.SSE)
+    assert text.endswith(SSE_DONE) and lines_of(text, sse=True)[0]["error"]["message"] == "boom"
 
 
 def test_best_of_under_tgi_compat_keeps_tgi_token_names():
-    from lmi_handler.protocol.formatters import render_best_of
-
-    def run(text: str, log_prob: float) -> list[RequestOutput]:
+    def run_of(request_id: str, text: str, log_prob: float) -> list[RequestOutput]:
         token = TokenOutput(id=7, text=text, log_prob=log_prob, special_token=False)
-        return [RequestOutput("r", [token], text, True, FinishReason.LENGTH, 3, 1)]
+        return [RequestOutput(request_id, [token], text, True, FinishReason.LENGTH, 3, 1)]
 
-    ctx = ResponseContext(stream=False, details=True, decoder_input_details=False, return_full_text=False,
-                          prompt_text="p", tgi_compat=True)
-    doc = json.loads(render_best_of(ctx, [run("a", -2.0), run("b", -0.5)], [1, 2]))
+    plan = make_plan(details=True, tgi_names=True, sequences=SequencePlan(2, Combine.BEST_OF))
+    sampled = SamplingParams(greedy=False)
+    two = [[Member("abc#0", sampled.__class__(greedy=False, seed=1)), Member("abc#1", sampled.__class__(greedy=False, seed=2))]]
+    doc = response_body(plan, two, {"abc#0": run_of("abc#0", "a", -2.0), "abc#1": run_of("abc#1", "b", -0.5)})
     assert isinstance(doc, list) and doc[0]["generated_text"] == "b"
     details = doc[0]["details"]
     assert set(details["tokens"][0]) == {"id", "text", "logprob", "special"}

@@ -8,7 +8,7 @@ import pytest
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.invocations import InvocationRequest, build_details, prefill_to_dicts, token_to_dict
-from tests.conftest import load_case
+from tests.helpers import load_case
 
 
 def test_text_request_parses_from_bytes_str_and_dict():
@@ -16,7 +16,7 @@ def test_text_request_parses_from_bytes_str_and_dict():
     for raw in (json.dumps(body).encode(), json.dumps(body), body):
         req = InvocationRequest.parse(raw)
         assert req.inputs == "Deep learning is" and req.parameters.max_new_tokens == 8
-        assert req.stream and not req.is_chat
+        assert req.stream and req.messages is None
 
 
 def test_dynamic_batch_list_inputs():
@@ -64,7 +64,7 @@ def test_text_plain_body_is_the_input():
 def test_chat_body_folds_openai_fields_into_parameters():
     req = InvocationRequest.parse({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
                                    "max_tokens": 12, "stop": ["x"], "stream": True})
-    assert req.is_chat and req.inputs is None and req.stream
+    assert req.messages is not None and req.inputs is None and req.stream
     assert req.messages == [{"role": "user", "content": "Hi"}]
     p = req.parameters
     assert p.max_new_tokens == 12 and p.stop_sequences == ["x"] and p.is_greedy()

@@ -4,9 +4,13 @@ from __future__ import annotations
 import pytest
 
 from lmi_handler.engine.sequence import FinishReason
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.openai import (ChatCompletionRequest, CompletionRequest, chat_completion_response,
-                                         openai_error_body, to_openai_finish_reason)
+from lmi_handler.protocol.errors import RequestValidationError, error_object
+from lmi_handler.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_completion_response,
+    to_openai_finish_reason,
+)
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
 
@@ -75,7 +79,7 @@ def test_chat_bad_field_is_named_in_openai_error(field, value):
         chat(**{field: value}).to_generation_parameters()
     err = info.value
     assert err.field == field and f"`{field}`" in err.message
-    body = openai_error_body(err)
+    body = error_object(err.message, err.status_code, openai=True, param=err.field)
     assert body == {"error": {"message": err.message, "type": "invalid_request_error", "param": field, "code": 400}}
 
 

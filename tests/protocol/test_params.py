@@ -6,9 +6,10 @@ import logging
 import pytest
 
 from lmi_handler.engine.sequence import SamplingParams
-from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.errors import RequestValidationError, error_object
 from lmi_handler.protocol.params import MAX_STOP_SEQUENCES, GenerationParameters
-from tests.conftest import load_case
+from lmi_handler.protocol.sequences import requested
+from tests.helpers import load_case
 
 BAD_VALUES = [
     # (field, value): bad type
@@ -42,7 +43,7 @@ def test_bad_value_is_rejected_naming_the_field(field, value):
     assert err.field == field
     assert err.status_code == 400
     assert f"`{field}`" in err.message and "must be" in err.message
-    assert err.to_dict() == {"error": err.message, "code": 400}
+    assert error_object(err.message, err.status_code, openai=False) == {"error": err.message, "code": 400}
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -174,7 +175,7 @@ def test_beams_and_greedy_multi_sequence_requests_are_rejected_before_inference(
 def test_sampled_requests_may_ask_for_several_sequences(given, count):
     params = GenerationParameters.parse(given)
     params.to_sampling_params()
-    assert params.num_sequences == count
+    assert requested(params.n, params.best_of)[0] == count
 
 
 def test_details_default_follows_tgi_compat():

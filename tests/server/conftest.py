@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from lmi_handler.server.process import ServerProcess
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def serve(tmp_path_factory, name: str, **options: str):

@@ -3,21 +3,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from functools import partial
 
 import pytest
 
-from lmi_handler.protocol.formatters import stream_failure
+from lmi_handler.protocol.encoder import Wire
+from lmi_handler.protocol.plan import Kind
 from lmi_handler.server.app import _stream
 from lmi_handler.server.frontend import Chunk, ClientRequest
+from tests.protocol.helpers import make_plan
 
 
-def drain(first: Chunk, later: list[Chunk], **failure_kwargs) -> tuple[str, ClientRequest]:
+def drain(first: Chunk, later: list[Chunk], output_formatter: str, openai_route: bool) -> tuple[str, ClientRequest]:
+    plan = make_plan(Kind.OPENAI_CHAT if openai_route else Kind.LMI_TEXT, Wire(output_formatter))
+
     async def run() -> tuple[str, ClientRequest]:
-        client = ClientRequest(b"{}", asyncio.get_running_loop())
+        client = ClientRequest(b"{}", asyncio.get_running_loop(), plan=plan)
         for chunk in later:
             client.chunks.put_nowait(chunk)
-        parts = [part async for part in _stream(client, first, partial(stream_failure, **failure_kwargs))]
+        parts = [part async for part in _stream(client, first, plan)]
         return "".join(parts), client
 
     return asyncio.run(run())

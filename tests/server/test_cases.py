@@ -12,7 +12,7 @@ import unicodedata
 import httpx
 import pytest
 
-from tests.conftest import load_case
+from tests.helpers import load_case
 from tests.server.helpers import generated_text, invoke, stream_lines, streamed_text
 
 pytestmark = pytest.mark.slow

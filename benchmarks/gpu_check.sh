@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU check (issue 7, item 5): on a CUDA machine, the engine's correctness tests, then the benchmark in
+# bf16, within 8 minutes. vLLM's CPU build is not a GPU peer, so the vLLM phases are skipped.
+#
+#   bash benchmarks/gpu_check.sh            # from the repo root; results under $OUT (or benchmarks/results)
+#   bash benchmarks/gpu_check.sh --prepare  # HERE, with network: fill .gpu-carry/ for a bare device machine
+#
+# On a machine set up with `make install model` nothing else is needed. A bare device machine (no
+# network, its own python3 with torch/transformers but not fastapi/uvicorn/pydantic, no model/) gets:
+#   .gpu-carry/whl/    wheels of the missing packages (--prepare downloads them for Python 3.12)
+#   .gpu-carry/mt_bench_questions.jsonl  the workload's prompts (../shared does not travel)
+#   .gpu-carry/model/  the demo model's config, generation config, tokenizer and chat template (no weights:
+#                      the 0.5 GB checkpoint is larger than what travels); the weights are then made
+#                      RANDOM with the same shapes. Throughput does not depend on weight values (EOS is
+#                      ignored), and the engine tests compare against transformers on the same weights,
+#                      but the tests that need the real demo weights are deselected; the output says so.
+# Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Budget: tests 200 s, benchmark 240 s (timeouts below).
+#
+# Status: written without a GPU (none was lent to the session that wrote it): untested on CUDA.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}   # the device tool brings back at most 8 files from $OUT: logs, JSON, PNG
+mkdir -p "$OUT_DIR"
+CARRY=.gpu-carry
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  set -e
+  mkdir -p "$CARRY/whl" "$CARRY/model"
+  for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja special_tokens_map.json; do
+    if [[ -e model/$f ]]; then cp -L "model/$f" "$CARRY/model/"; fi
+  done
+  prompts=$(cd benchmarks && python3 -c "import workload; print(workload.PROMPTS)")
+  cp "$prompts" "$CARRY/"
+  # what the device image lacks (KINDS.md lists what it has); pure-Python wheels except pydantic-core
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$CARRY/whl" \
+    fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection prometheus-client \
+    python-multipart opentelemetry-api typing-extensions
+  du -sh "$CARRY"
+  exit 0
+fi
+
+PY=${PYTHON:-}
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G "$CARRY/whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+"$PY" - <<'EOF' || exit 2
+import importlib, sys
+import torch
+missing = [m for m in ("transformers", "safetensors", "pydantic", "fastapi", "uvicorn", "httpx", "psutil", "pytest",
+                       "matplotlib") if importlib.util.find_spec(m) is None]
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}"
+      + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
+if missing or not torch.cuda.is_available():
+    sys.exit(f"cannot run the GPU check: missing {missing or 'nothing'}; CUDA available {torch.cuda.is_available()}")
+EOF
+
+DESELECT=()
+if [[ ! -f model/model.safetensors ]]; then
+  if [[ ! -f $CARRY/model/config.json ]]; then
+    echo "no model/model.safetensors and no $CARRY/model/: run 'make model' (or --prepare here and carry $CARRY)"; exit 2
+  fi
+  echo "model/: RANDOM weights with the demo model's config (the real checkpoint did not travel)"
+  mkdir -p model && cp "$CARRY"/model/* model/
+  "$PY" - <<'EOF' || exit 2
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+config = AutoConfig.from_pretrained("model")
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not config.tie_word_embeddings}
+save_file(state, "model/model.safetensors", metadata={"format": "pt"})
+EOF
+  # these compare against the real weights' known outputs or need the real checkpoint's behaviour
+  DESELECT=(-m "not slow")
+fi
+
+echo "== correctness tests on CUDA (engine; ${DESELECT[*]:-all of tests/engine}) =="
+start=$(date +%s)
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/engine "${DESELECT[@]}" 2>&1 | tee "$OUT_DIR/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+echo "tests: exit $tests_rc in $(( $(date +%s) - start )) s"
+
+echo "== benchmark, bf16 =="
+start=$(date +%s)
+PROMPTS_ARG=()
+if [[ -f $CARRY/mt_bench_questions.jsonl ]]; then PROMPTS_ARG=(--prompts "$CARRY/mt_bench_questions.jsonl"); fi
+timeout 240 "$PY" benchmarks/bench.py --dtype bfloat16 --skip vllm --c1-prompts 4 --threads 4 "${PROMPTS_ARG[@]}" \
+  --phase-timeout-s 120 --server-start-timeout-s 90 2>&1 | tee "$OUT_DIR/gpu-bench.log"
+bench_rc=${PIPESTATUS[0]}
+if [[ "$OUT_DIR" != benchmarks/results ]]; then
+  for f in $(ls -t benchmarks/results/bench-*.json benchmarks/results/bench-*.png 2>/dev/null | head -2); do cp "$f" "$OUT_DIR/"; done
+fi
+echo "benchmark: exit $bench_rc in $(( $(date +%s) - start )) s"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

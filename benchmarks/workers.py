@@ -1,0 +1,200 @@
+"""Benchmark workers that run in the project's venv, one engine per process (so its RSS is its own).
+
+    python benchmarks/workers.py ours-offline|hf|peak --workload W.json --out R.json [options]
+
+Each writes one JSON result to --out. The orchestrator (bench.py) starts them one after the other
+and samples their memory; nothing here starts another engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import REPO, Workload  # noqa: E402
+
+
+def latency_stats(token_times: dict[str, list[float]], start: float) -> dict:
+    """TTFT per request (start -> first token) and pooled ITL (gaps between a request's tokens), seconds."""
+    from stats import percentiles
+
+    ttft = [times[0] - start for times in token_times.values() if times]
+    gaps = [b - a for times in token_times.values() for a, b in pairwise(times)]
+    return {"ttft_s": percentiles(ttft), "itl_s": percentiles(gaps)}
+
+
+# ---------------------------------------------------------------- our engine
+
+def our_settings(options: dict[str, str]):
+    """Settings as the server would build them: serving.properties, then the benchmark's options."""
+    from lmi_handler.config import Settings, read_serving_properties
+
+    props = read_serving_properties(REPO / "serving.properties", environ={})
+    props.update(options)
+    return Settings.from_properties(props)
+
+
+def run_engine(engine, workload: Workload, params, prefix: str) -> dict:
+    """Add every request at once, step until all finish; per-request token times and outputs."""
+    start = time.perf_counter()
+    seqs = {f"{prefix}{i}": engine.add_request(f"{prefix}{i}", ids, params, seed=0)
+            for i, ids in enumerate(workload.prompt_token_ids)}
+    token_times: dict[str, list[float]] = {rid: [] for rid in seqs}
+    num_steps = 0
+    while engine.has_unfinished:
+        outputs = engine.step()
+        now = time.perf_counter()
+        num_steps += 1
+        for out in outputs:
+            token_times[out.request_id].extend([now] * len(out.new_tokens))
+    wall = time.perf_counter() - start
+    tokens = sum(seq.num_output_tokens for seq in seqs.values())
+    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "num_steps": num_steps,
+            **latency_stats(token_times, start), "token_times": token_times,
+            "output_token_ids": [seq.output_token_ids for seq in seqs.values()]}
+
+
+def ours_offline(args, workload: Workload) -> dict:
+    import torch
+
+    from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.sequence import SamplingParams
+
+    settings = our_settings(dict(args.option))
+    start = time.perf_counter()
+    engine = Engine(settings.engine_config())
+    startup_s = time.perf_counter() - start
+    params = SamplingParams(greedy=True, max_new_tokens=workload.max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    run_engine(engine, workload.warmup(), replace(params, max_new_tokens=2), "warmup-")
+    warmup_s = time.perf_counter() - start
+    main = run_engine(engine, workload, params, "r")
+    times = main.pop("token_times")
+    one = run_engine(engine, workload.head(1), params, "b1-")
+    b1_times = next(iter(one.pop("token_times").values()))
+    decode = (len(b1_times) - 1) / (b1_times[-1] - b1_times[0]) if len(b1_times) > 1 else None
+    return {"engine": "ours", "settings": settings.model_dump(mode="json"), "device": str(engine.device),
+            "dtype": str(engine.runner.dtype), "torch_num_threads": torch.get_num_threads(),
+            "startup_s": startup_s, "warmup_s": warmup_s, **main, "num_requests": len(times),
+            "batch1": {"output_tokens": one["output_tokens"], "wall_s": one["wall_s"],
+                       "decode_tokens_per_s": decode,
+                       "method": "(tokens - 1) / (last token time - first token time), one request alone"}}
+
+
+# ---------------------------------------------------------------- transformers generate()
+
+def hf_generate(args, workload: Workload) -> dict:
+    """Static batches (left padding) of transformers' generate(), greedy, EOS ignored.
+
+    Probes each of --hf-batch-sizes on the first `size` prompts with --hf-probe-tokens tokens, then runs
+    the whole workload in batches of the fastest size.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+    tok = AutoTokenizer.from_pretrained(workload.model)
+    model = AutoModelForCausalLM.from_pretrained(workload.model, dtype=dtype).to(device).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    config = model.generation_config
+    config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens, as in the other engines
+    config.pad_token_id = pad
+    config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+
+    def generate(rows: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                 max_new_tokens=max_new_tokens)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out[:, width:].tolist(), time.perf_counter() - start
+
+    generate(workload.prompt_token_ids[:1], 4)  # warm-up
+    probes = []
+    for size in args.hf_batch_sizes:
+        rows = workload.prompt_token_ids[:size]
+        if len(rows) < size:
+            continue
+        out, secs = generate(rows, args.hf_probe_tokens)
+        probes.append({"batch_size": size, "output_tokens": sum(map(len, out)), "wall_s": secs,
+                       "output_tokens_per_s": sum(map(len, out)) / secs})
+    best = max(probes, key=lambda p: p["output_tokens_per_s"])["batch_size"] if probes else 1
+    outputs, wall = [], 0.0
+    for i in range(0, workload.num_prompts, best):
+        out, secs = generate(workload.prompt_token_ids[i:i + best], workload.max_new_tokens)
+        outputs.extend(out)
+        wall += secs
+    tokens = sum(map(len, outputs))
+    return {"engine": "hf", "device": device, "dtype": str(dtype), "torch_num_threads": torch.get_num_threads(),
+            "probes": probes, "probe_tokens": args.hf_probe_tokens, "batch_size": best,
+            "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "output_token_ids": outputs}
+
+
+# ---------------------------------------------------------------- peak matmul rate
+
+def peak_matmul(args, workload: Workload) -> dict:
+    """FLOP/s of one big square torch.matmul (best of 5), and of the model's decode-shaped GEMM."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+
+    def rate(m: int, k: int, n: int, repeat: int) -> float:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        best = float("inf")
+        for _ in range(6):  # the first is a warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeat):
+                torch.matmul(a, b)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - start) / repeat)
+        return 2 * m * k * n / best
+
+    size = args.peak_size or (8192 if device == "cuda" else 2048)
+    config = json.loads((Path(workload.model) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    return {"device": device, "dtype": str(dtype), "torch_num_threads": torch.get_num_threads(),
+            "square_size": size, "peak_flops_per_s": rate(size, size, size, 3 if device == "cpu" else 20),
+            "decode_shape": [64, hidden, inter], "decode_shape_flops_per_s": rate(64, hidden, inter, 50)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("worker", choices=["ours-offline", "hf", "peak"])
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                        help="our engine's option.KEY (ours-offline)")
+    parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
+    parser.add_argument("--hf-probe-tokens", type=int, default=32)
+    parser.add_argument("--peak-size", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    workload = Workload.load(args.workload)
+    run = {"ours-offline": ours_offline, "hf": hf_generate, "peak": peak_matmul}[args.worker]
+    args.out.write_text(json.dumps(run(args, workload)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The benchmark's workload: MT-bench prompts through the chat template, the batch file, and its FLOPs.
+
+Owns what every engine is given (the same prompt token ids, the same output length) and the
+arithmetic of the compute bound; how each engine runs it is in workers.py and vllm_worker.py.
+Imports no torch (the orchestrator stays light).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+# ../shared beside the checkout (CI, main), or ../../shared for a git worktree one level further down
+PROMPTS = next((p for p in (REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl",
+                            REPO.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl") if p.is_file()),
+               REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl")
+
+
+@dataclass
+class Workload:
+    """`num_prompts` requests of `max_new_tokens` greedy tokens each, EOS ignored.
+
+    `prompts` are the chat-templated texts (system prompt + MT-bench turns[0] + generation prompt),
+    `prompt_token_ids` the same texts tokenized without extra special tokens (every engine gets these ids;
+    the HTTP servers get the texts and tokenize them the same way).
+    """
+
+    model: str
+    max_new_tokens: int
+    questions: list[str]
+    prompts: list[str]
+    prompt_token_ids: list[list[int]]
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def save(self, path: Path) -> Path:
+        path.write_text(json.dumps(asdict(self)))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "Workload":
+        return cls(**json.loads(Path(path).read_text()))
+
+    def head(self, n: int) -> "Workload":
+        """The first n requests only (concurrency-1 runs, probes)."""
+        return Workload(self.model, self.max_new_tokens, self.questions[:n], self.prompts[:n],
+                        self.prompt_token_ids[:n])
+
+
+    def warmup(self) -> "Workload":
+        """Every prompt with its token ids reversed, 2 tokens: the batch shapes of the real run (so a
+        compiled engine has compiled them) without warming a prefix cache for it (no shared prefix)."""
+        return Workload(self.model, 2, self.questions, self.prompts, [ids[::-1] for ids in self.prompt_token_ids])
+
+
+def build_workload(model: Path, num_prompts: int, max_new_tokens: int, prompts_path: Path = PROMPTS) -> Workload:
+    """Read the first `num_prompts` MT-bench questions (turns[0]) and apply the model's chat template.
+
+    Raises SystemExit when the file holds fewer questions than asked.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    questions = [json.loads(line)["turns"][0] for line in prompts_path.read_text().splitlines() if line.strip()]
+    if num_prompts > len(questions):
+        raise SystemExit(f"{prompts_path} holds {len(questions)} questions, asked for {num_prompts}")
+    questions = questions[:num_prompts]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+               for q in questions]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return Workload(str(model), max_new_tokens, questions, prompts, ids)
+
+
+def write_batch_file(workload: Workload, path: Path, model_name: str = "model") -> Path:
+    """The workload as an OpenAI batch input file (DESIGN §4): one chat-completions line per question.
+
+    custom_id `request-<i>`, max_completion_tokens = the workload's length, ignore_eos true, and no
+    temperature, so every line is greedy (batch format: temperature absent = greedy).
+    """
+    with open(path, "w") as f:
+        for i, question in enumerate(workload.questions):
+            body = {"model": model_name, "messages": [{"role": "user", "content": question}],
+                    "max_completion_tokens": workload.max_new_tokens, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- compute bound
+
+def model_flops(config: dict, workload: Workload) -> dict:
+    """FLOPs the workload needs at least (no padding, no recompute), from an HF Llama config.json.
+
+    Per computed token (prompt and output, the last output token excepted as it is never fed back):
+    2 * (non-embedding params) for the linear layers, plus attention 4 * layers * heads * head_dim * context
+    (QK^T and PV over the causal context). Per sampled token: 2 * hidden * vocab for lm_head (its logits
+    are computed only for the last prompt token and each output token). Returns the parts and the total.
+    """
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter  # q,o + k,v + gate,up,down
+    layer_params = layers * per_layer
+    new = workload.max_new_tokens
+    linear = attention = lm_head = 0
+    for ids in workload.prompt_token_ids:
+        computed = len(ids) + new - 1                       # tokens fed through the layers
+        linear += 2 * layer_params * computed
+        # token at position p attends to p + 1 tokens: sum over p of (p + 1)
+        attention += 4 * layers * heads * head_dim * computed * (computed + 1) // 2
+        lm_head += 2 * hidden * vocab * new
+    return {"non_embedding_params": layer_params, "lm_head_params": hidden * vocab,
+            "linear_flops": linear, "attention_flops": attention, "lm_head_flops": lm_head,
+            "total_flops": linear + attention + lm_head,
+            "output_tokens": new * workload.num_prompts,
+            "prompt_tokens": sum(len(ids) for ids in workload.prompt_token_ids)}
+
+
+def compute_bound(flops: dict, peak_flops_per_s: float) -> dict:
+    """Output tok/s if the whole workload ran at `peak_flops_per_s` (FLOP/s)."""
+    seconds = flops["total_flops"] / peak_flops_per_s
+    return {"peak_gflops_per_s": peak_flops_per_s / 1e9, "seconds_at_peak": seconds,
+            "output_tokens_per_s": flops["output_tokens"] / seconds}

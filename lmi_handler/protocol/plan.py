@@ -1,0 +1,155 @@
+"""RequestPlan: everything about one request's answer, decided once when the request is parsed.
+
+Owns the rules that pick a request's kind, whether it streams, its wire format and content type;
+building a plan from bytes (tokenizing, length checks) is service.py's, filling it formatters.py's.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lmi_handler.engine.sequence import SamplingParams
+from lmi_handler.protocol.encoder import CONTENT_TYPES, Wire
+from lmi_handler.protocol.sequences import SINGLE, Member, SequencePlan, members
+
+DecodeToken = Callable[[int], str]
+
+ROUTE_INVOCATIONS = "/invocations"
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTE_COMPLETIONS = "/v1/completions"
+ROUTE_GENERATE = "/generate"          # TGI's non-streaming route
+
+
+class Kind(str, enum.Enum):
+    """What was asked, by which route and schema."""
+
+    LMI_TEXT = "lmi_text"                    # /invocations {"inputs": str}
+    LMI_CHAT = "lmi_chat"                    # /invocations {"messages"}: OpenAI objects, LMI stream formats
+    OPENAI_CHAT = "openai_chat"              # /v1/chat/completions
+    OPENAI_COMPLETION = "openai_completion"  # /v1/completions
+    DYNAMIC_LIST = "dynamic_list"            # /invocations in dynamic batch: a list, one element per input
+    BATCH_LINE = "batch_line"                # one line of a batch file: the OpenAI body its url answers
+    TGI_GENERATE = "tgi_generate"            # TGI /generate
+
+
+class Shape(str, enum.Enum):
+    """The response object one sequence becomes (formatters.py has one formatter per shape and mode)."""
+
+    LMI = "lmi"                # {"generated_text", "details"?}; streamed as {"token"} lines
+    TGI = "tgi"                # TGI /generate {"generated_text", "details": {..., "seed"}}
+    CHAT = "chat"              # chat.completion; streamed as chat.completion.chunk
+    COMPLETION = "completion"  # text_completion (also its chunks)
+
+
+OPENAI_KINDS = (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION, Kind.BATCH_LINE)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request, ready for the engine (a list of `inputs` gives several)."""
+
+    request_id: str              # engine request id: the request's, or "{id}-{i}" for the i-th input
+    text: str                    # the prompt as rendered (chat template applied)
+    token_ids: tuple[int, ...]
+    params: SamplingParams       # trusted knobs (protocol/params.py); seed resolved per member later
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """A validated request and how to answer it; every later stage reads it, none decides again.
+
+    `tgi_names`: TGI's token names ({logprob, special}) and, for LMI json, the answer wrapped in a list
+    (option.tgi_compat). `created` is unix seconds. `decode_token` gives texts of top-token alternatives.
+    """
+
+    request_id: str
+    kind: Kind
+    shape: Shape
+    wire: Wire
+    stream: bool
+    prompts: tuple[Prompt, ...]
+    sequences: SequencePlan = SINGLE
+    details: bool = False
+    decoder_input_details: bool = False
+    return_full_text: bool = False
+    tgi_names: bool = False
+    logprobs: bool = False
+    include_usage: bool = False
+    model_name: str = ""
+    created: int = 0
+    decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def content_type(self) -> str:
+        return CONTENT_TYPES[self.wire]
+
+    @property
+    def is_openai(self) -> bool:
+        """Answers and errors take OpenAI's shapes."""
+        return self.kind in OPENAI_KINDS
+
+    def members(self, front_end_seed: int | None = None) -> list[list[Member]]:
+        """The engine sequences of each prompt (n / best_of; seeds resolved now, see sequences.members)."""
+        return [members(p.request_id, p.params, self.sequences, front_end_seed) for p in self.prompts]
+
+
+def kind_of(route: str | None, chat: bool, rolling: bool) -> Kind:
+    """The kind of a parsed request: by route, then `messages` (LMI chat), then the batching mode."""
+    if route == ROUTE_CHAT:
+        return Kind.OPENAI_CHAT
+    if route == ROUTE_COMPLETIONS:
+        return Kind.OPENAI_COMPLETION
+    if route == ROUTE_GENERATE:
+        return Kind.TGI_GENERATE
+    if chat:
+        return Kind.LMI_CHAT
+    return Kind.LMI_TEXT if rolling else Kind.DYNAMIC_LIST
+
+
+def shape_of(kind: Kind, route: str | None = None) -> Shape:
+    """The response object of a kind; a batch line answers its url's OpenAI object."""
+    if kind in (Kind.LMI_CHAT, Kind.OPENAI_CHAT) or (kind is Kind.BATCH_LINE and route == ROUTE_CHAT):
+        return Shape.CHAT
+    if kind in (Kind.OPENAI_COMPLETION, Kind.BATCH_LINE):
+        return Shape.COMPLETION
+    return Shape.TGI if kind is Kind.TGI_GENERATE else Shape.LMI
+
+
+def streaming_reason(kind: Kind, asked: bool, output_formatter: str | None) -> str | None:
+    """Why the answer streams, in words for error messages; None when it does not.
+
+    `stream: true`, or on LMI kinds in rolling batch option.output_formatter=jsonlines|sse (dynamic
+    batch streams {"outputs"} lines only when asked). Batch lines and TGI /generate never stream.
+    """
+    if kind in (Kind.BATCH_LINE, Kind.TGI_GENERATE):
+        return None
+    if asked:
+        return "send stream=false"
+    if kind in (Kind.LMI_TEXT, Kind.LMI_CHAT) and output_formatter in ("jsonlines", "sse"):
+        return f"option.output_formatter={output_formatter} streams every response here"
+    return None
+
+
+def wire_of(kind: Kind, stream: bool, output_formatter: str | None, tgi_compat: bool) -> Wire:
+    """json when not streaming; SSE on OpenAI routes; {"outputs"} jsonlines in dynamic batch; else
+    option.output_formatter, else SSE with tgi_compat, else jsonlines (LMI defaults)."""
+    if not stream:
+        return Wire.JSON
+    if kind in OPENAI_KINDS:
+        return Wire.SSE
+    if kind is Kind.DYNAMIC_LIST:
+        return Wire.JSONLINES
+    if output_formatter and output_formatter != "json":
+        return Wire(output_formatter)
+    return Wire.SSE if tgi_compat else Wire.JSONLINES
+
+
+def tgi_names(kind: Kind, tgi_compat: bool) -> bool:
+    """TGI's token names (and list-wrapped LMI json): always on /generate; for LMI text under tgi_compat."""
+    return kind is Kind.TGI_GENERATE or (tgi_compat and kind is Kind.LMI_TEXT)
+
+
+def details_by_default(kind: Kind, tgi_compat: bool) -> bool:
+    """`details` when the request does not say: on under tgi_compat (LMI), off on /generate (TGI)."""
+    return tgi_compat and kind is not Kind.TGI_GENERATE

@@ -1,0 +1,116 @@
+"""n / best_of: how many engine sequences a request runs and how their answers combine, per dialect.
+
+Owns each dialect's rule (TGI best_of on /invocations and /generate; OpenAI n, refused until
+issue 9 item 6 builds choices), the members' seeds and the best_of combination; documents are formatters.py's.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from lmi_handler.engine.sequence import SamplingParams, random_seed, wrap_int64
+from lmi_handler.protocol.errors import RequestValidationError, _show
+
+
+class Combine(str, enum.Enum):
+    """How several sequences of one prompt make one answer."""
+
+    SINGLE = "single"        # one sequence, answered as itself
+    BEST_OF = "best_of"      # TGI: the best summed log prob answers; the others go to details.best_of_sequences
+    CHOICES = "choices"      # OpenAI n: one choice per sequence (not built yet: issue 9 item 6)
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """`count` engine sequences per prompt, combined by `combine`."""
+
+    count: int = 1
+    combine: Combine = Combine.SINGLE
+
+
+SINGLE = SequencePlan()
+
+
+@dataclass(frozen=True)
+class Member:
+    """One engine sequence of a prompt: its engine request id and params (seed resolved)."""
+
+    request_id: str
+    params: SamplingParams
+
+
+def requested(n: int, best_of: int | None) -> tuple[int, str]:
+    """Sequences asked for, max(n, best_of) (vLLM/TGI best_of semantics), and the field to name in errors."""
+    count = max(n, best_of or 1)
+    return count, ("best_of" if (best_of or 1) >= n else "n")
+
+
+def check_sampled(n: int, best_of: int | None, greedy: bool) -> None:
+    """TGI rule: several sequences need sampling (greedy ones would all be the same). Raises RequestValidationError."""
+    count, name = requested(n, best_of)
+    if count > 1 and greedy:
+        value = best_of if name == "best_of" else n
+        raise RequestValidationError(
+            name, f"Invalid parameter `{name}`: {name} > 1 needs sampling (do_sample=true or a sampling "
+                  f"parameter such as temperature), got {_show(value)} with greedy decoding")
+
+
+def tgi_best_of(n: int, best_of: int | None, *, streaming_why: str | None, max_count: int) -> SequencePlan:
+    """LMI /invocations and TGI /generate: n or best_of > 1 generate that many sampled sequences and answer
+    the best (TGI best_of). Not streamed (TGI), at most `max_count` (the batch size).
+
+    `streaming_why` says why the answer would stream (None when it does not). Raises RequestValidationError.
+    """
+    count, name = requested(n, best_of)
+    if count == 1:
+        return SINGLE
+    if streaming_why is not None:
+        raise RequestValidationError(name, f"Invalid parameter `{name}`: {name} > 1 cannot be streamed "
+                                     f"({streaming_why}), got {count}")
+    if count > max_count:
+        raise RequestValidationError(name, f"Invalid parameter `{name}`: must be at most "
+                                     f"max_rolling_batch_size ({max_count}), got {count}")
+    return SequencePlan(count, Combine.BEST_OF)
+
+
+def openai_n(n: int, best_of: int | None) -> SequencePlan:
+    """OpenAI chat and completions (and LMI chat): n choices. Only 1 for now; issue 9 item 6 will answer
+    n > 1 as Combine.CHOICES (best_of > n: the n best of best_of, as vLLM). Raises RequestValidationError."""
+    count, name = requested(n, best_of)
+    if count == 1:
+        return SINGLE
+    raise RequestValidationError(name, f"Invalid parameter `{name}`: only 1 is supported for chat and on "
+                                 f"the OpenAI routes, got {count}")
+
+
+def members(request_id: str, params: SamplingParams, plan: SequencePlan,
+            front_end_seed: int | None = None) -> list[Member]:
+    """The engine sequences of one prompt, with seeds seed, seed+1, ... (int64-wrapped).
+
+    The base seed is the request's, else the front end's (DJL batch_NNN.seed), else a fresh one, as
+    Engine.add_request would choose; a single sequence keeps the request id.
+    """
+    base = params.seed
+    if base is None:
+        base = front_end_seed if front_end_seed is not None else random_seed()
+    if plan.count == 1:
+        return [Member(request_id, replace(params, seed=base))]
+    return [Member(f"{request_id}#{j}", replace(params, seed=wrap_int64(base + j))) for j in range(plan.count)]
+
+
+def combine_best_of(documents: Sequence[dict[str, Any]], scores: Sequence[float], seeds: Sequence[int | None],
+                    details: bool) -> dict[str, Any]:
+    """TGI best_of: the document with the highest summed log prob (`scores`) answers; with details, the
+    others follow in details.best_of_sequences as TGI's BestOfSequence
+    {generated_text, finish_reason, generated_tokens, seed, tokens}. Each document carries details."""
+    best = max(range(len(documents)), key=lambda j: scores[j])
+    answer: dict[str, Any] = {"generated_text": documents[best]["generated_text"]}
+    if details:
+        answer["details"] = dict(documents[best]["details"])
+        answer["details"]["best_of_sequences"] = [
+            {"generated_text": doc["generated_text"], "finish_reason": doc["details"]["finish_reason"],
+             "generated_tokens": doc["details"]["generated_tokens"], "seed": seeds[j],
+             "tokens": doc["details"]["tokens"]}
+            for j, doc in enumerate(documents) if j != best]
+    return answer

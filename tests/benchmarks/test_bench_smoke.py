@@ -1,0 +1,93 @@
+"""benchmarks/bench.py: the smoke variant runs end to end and writes a complete result file.
+
+Numbers are never asserted (they depend on the machine); the structure and the token counts are.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import report  # noqa: E402
+from workload import Workload, model_flops, write_batch_file  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def test_batch_file_lines_are_greedy_chat_requests_with_unique_custom_ids(tmp_path):
+    workload = Workload("model", 128, ["Say hi.", "Name a prime."], ["p0", "p1"], [[1, 2], [3]])
+    lines = [json.loads(line) for line in write_batch_file(workload, tmp_path / "in.jsonl").read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["request-0", "request-1"]
+    for line, question in zip(lines, workload.questions, strict=True):
+        assert (line["method"], line["url"]) == ("POST", "/v1/chat/completions")
+        body = line["body"]
+        assert body["messages"] == [{"role": "user", "content": question}]
+        assert body["max_completion_tokens"] == 128 and body["ignore_eos"] is True
+        assert "temperature" not in body  # batch format: absent = greedy
+
+
+def test_workload_flops_count_every_matrix_of_the_demo_model(model_dir):
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    matrices = sum(rows * cols for rows, cols in (s for s in shapes.values() if len(s) == 2))
+    flops = model_flops(config, Workload(str(model_dir), 4, ["q"], ["p"], [[1, 2, 3]]))
+    # tied embeddings: the one embedding matrix is also lm_head, counted once in the checkpoint
+    assert flops["non_embedding_params"] + flops["lm_head_params"] == matrices
+    computed = 3 + 4 - 1
+    assert flops["linear_flops"] == 2 * flops["non_embedding_params"] * computed
+    assert flops["lm_head_flops"] == 2 * flops["lm_head_params"] * 4
+
+
+def _batch_command_exists() -> bool:
+    probe = subprocess.run([sys.executable, "-m", "lmi_handler.cli", "batch", "--help"], env=ENV, cwd=REPO,
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--smoke", "--out-dir", str(tmp_path)],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("bench-smoke-*.json")
+    (png_path,) = tmp_path.glob("bench-smoke-*.png")
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads(json_path.read_text())
+    phases = result["phases"]
+
+    tokens = 2 * 8  # 2 prompts x 8 tokens, EOS ignored: exact in every engine
+    for name in ("ours_offline", "hf"):
+        assert "skipped" not in phases[name], phases[name]
+        assert phases[name]["output_tokens"] == tokens
+        assert phases[name]["output_tokens_per_s"] > 0 and phases[name]["monitor"]["peak_rss_mib"] > 0
+    assert phases["ours_offline"]["batch1"]["output_tokens"] == 8
+    assert phases["ours_offline"]["torch_num_threads"] == 1
+    (level,) = phases["ours_server"]["levels"]
+    assert (level["concurrency"], level["num_errors"], level["output_tokens"]) == (2, 0, tokens)
+    assert level["ttft_s"]["p99"] >= level["ttft_s"]["p50"] > 0 and level["itl_s"]["n"] == 2 * 7
+    assert phases["peak_start"]["peak_flops_per_s"] > 0 and result["compute_bound"]["output_tokens_per_s"] > 0
+    assert phases["vllm_offline"] == {"skipped": "--skip"} and phases["vllm_server"] == {"skipped": "--skip"}
+    if _batch_command_exists():
+        assert phases["batch_runner"]["num_ok"] == 2 and phases["batch_runner"]["output_tokens"] == tokens
+    else:
+        assert "not available" in phases["batch_runner"]["skipped"]
+    assert result["machine"]["before"]["loadavg_1_5_15"] and result["rows"] and "ratios" in result
+
+    readme = tmp_path / "README.md"
+    shutil.copy(REPO / "benchmarks" / "README.md", readme)
+    before = readme.read_text()
+    report.write_readme(result, json_path.name, readme)
+    after = readme.read_text()
+    head = before.split(report.TABLE_START)[0]
+    assert after.startswith(head) and json_path.name in after and "| ours offline (default" in after
+    assert after.count(report.TABLE_START) == 1 and after.count(report.TABLE_END) == 1

@@ -1,0 +1,65 @@
+"""/metrics rules without a server: engine gauges read at scrape time, requests counted by route template."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from prometheus_client import generate_latest
+
+from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+from lmi_handler.server.metrics import CountRequests, Metrics
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels or None)
+
+
+def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), allocator)
+    engine = SimpleNamespace(scheduler=scheduler, allocator=allocator)
+    front_end = SimpleNamespace(pending=SimpleNamespace(qsize=lambda: 3))
+    metrics = Metrics(lambda: engine, lambda: front_end)
+    assert sample(metrics, "lmi_requests_waiting") == 0
+    scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
+    assert sample(metrics, "lmi_requests_waiting") == 1
+    assert sample(metrics, "lmi_front_end_pending") == 3
+    allocator.allocate(2)
+    assert sample(metrics, "lmi_kv_cache_blocks_used") == 2 and sample(metrics, "lmi_kv_cache_blocks_total") == 8
+
+
+def test_no_engine_yet_exports_no_gauges():
+    metrics = Metrics(lambda: None, lambda: None)
+    assert b"lmi_requests_running" not in generate_latest(metrics.registry)
+
+
+def test_requests_are_counted_by_route_template_and_status_and_metrics_scrapes_are_not():
+    metrics = Metrics(lambda: None, lambda: None)
+    app = FastAPI()
+    app.add_middleware(CountRequests, counter=metrics.requests)
+
+    @app.post("/predictions/{model_name}")
+    async def predictions(model_name: str) -> JSONResponse:
+        return JSONResponse({}, status_code=200 if model_name == "m" else 404)
+
+    @app.get("/metrics")
+    async def scrape() -> JSONResponse:
+        return JSONResponse({})
+
+    async def drive() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            for path in ("/predictions/m", "/predictions/m", "/predictions/x"):
+                await http.post(path)
+            await http.get("/metrics")
+            await http.get("/nowhere")
+
+    asyncio.run(drive())
+    assert sample(metrics, "lmi_http_requests_total", route="/predictions/{model_name}", code="200") == 2
+    assert sample(metrics, "lmi_http_requests_total", route="/predictions/{model_name}", code="404") == 1
+    assert sample(metrics, "lmi_http_requests_total", route="unmatched", code="404") == 1
+    assert sample(metrics, "lmi_http_requests_total", route="/metrics", code="200") is None

@@ -1,0 +1,71 @@
+"""Service.plan on the real demo model, no server: one validated plan per request, errors named before inference."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmi_handler.config import Settings
+from lmi_handler.protocol.encoder import Wire
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, Kind, Shape
+from lmi_handler.protocol.sequences import Combine
+from lmi_handler.service import Service
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def service(model_dir) -> Service:
+    return Service(Settings.from_properties({"model_id": str(model_dir), "max_rolling_batch_size": "4",
+                                             "tgi_compat": "true"}))
+
+
+def test_an_lmi_text_request_becomes_one_tokenized_prompt_with_its_answer_rules(service, tokenizer):
+    plan = service.plan(json.dumps({"inputs": "The sky is", "parameters": {"max_new_tokens": 5}}).encode(),
+                        request_id="r1")
+    assert (plan.kind, plan.shape, plan.wire, plan.stream) == (Kind.LMI_TEXT, Shape.LMI, Wire.JSON, False)
+    assert plan.tgi_names and plan.details            # tgi_compat: TGI names, details on by default
+    (prompt,) = plan.prompts
+    assert prompt.request_id == "r1" and list(prompt.token_ids) == tokenizer.encode("The sky is")
+    assert prompt.params.max_new_tokens == 5 and plan.content_type == "application/json"
+
+
+def test_a_streamed_request_under_tgi_compat_is_sse(service):
+    plan = service.plan(b'{"inputs": "Hi", "stream": true}')
+    assert plan.stream and plan.wire is Wire.SSE and plan.content_type == "text/event-stream"
+
+
+def test_openai_routes_take_openai_kinds_and_sse_streams(service):
+    chat = service.plan(b'{"messages": [{"role": "user", "content": "Hi"}], "stream": true}', route=ROUTE_CHAT)
+    assert (chat.kind, chat.shape, chat.wire) == (Kind.OPENAI_CHAT, Shape.CHAT, Wire.SSE) and chat.is_openai
+    assert not chat.tgi_names
+    completion = service.plan(b'{"prompt": "Hi", "echo": true}', route=ROUTE_COMPLETIONS)
+    assert completion.kind is Kind.OPENAI_COMPLETION and completion.return_full_text
+
+
+def test_best_of_plans_several_sequences_and_refuses_streaming(service):
+    body = {"inputs": "Hi", "parameters": {"best_of": 3, "do_sample": True}}
+    assert service.plan(json.dumps(body)).sequences.combine is Combine.BEST_OF
+    with pytest.raises(RequestValidationError) as info:
+        service.plan(json.dumps({**body, "stream": True}))
+    assert info.value.field == "best_of"
+
+
+def test_a_model_the_server_does_not_serve_is_a_404_on_openai_routes(service):
+    with pytest.raises(RequestValidationError) as info:
+        service.plan(b'{"model": "gpt-4", "prompt": "Hi"}', route=ROUTE_COMPLETIONS)
+    assert info.value.status_code == 404 and info.value.field == "model"
+
+
+def test_a_batch_line_body_plans_the_openai_object_of_its_url_and_never_streams(service):
+    plan = service.plan_openai_body({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                     "stream": True}, ROUTE_CHAT, "line-1", greedy_when_unset=True)
+    assert (plan.kind, plan.shape, plan.stream, plan.wire) == (Kind.BATCH_LINE, Shape.CHAT, False, Wire.JSON)
+    assert plan.prompts[0].params.greedy and plan.prompts[0].params.max_new_tokens == 4
+
+
+def test_an_over_long_prompt_is_refused_naming_the_token_counts(service):
+    with pytest.raises(RequestValidationError) as info:
+        service.plan(json.dumps({"inputs": "word " * 9000}))
+    assert info.value.field == "inputs" and "exceeds" in info.value.message

@@ -14,16 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from lmi_handler.batch.executor import check_body
+from lmi_handler.batch.executor import plan_line
 from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
 from lmi_handler.batch.store import BatchStore, now_s
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, LineError, check_lines, read_batch
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.openai import openai_error
+from lmi_handler.protocol.errors import RequestValidationError, openai_error
 from lmi_handler.server.frontend import ClientRequest
 
 logger = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ def _read_plan(path: Path, defaults: BatchDefaults, endpoint: str):
 
 
 def _prepare(service, line: BatchLine) -> None:
-    service.prepare(check_body(service, line))
+    plan_line(service, line, uuid.uuid4().hex)
 
 
 def _file_error(code: str, message: str, param: str | None, line: int | None = None) -> dict[str, Any]:

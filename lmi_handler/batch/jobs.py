@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -197,10 +196,12 @@ class BatchJobs:
             self._write(batch_id, results, record)
 
     async def _answer(self, line: BatchLine, client: ClientRequest) -> dict | None:
-        """The line's record: the route's own checks first (as the HTTP pre-validation does, so a refused
-        line never queues), then its answer from the front end; None when it was cancelled."""
+        """The line's record: its plan first (the same as offline, Kind.BATCH_LINE; a refused line never
+        queues, and the handler takes the plan as built), then its answer from the front end; None when
+        it was cancelled."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self.prepare_pool, _prepare, self.service(), line)
+            client.plan = await asyncio.get_running_loop().run_in_executor(
+                self.prepare_pool, plan_line, self.service(), line, client.request_id)
         except RequestValidationError as exc:
             body = openai_error(str(exc), exc.status_code, param=exc.field, error_type="invalid_request_error")
             return success_record(line.custom_id, client.request_id, body, exc.status_code)
@@ -240,10 +241,6 @@ class BatchJobs:
 def _read_plan(path: Path, defaults: BatchDefaults, endpoint: str):
     with open(path, encoding="utf-8", errors="replace") as lines:
         return read_batch(lines, defaults, endpoint)
-
-
-def _prepare(service, line: BatchLine) -> None:
-    plan_line(service, line, uuid.uuid4().hex)
 
 
 def _file_error(code: str, message: str, param: str | None, line: int | None = None) -> dict[str, Any]:

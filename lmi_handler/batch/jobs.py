@@ -14,17 +14,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from lmi_handler.batch.executor import check_body
+from lmi_handler.batch.executor import plan_line
 from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
 from lmi_handler.batch.store import BatchStore, now_s
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, LineError, check_lines, read_batch
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.openai import openai_error
+from lmi_handler.protocol.errors import RequestValidationError, openai_error
 from lmi_handler.server.frontend import ClientRequest
 
 logger = logging.getLogger(__name__)
@@ -48,7 +46,8 @@ class BatchJobs:
         self.max_batch_size = size
         self.reserve = max(1, size // 4)
         self.max_in_flight = max(1, size - self.reserve)
-        self.inflight: dict[str, ClientRequest] = {}
+        self.inflight: dict[str, ClientRequest] = {}     # this job's lines holding a place, by request id
+        self.submitted: set[str] = set()                  # ... of which those already in the front end's queue
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prepare")
@@ -143,7 +142,11 @@ class BatchJobs:
                         self._write(batch_id, results, line_error_record(item))
                         continue
                     await self._wait_for_room(batch_id)
-                    task = asyncio.create_task(self._run_line(batch_id, item, results))
+                    # the place is taken now, before the task runs, so the next _has_room counts it
+                    client = ClientRequest(json.dumps(item.body).encode(), asyncio.get_running_loop(),
+                                           route=item.url)
+                    self.inflight[client.request_id] = client
+                    task = asyncio.create_task(self._run_line(batch_id, item, client, results))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 while tasks:
@@ -166,7 +169,8 @@ class BatchJobs:
         if len(self.inflight) >= self.max_in_flight:
             return False
         active = list(getattr(self.front_end, "active", []))
-        mine_waiting = sum(1 for client in self.inflight.values() if not any(client is a for a in active))
+        mine_waiting = sum(1 for request_id, client in self.inflight.items()
+                           if request_id in self.submitted and not any(client is a for a in active))
         waiting = self.front_end.pending.qsize()
         return waiting - mine_waiting <= 0 and len(active) + waiting <= self.max_batch_size - self.reserve
 
@@ -178,28 +182,34 @@ class BatchJobs:
             self.store.update(batch_id, status="expired")
             raise JobStopped
 
-    async def _run_line(self, batch_id: str, line: BatchLine, results: ResultFiles) -> None:
-        request_id = uuid.uuid4().hex
-        service = self.service()
-        try:  # the route's own checks first (as the HTTP pre-validation does): a refused line never queues
-            await asyncio.get_running_loop().run_in_executor(self.prepare_pool, _prepare, service, line)
-        except RequestValidationError as exc:
-            body = openai_error(str(exc), exc.status_code, param=exc.field, error_type="invalid_request_error")
-            self._write(batch_id, results, success_record(line.custom_id, request_id, body, exc.status_code))
-            return
-        client = ClientRequest(json.dumps(line.body).encode(), asyncio.get_running_loop(), route=line.url,
-                               request_id=request_id)
-        self.inflight[request_id] = client
+    async def _run_line(self, batch_id: str, line: BatchLine, client: ClientRequest, results: ResultFiles) -> None:
+        request_id = client.request_id
         try:
-            self.front_end.submit(client)
-            record = await _collect(client, line)
+            record = await self._answer(line, client)
         except Exception as exc:  # a bug must cost this line only, and still give it a record
             logger.exception("batch %s line %d failed", batch_id, line.line)
             record = success_record(line.custom_id, request_id, openai_error(f"internal error: {exc}", 500), 500)
         finally:
             self.inflight.pop(request_id, None)
+            self.submitted.discard(request_id)
         if record is not None:
             self._write(batch_id, results, record)
+
+    async def _answer(self, line: BatchLine, client: ClientRequest) -> dict | None:
+        """The line's record: its plan first (the same as offline, Kind.BATCH_LINE; a refused line never
+        queues, and the handler takes the plan as built), then its answer from the front end; None when
+        it was cancelled."""
+        try:
+            client.plan = await asyncio.get_running_loop().run_in_executor(
+                self.prepare_pool, plan_line, self.service(), line, client.request_id)
+        except RequestValidationError as exc:
+            body = openai_error(str(exc), exc.status_code, param=exc.field, error_type="invalid_request_error")
+            return success_record(line.custom_id, client.request_id, body, exc.status_code)
+        if client.cancelled:
+            return None
+        self.submitted.add(client.request_id)
+        self.front_end.submit(client)
+        return await _collect(client, line)
 
     def _write(self, batch_id: str, results: ResultFiles, record: dict) -> None:
         results.write(record)
@@ -231,10 +241,6 @@ class BatchJobs:
 def _read_plan(path: Path, defaults: BatchDefaults, endpoint: str):
     with open(path, encoding="utf-8", errors="replace") as lines:
         return read_batch(lines, defaults, endpoint)
-
-
-def _prepare(service, line: BatchLine) -> None:
-    service.prepare(check_body(service, line))
 
 
 def _file_error(code: str, message: str, param: str | None, line: int | None = None) -> dict[str, Any]:

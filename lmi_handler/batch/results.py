@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lmi_handler.protocol.batch_lines import BatchLine, LineError
-from lmi_handler.protocol.openai import openai_error
+from lmi_handler.protocol.errors import openai_error
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from lmi_handler.batch.jobs import BatchJobs
 from lmi_handler.batch.store import WINDOW_S
 from lmi_handler.protocol.batch_lines import ROUTES, BatchDefaults
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.openai import openai_error
+from lmi_handler.protocol.errors import RequestValidationError, openai_error
 
 MAX_METADATA_KEYS = 16   # OpenAI: 16 pairs, keys up to 64 characters, values up to 512
 FILE_PURPOSES = ("batch",)

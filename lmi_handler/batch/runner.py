@@ -14,8 +14,7 @@ from pathlib import Path
 from lmi_handler.batch.executor import LineRequest, prepare_line
 from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, BatchRejected, LineError, check_lines, read_batch
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.openai import openai_error
+from lmi_handler.protocol.errors import RequestValidationError, openai_error
 
 logger = logging.getLogger(__name__)
 __all__ = ["BatchRejected", "BatchRunner", "BatchSummary"]
@@ -61,7 +60,7 @@ class _Progress:
 
 
 class BatchRunner:
-    """Runs batch files on one loaded Service's engine. `window` bounds the lines inside the engine at once
+    """Runs batch files on one loaded Service's engine. `window` bounds the sequences inside the engine at once
     (default: twice the engine's max_num_seqs, so its waiting queue never runs dry), so memory does not
     grow with the file."""
 
@@ -109,7 +108,7 @@ class BatchRunner:
                 continue
             request = self._admit(item, results, bar)
             if request is not None:
-                inflight[request.request_id] = request
+                inflight.update({member.request_id: request for member in request.members})
             while len(inflight) >= self.window:
                 self._step(inflight, results, bar)
         while inflight:
@@ -119,7 +118,7 @@ class BatchRunner:
         request_id = uuid.uuid4().hex
         try:
             request = prepare_line(self.service, line, request_id)
-            self.engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+            self._add_members(request)
         except (RequestValidationError, ValueError) as exc:
             status, field = getattr(exc, "status_code", 400), getattr(exc, "field", None)
             body = openai_error(str(exc), status, param=field, error_type="invalid_request_error")
@@ -134,7 +133,7 @@ class BatchRunner:
         except Exception:  # a bug in a step fails the lines inside the engine, not the whole file
             logger.exception("engine step failed; failing %d in-flight lines", len(inflight))
             self.engine.abort_all()
-            for request in inflight.values():
+            for request in {id(r): r for r in inflight.values()}.values():
                 body = openai_error("internal error during generation", 500)
                 results.write(success_record(request.line.custom_id, request.request_id, body, 500))
                 bar.update(False, 0)
@@ -142,10 +141,23 @@ class BatchRunner:
             return
         for out in outputs:
             request = inflight.get(out.request_id)
-            body = request.answer(out) if request is not None else None
+            body = request.add(out) if request is not None else None
             if body is None:
                 continue
-            del inflight[out.request_id]
+            for member in request.members:
+                inflight.pop(member.request_id, None)
             ok = "error" not in body
             results.write(success_record(request.line.custom_id, request.request_id, body, 200 if ok else 500))
-            bar.update(ok, out.num_generated_tokens)
+            bar.update(ok, (body.get("usage") or {}).get("completion_tokens", 0))
+
+    def _add_members(self, request: LineRequest) -> None:
+        """Queue every engine sequence of a line (n > 1 gives several); if one is refused, none stays."""
+        added: list[str] = []
+        try:
+            for member in request.members:
+                self.engine.add_request(member.request_id, request.prompt_token_ids, member.params)
+                added.append(member.request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmi_handler.server.process import ServerProcess
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_FILE_BYTES = 200_000   # option.batch_max_file_bytes of the test servers (the 413 test)

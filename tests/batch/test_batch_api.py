@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.batch.conftest import CHAT, COMPLETIONS, MAX_FILE_BYTES, batch_line, by_custom_id, content, start
-from tests.conftest import load_case
+from tests.helpers import load_case
 
 pytestmark = pytest.mark.slow
 

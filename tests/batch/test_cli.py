@@ -12,7 +12,7 @@ import pytest
 from lmi_handler.protocol.batch_lines import DEFAULTS_WARNING, BatchDefaults
 from tests.batch.conftest import (COMPLETIONS, batch_cli, batch_line, by_custom_id, cli_env, content, read_jsonl,
                                   run_cli, write_jsonl)
-from tests.conftest import load_case
+from tests.helpers import load_case
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from lmi_handler.batch import BatchRejected, create_batch, submit_batch
 from lmi_handler.protocol.errors import RequestValidationError
 from tests.batch.conftest import COMPLETIONS, batch_line, by_custom_id, cli_env, read_jsonl, write_jsonl
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_create_batch_names_the_lines_without_a_length_and_the_bad_default(tmp_path):

@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from tests.conftest import load_case
+from tests.helpers import load_case
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,14 @@ import logging
 
 import pytest
 
-from lmi_handler.protocol.batch_lines import (DEFAULTS_WARNING, BatchDefaults, BatchLine, LineError, check_lines,
-                                              read_batch)
+from lmi_handler.protocol.batch_lines import (
+    DEFAULTS_WARNING,
+    BatchDefaults,
+    BatchLine,
+    LineError,
+    check_lines,
+    read_batch,
+)
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
 

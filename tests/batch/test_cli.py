@@ -10,8 +10,17 @@ import time
 import pytest
 
 from lmi_handler.protocol.batch_lines import DEFAULTS_WARNING, BatchDefaults
-from tests.batch.conftest import (COMPLETIONS, batch_cli, batch_line, by_custom_id, cli_env, content, read_jsonl,
-                                  run_cli, write_jsonl)
+from tests.batch.conftest import (
+    COMPLETIONS,
+    batch_cli,
+    batch_line,
+    by_custom_id,
+    cli_env,
+    content,
+    read_jsonl,
+    run_cli,
+    write_jsonl,
+)
 from tests.helpers import load_case
 
 pytestmark = pytest.mark.slow

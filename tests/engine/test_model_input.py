@@ -44,33 +44,31 @@ def mixed_step() -> SchedulerOutput:
     return SchedulerOutput(seqs=[decode, short, long, resumed], num_scheduled_tokens=[1, 5, 17, 4])
 
 
-def test_prepare_flattens_a_mixed_step_in_batch_order_with_the_long_chunk_first(runner):
+def test_prepare_flattens_a_mixed_step_in_the_scheduler_order(runner):
     sched = mixed_step()
     mi = runner.prepare(sched)
     decode, short, long, resumed = sched.seqs
-    # batch order: the 17-token chunk (large GEMM tile) first, then the others in the caller's order
-    assert mi.input_ids.tolist() == long.prompt_token_ids[:17] + [9] + short.prompt_token_ids[4:9] + [5, 6, 40, 41]
-    assert mi.positions.tolist() == list(range(17)) + [4] + list(range(4, 9)) + [4, 5, 6, 7]
+    # the row-invariant kernels need no reordering: rows follow the scheduler's order
+    assert mi.input_ids.tolist() == [9] + short.prompt_token_ids[4:9] + long.prompt_token_ids[:17] + [5, 6, 40, 41]
+    assert mi.positions.tolist() == [4] + list(range(4, 9)) + list(range(17)) + [4, 5, 6, 7]
     assert mi.input_ids.dtype == mi.positions.dtype == torch.int64
-    tables = [long.block_table, decode.block_table, short.block_table, resumed.block_table]
-    starts, lengths = [0, 4, 4, 4], [17, 1, 5, 4]
+    tables = [decode.block_table, short.block_table, long.block_table, resumed.block_table]
+    starts, lengths = [4, 4, 0, 4], [1, 5, 17, 4]
     assert mi.attn.slot_mapping.tolist() == reference_slot_mapping(tables, starts, lengths)
     assert mi.attn.block_tables.tolist() == [t + [0] * (5 - len(t)) for t in tables]
-    assert mi.attn.context_lens.tolist() == mi.attn.context_lens_host == [17, 5, 9, 8]
-    assert mi.attn.cu_seqlens_q.tolist() == [0, 17, 18, 23, 27] and mi.attn.query_lens == lengths
-    # lm_head rows: the prompt-logprob chunk (flat rows 18..22), then every sequence's last row
-    assert mi.logit_rows.tolist() == [18, 19, 20, 21, 22] + [16, 17, 22, 26]
+    assert mi.attn.context_lens.tolist() == mi.attn.context_lens_host == [5, 9, 17, 8]
+    assert mi.attn.cu_seqlens_q.tolist() == [0, 1, 6, 23, 27] and mi.attn.query_lens == lengths
+    # lm_head rows: the prompt-logprob chunk (flat rows 1..5), then every sequence's last row
+    assert mi.logit_rows.tolist() == [1, 2, 3, 4, 5] + [0, 5, 22, 26]
     assert mi.num_chunk_rows == 5 and mi.chunk_spans == {1: (0, 5)}
-    assert mi.last_token_order.tolist() == [1, 2, 0, 3]       # caller's index -> batch position
-    assert mi.num_large_rows == 17
 
 
-def test_plain_mode_keeps_the_caller_order_and_runs_plain_gemms(tiny_model_dir):
+def test_plain_mode_builds_the_same_step(tiny_model_dir):
     plain = ModelRunner(tiny_model_dir, torch.float32, torch.device("cpu"), block_size=BLOCK, num_blocks=64,
                         batch_invariant=False)
     mi = plain.prepare(mixed_step())
     assert mi.positions.tolist()[:6] == [4, 4, 5, 6, 7, 8]
-    assert mi.last_token_order is None and mi.num_large_rows is None
+    assert mi.logit_rows.tolist() == [1, 2, 3, 4, 5] + [0, 5, 22, 26]
 
 
 def test_model_input_is_picklable_and_runs_the_same_after_a_round_trip(runner):

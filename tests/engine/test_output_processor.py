@@ -7,8 +7,12 @@ import pytest
 import torch
 
 from lmi_handler.engine.model_runner import ModelOutput
-from lmi_handler.engine.output_processor import (OutputProcessor, StepSample, gather_prompt_logprobs,
-                                                 plan_prompt_logprobs)
+from lmi_handler.engine.output_processor import (
+    OutputProcessor,
+    StepSample,
+    gather_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from lmi_handler.engine.sampler import SamplerOutput
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence

@@ -24,11 +24,6 @@ KV_BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # tiny model: layers * (K, V) * kv_
 # Measured on the tiny model: with one 16-row tile for every row the whole-prompt case is bitwise equal,
 # and with attention also computed one query row at a time the chunked case is too (about 1e-6 abs apart
 # otherwise). Row-invariant kernels (issue 7, item 1) remove both dependences; then these must pass.
-HIT_CHANGES_TILES = pytest.mark.xfail(strict=False, reason="a prefix hit changes the prefill chunk's shape, "
-                                      "and today's GEMM row tile (2 vs 16 rows) and per-sequence SDPA depend "
-                                      "on it; passes with row-invariant kernels")
-
-
 def make_engine(model_dir, tokenizer, caching: bool, max_num_batched_tokens=64, kv_cache_bytes=1 << 22,
                 max_num_seqs=4, block_size=4) -> Engine:
     config = EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=max_num_seqs,
@@ -122,7 +117,7 @@ def scheduled_greedy(runner: ModelRunner, sched: Scheduler, prompts: list[list[i
         sched.add(seq)
     while sched.num_unfinished:
         out = sched.schedule()
-        model_out = runner.execute(out.seqs, out.num_scheduled_tokens)
+        model_out = runner.execute(runner.prepare(out))
         sched.update_from_output(out)
         for row, seq in enumerate(out.seqs):
             if seq.num_computed_tokens == seq.num_tokens:
@@ -149,7 +144,6 @@ def assert_hit_logits_bitwise_equal(runner: ModelRunner, config: SchedulerConfig
     assert warm.output_token_ids == cold.output_token_ids
 
 
-@HIT_CHANGES_TILES
 def test_logits_after_a_prefix_hit_are_bitwise_those_computed_without_the_cache(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, torch.float32, torch.device("cpu"), block_size=4, num_blocks=128)
     for budget in (64, 12):                  # whole prompts in one chunk; chunked prefill
@@ -195,7 +189,6 @@ def test_demo_model_greedy_equals_hf_generate_on_16_mt_bench_prompts_chunked_and
 
 
 @pytest.mark.slow
-@HIT_CHANGES_TILES
 def test_demo_model_logits_after_a_prefix_hit_are_bitwise_those_computed_without_the_cache(
         model_dir, tokenizer, mt_bench_prompts):
     runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=8, num_blocks=64)

@@ -7,7 +7,8 @@ Engine.step / Engine.abort and parks sequences by moving them out of the schedul
 Rules of isolation (issue 8, "Faults"):
 1. A `SequenceFault` names the sequences it hit: those are aborted (KV blocks freed), the rest go on.
 2. Any other exception cannot be pinned: the step is retried without the sequences this step newly
-   admitted; if that works, those newest admissions are the ones failed.
+   admitted; if that works, each of those newest admissions is stepped alone and the ones that fail
+   alone are failed (all of them if none does).
 3. Else each running sequence is stepped alone; the ones that fail alone are failed. If none does (the
    fault needs the whole batch), the newest running sequence is failed. Never the whole batch.
 """
@@ -74,12 +75,20 @@ class StepGuard:
         if newest:
             outputs = self._try_without(newest, computed)
             if outputs is not None:
-                logger.error("the step works without the newest admissions %s: failing them",
-                             [s.request_id for s in newest])
-                return outputs, self._fail([s.request_id for s in newest], message)
-        outputs: list[RequestOutput] = []
-        culprits: list[str] = []
-        for seq in list(scheduler.running):
+                culprits = self._alone(newest, outputs) or [s.request_id for s in newest]
+                logger.error("the step works without the newest admissions: failing %s", culprits)
+                return outputs, self._fail(culprits, message)
+        outputs = []
+        culprits = self._alone(list(scheduler.running), outputs)
+        if not culprits and scheduler.running:
+            culprits = [scheduler.running[-1].request_id]   # the fault needs the batch: fail the newest one
+        logger.error("failing %s after the step failed", culprits)
+        return outputs, self._fail(culprits, message)
+
+    def _alone(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[str]:
+        """Step each of `seqs` on its own (their outputs join `outputs`); the ids of those that fail alone."""
+        scheduler, culprits = self.engine.scheduler, []
+        for seq in seqs:
             if seq.request_id not in self.engine.seqs or seq.status is not SequenceStatus.RUNNING:
                 continue
             alone = self._try_without([s for s in scheduler.running if s is not seq], self._snapshot())
@@ -87,10 +96,7 @@ class StepGuard:
                 culprits.append(seq.request_id)
             else:
                 outputs.extend(alone)
-        if not culprits and scheduler.running:
-            culprits = [scheduler.running[-1].request_id]   # the fault needs the batch: fail the newest one
-        logger.error("failing %s after the step failed", culprits)
-        return outputs, self._fail(culprits, message)
+        return culprits
 
     def _try_without(self, parked: list[Sequence], computed: dict[str, int]) -> list[RequestOutput] | None:
         """One step with `parked` (and every waiting sequence) set aside; None (state restored) if it fails."""

@@ -13,12 +13,11 @@ def solo_tokens(engine, prompt) -> list[int]:
     return [t.id for out in results["solo"] for t in out.new_tokens]
 
 
-def drive(guard: StepGuard, join: dict[int, tuple[str, list[int]]] | None = None):
-    """Step until idle (adding `join[step]` before that step); returns (tokens by id, failed ids, steps)."""
+def drive(guard: StepGuard, join: dict[int, list[tuple[str, list[int]]]] | None = None):
+    """Step until idle (adding the requests of `join[step]` before that step); returns (tokens by id, failed)."""
     engine, tokens, failed, step = guard.engine, {}, {}, 0
     while engine.has_unfinished or (join and step <= max(join)):
-        if join and step in join:
-            request_id, prompt = join[step]
+        for request_id, prompt in (join or {}).get(step, []):
             engine.add_request(request_id, prompt, PARAMS)
         outputs, hit = guard.step()
         failed.update(hit)
@@ -43,14 +42,14 @@ def test_a_decode_fault_ends_only_the_hit_sequence_and_the_others_keep_their_sol
         assert engine.allocator.num_used_blocks == 0 and not engine.seqs
 
 
-def test_a_fault_in_a_joining_prefill_fails_the_newest_admission_alone(tiny_model_dir, tokenizer):
+def test_a_fault_in_a_joining_prefill_fails_that_admission_alone_not_the_others_joining_with_it(
+        tiny_model_dir, tokenizer):
     engine = make_engine(tiny_model_dir, tokenizer)
     solo = {i: solo_tokens(engine, p) for i, p in enumerate(PROMPTS)}
     FaultInjector(engine, FaultRule.parse_all("prefill@" + tokenizer.decode(PROMPTS[1])))
     guard = StepGuard(engine)
     engine.add_request("r0", PROMPTS[0], PARAMS)
-    engine.add_request("r2", PROMPTS[2], PARAMS)
-    tokens, failed = drive(guard, join={3: ("r1", PROMPTS[1])})
+    tokens, failed = drive(guard, join={3: [("r1", PROMPTS[1]), ("r2", PROMPTS[2])]})
     assert list(failed) == ["r1"] and "r1" not in tokens
     assert tokens["r0"] == solo[0] and tokens["r2"] == solo[2]
     assert engine.allocator.num_used_blocks == 0

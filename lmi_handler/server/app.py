@@ -127,7 +127,6 @@ def _failed(chunk: Chunk, plan: RequestPlan) -> Response:
 
 
 async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
-    service = get_state().service
     openai_route = route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
@@ -136,8 +135,40 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
     if front_end.draining:
         return error_response("the server is shutting down and takes no new requests", 503, openai_route)
-    if front_end.full:  # refused at once, before any work (job_queue_size)
+    if not front_end.reserve():  # refused at once, before any work (job_queue_size)
         return _queue_full(front_end, openai_route)
+    try:
+        client = await _plan(front_end, request, route, body, openai_route)
+        if isinstance(client, Response):
+            return client
+        front_end.track(client)
+        accepted = front_end.submit(client)
+    finally:
+        front_end.unreserve()
+    streaming = False
+    try:
+        if not accepted:
+            return _queue_full(front_end, openai_route)
+        first = await _next_chunk(request, client)
+        if first is None:
+            return Response(status_code=499)
+        if first.code is not None:
+            return _failed(first, client.plan)
+        if not client.plan.stream:
+            return await _collect(request, client, first, client.plan)
+        streaming = True
+        return StreamingResponse(_stream(client, first, client.plan, front_end), media_type=client.plan.content_type)
+    finally:
+        if not streaming:
+            client.cancelled = True   # an answer cut short (e.g. the task cancelled) stops its sequences
+            front_end.forget(client)
+
+
+async def _plan(front_end: FrontEnd, request: Request, route: str, body: bytes,
+                openai_route: bool) -> ClientRequest | Response:
+    """The request's ClientRequest with its plan (parsed and tokenized once, off the event loop), or the
+    4xx/5xx answer when the request is bad."""
+    service = get_state().service
     try:
         timeout_s = request_timeout(request.headers, front_end.request_timeout_s)
     except RequestValidationError as exc:
@@ -157,25 +188,7 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     except Exception as exc:  # a bug, never the client's fault: still a JSON answer, and the server goes on
         logger.exception("request validation failed")
         return error_response(f"internal error while reading the request: {type(exc).__name__}", 500, openai_route)
-    plan = client.plan
-    front_end.track(client)
-    streaming = False
-    try:
-        if not front_end.submit(client):
-            return _queue_full(front_end, openai_route)
-        first = await _next_chunk(request, client)
-        if first is None:
-            return Response(status_code=499)
-        if first.code is not None:
-            return _failed(first, plan)
-        if not plan.stream:
-            return await _collect(request, client, first, plan)
-        streaming = True
-        return StreamingResponse(_stream(client, first, plan, front_end), media_type=plan.content_type)
-    finally:
-        if not streaming:
-            client.cancelled = True   # an answer cut short (e.g. the task cancelled) stops its sequences
-            front_end.forget(client)
+    return client
 
 
 def _queue_full(front_end: FrontEnd, openai_route: bool) -> Response:

@@ -169,6 +169,7 @@ class FrontEnd:
         self.draining = False            # SIGTERM: new requests are refused, accepted ones finish
         self.live: dict[str, list[ClientRequest]] = {}   # public id -> its HTTP requests still answering
         self.live_lock = threading.Lock()
+        self.admitting = 0               # requests between reserve() and unreserve() (being planned)
 
     def start(self) -> None:
         self.thread.start()
@@ -183,8 +184,26 @@ class FrontEnd:
         return self.pending.put(request)
 
     @property
-    def full(self) -> bool:
-        return self.pending.qsize() >= self.pending.capacity
+    def free_slots(self) -> int:
+        """Places in the batch a new request could take without waiting (0 for the dynamic batcher)."""
+        return 0
+
+    def reserve(self) -> bool:
+        """Event loop: hold a place for a request about to be planned; False (refuse it) when the places
+        left (free batch slots + room in the waiting queue) are all held. `submit` then `unreserve` follow.
+
+        Counting requests still being planned is what makes overload refusals immediate: past the bound
+        a request answers 503 before any parsing, instead of queueing behind the others' planning.
+        """
+        with self.live_lock:
+            if self.admitting + self.pending.qsize() >= self.pending.capacity + self.free_slots:
+                return False
+            self.admitting += 1
+            return True
+
+    def unreserve(self) -> None:
+        with self.live_lock:
+            self.admitting -= 1
 
     def track(self, client: ClientRequest) -> None:
         """The app starts answering `client` (cancel finds it by public id; draining waits for it)."""
@@ -255,6 +274,10 @@ class RollingFrontEnd(FrontEnd):
         self.active: list[ClientRequest] = []
         self.num_running = 0          # leading items of `active` the handler has already seen
         self.reset_next = False
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.max_batch_size - len(self.active), 0)   # a racy read: a hint for reserve() only
 
     def loop_once(self) -> None:
         now = time.monotonic()

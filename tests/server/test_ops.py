@@ -116,3 +116,14 @@ def test_fault_rules_pick_the_sequence_by_prompt_text_or_id_and_the_stage():
     for bad in ("decode@x", "decode:0@x", "prefill:2@x", "boom@x", "decode:4", "decode:4@"):
         with pytest.raises(ValueError, match="fault_injection"):
             FaultRule.parse(bad)
+
+
+def test_places_are_held_for_requests_being_planned_so_overload_is_refused_before_any_parsing(loop):
+    front_end = FrontEnd(lambda inputs: None, {}, job_queue_size=2)
+    assert front_end.reserve() and front_end.reserve()
+    assert not front_end.reserve()          # two being planned fill the queue's two places
+    front_end.unreserve()
+    assert front_end.submit(client(loop))   # one queued, one still being planned: still full
+    assert not front_end.reserve()
+    front_end.unreserve()
+    assert front_end.reserve()

@@ -11,14 +11,13 @@ from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from lmi_handler.config import read_serving_properties
     from lmi_handler.server.app import create_app
+    from lmi_handler.server.ops import serve
 
     properties = read_serving_properties(args.properties)
     app = create_app(properties)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    serve(app, args.host, args.port, args.log_level.lower())  # uvicorn, draining on SIGTERM
     return 0
 
 

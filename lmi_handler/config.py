@@ -76,6 +76,16 @@ class Settings(BaseModel):
     (the directory of serving.properties)."""
     batch_max_file_bytes: int = Field(200 << 20, ge=1)
     """Largest /v1/files upload in bytes (OpenAI's batch input limit, 200 MB); larger answers 413."""
+    job_queue_size: int = Field(1000, ge=1, le=1 << 20)
+    """Accepted requests waiting for a batch slot, at most (top-level key, env SERVING_JOB_QUEUE_SIZE, as DJL);
+    past it a new request answers 503 at once."""
+    request_timeout_s: float | None = Field(None, gt=0)
+    """Seconds a request may spend in the server (waiting + running) before it ends with finish_reason error;
+    unset = no deadline. The `X-Request-Timeout` header overrides it per request."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    """SIGTERM: seconds to finish the accepted requests before the server exits anyway."""
+    fault_injection: str | None = None
+    """Tests only: a rule making the engine step fail for chosen sequences (see engine/faults.py)."""
 
     @field_validator("dtype")
     @classmethod
@@ -150,7 +160,8 @@ def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None 
     `key: value` and `key value` are all legal, as are `#`/`!` comments, backslash line
     continuations and \\uXXXX escapes. Values lose trailing whitespace. `option.foo=bar` becomes
     {"foo": "bar"}; top-level keys (batch_size, max_batch_delay, engine) are kept as they are; an
-    environment variable OPTION_FOO=baz overrides option.foo (LMI: OPTION_<KEY> in upper case).
+    environment variable OPTION_FOO=baz overrides option.foo (LMI: OPTION_<KEY> in upper case);
+    SERVING_JOB_QUEUE_SIZE gives job_queue_size when the file does not (DJL's global setting).
     `model_dir` is set to the file's directory. A missing file gives just the environment overrides.
     Raises javaproperties.InvalidUEscapeError for a malformed \\u escape.
     """
@@ -163,5 +174,7 @@ def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None 
     for key, value in environ.items():
         if key.startswith("OPTION_"):
             props[key[len("OPTION_"):].lower()] = value
+    if "SERVING_JOB_QUEUE_SIZE" in environ:  # DJL's global default; a serving.properties key wins
+        props.setdefault("job_queue_size", environ["SERVING_JOB_QUEUE_SIZE"])
     props.setdefault("model_dir", str(path.parent.resolve()))
     return props

@@ -12,6 +12,7 @@ from typing import Iterator
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
+from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_object
 from lmi_handler.protocol.formatters import Answer, Formatter, outputs_line, response_body, stream_formatter
@@ -108,9 +109,12 @@ def add_members(engine, prompt_token_ids, request_members: list[Member]) -> None
 class RollingBatch:
     """The rolling-batch side of handle(): one call = one engine step for the whole active batch."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: Service, fault_injection: str | None = None):
         self.service = service
         self.active: list[ActiveRequest] = []
+        self.guard = StepGuard(service.engine)
+        if fault_injection:  # tests only (engine/faults.py): chosen sequences fail inside the step
+            FaultInjector(service.engine, FaultRule.parse_all(fault_injection))
 
     def reset(self) -> None:
         """reset_rollingbatch: drop all state first; every item of this call is new."""
@@ -154,18 +158,27 @@ class RollingBatch:
         return ActiveRequest(request_id, plan, request_members)
 
     def _run_engine(self) -> dict:
+        """One engine step; a fault ends only the requests whose sequences it hit (engine/faults.py)."""
         engine = self.service.engine
         if not engine.has_unfinished:
             return {}
         try:
-            return {out.request_id: out for out in engine.step()}
-        except Exception:  # a bug in a step must not kill the worker: fail this batch, keep serving
-            logger.exception("engine step failed; failing the active batch")
+            outputs, failed = self.guard.step()
+        except Exception:  # isolation itself broke: fail this batch, keep serving
+            logger.exception("engine step failed and could not be isolated; failing the active batch")
             for request in self.active:
                 if request.error is None and not request.done:
                     request.error = "internal error during generation"
             engine.abort_all()
             return {}
+        for request in self.active:
+            hit = [failed[m.request_id] for m in request.members if m.request_id in failed]
+            if hit and request.error is None and not request.done:
+                logger.error("request %s failed: %s", request.request_id, hit[0])
+                request.error = hit[0]
+                for member in request.members:  # n / best_of: the request fails as a whole
+                    engine.abort(member.request_id)
+        return {out.request_id: out for out in outputs}
 
     def _answer(self, answer: Output, index: int, request: ActiveRequest, outputs: dict) -> None:
         entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
@@ -260,7 +273,7 @@ class HandlerState:
     def initialize(self, properties) -> None:
         self.settings = Settings.from_properties(dict(properties))
         self.service = Service(self.settings)
-        self.rolling = RollingBatch(self.service)
+        self.rolling = RollingBatch(self.service, self.settings.fault_injection)
         self.dynamic = DynamicBatch(self.service)
 
 

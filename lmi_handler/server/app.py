@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
@@ -26,16 +27,23 @@ from lmi_handler.protocol.formatters import stream_failure
 from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTE_INVOCATIONS, RequestPlan
 from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
 from lmi_handler.server.metrics import CountRequests, Metrics
+from lmi_handler.server.ops import RequestIds, add_cancel_route, request_timeout
 
 logger = logging.getLogger(__name__)
 
 
 def make_front_end(properties: dict[str, str]) -> FrontEnd:
     settings = Settings.from_properties(properties)
-    handler_props = {k: v for k, v in properties.items() if k not in ("batch_size", "max_batch_delay")}
+    handler_props = {k: v for k, v in properties.items()
+                     if k not in ("batch_size", "max_batch_delay", "job_queue_size")}
     if settings.is_rolling:
-        return RollingFrontEnd(handle, handler_props, settings.max_rolling_batch_size)
-    return DynamicFrontEnd(handle, handler_props, settings.batch_size, settings.max_batch_delay)
+        front_end: FrontEnd = RollingFrontEnd(handle, handler_props, settings.max_rolling_batch_size,
+                                              settings.job_queue_size)
+    else:
+        front_end = DynamicFrontEnd(handle, handler_props, settings.batch_size, settings.max_batch_delay,
+                                    settings.job_queue_size)
+    front_end.request_timeout_s = settings.request_timeout_s
+    return front_end
 
 
 def create_app(properties: dict[str, str]) -> FastAPI:
@@ -56,10 +64,13 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
     app = FastAPI(title="lmi_handler", lifespan=lifespan)
     app.state.front_end = front_end
+    app.state.shutdown_grace_s = Settings.from_properties(properties).shutdown_grace_s
     metrics = Metrics(lambda: getattr(get_state().service, "engine", None), lambda: front_end)
 
     app.add_middleware(CountRequests, counter=metrics.requests)
     app.include_router(batch_jobs.router)
+    app.add_middleware(RequestIds)
+    add_cancel_route(app, front_end)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -121,15 +132,58 @@ def _failed(chunk: Chunk, plan: RequestPlan) -> Response:
 
 
 async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
-    service = get_state().service
     openai_route = route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
+    if front_end.draining:
+        return error_response("the server is shutting down and takes no new requests", 503, openai_route)
+    if not front_end.reserve():  # refused at once, before any work (job_queue_size)
+        return _queue_full(front_end, openai_route)
+    try:
+        client = await _plan(front_end, request, route, body, openai_route)
+        if isinstance(client, Response):
+            return client
+        front_end.track(client)
+        accepted = front_end.submit(client)
+    finally:
+        front_end.unreserve()
+    streaming = False
+    try:
+        if not accepted:
+            return _queue_full(front_end, openai_route)
+        first = await _next_chunk(request, client)
+        if first is None:
+            return Response(status_code=499)
+        if first.code is not None:
+            return _failed(first, client.plan)
+        if not client.plan.stream:
+            return await _collect(request, client, first, client.plan)
+        streaming = True
+        return StreamingResponse(_stream(client, first, client.plan, front_end), media_type=client.plan.content_type)
+    finally:
+        if not streaming:
+            client.cancelled = True   # an answer cut short (e.g. the task cancelled) stops its sequences
+            front_end.forget(client)
+
+
+async def _plan(front_end: FrontEnd, request: Request, route: str, body: bytes,
+                openai_route: bool) -> ClientRequest | Response:
+    """The request's ClientRequest with its plan (parsed and tokenized once, off the event loop), or the
+    4xx/5xx answer when the request is bad."""
+    service = get_state().service
+    try:
+        timeout_s = request_timeout(request.headers, front_end.request_timeout_s)
+    except RequestValidationError as exc:
+        return error_response(str(exc), exc.status_code, openai_route, exc.field)
     content_type = request.headers.get("content-type", "application/json")
-    client = ClientRequest(body, asyncio.get_running_loop(), route=route, content_type=content_type)
+    public_id = request.state.request_id
+    # the engine's id is the client's x-request-id, unless a live request holds it already
+    engine_id = public_id if not front_end.is_live(public_id) else f"{public_id}-{uuid.uuid4().hex[:8]}"
+    client = ClientRequest(body, asyncio.get_running_loop(), route=route, content_type=content_type,
+                           request_id=engine_id, public_id=public_id, timeout_s=timeout_s)
     try:  # plan before inference: a bad request never reaches the batch
         client.plan = await asyncio.get_running_loop().run_in_executor(
             _VALIDATION, partial(service.plan, body, route=route, content_type=request.headers.get("content-type"),
@@ -139,19 +193,17 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
     except Exception as exc:  # a bug, never the client's fault: still a JSON answer, and the server goes on
         logger.exception("request validation failed")
         return error_response(f"internal error while reading the request: {type(exc).__name__}", 500, openai_route)
-    plan = client.plan
-    front_end.submit(client)
-    first = await _next_chunk(request, client)
-    if first is None:
-        return Response(status_code=499)
-    if first.code is not None:
-        return _failed(first, plan)
-    if not plan.stream:
-        return await _collect(request, client, first, plan)
-    return StreamingResponse(_stream(client, first, plan), media_type=plan.content_type)
+    return client
 
 
-async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 1.0) -> Chunk | None:
+def _queue_full(front_end: FrontEnd, openai_route: bool) -> Response:
+    response = error_response(f"the server is busy: {front_end.pending.capacity} requests are waiting already "
+                              "(job_queue_size); retry later", 503, openai_route)
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 0.5) -> Chunk | None:
     """The client's next chunk; None (and the request marked cancelled) once its connection is gone."""
     while True:
         try:
@@ -175,7 +227,8 @@ async def _collect(request: Request, client: ClientRequest, first: Chunk, plan: 
     return Response("".join(parts), media_type=plan.content_type)
 
 
-async def _stream(client: ClientRequest, first: Chunk, plan: RequestPlan) -> AsyncIterator[str]:
+async def _stream(client: ClientRequest, first: Chunk, plan: RequestPlan,
+                  front_end: FrontEnd | None = None) -> AsyncIterator[str]:
     """Send each chunk as it comes; a failure after the 200 went out ends the stream in the plan's format."""
     chunk = first
     try:
@@ -190,3 +243,5 @@ async def _stream(client: ClientRequest, first: Chunk, plan: RequestPlan) -> Asy
             chunk = await client.chunks.get()
     finally:
         client.cancelled = True
+        if front_end is not None:
+            front_end.forget(client)

@@ -1,16 +1,17 @@
 """The container front end's batching loops, in-process: they drive handle() exactly as DJL Serving does.
 
-Owns the active batch, batch_NNN Input building and fanning each entry back to its client;
-what the entries mean is handler.py's, HTTP is app.py's.
+Owns the bounded waiting queue (job_queue_size), the active batch, batch_NNN Input building and
+fanning each entry back to its client, and ending requests early: deadlines (request_timeout_s /
+X-Request-Timeout), cancel by id, clients gone. What the entries mean is handler.py's, HTTP is app.py's.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +22,11 @@ from lmi_handler.protocol.errors import GENERATION_ERROR_CODE
 from lmi_handler.protocol.plan import RequestPlan
 
 logger = logging.getLogger(__name__)
+
+# A request the server ended before its answer was complete: the status of its JSON error when nothing
+# was sent yet; a stream already under way ends with its error line (finish_reason "error") instead.
+TIMEOUT_CODE = 504     # its deadline passed (option.request_timeout_s or the X-Request-Timeout header)
+CANCELLED_CODE = 409   # POST /v1/requests/{id}/cancel
 
 
 @dataclass
@@ -52,7 +58,15 @@ class ClientRequest:
     plan: RequestPlan | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False
+    cancelled: bool = False           # nobody wants the answer any more: stop its sequences
+    public_id: str = ""               # the x-request-id the client sees (cancel looks it up); "" = request_id
+    timeout_s: float | None = None    # its deadline, seconds after `arrival`; None = none
+    arrival: float = field(default_factory=time.monotonic)
+    abort: tuple[int, str] | None = None   # (status, message) asked by a cancel, acted on by the loop thread
+    ended: bool = False               # the loop sent its last chunk early (deadline, cancel)
+
+    def __post_init__(self) -> None:
+        self.public_id = self.public_id or self.request_id
 
     @property
     def stream(self) -> bool:
@@ -66,29 +80,164 @@ class ClientRequest:
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
 
+    def due(self, now: float) -> tuple[int, str] | None:
+        """(status, message) when the request must end now (cancelled by id, or past its deadline)."""
+        if self.abort is not None:
+            return self.abort
+        if self.timeout_s is not None and now - self.arrival >= self.timeout_s:
+            return TIMEOUT_CODE, (f"request timed out: its deadline of {self.timeout_s:g} s passed "
+                                  "(option.request_timeout_s / X-Request-Timeout)")
+        return None
+
+    def end_if_due(self, now: float) -> bool:
+        """Loop thread: end the request now if it is due (its last chunk is the error).
+
+        True when the request is over: ended now or before, or its client gone."""
+        if self.ended or self.cancelled:
+            return True
+        reason = self.due(now)
+        if reason is None:
+            return False
+        code, message = reason
+        logger.info("request %s ended early (%d): %s", self.public_id, code, message)
+        self.push(Chunk("", True, code, message))
+        self.ended = self.cancelled = True
+        return True
+
+
+class WaitingQueue:
+    """Accepted requests waiting for a batch slot, in arrival order (DJL's job queue).
+
+    Bounded by `capacity` (job_queue_size): `put` refuses past it, so overload answers 503 at once
+    instead of queueing without limit. Thread-safe; `qsize()` is what /metrics reads.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: deque[ClientRequest] = deque()
+        self.cond = threading.Condition()
+
+    def put(self, client: ClientRequest) -> bool:
+        """Queue `client`; False (not queued) when the queue is full. Clients already gone make room."""
+        with self.cond:
+            if len(self.items) >= self.capacity:
+                self.items = deque(c for c in self.items if not c.cancelled)
+            if len(self.items) >= self.capacity:
+                return False
+            self.items.append(client)
+            self.cond.notify()
+            return True
+
+    def get(self, timeout: float | None) -> ClientRequest | None:
+        """The oldest client, waiting up to `timeout` seconds (0/None: do not wait); None if none came."""
+        with self.cond:
+            if not self.items and timeout:
+                self.cond.wait(timeout)
+            return self.items.popleft() if self.items else None
+
+    def end_due(self, now: float) -> None:
+        """Drop the clients that are gone, and end (with their error) the ones due (deadline, cancel)."""
+        with self.cond:
+            if not any(c.cancelled or c.abort is not None or c.timeout_s is not None for c in self.items):
+                return
+            kept = deque()
+            for client in self.items:
+                if not client.end_if_due(now):
+                    kept.append(client)
+            self.items = kept
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def qsize(self) -> int:
+        return len(self.items)
+
 
 class FrontEnd:
     """A daemon thread that owns every handle() call; HTTP handlers only submit and read chunks."""
 
-    def __init__(self, handle: Callable, properties: dict[str, str]):
+    def __init__(self, handle: Callable, properties: dict[str, str], job_queue_size: int = 1000):
         self.handle = handle
         self.properties = properties
-        self.pending: queue.Queue[ClientRequest] = queue.Queue()
+        self.pending = WaitingQueue(job_queue_size)
         self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
         self.stopped = threading.Event()
         self.ready = threading.Event()
         self.init_error: BaseException | None = None
+        self.request_timeout_s: float | None = None   # option.request_timeout_s (the app sets each deadline)
+        self.draining = False            # SIGTERM: new requests are refused, accepted ones finish
+        self.live: dict[str, list[ClientRequest]] = {}   # public id -> its HTTP requests still answering
+        self.live_lock = threading.Lock()
+        self.admitting = 0               # requests between reserve() and unreserve() (being planned)
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
         self.stopped.set()
-        self.pending.put(None)  # type: ignore[arg-type]  (wakes a blocked get)
+        self.pending.wake()
         self.thread.join(timeout=10)
 
-    def submit(self, request: ClientRequest) -> None:
-        self.pending.put(request)
+    def submit(self, request: ClientRequest) -> bool:
+        """Queue an accepted request; False when the waiting queue is full (the app answers 503)."""
+        return self.pending.put(request)
+
+    @property
+    def free_slots(self) -> int:
+        """Places in the batch a new request could take without waiting (0 for the dynamic batcher)."""
+        return 0
+
+    def reserve(self) -> bool:
+        """Event loop: hold a place for a request about to be planned; False (refuse it) when the places
+        left (free batch slots + room in the waiting queue) are all held. `submit` then `unreserve` follow.
+
+        Counting requests still being planned is what makes overload refusals immediate: past the bound
+        a request answers 503 before any parsing, instead of queueing behind the others' planning.
+        """
+        with self.live_lock:
+            if self.admitting + self.pending.qsize() >= self.pending.capacity + self.free_slots:
+                return False
+            self.admitting += 1
+            return True
+
+    def unreserve(self) -> None:
+        with self.live_lock:
+            self.admitting -= 1
+
+    def track(self, client: ClientRequest) -> None:
+        """The app starts answering `client` (cancel finds it by public id; draining waits for it)."""
+        with self.live_lock:
+            self.live.setdefault(client.public_id, []).append(client)
+
+    def forget(self, client: ClientRequest) -> None:
+        """The app has finished answering `client` (or gave up on it)."""
+        with self.live_lock:
+            clients = self.live.get(client.public_id, [])
+            if client in clients:
+                clients.remove(client)
+            if not clients:
+                self.live.pop(client.public_id, None)
+
+    def is_live(self, public_id: str) -> bool:
+        with self.live_lock:
+            return public_id in self.live
+
+    @property
+    def num_live(self) -> int:
+        with self.live_lock:
+            return sum(len(clients) for clients in self.live.values())
+
+    def cancel(self, public_id: str) -> bool:
+        """End the live requests with this id (waiting or running) within one step; False if none is live."""
+        with self.live_lock:
+            clients = list(self.live.get(public_id, []))
+        for client in clients:
+            if client.abort is None:
+                client.abort = (CANCELLED_CODE, f"request {public_id} was cancelled "
+                                                "(POST /v1/requests/{id}/cancel)")
+        self.pending.wake()
+        return bool(clients)
 
     @property
     def alive(self) -> bool:
@@ -118,14 +267,23 @@ class RollingFrontEnd(FrontEnd):
     leave the batch. A bad reply fails every request and the next call carries reset_rollingbatch.
     """
 
-    def __init__(self, handle: Callable, properties: dict[str, str], max_batch_size: int):
-        super().__init__(handle, properties)
+    def __init__(self, handle: Callable, properties: dict[str, str], max_batch_size: int,
+                 job_queue_size: int = 1000):
+        super().__init__(handle, properties, job_queue_size)
         self.max_batch_size = max_batch_size
         self.active: list[ClientRequest] = []
         self.num_running = 0          # leading items of `active` the handler has already seen
         self.reset_next = False
 
+    @property
+    def free_slots(self) -> int:
+        return max(self.max_batch_size - len(self.active), 0)   # a racy read: a hint for reserve() only
+
     def loop_once(self) -> None:
+        now = time.monotonic()
+        self.pending.end_due(now)
+        for client in self.active:   # their sequences stop in this very call (CANCEL_PROPERTY)
+            client.end_if_due(now)
         self._admit(block=not self.active)
         if not self.active:
             return
@@ -141,15 +299,12 @@ class RollingFrontEnd(FrontEnd):
         self.num_running = len(self.active)
 
     def _admit(self, block: bool) -> None:
-        """Append waiting clients (never past max_batch_size); clients already gone are dropped."""
+        """Append waiting clients (never past max_batch_size); clients already gone or due are dropped."""
         while len(self.active) < self.max_batch_size:
-            try:
-                client = self.pending.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
+            client = self.pending.get(timeout=0.5 if block else None)
             if client is None:
                 return
-            if not client.cancelled:
+            if not client.end_if_due(time.monotonic()):
                 self.active.append(client)
             block = False
 
@@ -186,6 +341,8 @@ class RollingFrontEnd(FrontEnd):
     def _deliver(client: ClientRequest, entry: dict[str, str]) -> bool:
         """Send one entry's data to its client; True when the request is done."""
         last = entry.get("last", "false").lower() == "true"
+        if client.ended:  # its last chunk went out already (deadline, cancel): drop the rest
+            return last or "code" in entry
         if "code" in entry:
             client.push(Chunk(entry.get("data", ""), True, int(entry["code"]), entry.get("error", "")))
             return True
@@ -203,8 +360,9 @@ class RollingFrontEnd(FrontEnd):
 class DynamicFrontEnd(FrontEnd):
     """DJL's dynamic batcher: up to batch_size requests or max_batch_delay ms, one handle() call per batch."""
 
-    def __init__(self, handle: Callable, properties: dict[str, str], batch_size: int, max_batch_delay_ms: int):
-        super().__init__(handle, properties)
+    def __init__(self, handle: Callable, properties: dict[str, str], batch_size: int, max_batch_delay_ms: int,
+                 job_queue_size: int = 1000):
+        super().__init__(handle, properties, job_queue_size)
         self.batch_size = batch_size
         self.max_batch_delay_s = max_batch_delay_ms / 1000
         self.carry: ClientRequest | None = None   # a streaming client met while filling a batch
@@ -233,38 +391,34 @@ class DynamicFrontEnd(FrontEnd):
 
     def _collect(self) -> list[ClientRequest]:
         """Up to batch_size requests within max_batch_delay; a streaming request always goes alone."""
+        self.pending.end_due(time.monotonic())
         first, self.carry = self.carry, None
         if first is None:
-            try:
-                first = self.pending.get(timeout=0.5)
-            except queue.Empty:
-                return []
-        if first is None or first.cancelled:
+            first = self.pending.get(timeout=0.5)
+        if first is None or first.end_if_due(time.monotonic()):
             return []
         if first.stream:
             return [first]
         batch, deadline = [first], time.monotonic() + self.max_batch_delay_s
         while len(batch) < self.batch_size:
             remaining = deadline - time.monotonic()
-            try:
-                client = self.pending.get(timeout=max(remaining, 0)) if remaining > 0 else self.pending.get_nowait()
-            except queue.Empty:
-                break
+            client = self.pending.get(timeout=remaining if remaining > 0 else None)
             if client is None:
                 break
             if client.stream:
                 self.carry = client
                 break
             batch.append(client)
-        return [c for c in batch if not c.cancelled]
+        now = time.monotonic()
+        return [c for c in batch if not c.end_if_due(now)]
 
     @staticmethod
     def _pump(client: ClientRequest, pieces) -> None:
         """Send a streamed answer piece by piece; a client that went away closes the stream early."""
         try:
             for piece in pieces:
-                if client.cancelled:
-                    break
+                if client.end_if_due(time.monotonic()):
+                    return
                 client.push(Chunk(piece, False))
             client.push(Chunk("", True))
         except Exception as exc:  # noqa: BLE001 - the loop must survive anything

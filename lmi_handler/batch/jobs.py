@@ -207,8 +207,11 @@ class BatchJobs:
             return success_record(line.custom_id, client.request_id, body, exc.status_code)
         if client.cancelled:
             return None
+        while not self.front_end.submit(client):   # the waiting queue is full of live requests: they go first
+            if client.cancelled:
+                return None
+            await asyncio.sleep(POLL_S)
         self.submitted.add(client.request_id)
-        self.front_end.submit(client)
         return await _collect(client, line)
 
     def _write(self, batch_id: str, results: ResultFiles, record: dict) -> None:

@@ -15,7 +15,7 @@ from lmi_handler.djl import Input, Output
 from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_object
-from lmi_handler.protocol.formatters import Answer, Formatter, outputs_line, response_body, stream_formatter
+from lmi_handler.protocol.formatters import Answer, StreamAnswer, outputs_line, response_body
 from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, RequestPlan
 from lmi_handler.protocol.sequences import Member
 from lmi_handler.service import Service
@@ -52,12 +52,12 @@ class ActiveRequest:
     error: str | None = None          # set when the request failed; answered once with last=true
     done: bool = False
     cancelled: bool = False           # the client went away: answered once with last=true, no data
-    stream: Formatter | None = field(default=None, init=False)     # a streamed answer's formatter
+    stream: StreamAnswer | None = field(default=None, init=False)  # a streamed answer's formatter
     answer: Answer | None = field(default=None, init=False)          # a whole answer's collector
 
     def __post_init__(self) -> None:
         if self.plan is not None and self.plan.stream:
-            self.stream = stream_formatter(self.plan, self.plan.prompts[0])
+            self.stream = StreamAnswer(self.plan, self.members)
         elif self.plan is not None:
             self.answer = Answer(self.plan, [self.members])
 
@@ -68,10 +68,7 @@ class ActiveRequest:
     def data(self, outputs: dict) -> tuple[str, bool]:
         """This step's text and whether it is the last: streamed as it comes, else the whole answer at the end."""
         if self.stream is not None:
-            out = outputs.get(self.members[0].request_id)
-            if out is None:
-                return "", False
-            return encode(self.stream.events(out), self.plan.wire), out.finished
+            return encode(self.stream.events(outputs), self.plan.wire), self.stream.finished
         for member in self.members:
             if member.request_id in outputs:
                 self.answer.add(outputs[member.request_id])
@@ -196,6 +193,8 @@ class RollingBatch:
             if last:
                 entry["last"] = "true"
                 request.done = True
+                for member in request.members:   # n > 1: a choice's error ends the answer; siblings stop too
+                    self.service.engine.abort(member.request_id)
         answer.add(Output.binary_encode(entry), key="data", batch_index=index)
         answer.add_property(f"batch_{index}_Content-Type", entry["content_type"])
         answer.add_property(f"batch_{index}_requestId", request.request_id)

@@ -99,8 +99,10 @@ class Service:
     def _sequences(self, request: InvocationRequest, why_streaming: str | None) -> sequences.SequencePlan:
         """n / best_of by the dialect's rule (protocol/sequences.py)."""
         params = request.parameters
-        if request.is_openai or request.chat is not None:
-            return sequences.openai_n(params.n, params.best_of)
+        openai = request.chat or request.completion
+        if openai is not None:      # OpenAI routes, batch lines and LMI chat: OpenAI's n (and legacy best_of)
+            return sequences.openai_n(openai.n, getattr(openai, "best_of", None), stream=why_streaming is not None,
+                                      max_count=self.settings.max_rolling_batch_size)
         return sequences.tgi_best_of(params.n, params.best_of, streaming_why=why_streaming,
                                      max_count=self.settings.max_rolling_batch_size)
 

@@ -5,7 +5,7 @@ formatter a request gets is read off its plan (plan.py decides), bytes are the e
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
 from lmi_handler.protocol import openai
@@ -13,7 +13,7 @@ from lmi_handler.protocol.encoder import DONE
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, openai_error
 from lmi_handler.protocol.invocations import build_details, token_to_dict, top_tokens_to_dicts
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan, Shape
-from lmi_handler.protocol.sequences import Combine, Member, combine_best_of
+from lmi_handler.protocol.sequences import Combine, Member, best_choices, combine_best_of
 
 # LMI schema: the token line sent when generation ends with no token to carry the final fields.
 SENTINEL_TOKEN = TokenOutput(id=-1, text="", log_prob=-1.0, special_token=True)
@@ -113,14 +113,16 @@ class TgiDocument(Formatter):
 
 
 class _OpenAIFormatter(Formatter):
-    """Shared by the OpenAI shapes: ids, usage and logprobs from the tokens seen."""
+    """Shared by the OpenAI shapes: one per choice (engine sequence); ids, usage and logprobs from its tokens."""
+
+    index = 0          # the choice index this sequence answers as (OpenAI n)
 
     def _ids(self) -> dict[str, Any]:
         return {"request_id": self.plan.request_id, "created": self.plan.created, "model": self.plan.model_name}
 
-    def _usage_counts(self, out: RequestOutput) -> dict[str, int]:
-        return {"prompt_tokens": out.num_prompt_tokens,
-                "completion_tokens": out.num_generated_tokens or len(self.tokens)}
+    @property
+    def num_completion_tokens(self) -> int:
+        return (self.last.num_generated_tokens if self.last is not None else 0) or len(self.tokens)
 
     def _error(self, out: RequestOutput) -> dict:
         return openai_error(_error_message(out), GENERATION_ERROR_CODE)
@@ -132,30 +134,43 @@ class _OpenAIFormatter(Formatter):
             return openai.chat_logprobs(tokens, self.plan.decode_token)
         return openai.completion_logprobs(tokens, self.plan.decode_token, text_offset)
 
+    def choice(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def document(self) -> dict:
+        return openai_body(self.plan, [self])
+
 
 class ChatDocument(_OpenAIFormatter):
     """OpenAI chat.completion; an OpenAI error object on error."""
 
-    def document(self) -> dict:
+    def choice(self, index: int) -> dict:
         out = self.last
-        if self.failed:
-            return self._error(out)
-        return openai.chat_completion_response(
-            **self._ids(), content=out.generated_text, finish_reason=out.finish_reason,
-            logprobs=self._logprobs(self.tokens), **self._usage_counts(out))
+        return openai.chat_choice(index, out.generated_text, out.finish_reason, self._logprobs(self.tokens))
 
 
 class CompletionDocument(_OpenAIFormatter):
-    """OpenAI text_completion (one choice); echo = return_full_text."""
+    """OpenAI text_completion; echo = return_full_text (logprob text offsets then start after the prompt)."""
 
-    def document(self) -> dict:
+    def choice(self, index: int) -> dict:
         out = self.last
-        if self.failed:
-            return self._error(out)
         offset = len(self.prompt.text) if self.plan.return_full_text else 0
-        return openai.completion_response(
-            **self._ids(), text=self.generated_text(out), finish_reason=out.finish_reason,
-            logprobs=self._logprobs(self.tokens, offset), **self._usage_counts(out))
+        return openai.completion_choice(index, self.generated_text(out), out.finish_reason,
+                                        self._logprobs(self.tokens, offset))
+
+
+def openai_body(plan: RequestPlan, formatters: Sequence[_OpenAIFormatter]) -> dict:
+    """One prompt's OpenAI answer from its finished sequences: choices 0..n-1 (best_of > n: the n with the
+    highest summed log prob, sequences.best_choices), usage with the prompt once and the completion tokens
+    of every returned choice (vLLM). A sequence that failed answers for the request with an error object."""
+    failed = [f for f in formatters if f.failed]
+    if failed:
+        return failed[0]._error(failed[0].last)
+    chosen = best_choices([f.score for f in formatters], plan.sequences.num_choices)
+    build = openai.chat_completion_response if plan.shape is Shape.CHAT else openai.completion_response
+    return build(**formatters[0]._ids(), choices=[formatters[j].choice(i) for i, j in enumerate(chosen)],
+                 prompt_tokens=formatters[0].last.num_prompt_tokens,
+                 completion_tokens=sum(formatters[j].num_completion_tokens for j in chosen))
 
 
 # ---- streams: each step's objects -----------------------------------------------------------
@@ -199,38 +214,33 @@ class TokenStream(Formatter):
 
 
 class _OpenAIStream(_OpenAIFormatter):
-    """Chunks per step: the step's text (if any) and, on the last, finish_reason; then usage and DONE.
+    """One choice's chunks per step: the step's text (if any) and, on its last, its finish_reason.
 
-    An error mid-stream sends an OpenAI error object as its own event, then DONE (vLLM).
+    The request's tail (usage chunk, DONE) and errors are StreamAnswer's, which merges the choices.
     """
 
     def __init__(self, plan: RequestPlan, prompt: Prompt, seed: int | None = None, details: bool | None = None):
         super().__init__(plan, prompt, seed, details)
         self.text_offset = len(prompt.text) if plan.return_full_text else 0
 
-    def events(self, out: RequestOutput) -> list[Any]:
+    def events(self, out: RequestOutput) -> list[dict]:
         self.add(out)
-        if _is_error(out):
-            return [self._error(out), DONE]
         text = "".join(t.text for t in out.new_tokens)
         if not text and not out.finished and not (self.plan.logprobs and out.new_tokens):
             return []
         logprobs = self._logprobs(out.new_tokens, self.text_offset)
         self.text_offset += len(text)
-        events: list[Any] = [self._chunk(text, out.finish_reason if out.finished else None, logprobs)]
-        if out.finished:
-            if self.plan.include_usage:
-                events.append(openai.usage_chunk(**self._ids(), chat=self.plan.shape is Shape.CHAT,
-                                                 **self._usage_counts(out)))
-            events.append(DONE)
-        return events
+        chunk = self._chunk(text, out.finish_reason if out.finished else None, logprobs)
+        if self.plan.include_usage:
+            chunk["usage"] = None        # OpenAI: with include_usage, every other chunk has usage null
+        return [chunk]
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
 
 
 class ChatStream(_OpenAIStream):
-    """OpenAI chat.completion.chunk stream; the first chunk carries role "assistant"."""
+    """OpenAI chat.completion.chunk stream of one choice; its first chunk carries role "assistant"."""
 
     sent_role = False
 
@@ -239,18 +249,20 @@ class ChatStream(_OpenAIStream):
         if not self.sent_role:
             delta = {"role": "assistant", **delta}
             self.sent_role = True
-        return openai.chat_completion_chunk(**self._ids(), delta=delta, finish_reason=reason, logprobs=logprobs)
+        return openai.chat_completion_chunk(**self._ids(), index=self.index, delta=delta, finish_reason=reason,
+                                            logprobs=logprobs)
 
 
 class CompletionStream(_OpenAIStream):
-    """OpenAI text_completion stream; echo sends the prompt in the first chunk."""
+    """OpenAI text_completion stream of one choice; echo sends the prompt in its first chunk."""
 
     echo_sent = False
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         if self.plan.return_full_text and not self.echo_sent:
             text, self.echo_sent = self.prompt.text + text, True
-        return openai.completion_chunk(**self._ids(), text=text, finish_reason=reason, logprobs=logprobs)
+        return openai.completion_chunk(**self._ids(), index=self.index, text=text, finish_reason=reason,
+                                       logprobs=logprobs)
 
 
 # One formatter per (shape, streamed): adding a shape adds a row here and its class above.
@@ -259,9 +271,53 @@ _DOCUMENTS = {Shape.LMI: LmiDocument, Shape.TGI: TgiDocument, Shape.CHAT: ChatDo
 _STREAMS = {Shape.LMI: TokenStream, Shape.CHAT: ChatStream, Shape.COMPLETION: CompletionStream}
 
 
-def stream_formatter(plan: RequestPlan, prompt: Prompt) -> TokenStream | _OpenAIStream:
-    """The formatter of a streamed prompt (plan.stream); its events(out) are each step's objects."""
-    return _STREAMS[plan.shape](plan, prompt)
+def stream_formatter(plan: RequestPlan, prompt: Prompt, index: int = 0) -> TokenStream | _OpenAIStream:
+    """The formatter of one streamed sequence (choice `index`); its events(out) are that sequence's objects."""
+    formatter = _STREAMS[plan.shape](plan, prompt)
+    formatter.index = index
+    return formatter
+
+
+class StreamAnswer:
+    """A streamed answer (plan.stream): each step's objects for all of the prompt's members.
+
+    LMI shapes stream their one sequence as it is. OpenAI shapes stream choice j's chunks with index j
+    (members in order, each with its own finish_reason), then once every choice finished the usage chunk
+    (stream_options.include_usage: empty choices, prompt once, completion tokens of all choices) and DONE;
+    an error in any choice ends the stream with an OpenAI error object and DONE (vLLM).
+    """
+
+    def __init__(self, plan: RequestPlan, members: Sequence[Member]):
+        self.plan = plan
+        self.streams = {m.request_id: stream_formatter(plan, plan.prompts[0], j) for j, m in enumerate(members)}
+        self.finished = False
+
+    def events(self, outputs: Mapping[str, RequestOutput]) -> list[Any]:
+        """This step's objects; `outputs` holds the step's RequestOutputs by engine request id (others ignored)."""
+        events: list[Any] = []
+        for request_id, stream in self.streams.items():
+            out = outputs.get(request_id)
+            if out is None:
+                continue
+            if self.plan.shape is Shape.LMI:
+                self.finished = out.finished
+                return stream.events(out)
+            if _is_error(out):
+                self.finished = True
+                return [stream._error(out), DONE]
+            events.extend(stream.events(out))
+        if self.plan.shape is not Shape.LMI and all(f.finished for f in self.streams.values()):
+            self.finished = True
+            events.extend(self._tail())
+        return events
+
+    def _tail(self) -> list[Any]:
+        if not self.plan.include_usage:
+            return [DONE]
+        streams = list(self.streams.values())
+        return [openai.usage_chunk(**streams[0]._ids(), chat=self.plan.shape is Shape.CHAT,
+                                   prompt_tokens=streams[0].last.num_prompt_tokens,
+                                   completion_tokens=sum(f.num_completion_tokens for f in streams)), DONE]
 
 
 class Answer:
@@ -298,7 +354,9 @@ class Answer:
             return [documents[0]]      # tgi_compat wraps the non-streaming answer in a list
         return documents[0]
 
-    def _prompt_document(self, formatters: list[LmiDocument]) -> dict:
+    def _prompt_document(self, formatters: list[Formatter]) -> dict:
+        if self.plan.shape in (Shape.CHAT, Shape.COMPLETION):
+            return openai_body(self.plan, formatters)
         if len(formatters) == 1:
             return formatters[0].document()
         failed = [f for f in formatters if f.failed]

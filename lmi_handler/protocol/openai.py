@@ -13,6 +13,9 @@ from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
 from lmi_handler.protocol.params import INT64_MAX, INT64_MIN, MAX_TOP_N_TOKENS, RULES, GenerationParameters
 
+MAX_TEMPERATURE = 2.0            # OpenAI: temperature in [0, 2]
+MAX_COMPLETION_LOGPROBS = 5      # OpenAI legacy completions: logprobs at most 5
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -29,6 +32,9 @@ OPENAI_RULES: dict[str, str] = {
     "stream_options": 'an object {"include_usage": true|false}',
     "echo": "true or false",
     "top_logprobs": f"an integer in [0, {MAX_TOP_N_TOKENS}] (needs logprobs=true)",
+    "logprobs": f"true or false on chat; an integer in [0, {MAX_COMPLETION_LOGPROBS}] on completions (OpenAI)",
+    "temperature": f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI; 0 = greedy)",
+    "n": "an integer >= 1 (choices to return)",
     "user": "a string",
 }
 # OpenAI field -> GenerationParameters field, to name the client's field in errors.
@@ -57,7 +63,8 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = Field(None, description="OpenAI: model name; informational here (one model served)")
-    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False, description="OpenAI: >= 0; 0 = greedy")
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                      description="OpenAI: [0, 2]; 0 = greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="OpenAI: (0, 1]")
     top_k: int | None = Field(None, ge=-1, description="vLLM: >= 1 keeps k tokens; 0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="vLLM: [0, 1]")
@@ -65,7 +72,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False, description="OpenAI: [-2, 2]")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
                                             description="OpenAI: [-2, 2]")
-    n: int = Field(1, ge=1, description="OpenAI: choices to return, >= 1")
+    n: int = Field(1, ge=1, description="OpenAI: choices to return, >= 1 (protocol/sequences.openai_n)")
     stream: bool = Field(False, description="OpenAI: answer as server-sent chunks")
     stream_options: StreamOptions | None = None
     stop: list[str] | str | None = Field(None, description="OpenAI: up to 16 stop strings (ours; OpenAI allows 4)")
@@ -106,7 +113,8 @@ class _SamplingRequest(BaseModel):
             out["do_sample"] = not greedy_when_unset
         for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
             out[name] = getattr(self, name)
-        out.update(n=self.n, stop_sequences=self.stop, ignore_eos=self.ignore_eos,
+        # n (and best_of) are the OpenAI dialect's rule (sequences.openai_n), not GenerationParameters'
+        out.update(stop_sequences=self.stop, ignore_eos=self.ignore_eos,
                    include_stop_str_in_output=self.include_stop_str_in_output,
                    skip_special_tokens=self.skip_special_tokens)
         return out
@@ -173,8 +181,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] = Field(description="OpenAI: one prompt or a list (one choice each); text only")
     max_tokens: int | None = Field(16, ge=1, description="OpenAI: generated tokens at most (default 16)")
     echo: bool = Field(False, description="OpenAI: prepend the prompt to the text")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS,
-                                 description="OpenAI: alternatives per token, [0, 20] (OpenAI allows 5)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="OpenAI: alternatives per token, [0, 5]")
     best_of: int | None = Field(None, ge=1, description="OpenAI: candidates generated server-side, >= n")
 
     @field_validator("prompt")
@@ -193,7 +201,7 @@ class CompletionRequest(_SamplingRequest):
         """OpenAI -> LMI parameters (max_tokens default 16; echo -> return_full_text)."""
         values = self._sampling_dict(defaults, greedy_when_unset)
         values.update(max_new_tokens=self.max_tokens, return_full_text=self.echo,
-                      top_n_tokens=self.logprobs, best_of=self.best_of)
+                      top_n_tokens=self.logprobs)
         return _parse_generation(values)
 
 
@@ -210,6 +218,7 @@ def _text_of(content: str | list | None) -> str:
 # ---- responses ----------------------------------------------------------------------------
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI usage: the prompt counted once, completion tokens summed over all choices."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -219,7 +228,8 @@ def _top_entries(token: TokenOutput, decode_token: Callable[[int], str] | None) 
 
 
 def chat_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] | None = None) -> dict:
-    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]},
+    bytes the token text's UTF-8; top_logprobs best first, top_logprobs long ([] when 0 or absent)."""
     def entry(text: str, log_prob: float) -> dict:
         return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
 
@@ -230,55 +240,69 @@ def chat_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] 
 
 def completion_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] | None = None,
                         text_offset: int = 0) -> dict:
-    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}."""
-    offsets = []
+    """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
+
+    top_logprobs[i] maps token text -> log prob for the `logprobs` best tokens plus the sampled one, so up
+    to logprobs+1 entries (OpenAI's rule; vLLM's too). text_offset[i] is the character offset of token i
+    in the choice's text (echo: the prompt comes first, so offsets start at its length).
+    """
+    offsets, tops = [], []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token.text)
+        top = dict(_top_entries(token, decode_token))
+        if all(tid != token.id for tid, _ in token.top_tokens or ()):
+            top[token.text] = token.log_prob
+        tops.append(top)
     return {"tokens": [t.text for t in tokens], "token_logprobs": [t.log_prob for t in tokens],
-            "top_logprobs": [dict(_top_entries(t, decode_token)) if t.top_tokens else None for t in tokens],
-            "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_completion_response(*, request_id: str, created: int, model: str, content: str,
-                             finish_reason: FinishReason | None, prompt_tokens: int, completion_tokens: int,
-                             logprobs: dict | None = None) -> dict:
-    """OpenAI chat.completion object with one choice."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-              "finish_reason": to_openai_finish_reason(finish_reason)}
+def chat_choice(index: int, content: str, finish_reason: FinishReason | None, logprobs: dict | None = None) -> dict:
+    """One choice of a chat.completion."""
+    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+            "finish_reason": to_openai_finish_reason(finish_reason)}
+
+
+def completion_choice(index: int, text: str, finish_reason: FinishReason | None, logprobs: dict | None = None) -> dict:
+    """One choice of a text_completion (streamed chunks carry the same object)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": to_openai_finish_reason(finish_reason)}
+
+
+def chat_completion_response(*, request_id: str, created: int, model: str, choices: list[dict],
+                             prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI chat.completion object; `choices` from chat_choice, index 0..n-1."""
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_completion_chunk(*, request_id: str, created: int, model: str, delta: dict,
+def completion_response(*, request_id: str, created: int, model: str, choices: list[dict],
+                        prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI text_completion object; `choices` from completion_choice, index 0..n-1."""
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_completion_chunk(*, request_id: str, created: int, model: str, delta: dict, index: int = 0,
                           finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
-    """OpenAI chat.completion.chunk with one choice; `delta` is {role?, content?}."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+    """OpenAI chat.completion.chunk with one choice (choice `index` of n); `delta` is {role?, content?}."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs,
               "finish_reason": to_openai_finish_reason(finish_reason)}
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created,
             "model": model, "choices": [choice]}
 
 
-def completion_response(*, request_id: str, created: int, model: str, text: str,
-                        finish_reason: FinishReason | None, prompt_tokens: int, completion_tokens: int,
-                        logprobs: dict | None = None) -> dict:
-    """OpenAI text_completion object with one choice (the server merges choices for prompt lists)."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": to_openai_finish_reason(finish_reason)}
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def completion_chunk(*, request_id: str, created: int, model: str, text: str,
+def completion_chunk(*, request_id: str, created: int, model: str, text: str, index: int = 0,
                      finish_reason: FinishReason | None = None, logprobs: dict | None = None) -> dict:
-    """One streamed text_completion chunk (OpenAI streams the same object type)."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": to_openai_finish_reason(finish_reason)}
+    """One streamed text_completion chunk for choice `index` (OpenAI streams the same object type)."""
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
 def usage_chunk(*, request_id: str, created: int, model: str, chat: bool, prompt_tokens: int,
                 completion_tokens: int) -> dict:
-    """stream_options.include_usage: the last chunk, with empty choices and the usage (OpenAI)."""
+    """stream_options.include_usage: the last chunk before [DONE], with empty choices and the usage of
+    every choice (OpenAI); sent only when asked."""
     prefix, kind = ("chatcmpl", "chat.completion.chunk") if chat else ("cmpl", "text_completion")
     return {"id": f"{prefix}-{request_id}", "object": kind, "created": created, "model": model,
             "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

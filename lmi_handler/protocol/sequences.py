@@ -1,7 +1,7 @@
 """n / best_of: how many engine sequences a request runs and how their answers combine, per dialect.
 
-Owns each dialect's rule (TGI best_of on /invocations and /generate; OpenAI n, refused until
-issue 9 item 6 builds choices), the members' seeds and the best_of combination; documents are formatters.py's.
+Owns each dialect's rule (TGI best_of on /invocations and /generate; OpenAI n and legacy best_of on
+the OpenAI routes and LMI chat), the members' seeds and the rankings; documents are formatters.py's.
 """
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ class Combine(str, enum.Enum):
 
     SINGLE = "single"        # one sequence, answered as itself
     BEST_OF = "best_of"      # TGI: the best summed log prob answers; the others go to details.best_of_sequences
-    CHOICES = "choices"      # OpenAI n: one choice per sequence (not built yet: issue 9 item 6)
+    CHOICES = "choices"      # OpenAI n: one choice per sequence (best_of > n: the n best, vLLM)
 
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """`count` engine sequences per prompt, combined by `combine`."""
+    """`count` engine sequences per prompt, combined by `combine`; CHOICES answers `num_choices` of them."""
 
     count: int = 1
     combine: Combine = Combine.SINGLE
+    num_choices: int = 1
 
 
 SINGLE = SequencePlan()
@@ -74,14 +75,34 @@ def tgi_best_of(n: int, best_of: int | None, *, streaming_why: str | None, max_c
     return SequencePlan(count, Combine.BEST_OF)
 
 
-def openai_n(n: int, best_of: int | None) -> SequencePlan:
-    """OpenAI chat and completions (and LMI chat): n choices. Only 1 for now; issue 9 item 6 will answer
-    n > 1 as Combine.CHOICES (best_of > n: the n best of best_of, as vLLM). Raises RequestValidationError."""
+def openai_n(n: int, best_of: int | None, *, stream: bool, max_count: int) -> SequencePlan:
+    """OpenAI chat and completions (and LMI chat): `n` choices, index 0..n-1, each its own engine sequence.
+
+    Legacy completions `best_of` (>= n) generates best_of sequences and answers the n with the highest
+    summed log prob (OpenAI, vLLM's cumulative_logprob); it cannot be streamed (OpenAI). Greedy n > 1 is
+    allowed (n identical choices, as OpenAI and vLLM answer). At most `max_count` (the batch size)
+    sequences. Raises RequestValidationError naming n or best_of.
+    """
+    if best_of is not None and best_of < n:
+        raise RequestValidationError("best_of", f"Invalid parameter `best_of`: must be >= n ({n}), got {best_of}")
     count, name = requested(n, best_of)
+    if count > max_count:
+        raise RequestValidationError(name, f"Invalid parameter `{name}`: must be at most "
+                                     f"max_rolling_batch_size ({max_count}), got {count}")
+    if count > n and stream:
+        raise RequestValidationError("best_of", f"Invalid parameter `best_of`: best_of > n cannot be streamed "
+                                     f"(OpenAI), got best_of={best_of} with n={n}")
     if count == 1:
         return SINGLE
-    raise RequestValidationError(name, f"Invalid parameter `{name}`: only 1 is supported for chat and on "
-                                 f"the OpenAI routes, got {count}")
+    return SequencePlan(count, Combine.CHOICES, num_choices=n)
+
+
+def best_choices(scores: Sequence[float], num_choices: int) -> list[int]:
+    """OpenAI best_of: the members answering as choices 0..num_choices-1, highest summed log prob first
+    (vLLM sorts by cumulative_logprob; ties keep member order). With best_of == n, every member in order."""
+    if num_choices >= len(scores):
+        return list(range(len(scores)))
+    return sorted(range(len(scores)), key=lambda j: -scores[j])[:num_choices]
 
 
 def members(request_id: str, params: SamplingParams, plan: SequencePlan,

@@ -5,7 +5,7 @@ import json
 
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, TokenOutput
 from lmi_handler.protocol.encoder import Wire, encode
-from lmi_handler.protocol.formatters import Answer, stream_formatter
+from lmi_handler.protocol.formatters import Answer, StreamAnswer
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan, Shape, shape_of
 from lmi_handler.protocol.sequences import SINGLE, members
 
@@ -37,10 +37,11 @@ def make_plan(kind: Kind = Kind.LMI_TEXT, wire: Wire = Wire.JSON, params: Sampli
 
 def run(plan: RequestPlan, outs: list[RequestOutput]) -> list[str]:
     """The text each step sends, as the handler sends it: streamed events, or the whole answer at the end."""
+    plan_members = members(plan.request_id, plan.prompts[0].params, plan.sequences, 0)
     if plan.stream:
-        formatter = stream_formatter(plan, plan.prompts[0])
-        return [encode(formatter.events(out), plan.wire) for out in outs]
-    answer = Answer(plan, [members(plan.request_id, plan.prompts[0].params, plan.sequences, 0)])
+        stream = StreamAnswer(plan, plan_members)
+        return [encode(stream.events({out.request_id: out}), plan.wire) for out in outs]
+    answer = Answer(plan, [plan_members])
     sent = []
     for out in outs:
         answer.add(out)

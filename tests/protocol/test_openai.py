@@ -8,6 +8,7 @@ from lmi_handler.protocol.errors import RequestValidationError, error_object
 from lmi_handler.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_choice,
     chat_completion_response,
     to_openai_finish_reason,
 )
@@ -68,7 +69,7 @@ def test_c06_chat_top_p_one_with_temperature_zero_is_accepted():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
+    ("temperature", -1), ("temperature", 3), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
     ("max_tokens", 2.5), ("max_completion_tokens", 0), ("n", 0), ("stop", 5), ("stop", [""]), ("seed", 1.5),
     ("presence_penalty", 3), ("frequency_penalty", -3), ("top_logprobs", 21), ("logprobs", 1), ("stream", "yes"),
     ("messages", []), ("messages", [{"role": "user", "content": 5}]),
@@ -123,8 +124,8 @@ def test_completion_bad_prompt(prompt):
 
 
 def test_chat_completion_response_shape():
-    doc = chat_completion_response(request_id="r", created=1, model="m", content="ok",
-                                   finish_reason=FinishReason.LENGTH, prompt_tokens=5, completion_tokens=3)
+    doc = chat_completion_response(request_id="r", created=1, model="m", prompt_tokens=5, completion_tokens=3,
+                                   choices=[chat_choice(0, "ok", FinishReason.LENGTH)])
     assert doc["choices"][0]["finish_reason"] == "length"
     assert doc["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -142,3 +143,20 @@ def test_an_assistant_message_may_omit_content():
                                                         {"role": "assistant", "content": None},
                                                         {"role": "user", "content": "again"}]})
     assert request.text_messages()[1]["content"] == ""
+
+
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 6), ("logprobs", -1), ("n", 0), ("best_of", 0),
+                                              ("temperature", 2.5)])
+def test_completion_bad_field_is_named_with_openais_range(field, value):
+    with pytest.raises(RequestValidationError) as info:
+        CompletionRequest.parse({"prompt": "x", field: value}).to_generation_parameters()
+    assert info.value.field == field and f"`{field}`" in info.value.message
+
+
+def test_n_and_best_of_stay_the_openai_rule_not_generation_parameters():
+    """sequences.openai_n reads them off the request; GenerationParameters keeps one sequence (so TGI's
+    greedy rule does not refuse n=2 at temperature 0, which OpenAI answers with identical choices)."""
+    request = CompletionRequest.parse({"prompt": "x", "n": 2, "best_of": 3, "temperature": 0})
+    params = request.to_generation_parameters()
+    assert (request.n, request.best_of) == (2, 3) and (params.n, params.best_of) == (1, None)
+    assert params.to_sampling_params().greedy

@@ -18,7 +18,7 @@ from lmi_handler.protocol.plan import (
     streaming_reason,
     wire_of,
 )
-from lmi_handler.protocol.sequences import Combine, SequencePlan, members, openai_n, tgi_best_of
+from lmi_handler.protocol.sequences import Combine, SequencePlan, best_choices, members, openai_n, tgi_best_of
 
 
 @pytest.mark.parametrize("route, chat, rolling, kind", [
@@ -66,10 +66,26 @@ def test_tgi_best_of_runs_several_sampled_sequences_unless_streamed_or_over_the_
     assert info.value.field == "n" and "max_rolling_batch_size (4)" in info.value.message
 
 
-def test_openai_n_is_refused_above_one_until_choices_are_built():
-    assert openai_n(1, None) == SequencePlan()
-    with pytest.raises(RequestValidationError, match="only 1 is supported"):
-        openai_n(2, None)
+def test_openai_n_runs_n_sequences_answered_as_choices():
+    assert openai_n(1, None, stream=True, max_count=4) == SequencePlan()
+    assert openai_n(3, None, stream=True, max_count=4) == SequencePlan(3, Combine.CHOICES, num_choices=3)
+    assert openai_n(2, 4, stream=False, max_count=4) == SequencePlan(4, Combine.CHOICES, num_choices=2)
+    assert openai_n(1, 1, stream=True, max_count=4) == SequencePlan()
+
+
+@pytest.mark.parametrize("n, best_of, stream, field, words", [
+    (2, 1, False, "best_of", "must be >= n (2)"), (1, 3, True, "best_of", "cannot be streamed"),
+    (5, None, False, "n", "max_rolling_batch_size (4)"), (2, 5, False, "best_of", "max_rolling_batch_size (4)"),
+])
+def test_openai_n_refuses_best_of_below_n_streamed_best_of_and_more_than_the_batch(n, best_of, stream, field, words):
+    with pytest.raises(RequestValidationError) as info:
+        openai_n(n, best_of, stream=stream, max_count=4)
+    assert info.value.field == field and words in info.value.message and f"`{field}`" in info.value.message
+
+
+def test_best_choices_keeps_member_order_unless_best_of_picks_the_highest_scores():
+    assert best_choices([-3.0, -1.0], 2) == [0, 1]
+    assert best_choices([-3.0, -1.0, -2.0, -1.0], 2) == [1, 3]
 
 
 def test_members_take_consecutive_int64_wrapped_seeds_from_the_request_or_the_front_end():

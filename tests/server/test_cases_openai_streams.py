@@ -80,19 +80,6 @@ def test_c23_the_openai_client_sees_the_usage_chunk_last(rolling_server):
     assert chunks[-1].usage is not None and chunks[-1].choices == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 item 6 (n > 1 choices on the OpenAI routes) is not built yet: "
-                   "the routes answer 400 for n > 1")
-def test_c25_n_choices_are_sampled_on_their_own_and_seeded(client):
-    body = load_case("C25")["request"]
-    first = client.post("/v1/chat/completions", json=body)
-    assert first.status_code == 200, first.text
-    choices = first.json()["choices"]
-    assert sorted(c["index"] for c in choices) == [0, 1, 2]
-    assert len({c["message"]["content"] for c in choices}) >= 2
-    again = client.post("/v1/chat/completions", json=body).json()["choices"]
-    assert [c["message"]["content"] for c in again] == [c["message"]["content"] for c in choices]
-
-
 def test_c25_n_out_of_range_is_400_naming_n(client):
     for n in (0, 1000):
         response = client.post("/v1/chat/completions", json={**load_case("C25")["request"], "n": n})

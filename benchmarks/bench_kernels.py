@@ -3,7 +3,9 @@
 Per op (the demo model's shapes): packed C++ linear vs F.linear (MKL, not invariant) vs 16-row
 tiled bmm (the PyTorch fallback) at M = 1, 16, 64; paged attention vs one SDPA call per
 sequence for a 64-sequence decode step; and a whole ModelRunner decode step at batch 1 and 64
-in both modes (KV contents are left as they are: timing only). Best of a few runs, wall clock;
+in both modes (KV contents are left as they are: timing only), the batch-invariant one both with
+the fused C++ decoder layers (LlamaModel.fused, the default) and module by module (the PyTorch
+reference path); `--profile` adds a torch.profiler per-op breakdown of a batch-1 step of each. Best of a few runs, wall clock;
 on a shared machine the numbers are noisy, so the load average is written alongside, and
 `--threads 1 --clock cpu` (process CPU time) gives what one idle core would take.
 Writes benchmarks/results/kernels-<date>.json.
@@ -80,25 +82,56 @@ def bench_attention(repeats: int, num_seqs: int = 64, context: int = 200) -> dic
                                             repeats)}
 
 
-def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int) -> dict:
+def decode_batch(runner: ModelRunner, allocator: BlockAllocator, num_seqs: int, context: int) -> list[Sequence]:
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(f"r{i}", [(7 * i + t) % 1000 + 1 for t in range(context)], SamplingParams())
+        seq.block_table = allocator.allocate(num_blocks_needed(context, runner.block_size))
+        seq.num_computed_tokens = context - 1        # decode of the last token; KV left as is
+        seqs.append(seq)
+    return seqs
+
+
+def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int, profile: bool) -> list[dict]:
     runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=16, num_blocks=2048,
                          batch_invariant=batch_invariant)
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
-    result = {"batch_invariant": batch_invariant}
-    for num_seqs, context in ((1, 200), (64, 200)):
-        seqs = []
-        for i in range(num_seqs):
-            seq = Sequence(f"r{i}", [(7 * i + t) % 1000 + 1 for t in range(context)], SamplingParams())
-            seq.block_table = allocator.allocate(num_blocks_needed(context, runner.block_size))
-            seq.num_computed_tokens = context - 1        # decode of the last token; KV left as is
-            seqs.append(seq)
-        ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(seqs, [1] * n), repeats)
-        result[f"step_ms_batch{num_seqs}"] = ms
-        result[f"tok_s_batch{num_seqs}"] = num_seqs / ms * 1e3
-        for seq in seqs:
-            allocator.free(seq.block_table)
-    print(result, flush=True)
-    return result
+    results = []
+    for fused in ((True, False) if batch_invariant else (False,)):
+        runner.model.fused = fused
+        result = {"batch_invariant": batch_invariant, "fused_layers": fused}
+        for num_seqs, context in ((1, 200), (64, 200)):
+            seqs = decode_batch(runner, allocator, num_seqs, context)
+            ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(seqs, [1] * n), repeats)
+            result[f"step_ms_batch{num_seqs}"] = ms
+            result[f"tok_s_batch{num_seqs}"] = num_seqs / ms * 1e3
+            if profile and num_seqs == 1:
+                result["profile_batch1"] = profile_step(runner, seqs)
+            for seq in seqs:
+                allocator.free(seq.block_table)
+        print({k: v for k, v in result.items() if k != "profile_batch1"}, flush=True)
+        results.append(result)
+    runner.model.fused = True
+    return results
+
+
+def profile_step(runner: ModelRunner, seqs: list[Sequence], steps: int = 5, top: int = 15) -> dict:
+    """Per-op self CPU time of `steps` decode steps (torch.profiler), per step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.execute(seqs, [1] * len(seqs))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(seqs, [1] * len(seqs))
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in events) / steps
+    ops = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / steps / 1e3}
+           for e in events[:top]]
+    print(f"profile ({total_us / 1e3:.1f} ms/step self CPU, {sum(e.count for e in events) / steps:.0f} ops/step):")
+    for op in ops:
+        print(f"  {op['op']:<40} {op['calls_per_step']:7.0f} calls {op['self_ms_per_step']:8.2f} ms")
+    return {"self_cpu_ms_per_step": total_us / 1e3, "ops_per_step": sum(e.count for e in events) / steps,
+            "top_ops": ops}
 
 
 def main() -> None:
@@ -107,6 +140,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--skip-model", action="store_true", help="per-op numbers only")
+    parser.add_argument("--skip-ops", action="store_true", help="decode steps only")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown of a batch-1 step")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: process CPU time (meaningful with --threads 1 on a busy machine)")
     args = parser.parse_args()
@@ -117,14 +152,16 @@ def main() -> None:
     if cpu_kernels() is None:
         raise SystemExit("the C++ kernels did not build; see the warning above")
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "threads": args.threads, "clock": args.clock,
-              "kernel_load_s": time.perf_counter() - start, "load_average_before": os.getloadavg(),
-              "linear": bench_linears(args.repeats), "attention_decode": bench_attention(args.repeats)}
-    print(report["attention_decode"], flush=True)
+              "kernel_load_s": time.perf_counter() - start, "load_average_before": os.getloadavg()}
+    if not args.skip_ops:
+        report["linear"] = bench_linears(args.repeats)
+        report["attention_decode"] = bench_attention(args.repeats)
+        print(report["attention_decode"], flush=True)
     if not args.skip_model:
-        report["decode_step"] = [bench_decode_step(args.model_dir, inv, max(3, args.repeats // 4))
-                                 for inv in (True, False)]
+        report["decode_step"] = [r for inv in (True, False)
+                                 for r in bench_decode_step(args.model_dir, inv, max(3, args.repeats // 4), args.profile)]
     report["load_average_after"] = os.getloadavg()
-    out = REPO / "benchmarks" / "results" / f"kernels-{dt.date.today().isoformat()}.json"
+    out = REPO / "benchmarks" / "results" / f"kernels-{dt.date.today().isoformat()}-t{args.threads}-{args.clock}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

@@ -1,4 +1,5 @@
-"""The C++ row-invariant linear against its float64 reference, and its bitwise batch invariance."""
+"""The C++ row-invariant linear against its float64 reference, the fused row-wise ops (RMSNorm with
+residual add, RoPE + KV write, SiLU*up) against their PyTorch references, and bitwise batch invariance."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,19 @@ import pytest
 import torch
 
 from lmi_handler.engine.model import kernels
-from lmi_handler.engine.model.kernels import PANEL, cpu_kernels, pack_weight, packed_linear, reference_linear
+from lmi_handler.engine.model.kernels import (
+    PANEL,
+    cpu_kernels,
+    fused_add_rmsnorm,
+    fused_rope_kv_write,
+    fused_silu_mul,
+    pack_weight,
+    packed_linear,
+    reference_add_rmsnorm,
+    reference_linear,
+    reference_rope_kv_write,
+    reference_silu_mul,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,3 +96,69 @@ def test_a_failed_build_logs_a_warning_and_returns_none(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         assert kernels._build(broken, "lmi_cpu_kernels_broken_test") is None
     assert "PyTorch fallback" in caplog.text
+
+
+@pytest.mark.parametrize("num_rows,width", [(1, 576), (7, 33), (64, 576), (300, 1), (130, 200)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_fused_add_rmsnorm_matches_the_pytorch_norm_and_adds_the_residual_bitwise(num_rows, width, with_delta):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(num_rows, width, generator=g) * 3
+    delta = torch.randn(num_rows, width, generator=g) if with_delta else None
+    weight = torch.randn(width, generator=g)
+    expected_x, expected = reference_add_rmsnorm(x, delta, weight, 1e-5)
+    ours = fused_add_rmsnorm(x, delta, weight, 1e-5)
+    assert torch.equal(x, expected_x)           # the residual add is the same single rounding
+    # only the sum of squares' order differs: a few ulps of the scale factor
+    torch.testing.assert_close(ours, expected, rtol=2e-6, atol=1e-6)
+
+
+def rope_case(num_rows: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_rows, (heads + 2 * kv_heads) * head_dim, generator=g)
+    angles = torch.rand(num_rows, head_dim // 2, generator=g) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    num_blocks, block = num_rows // 4 + 3, 4
+    slots = torch.randperm(num_blocks * block, generator=g)[:num_rows]
+    caches = [torch.randn(num_blocks, block, kv_heads, head_dim, generator=g) for _ in range(2)]
+    return qkv, emb.cos(), emb.sin(), caches, slots
+
+
+@pytest.mark.parametrize("num_rows,heads,kv_heads,head_dim", [(1, 9, 3, 64), (5, 4, 4, 16), (37, 8, 2, 32),
+                                                              (64, 9, 3, 64), (3, 2, 1, 2)])
+def test_fused_rope_kv_write_is_bitwise_the_pytorch_rope_and_index_copy(num_rows, heads, kv_heads, head_dim):
+    qkv, cos, sin, (k_cache, v_cache), slots = rope_case(num_rows, heads, kv_heads, head_dim, seed=num_rows)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected_q = reference_rope_kv_write(qkv, cos, sin, k_ref, v_ref, slots, heads, kv_heads)
+    q = fused_rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    assert q.shape == (num_rows, heads, head_dim)
+    assert torch.equal(q, expected_q) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_fused_rope_kv_write_refuses_a_slot_outside_the_cache():
+    qkv, cos, sin, (k_cache, v_cache), slots = rope_case(3, 2, 1, 8, seed=0)
+    slots[1] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused_rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, 2, 1)
+
+
+@pytest.mark.parametrize("num_rows,intermediate", [(1, 1536), (9, 7), (64, 1536), (200, 100)])
+def test_fused_silu_mul_matches_pytorch_within_rounding(num_rows, intermediate):
+    gate_up = torch.randn(num_rows, 2 * intermediate, generator=torch.Generator().manual_seed(3)) * 4
+    torch.testing.assert_close(fused_silu_mul(gate_up), reference_silu_mul(gate_up), rtol=1e-6, atol=1e-7)
+
+
+def test_fused_row_ops_give_a_row_the_same_bits_alone_and_in_any_batch():
+    g = torch.Generator().manual_seed(5)
+    x, delta = torch.randn(150, 576, generator=g), torch.randn(150, 576, generator=g)
+    weight, gate_up = torch.randn(576, generator=g), torch.randn(150, 3072, generator=g)
+    full_norm = fused_add_rmsnorm(x.clone(), delta, weight, 1e-6)
+    full_act = fused_silu_mul(gate_up)
+    qkv, cos, sin, caches, slots = rope_case(150, 9, 3, 64, seed=6)
+    full_q = fused_rope_kv_write(qkv, cos, sin, *[c.clone() for c in caches], slots, 9, 3)
+    for num_rows, start in ((1, 0), (1, 77), (3, 10), (64, 20), (149, 1)):
+        rows = slice(start, start + num_rows)
+        assert torch.equal(fused_add_rmsnorm(x[rows].clone(), delta[rows], weight, 1e-6), full_norm[rows])
+        assert torch.equal(fused_silu_mul(gate_up[rows].contiguous()), full_act[rows])
+        q = fused_rope_kv_write(qkv[rows].contiguous(), cos[rows], sin[rows], *[c.clone() for c in caches],
+                                slots[rows], 9, 3)
+        assert torch.equal(q, full_q[rows]), (num_rows, start)

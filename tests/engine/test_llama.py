@@ -131,3 +131,36 @@ def test_packed_model_equals_the_unpacked_model_within_rounding(tiny_model_dir):
     hidden = torch.randn(len(ids), packed.args.hidden_size)
     torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden, invariant=False),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layers_equal_the_module_path_within_rounding_and_greedy_matches_transformers(tiny_model):
+    """LlamaModel.fused runs each decoder layer as one C++ call; the module-by-module path is its
+    reference. Both write the same KV cache layout, so prefill + decode are compared step by step."""
+    from lmi_handler.engine.model.attention import AttentionMetadata
+
+    model_dir, hf_model = tiny_model
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), pack_weights=True)
+    a, block = model.args, 4
+    prompt = PROMPTS[2]
+    caches = {mode: [tuple(torch.zeros(16, block, a.num_kv_heads, a.head_dim) for _ in range(2))
+                     for _ in range(a.num_layers)] for mode in ("fused", "modules")}
+    table = torch.arange(16, dtype=torch.int32)[None]
+    tokens, n = list(prompt), len(prompt)
+    for _step in range(4):
+        new = tokens[-n:]
+        start = len(tokens) - n
+        positions = torch.arange(start, len(tokens))
+        meta = AttentionMetadata(slot_mapping=positions.clone(), block_tables=table,
+                                 context_lens=torch.tensor([len(tokens)], dtype=torch.int32),
+                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), query_lens=[n],
+                                 context_lens_host=[len(tokens)], block_size=block)
+        out = {}
+        for mode, fused in (("fused", True), ("modules", False)):
+            model.fused = fused
+            with torch.inference_mode():
+                out[mode] = model(torch.tensor(new), positions, caches[mode], meta)
+        model.fused = True
+        torch.testing.assert_close(out["fused"], out["modules"], rtol=1e-5, atol=1e-5)
+        tokens.append(int(model.compute_logits(out["fused"][-1:]).argmax()))
+        n = 1
+    assert tokens[len(prompt):] == hf_greedy(hf_model, prompt, 4)

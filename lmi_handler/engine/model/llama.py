@@ -176,7 +176,13 @@ class LlamaModel(nn.Module):
     Every forward takes `invariant`: True makes each sequence's output bitwise independent of the
     rest of the batch (packed-weight C++ linears after pack_weights(), else 16-row tiled bmm; the
     paged attention kernel, else one SDPA call per sequence); False runs plain F.linear GEMMs.
+
+    After pack_weights(), `fused` (default True) runs each decoder layer as one C++ call
+    (kernels' decoder_layer: the same row-invariant ops chained without Python dispatch); False
+    keeps the module-by-module PyTorch path, the reference it is tested against.
     """
+
+    fused = True
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -233,9 +239,28 @@ class LlamaModel(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # (T, D/2) float32
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                 # (T, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if self.fused and isinstance(self.layers[0].self_attn.qkv_weight, PackedWeight) \
+                and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._forward_fused(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, invariant)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder stack as one C++ call per layer (packed float32 CPU weights); x: (T, hidden)."""
+        a, ops = self.args, cpu_kernels()
+        x = x.contiguous().clone()          # updated in place by every layer
+        cos, sin = cos.contiguous(), sin.contiguous()
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            ops.decoder_layer(x, layer.input_layernorm.weight, attn.qkv_weight.panels, attn.qkv_bias,
+                              attn.o_weight.panels, attn.o_bias, layer.post_attention_layernorm.weight,
+                              mlp.gate_up_weight.panels, mlp.gate_up_bias, mlp.down_weight.panels, mlp.down_bias,
+                              cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                              meta.cu_seqlens_q, a.num_heads, a.num_kv_heads, a.intermediate_size,
+                              layer.input_layernorm.eps, attn.scale)
+        return ops.add_rmsnorm(x, None, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor:
         """hidden: (N, hidden_size) -> (N, vocab_size) float32."""

@@ -22,8 +22,9 @@ _state: dict = {}
 def cpu_kernels():
     """The compiled extension module, or None when it cannot be built (logged once as a warning).
 
-    Built with torch.utils.cpp_extension.load (-O3 -march=native -fopenmp) into torch's extension
-    cache on first call; later processes reuse the cached build unless the source changed.
+    Built with torch.utils.cpp_extension.load (-O3 -march=native -ffp-contract=off -fopenmp) into
+    torch's extension cache on first call (-ffp-contract=off: a * b + c stays two roundings, as in
+    PyTorch's elementwise ops); later processes reuse the cached build unless the source changed.
     """
     if "module" not in _state:
         _state["module"] = _build(_SOURCE, "lmi_cpu_kernels")
@@ -37,7 +38,7 @@ def _build(source: Path, name: str):
     start = time.perf_counter()
     try:
         module = load(name=name, sources=[str(source)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:     # no compiler, no ninja, a build error: the PyTorch paths still work
         log.warning("C++ CPU kernels unavailable, using the PyTorch fallback: %s", exc)
         return None
@@ -92,3 +93,64 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """Pure-PyTorch reference for packed_linear: x @ weight.T (+ bias) in float64, cast to x's dtype."""
     out = x.double() @ weight.double().T
     return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+def fused_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (when given), then weight * x / sqrt(mean(x^2) + eps) per row, in one pass.
+
+    x, delta: (T, N) float32 CPU, x contiguous; weight: (N,) float32. Returns (T, N). The residual
+    add is bitwise PyTorch's; the norm is transformers' LlamaRMSNorm in float32 except for the order
+    of the sum of squares (a rounding-level difference). Row-wise: a row's bits depend on it alone.
+    """
+    return cpu_kernels().add_rmsnorm(x, delta, weight, eps)
+
+
+def fused_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                        num_kv_heads: int) -> torch.Tensor:
+    """RoPE (rotate-half) on q and k of fused qkv rows; rotated k and v stored at their cache slots.
+
+    qkv: (T, (H + 2 KVH) D) float32 contiguous (q, then k, then v); cos, sin: (T, D) float32;
+    caches: (num_blocks, block_size, KVH, D) contiguous, written in place; slot_mapping: (T,) int64.
+    Returns q: (T, H, D). Bitwise the same as reference_rope_kv_write (same float operations).
+    Raises: RuntimeError on mismatched shapes or a slot outside the cache.
+    """
+    return cpu_kernels().rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = cat(gate, up) rows: (T, 2I) float32 contiguous -> (T, I)."""
+    return cpu_kernels().silu_mul(gate_up)
+
+
+def reference_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference for fused_add_rmsnorm: (new x, normed) without touching x."""
+    x = x if delta is None else x + delta
+    xf = x.float()
+    return x, weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def reference_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                            num_kv_heads: int) -> torch.Tensor:
+    """PyTorch reference for fused_rope_kv_write (split, rotate-half RoPE, index_copy_ into the caches)."""
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    q = rope(q.reshape(-1, num_heads, head_dim))
+    k = rope(k.reshape(-1, num_kv_heads, head_dim))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.reshape(-1, num_kv_heads, head_dim))
+    return q
+
+
+def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference for fused_silu_mul."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

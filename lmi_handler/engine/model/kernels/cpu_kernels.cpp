@@ -347,6 +347,164 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// ------------------------------------------------------------ row-wise ops -------------------
+// Each op below treats rows independently with a fixed per-row operation order, so a row's bits
+// depend only on that row. Small ops run on the calling thread: `ROW_GRAIN` floats of work per
+// task keeps one decode row (a few hundred floats) off the thread pool.
+constexpr int64_t ROW_GRAIN = 1 << 15;
+
+inline int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, ROW_GRAIN / std::max<int64_t>(1, row_len)); }
+
+// h[r] = weight * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), x optionally updated first by
+// x[r] += delta[r] (in place). Float32 as transformers' LlamaRMSNorm; the sum of squares is one
+// vector-lane accumulation then lanes summed in a fixed order (its bits differ from PyTorch's
+// reduction by rounding only).
+void add_rmsnorm_rows(float* x, const float* delta, const float* w, float* h, int64_t T, int64_t N,
+                      float eps) {
+  at::parallel_for(0, T, row_grain(N), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * N;
+      if (delta) {
+        const float* dr = delta + r * N;
+        for (int64_t j = 0; j < N; ++j) xr[j] = xr[j] + dr[j];
+      }
+      Vec acc = Vec::zero();
+      int64_t j = 0;
+      for (; j + Vec::W <= N; j += Vec::W) {
+        const Vec v = Vec::load(xr + j);
+        acc = Vec::add(acc, Vec::mul(v, v));
+      }
+      float ss = acc.sum();
+      for (; j < N; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      float* hr = h + r * N;
+      for (j = 0; j < N; ++j) hr[j] = w[j] * (xr[j] * inv);
+    }
+  });
+}
+
+torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "x must be contiguous (T, N) float32");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(weight.numel() == N && weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "bad weight");
+  const float* dp = nullptr;
+  torch::Tensor d;
+  if (delta.has_value() && delta->defined()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == torch::kFloat32, "delta must match x");
+    dp = d.data_ptr<float>();
+  }
+  auto h = torch::empty_like(x);
+  add_rmsnorm_rows(x.data_ptr<float>(), dp, weight.data_ptr<float>(), h.data_ptr<float>(), T, N,
+                   static_cast<float>(eps));
+  return h;
+}
+
+// RoPE (rotate-half) on q and k straight out of the fused qkv rows, then the KV-cache write:
+// qkv: (T, (H + 2 KVH) D); cos, sin: (T, D); k/v rows go to cache slot slot_mapping[t].
+// out = x * cos + rotate_half(x) * sin elementwise: two products then one add, no FMA contraction
+// (the file is built with -ffp-contract=off), the same float operations as llama.apply_rope.
+inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+  for (int64_t d = half; d < D; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "bad qkv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32 &&
+              v_cache.scalar_type() == torch::kFloat32, "caches must be contiguous float32");
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && k_cache.size(2) == KVH && D % 2 == 0, "qkv/cache shapes mismatch");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.scalar_type() == torch::kFloat32 &&
+              sin.scalar_type() == torch::kFloat32, "cos/sin must be (T, head_dim) float32");
+  slot_mapping = slot_mapping.contiguous();
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == T, "slot_mapping must be (T,) int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  auto q = torch::empty({T, H, D}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t width = (H + 2 * KVH) * D;
+  at::parallel_for(0, T, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * width;
+      const float *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, s, D, qp + (t * H + h) * D);
+      float* kdst = kc + slots[t] * KVH * D;
+      float* vdst = vc + slots[t] * KVH * D;
+      for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, s, D, kdst + g * D);
+      std::copy(row + (H + KVH) * D, row + width, vdst);
+    }
+  });
+  return q;
+}
+
+// silu(gate) * up on gate_up rows (T, 2I) -> (T, I); silu(g) = g / (1 + exp(-g)). Lane j's result
+// depends only on g[j], u[j] (vector lanes and the scalar tail are the same per-row split for any T).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat32 &&
+              gate_up.size(1) % 2 == 0, "gate_up must be contiguous (T, 2I) float32");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = gp + t * 2 * I, *u = g + I;
+      float* o = op + t * I;
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; j + 8 <= I; j += 8) {  // exp256 (~1 ulp) in place of std::exp: same formula, 8 lanes
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp256(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+      }
+#endif
+      for (; j < I; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return out;
+}
+
+// One Llama decoder layer, in place on the residual stream x (T, hidden):
+//   h = rmsnorm(x) -> qkv linear -> rope + KV write -> paged attention -> o linear;
+//   x += o; h = rmsnorm(x) -> gate_up linear -> silu * up -> down linear; x += down.
+// Every stage is one of the row-invariant ops above, so the layer is too.
+void decoder_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
+                   torch::Tensor o_w, c10::optional<torch::Tensor> o_b, torch::Tensor post_norm,
+                   torch::Tensor gu_w, c10::optional<torch::Tensor> gu_b, torch::Tensor down_w,
+                   c10::optional<torch::Tensor> down_b, torch::Tensor cos, torch::Tensor sin,
+                   torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                   torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q,
+                   int64_t H, int64_t KVH, int64_t intermediate, double eps, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "bad x");
+  const int64_t T = x.size(0), N = x.size(1), D = k_cache.size(3);
+  auto h = add_rmsnorm(x, c10::nullopt, in_norm, eps);
+  auto qkv = linear(h, qkv_w, (H + 2 * KVH) * D, qkv_b);
+  auto q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping, H, KVH);
+  auto o = paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale);
+  auto delta = linear(o.view({T, H * D}), o_w, N, o_b);
+  h = add_rmsnorm(x, delta, post_norm, eps);
+  auto act = silu_mul(linear(h, gu_w, 2 * intermediate, gu_b));
+  delta = linear(act, down_w, N, down_b);
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(N), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * N; i < end * N; ++i) xp[i] = xp[i] + dp[i];
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -354,4 +512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.def("linear", &linear, "row-invariant x @ W^T (+ bias) over a packed (panels, K, PANEL) weight");
   m.def("paged_attention", &paged_attention, "causal GQA attention over the paged K/V cache");
+  m.def("add_rmsnorm", &add_rmsnorm, "x += delta (optional, in place); returns weight * rmsnorm(x) per row");
+  m.def("rope_kv_write", &rope_kv_write, "RoPE on q, k of fused qkv rows; k, v into the cache by slot; returns q");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over (T, 2I) gate_up rows");
+  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer in place on x (row-invariant C++ chain)");
 }

@@ -29,6 +29,7 @@ from lmi_handler.engine.model.attention import AttentionMetadata, attention_page
 from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
 from lmi_handler.engine.model.llama import INVARIANT_TILE, _tiled_matmul
 from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int, prof
         result = {"batch_invariant": batch_invariant, "fused_layers": fused}
         for num_seqs, context in ((1, 200), (64, 200)):
             seqs = decode_batch(runner, allocator, num_seqs, context)
-            ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(seqs, [1] * n), repeats)
+            ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(runner.prepare(SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1] * n))), repeats)
             result[f"step_ms_batch{num_seqs}"] = ms
             result[f"tok_s_batch{num_seqs}"] = num_seqs / ms * 1e3
             if profile and num_seqs == 1:
@@ -119,10 +120,10 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence], steps: int = 5, top:
     """Per-op self CPU time of `steps` decode steps (torch.profiler), per step, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner.execute(seqs, [1] * len(seqs))
+    runner.execute(runner.prepare(SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1] * len(seqs))))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            runner.execute(seqs, [1] * len(seqs))
+            runner.execute(runner.prepare(SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1] * len(seqs))))
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total_us = sum(e.self_cpu_time_total for e in events) / steps
     ops = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / steps / 1e3}

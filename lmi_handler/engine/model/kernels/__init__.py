@@ -23,12 +23,20 @@ def cpu_kernels():
     """The compiled extension module, or None when it cannot be built (logged once as a warning).
 
     Built with torch.utils.cpp_extension.load (-O3 -march=native -ffp-contract=off -fopenmp) into
-    torch's extension cache on first call (-ffp-contract=off: a * b + c stays two roundings, as in
+    torch's extension cache on first call (the name carries the source hash) (-ffp-contract=off: a * b + c stays two roundings, as in
     PyTorch's elementwise ops); later processes reuse the cached build unless the source changed.
     """
     if "module" not in _state:
-        _state["module"] = _build(_SOURCE, "lmi_cpu_kernels")
+        _state["module"] = _build(_SOURCE, _module_name(_SOURCE))
     return _state["module"]
+
+
+def _module_name(source: Path) -> str:
+    """The extension's name carries a hash of its source: checkouts of different versions on one machine
+    (a CI clone beside a working tree) never load each other's build from torch's shared cache."""
+    import hashlib
+
+    return "lmi_cpu_kernels_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
 
 
 def _build(source: Path, name: str):

@@ -240,6 +240,10 @@ def completion_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int],
             "text_offset": offsets}
 
 
+# OpenAI's optional backend tag; TGI's clients (text_generation's ChatComplete/ChatCompletionChunk) require it.
+SYSTEM_FINGERPRINT = "lmi_handler"
+
+
 def chat_completion_response(*, request_id: str, created: int, model: str, content: str,
                              finish_reason: FinishReason | None, prompt_tokens: int, completion_tokens: int,
                              logprobs: dict | None = None) -> dict:
@@ -247,7 +251,7 @@ def chat_completion_response(*, request_id: str, created: int, model: str, conte
     choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
               "finish_reason": to_openai_finish_reason(finish_reason)}
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_completion_chunk(*, request_id: str, created: int, model: str, delta: dict,
@@ -256,7 +260,7 @@ def chat_completion_chunk(*, request_id: str, created: int, model: str, delta: d
     choice = {"index": 0, "delta": delta, "logprobs": logprobs,
               "finish_reason": to_openai_finish_reason(finish_reason)}
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [choice]}
+            "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
 def completion_response(*, request_id: str, created: int, model: str, text: str,

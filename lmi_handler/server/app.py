@@ -1,4 +1,5 @@
-"""The bundled HTTP front end (FastAPI): /ping, /invocations, /predictions/{model}, OpenAI routes.
+"""The bundled HTTP front end (FastAPI): /ping, /invocations, /predictions/{model}, /models, OpenAI routes,
+TGI's routes (server/tgi.py) and /metrics.
 
 Owns HTTP only: each request is planned once (parse + tokenize, in the validation thread) and its
 errors become 4xx before inference; the plan goes with the request to the front-end loop
@@ -14,17 +15,20 @@ from functools import partial
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FrameworkValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
 from lmi_handler.protocol.encoder import encode, encode_bytes
 from lmi_handler.protocol.errors import RequestValidationError, error_object
 from lmi_handler.protocol.formatters import stream_failure
-from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTE_INVOCATIONS, RequestPlan
+from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_INVOCATIONS, RequestPlan
 from lmi_handler.server.frontend import Chunk, ClientRequest, DynamicFrontEnd, FrontEnd, RollingFrontEnd
-from lmi_handler.server.metrics import CountRequests, Metrics
+from lmi_handler.server.metrics import CountRequests, Metrics, RequestTracker
+from lmi_handler.server.tgi import add_tgi_routes
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +51,24 @@ def create_app(properties: dict[str, str]) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, front_end.ready.wait)
         if front_end.init_error is not None:
             raise RuntimeError(f"model initialization failed: {front_end.init_error}")
+        state = get_state()
+        if state.settings.is_rolling:     # dynamic batch: gauges and HTTP counts only
+            state.rolling.observers.append(metrics.tracker.on_step)
+            app.state.tracker = metrics.tracker
         yield
         front_end.stop()
 
     app = FastAPI(title="lmi_handler", lifespan=lifespan)
     app.state.front_end = front_end
+    app.state.tracker = None
     metrics = Metrics(lambda: getattr(get_state().service, "engine", None), lambda: front_end)
+    app.state.metrics = metrics
 
     app.add_middleware(CountRequests, counter=metrics.requests)
+    _answer_framework_errors(app)
+
+    async def serve(request: Request, route: str) -> Response:
+        return await _serve(front_end, request, route, app.state.tracker)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -62,37 +76,44 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
     @app.get("/ping")
     async def ping() -> JSONResponse:
+        """Unhealthy (503) while the engine loop is down; a full queue is not unhealthy."""
         healthy = front_end.alive
         return JSONResponse({"status": "Healthy" if healthy else "Unhealthy"}, status_code=200 if healthy else 503)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
-        return await _serve(front_end, request, ROUTE_INVOCATIONS)
+        return await serve(request, ROUTE_INVOCATIONS)
 
     @app.post("/predictions/{model_name}")
     async def predictions(model_name: str, request: Request) -> Response:
-        served = get_state().service.model_name
-        if model_name != served:  # DJL: an unknown model name is a 404
-            return error_response(f"model {model_name!r} is not served here (this server serves {served!r})", 404)
-        return await _serve(front_end, request, ROUTE_INVOCATIONS)
+        served = get_state().service.served_names
+        if model_name not in served:  # DJL: an unknown model name is a 404
+            return error_response(f"model {model_name!r} is not served here (this server serves "
+                                  f"{', '.join(map(repr, served))})", 404)
+        return await serve(request, ROUTE_INVOCATIONS)
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await _serve(front_end, request, ROUTE_GENERATE)
+    @app.get("/models")
+    async def djl_models() -> JSONResponse:
+        """DJL's management listing: each served name, READY while the engine loop runs."""
+        status = "READY" if front_end.alive else "UNHEALTHY"
+        return JSONResponse({"models": [{"modelName": name, "modelUrl": str(get_state().settings.model_path),
+                                         "status": status} for name in get_state().service.served_names]})
+
+    add_tgi_routes(app, serve, lambda: get_state().service, lambda: front_end.alive)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(front_end, request, ROUTE_CHAT)
+        return await serve(request, ROUTE_CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(front_end, request, ROUTE_COMPLETIONS)
+        return await serve(request, ROUTE_COMPLETIONS)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        service = get_state().service
-        return JSONResponse({"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                                         "owned_by": "lmi_handler"}]})
+        names = get_state().service.served_names
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "lmi_handler"}
+                                                        for name in names]})
 
     return app
 
@@ -109,15 +130,39 @@ def error_response(message: str, code: int, openai: bool = False, field: str | N
     return Response(body, status_code=code, media_type="application/json")
 
 
+def _answer_framework_errors(app: FastAPI) -> None:
+    """404/405/422 raised by the framework itself (no such route, wrong method) in our error shapes:
+    an OpenAI error object under /v1, LMI's {"error", "code"} elsewhere (TGI's clients read `error`)."""
+
+    def openai_path(request: Request) -> bool:
+        return request.url.path.startswith("/v1/")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path} on this server"
+        response = error_response(message, exc.status_code, openai_path(request))
+        for key, value in (exc.headers or {}).items():       # 405 carries its Allow header
+            response.headers[key] = value
+        return response
+
+    @app.exception_handler(FrameworkValidationError)
+    async def validation_error(request: Request, exc: FrameworkValidationError) -> Response:
+        return error_response(f"invalid request: {exc.errors()[:1]}", 422, openai_path(request))
+
+
 def _failed(chunk: Chunk, plan: RequestPlan) -> Response:
     if chunk.error is None and chunk.data:  # the handler answered the item's own error body
         return Response(chunk.data, status_code=chunk.code, media_type="application/json")
     return error_response(chunk.error or "inference failed", chunk.code, plan.is_openai)
 
 
-async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
+async def _serve(front_end: FrontEnd, request: Request, route: str, tracker: RequestTracker | None) -> Response:
     service = get_state().service
     openai_route = route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
+    if not front_end.alive:   # fail fast: nothing would ever answer a request queued now
+        return error_response("the engine is not running (see /ping)", 503, openai_route)
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
     body = await request.body()
@@ -135,15 +180,26 @@ async def _serve(front_end: FrontEnd, request: Request, route: str) -> Response:
         logger.exception("request validation failed")
         return error_response(f"internal error while reading the request: {type(exc).__name__}", 500, openai_route)
     plan = client.plan
+    if tracker is not None:
+        tracker.arrived(client.request_id, route)
     front_end.submit(client)
-    first = await _next_chunk(request, client)
-    if first is None:
-        return Response(status_code=499)
-    if first.code is not None:
-        return _failed(first, plan)
-    if not plan.stream:
-        return await _collect(request, client, first, plan)
-    return StreamingResponse(_stream(client, first, plan), media_type=plan.content_type)
+    status = 499
+    try:
+        first = await _next_chunk(request, client)
+        if first is None:
+            return Response(status_code=499)
+        if first.code is not None:
+            status = first.code
+            return _failed(first, plan)
+        if not plan.stream:
+            response = await _collect(request, client, first, plan)
+            status = response.status_code
+            return response
+        status = 0      # the stream reports its own end
+        return StreamingResponse(_stream(client, first, plan, tracker), media_type=plan.content_type)
+    finally:
+        if tracker is not None and status:
+            tracker.closed(client.request_id, status)
 
 
 async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 1.0) -> Chunk | None:
@@ -170,18 +226,23 @@ async def _collect(request: Request, client: ClientRequest, first: Chunk, plan: 
     return Response("".join(parts), media_type=plan.content_type)
 
 
-async def _stream(client: ClientRequest, first: Chunk, plan: RequestPlan) -> AsyncIterator[str]:
+async def _stream(client: ClientRequest, first: Chunk, plan: RequestPlan,
+                  tracker: RequestTracker | None = None) -> AsyncIterator[str]:
     """Send each chunk as it comes; a failure after the 200 went out ends the stream in the plan's format."""
-    chunk = first
+    chunk, status = first, 499
     try:
         while True:
             if chunk.code is not None:
+                status = chunk.code
                 yield encode(stream_failure(chunk.error or "inference failed", chunk.code, plan), plan.wire)
                 return
             if chunk.data:
                 yield chunk.data
             if chunk.last:
+                status = 200
                 return
             chunk = await client.chunks.get()
     finally:
         client.cancelled = True
+        if tracker is not None:
+            tracker.closed(client.request_id, status)

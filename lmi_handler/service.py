@@ -77,6 +77,7 @@ class Service:
             tgi_names=rules.tgi_names(kind, settings.tgi_compat),
             logprobs=bool(openai and openai.logprobs is not None and openai.logprobs is not False),
             include_usage=bool(openai and openai.include_usage), model_name=self.model_name,
+            sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token)
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:

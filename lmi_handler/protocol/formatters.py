@@ -247,7 +247,7 @@ class _OpenAIStream(_OpenAIFormatter):
     def events(self, out: RequestOutput) -> list[Any]:
         self.add(out)
         if _is_error(out):
-            return [self._error(out), DONE]
+            return [self._error(out), *self._done()]
         text = "".join(t.text for t in out.new_tokens)
         if not text and not out.finished and not (self.plan.logprobs and out.new_tokens):
             return []
@@ -258,8 +258,12 @@ class _OpenAIStream(_OpenAIFormatter):
             if self.plan.include_usage:
                 events.append(openai.usage_chunk(**self._ids(), chat=self.plan.shape is Shape.CHAT,
                                                  **self._usage_counts(out)))
-            events.append(DONE)
+            events.extend(self._done())
         return events
+
+    def _done(self) -> list[Any]:
+        """OpenAI's end marker, unless the plan leaves it out (tgi_compat: TGI's own client cannot parse it)."""
+        return [DONE] if self.plan.sse_done else []
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
@@ -363,7 +367,7 @@ def stream_failure(message: str, code: int, plan: RequestPlan) -> list[Any]:
     """The last objects of a stream whose request failed after HTTP 200 went out (DESIGN §3: a final
     line with finish_reason "error"). OpenAI kinds get an error chunk and DONE, as vLLM sends."""
     if plan.is_openai:
-        return [openai_error(message, code), DONE]
+        return [openai_error(message, code), *([DONE] if plan.sse_done else [])]
     if plan.shape is Shape.TGI:
         return [tgi_error(message)]
     return [{"token": token_to_dict(SENTINEL_TOKEN), "details": {"finish_reason": FinishReason.ERROR.value},

@@ -83,6 +83,7 @@ class RequestPlan:
     logprobs: bool = False
     include_usage: bool = False
     model_name: str = ""
+    sse_done: bool = True        # OpenAI streams end with `data: [DONE]`; not under tgi_compat (sse_done_marker)
     created: int = 0
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
@@ -168,3 +169,9 @@ def details_by_default(kind: Kind, tgi_compat: bool) -> bool:
     """`details` when the request does not say: on under tgi_compat (LMI), off on TGI routes (TGI)."""
     return tgi_compat and kind not in TGI_KINDS
 
+
+def sse_done_marker(tgi_compat: bool) -> bool:
+    """OpenAI streams end with `data: [DONE]` (OpenAI, vLLM); under tgi_compat they just end, as TGI 2.0 did:
+    the TGI client (text-generation 0.7.0) fails on the marker, and the openai package and huggingface_hub
+    stop at the stream's end either way."""
+    return not tgi_compat

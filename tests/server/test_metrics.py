@@ -28,9 +28,10 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     assert sample(metrics, "lmi_requests_waiting") == 0
     scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
     assert sample(metrics, "lmi_requests_waiting") == 1
-    assert sample(metrics, "lmi_front_end_pending") == 3
+    assert sample(metrics, "lmi_front_end_queue_depth") == 3
     allocator.allocate(2)
     assert sample(metrics, "lmi_kv_cache_blocks_used") == 2 and sample(metrics, "lmi_kv_cache_blocks_total") == 8
+    assert sample(metrics, "lmi_kv_cache_usage_ratio") == 0.25
 
 
 def test_no_engine_yet_exports_no_gauges():

@@ -85,14 +85,32 @@ huge_inputs = st.sampled_from([b'{"inputs": "' + b"a" * (9 << 20) + b'"}',      
                                json.dumps({"inputs": "hello " * 20000, "parameters": {"max_new_tokens": 1}}).encode(),
                                json.dumps({"inputs": "", "parameters": {"max_new_tokens": 1}}).encode(),
                                json.dumps({"inputs": ["Hi"] * 3, "parameters": {"max_new_tokens": 1}}).encode(),
-                               b"", b"{}", b"[]", b"null", b'"Hi"', b"0", b"{"])
-raw_bytes = st.one_of(st.binary(max_size=64),                                       # mostly invalid UTF-8 / JSON
-                      st.binary(max_size=16).map(lambda b: b'{"inputs": "' + b + b'"}'),
-                      st.binary(max_size=8).map(lambda b: b'{"inputs": "Hi", "parameters": {"stop": "' + b + b'"}}'))
+                               b"", b"{}", b"[]", b"null", b'"Hi"', b"0", b"{", b'{"inputs": "\\ud800"}'])
+
+
+def _invalid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+# Bytes that are not JSON or not UTF-8; a text/plain body is the prompt itself (LMI), so it is sent only
+# when invalid UTF-8 (a valid one would be a real 30-token generation, not a bad body).
+json_bytes = st.one_of(st.binary(max_size=64).map(lambda b: (b, "application/json")),
+                       st.binary(min_size=1, max_size=16).map(
+                           lambda b: (b'{"inputs": "' + b + b'", "parameters": {"max_new_tokens": 1}}', None)),
+                       st.binary(min_size=1, max_size=8).map(lambda b: (
+                           b'{"inputs": "Hi", "parameters": {"max_new_tokens": 1, "stop": "' + b + b'"}}', None)))
+plain_bytes = st.binary(min_size=1, max_size=64).filter(_invalid_utf8).map(lambda b: (b, "text/plain"))
 
 
 def bad_bodies(route: str):
-    return st.one_of(field_mutations(route), shape_mutations(route), huge_inputs, raw_bytes)
+    """(body bytes, content type or None) pairs for `route`."""
+    as_json = st.tuples(st.one_of(field_mutations(route), shape_mutations(route), huge_inputs),
+                        st.sampled_from(["application/json", None]))
+    return st.one_of(as_json, json_bytes, plain_bytes)
 
 
 def nested(depth: int, route: str) -> bytes:

@@ -107,3 +107,6 @@ def test_200_concurrent_clients_get_their_solo_answers_and_leave_nothing_behind(
     generated = value(after, "lmi_generation_tokens_total") - value(before, "lmi_generation_tokens_total")
     assert completed_tokens <= generated <= completed_tokens + left * MAX_NEW_TOKENS
     assert httpx.get(url + "/ping", timeout=30).status_code == 200
+    logged = [json.loads(line[line.index("{"):]) for line in rolling_server.log_path.read_text().splitlines()
+              if '"event": "request_finished"' in line]
+    assert len({entry["request_id"] for entry in logged}) >= NUM_CLIENTS     # one structured line per request

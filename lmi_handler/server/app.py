@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError as FrameworkValidationErro
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from lmi_handler.config import Settings
 from lmi_handler.handler import get_state, handle
@@ -165,7 +166,10 @@ async def _serve(front_end: FrontEnd, request: Request, route: str, tracker: Req
         return error_response("the engine is not running (see /ping)", 503, openai_route)
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:      # gone before its body arrived: nothing to plan or count
+        return Response(status_code=499)
     if len(body) > MAX_BODY_BYTES:
         return error_response(f"request body is over {MAX_BODY_BYTES} bytes", 413, openai_route, "body")
     content_type = request.headers.get("content-type", "application/json")

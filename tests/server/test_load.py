@@ -11,6 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.server.conftest import serve
+
 pytestmark = pytest.mark.slow
 
 NUM_CLIENTS = 200
@@ -69,8 +71,14 @@ async def run_clients(url: str) -> list[tuple[str, str, int | None]]:
         return await asyncio.gather(*(one_client(http, i) for i in range(NUM_CLIENTS)))
 
 
-def test_200_concurrent_clients_get_their_solo_answers_and_leave_nothing_behind(rolling_server):
-    url = rolling_server.url
+@pytest.fixture(scope="module")
+def load_server(model_dir, tmp_path_factory):
+    """One batch of up to 32; one PyTorch thread (2 CI cores: the HTTP side needs the other)."""
+    yield from serve(tmp_path_factory, "load", max_rolling_batch_size="32", num_threads="1")
+
+
+def test_200_concurrent_clients_get_their_solo_answers_and_leave_nothing_behind(load_server):
+    url = load_server.url
     solo = {}
     for prompt in PROMPTS:      # each distinct prompt alone, once
         doc = httpx.post(url + "/invocations", json=body(prompt), timeout=300).json()
@@ -90,23 +98,26 @@ def test_200_concurrent_clients_get_their_solo_answers_and_leave_nothing_behind(
     assert left == NUM_CLIENTS // 10
 
     deadline, after = time.monotonic() + 15, scrape(url)
-    while time.monotonic() < deadline and (finished_total(after) - finished_total(before) < NUM_CLIENTS
+    while time.monotonic() < deadline and (finished_total(after) - finished_total(before) < NUM_CLIENTS - left
+                                           or value(after, "lmi_requests_running") > 0
                                            or value(after, "lmi_kv_cache_blocks_used") > 0):
         time.sleep(0.5)
         after = scrape(url)
     for gauge in ("lmi_requests_running", "lmi_requests_waiting", "lmi_front_end_queue_depth",
                   "lmi_kv_cache_blocks_used"):
         assert value(after, gauge) == 0, gauge
-    assert finished_total(after) - finished_total(before) == NUM_CLIENTS       # aborted ones included
+    # every request counted once, aborted ones included (one that left before its body was read never arrived)
+    finished = finished_total(after) - finished_total(before)
+    assert NUM_CLIENTS - left <= finished <= NUM_CLIENTS
     aborted = value(after, "lmi_requests_finished_total", finish_reason="abort") - \
         value(before, "lmi_requests_finished_total", finish_reason="abort")
-    assert 0 <= aborted <= left
+    assert 0 <= aborted <= left and finished - aborted >= NUM_CLIENTS - left   # a leaver may have finished first
     assert value(after, "lmi_e2e_request_latency_seconds_count") - \
-        value(before, "lmi_e2e_request_latency_seconds_count") == NUM_CLIENTS
+        value(before, "lmi_e2e_request_latency_seconds_count") == finished
     completed_tokens = sum(solo[PROMPTS[i % len(PROMPTS)]][1] for i, r in enumerate(results) if r[0] == "done")
     generated = value(after, "lmi_generation_tokens_total") - value(before, "lmi_generation_tokens_total")
     assert completed_tokens <= generated <= completed_tokens + left * MAX_NEW_TOKENS
     assert httpx.get(url + "/ping", timeout=30).status_code == 200
-    logged = [json.loads(line[line.index("{"):]) for line in rolling_server.log_path.read_text().splitlines()
+    logged = [json.loads(line[line.index("{"):]) for line in load_server.log_path.read_text().splitlines()
               if '"event": "request_finished"' in line]
-    assert len({entry["request_id"] for entry in logged}) >= NUM_CLIENTS     # one structured line per request
+    assert len({entry["request_id"] for entry in logged}) >= finished     # one structured line per request

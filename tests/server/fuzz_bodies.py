@@ -67,6 +67,8 @@ def shape_mutations(draw, route: str) -> bytes:
     action = draw(st.sampled_from(["set", "drop"]))
     if action == "drop":
         body.pop(key, None)
+    elif key in LENGTH_FIELDS:        # OpenAI bodies keep max_tokens at the top level
+        body[key] = draw(st.sampled_from(BAD_LENGTHS))
     elif key == "messages":
         body[key] = draw(st.one_of(values, st.lists(st.dictionaries(st.sampled_from(["role", "content", "name"]),
                                                                      values, max_size=3), max_size=3)))

@@ -21,7 +21,7 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 
 @pytest.fixture(scope="module")
 def app():
-    with fresh_server(max_rolling_batch_size="4") as server:
+    with fresh_server(max_rolling_batch_size="4", num_threads="1") as server:
         yield server
 
 

@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PORT ?= 8080
 BIN := $(VENV)/bin
 
-.PHONY: install model serve lint test-fast test bench bench-setup bench-smoke clean
+.PHONY: install model tgi-client serve lint test-fast test bench bench-setup bench-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,16 @@ $(VENV)/.installed: $(BIN)/python setup.py
 	touch $@
 
 install: $(VENV)/.installed
+
+# The TGI client (text-generation 0.7.0) pins huggingface-hub<1.0, older than the main venv's: it gets a venv
+# of its own, used by tests/server/test_clients.py through a small script.
+TGI_VENV ?= .venv-tgi
+$(TGI_VENV)/.installed:
+	$(PYTHON) -m venv $(TGI_VENV)
+	$(TGI_VENV)/bin/pip install -q "text-generation==0.7.0"
+	touch $@
+
+tgi-client: $(TGI_VENV)/.installed
 
 # idempotent: returns at once when model/ already holds the checkpoint
 model: $(VENV)/.installed
@@ -40,7 +50,7 @@ test-fast: $(VENV)/.installed
 	$(PYTEST) -m "not slow"
 
 # what CI runs (.ci/run): lint first, then the fast tests, then the slow ones (real model, real servers)
-test: model
+test: model tgi-client
 	$(LINT)
 	$(PYTEST) -m "not slow"
 	$(PYTEST) -m slow
@@ -59,4 +69,4 @@ bench-smoke: model
 	$(BIN)/python benchmarks/bench.py --smoke $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) model/*.json model/*.safetensors model/*.jinja
+	rm -rf $(VENV) $(TGI_VENV) model/*.json model/*.safetensors model/*.jinja

@@ -64,7 +64,11 @@ class Settings(BaseModel):
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
     """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
     tgi_compat: bool = False
-    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default."""
+    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; any `model`
+    name is accepted on the OpenAI routes (as TGI)."""
+    served_model_name: str | None = None
+    """Names the model answers to, comma-separated (vLLM's --served-model-name): the first is the one
+    responses carry, every one is accepted in `model` and /predictions/{name}. Unset: the model directory's name."""
     batch_size: int = Field(4, ge=1, le=1024)
     """Dynamic batch: most requests per handle() call (top-level serving.properties key)."""
     max_batch_delay: int = Field(100, ge=0, le=60_000)
@@ -102,6 +106,12 @@ class Settings(BaseModel):
     @property
     def is_rolling(self) -> bool:
         return self.rolling_batch != "disable"
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The served names, first the primary one; the model directory's name when none are set."""
+        names = tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip())
+        return names or (self.model_path.resolve().name,)
 
     @property
     def model_path(self) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
@@ -112,6 +112,9 @@ class RollingBatch:
         self.guard = StepGuard(service.engine)
         if fault_injection:  # tests only (engine/faults.py): chosen sequences fail inside the step
             FaultInjector(service.engine, FaultRule.parse_all(fault_injection))
+        # Called after each step with (active requests, their done/cancelled/error marks set; outputs by
+        # sequence id): the bundled server's metrics (server/metrics.py RequestTracker.on_step).
+        self.observers: list[Callable[[list[ActiveRequest], dict], None]] = []
 
     def reset(self) -> None:
         """reset_rollingbatch: drop all state first; every item of this call is new."""
@@ -134,6 +137,8 @@ class RollingBatch:
         answer = Output()
         for index, request in enumerate(self.active):
             self._answer(answer, index, request, outputs)
+        for observe in self.observers:
+            observe(self.active, outputs)
         self.active = [r for r in self.active if not r.done]
         return answer
 

@@ -31,7 +31,8 @@ class Service:
 
         self.settings = settings
         self.engine = Engine(settings.engine_config())
-        self.model_name = settings.model_path.resolve().name
+        self.served_names = settings.served_model_names      # option.served_model_name; the first is answered
+        self.model_name = self.served_names[0]
         # Requests are tokenized outside the engine's thread (the HTTP validation thread), so they get a
         # tokenizer of their own, used under a lock: a Rust tokenizer used from two threads at once can
         # fail with "Already borrowed". The engine's tokenizer stays the engine loop's alone.
@@ -76,6 +77,7 @@ class Service:
             tgi_names=rules.tgi_names(kind, settings.tgi_compat),
             logprobs=bool(openai and openai.logprobs is not None and openai.logprobs is not False),
             include_usage=bool(openai and openai.include_usage), model_name=self.model_name,
+            sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token)
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
@@ -91,10 +93,13 @@ class Service:
                                          "(a list of strings needs option.rolling_batch=disable)")
 
     def _check_model(self, request: InvocationRequest, kind: Kind) -> None:
-        """OpenAI routes answer 404 for a `model` not served here (vLLM)."""
-        if kind in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION) and request.openai_model not in (None, self.model_name):
+        """OpenAI routes answer 404 for a `model` not served here (vLLM); under tgi_compat any name is the
+        model (TGI: its clients send "tgi" or "dummy")."""
+        if kind not in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION) or self.settings.tgi_compat:
+            return
+        if request.openai_model not in (None, *self.served_names):
             raise RequestValidationError("model", f"The model `{request.openai_model}` does not exist (this server "
-                                         f"serves `{self.model_name}`)", status_code=404)
+                                         f"serves {', '.join(map(repr, self.served_names))})", status_code=404)
 
     def _sequences(self, request: InvocationRequest, why_streaming: str | None) -> sequences.SequencePlan:
         """n / best_of by the dialect's rule (protocol/sequences.py)."""

@@ -27,6 +27,11 @@ def _error_message(out: RequestOutput) -> str:
     return out.error or "generation failed"
 
 
+def tgi_error(message: str) -> dict:
+    """TGI's error object (its clients read `error`, and `error_type` to pick the exception)."""
+    return {"error": message, "error_type": "generation"}
+
+
 class Formatter:
     """One per engine sequence: keeps the tokens seen so far (details, usage) and the prompt tokens
     (decoder_input_details). `details` overrides the plan's (best_of members always keep theirs)."""
@@ -53,6 +58,11 @@ class Formatter:
     @property
     def failed(self) -> bool:
         return self.last is not None and _is_error(self.last)
+
+    @property
+    def tgi_seed(self) -> int | None:
+        """TGI details.seed: the seed a sampled sequence used, null for greedy ones (TGI)."""
+        return None if self.prompt.params.greedy else self.seed
 
     @property
     def score(self) -> float:
@@ -82,7 +92,7 @@ class LmiDocument(Formatter):
     def document(self) -> dict:
         out = self.last
         if self.failed and self.plan.tgi_names:
-            return {"error": _error_message(out), "error_type": "generation"}
+            return tgi_error(_error_message(out))
         doc: dict[str, Any] = {"generated_text": self.generated_text(out)}
         if self.details or self.failed:
             doc["details"] = self.lmi_details(out, include_tokens=True)
@@ -98,15 +108,14 @@ class TgiDocument(Formatter):
     def document(self) -> dict:
         out = self.last
         if self.failed:
-            return {"error": _error_message(out), "error_type": "generation"}
+            return tgi_error(_error_message(out))
         doc: dict[str, Any] = {"generated_text": self.generated_text(out)}
         if self.details:
             prompt_tokens = self.prompt_tokens if self.plan.decoder_input_details else None
             lmi = build_details(finish_reason=out.finish_reason, tokens=self.tokens, inputs="",
                                 prompt_tokens=prompt_tokens, tgi_compat=True, decode_token=self.plan.decode_token)
             doc["details"] = {"finish_reason": lmi["finish_reason"], "generated_tokens": lmi["generated_tokens"],
-                              "seed": None if self.prompt.params.greedy else self.seed,
-                              "prefill": lmi["prefill"], "tokens": lmi["tokens"]}
+                              "seed": self.tgi_seed, "prefill": lmi["prefill"], "tokens": lmi["tokens"]}
             if "top_tokens" in lmi:
                 doc["details"]["top_tokens"] = lmi["top_tokens"]
         return doc
@@ -213,6 +222,33 @@ class TokenStream(Formatter):
         return fields
 
 
+class TgiStream(Formatter):
+    """TGI /generate_stream: one StreamResponse per token, every key present as TGI sends them
+    ({index, token, top_tokens, generated_text: null, details: null}; the TGI client's types require
+    them); the last carries generated_text and, when asked, details {finish_reason, generated_tokens,
+    seed, input_length}. A token-less end rides on LMI's sentinel token. Errors: TGI's error event."""
+
+    def events(self, out: RequestOutput) -> list[dict]:
+        self.add(out)
+        if _is_error(out):
+            return [tgi_error(_error_message(out))]
+        tokens = list(out.new_tokens) or ([SENTINEL_TOKEN] if out.finished else [])
+        first_index = len(self.tokens) - len(out.new_tokens)
+        events = [self._event(t, first_index + i + 1) for i, t in enumerate(tokens)]
+        if out.finished:
+            events[-1]["generated_text"] = self.generated_text(out)
+            if self.details:
+                events[-1]["details"] = {"finish_reason": FinishReason(out.finish_reason).value,
+                                         "generated_tokens": len(self.tokens), "seed": self.tgi_seed,
+                                         "input_length": len(self.prompt.token_ids)}
+        return events
+
+    def _event(self, token: TokenOutput, index: int) -> dict:
+        top = top_tokens_to_dicts(token, self.plan.decode_token, tgi_compat=True) if token.top_tokens else []
+        return {"index": index, "token": token_to_dict(token, self.plan.decode_token, tgi_compat=True),
+                "top_tokens": top, "generated_text": None, "details": None}
+
+
 class _OpenAIStream(_OpenAIFormatter):
     """One choice's chunks per step: the step's text (if any) and, on its last, its finish_reason.
 
@@ -235,20 +271,20 @@ class _OpenAIStream(_OpenAIFormatter):
             chunk["usage"] = None        # OpenAI: with include_usage, every other chunk has usage null
         return [chunk]
 
+    def _done(self) -> list[Any]:
+        """OpenAI's end marker, unless the plan leaves it out (tgi_compat: TGI's own client cannot parse it)."""
+        return [DONE] if self.plan.sse_done else []
+
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
 
 
 class ChatStream(_OpenAIStream):
-    """OpenAI chat.completion.chunk stream of one choice; its first chunk carries role "assistant"."""
-
-    sent_role = False
+    """OpenAI chat.completion.chunk stream of one choice. Every delta carries role "assistant" and
+    tool_calls null, as TGI sends them (OpenAI allows both; the TGI client's ChoiceDelta requires them)."""
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
-        delta: dict[str, str] = {"content": text}
-        if not self.sent_role:
-            delta = {"role": "assistant", **delta}
-            self.sent_role = True
+        delta = {"role": "assistant", "content": text, "tool_calls": None}
         return openai.chat_completion_chunk(**self._ids(), index=self.index, delta=delta, finish_reason=reason,
                                             logprobs=logprobs)
 
@@ -268,10 +304,10 @@ class CompletionStream(_OpenAIStream):
 # One formatter per (shape, streamed): adding a shape adds a row here and its class above.
 _DOCUMENTS = {Shape.LMI: LmiDocument, Shape.TGI: TgiDocument, Shape.CHAT: ChatDocument,
               Shape.COMPLETION: CompletionDocument}
-_STREAMS = {Shape.LMI: TokenStream, Shape.CHAT: ChatStream, Shape.COMPLETION: CompletionStream}
+_STREAMS = {Shape.LMI: TokenStream, Shape.TGI: TgiStream, Shape.CHAT: ChatStream, Shape.COMPLETION: CompletionStream}
 
 
-def stream_formatter(plan: RequestPlan, prompt: Prompt, index: int = 0) -> TokenStream | _OpenAIStream:
+def stream_formatter(plan: RequestPlan, prompt: Prompt, index: int = 0) -> TokenStream | TgiStream | _OpenAIStream:
     """The formatter of one streamed sequence (choice `index`); its events(out) are that sequence's objects."""
     formatter = _STREAMS[plan.shape](plan, prompt)
     formatter.index = index
@@ -299,25 +335,26 @@ class StreamAnswer:
             out = outputs.get(request_id)
             if out is None:
                 continue
-            if self.plan.shape is Shape.LMI:
+            if self.plan.shape in (Shape.LMI, Shape.TGI):     # one sequence, streamed as it is
                 self.finished = out.finished
                 return stream.events(out)
             if _is_error(out):
                 self.finished = True
-                return [stream._error(out), DONE]
+                return [stream._error(out), *stream._done()]
             events.extend(stream.events(out))
-        if self.plan.shape is not Shape.LMI and all(f.finished for f in self.streams.values()):
+        if self.plan.shape not in (Shape.LMI, Shape.TGI) and all(f.finished for f in self.streams.values()):
             self.finished = True
             events.extend(self._tail())
         return events
 
     def _tail(self) -> list[Any]:
+        done = [DONE] if self.plan.sse_done else []
         if not self.plan.include_usage:
-            return [DONE]
+            return done
         streams = list(self.streams.values())
         return [openai.usage_chunk(**streams[0]._ids(), chat=self.plan.shape is Shape.CHAT,
                                    prompt_tokens=streams[0].last.num_prompt_tokens,
-                                   completion_tokens=sum(f.num_completion_tokens for f in streams)), DONE]
+                                   completion_tokens=sum(f.num_completion_tokens for f in streams)), *done]
 
 
 class Answer:
@@ -350,8 +387,8 @@ class Answer:
         if self.plan.kind is Kind.DYNAMIC_LIST:
             return documents
         failed = any(f.failed for f in self.formatters[0])
-        if self.plan.shape is Shape.LMI and self.plan.tgi_names and not failed:
-            return [documents[0]]      # tgi_compat wraps the non-streaming answer in a list
+        if self.plan.in_list and not failed:
+            return [documents[0]]      # TGI's POST / and tgi_compat wrap the non-streaming answer in a list
         return documents[0]
 
     def _prompt_document(self, formatters: list[Formatter]) -> dict:
@@ -389,6 +426,8 @@ def stream_failure(message: str, code: int, plan: RequestPlan) -> list[Any]:
     """The last objects of a stream whose request failed after HTTP 200 went out (DESIGN §3: a final
     line with finish_reason "error"). OpenAI kinds get an error chunk and DONE, as vLLM sends."""
     if plan.is_openai:
-        return [openai_error(message, code), DONE]
+        return [openai_error(message, code), *([DONE] if plan.sse_done else [])]
+    if plan.shape is Shape.TGI:
+        return [tgi_error(message)]
     return [{"token": token_to_dict(SENTINEL_TOKEN), "details": {"finish_reason": FinishReason.ERROR.value},
              "error": message, "code": code}]

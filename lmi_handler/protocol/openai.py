@@ -258,6 +258,10 @@ def completion_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int],
             "top_logprobs": tops, "text_offset": offsets}
 
 
+# OpenAI's optional backend tag; TGI's clients (text_generation's ChatComplete/ChatCompletionChunk) require it.
+SYSTEM_FINGERPRINT = "lmi_handler"
+
+
 def chat_choice(index: int, content: str, finish_reason: FinishReason | None, logprobs: dict | None = None) -> dict:
     """One choice of a chat.completion."""
     return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
@@ -273,7 +277,8 @@ def chat_completion_response(*, request_id: str, created: int, model: str, choic
                              prompt_tokens: int, completion_tokens: int) -> dict:
     """OpenAI chat.completion object; `choices` from chat_choice, index 0..n-1."""
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def completion_response(*, request_id: str, created: int, model: str, choices: list[dict],
@@ -289,7 +294,7 @@ def chat_completion_chunk(*, request_id: str, created: int, model: str, delta: d
     choice = {"index": index, "delta": delta, "logprobs": logprobs,
               "finish_reason": to_openai_finish_reason(finish_reason)}
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [choice]}
+            "model": model, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
 def completion_chunk(*, request_id: str, created: int, model: str, text: str, index: int = 0,

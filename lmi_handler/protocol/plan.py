@@ -19,6 +19,8 @@ ROUTE_INVOCATIONS = "/invocations"
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_GENERATE = "/generate"          # TGI's non-streaming route
+ROUTE_GENERATE_STREAM = "/generate_stream"   # TGI's streaming route (SSE)
+ROUTE_TGI = "/"                       # TGI's compat route: streams when the body says stream=true
 
 
 class Kind(str, enum.Enum):
@@ -31,18 +33,22 @@ class Kind(str, enum.Enum):
     DYNAMIC_LIST = "dynamic_list"            # /invocations in dynamic batch: a list, one element per input
     BATCH_LINE = "batch_line"                # one line of a batch file: the OpenAI body its url answers
     TGI_GENERATE = "tgi_generate"            # TGI /generate
+    TGI_STREAM = "tgi_stream"                # TGI /generate_stream: always SSE
+    TGI_COMPAT = "tgi_compat"                # TGI POST /: /generate_stream when stream=true, else [/generate]
 
 
 class Shape(str, enum.Enum):
     """The response object one sequence becomes (formatters.py has one formatter per shape and mode)."""
 
     LMI = "lmi"                # {"generated_text", "details"?}; streamed as {"token"} lines
-    TGI = "tgi"                # TGI /generate {"generated_text", "details": {..., "seed"}}
+    TGI = "tgi"                # TGI {"generated_text", "details": {..., "seed"}}; streamed as TGI StreamResponses
     CHAT = "chat"              # chat.completion; streamed as chat.completion.chunk
     COMPLETION = "completion"  # text_completion (also its chunks)
 
 
 OPENAI_KINDS = (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION, Kind.BATCH_LINE)
+TGI_KINDS = (Kind.TGI_GENERATE, Kind.TGI_STREAM, Kind.TGI_COMPAT)
+_TGI_ROUTES = {ROUTE_GENERATE: Kind.TGI_GENERATE, ROUTE_GENERATE_STREAM: Kind.TGI_STREAM, ROUTE_TGI: Kind.TGI_COMPAT}
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class RequestPlan:
     logprobs: bool = False
     include_usage: bool = False
     model_name: str = ""
+    sse_done: bool = True        # OpenAI streams end with `data: [DONE]`; not under tgi_compat (sse_done_marker)
     created: int = 0
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
@@ -89,6 +96,11 @@ class RequestPlan:
         """Answers and errors take OpenAI's shapes."""
         return self.kind in OPENAI_KINDS
 
+    @property
+    def in_list(self) -> bool:
+        """A whole answer sent as a one-element list: TGI's POST / (TGI), LMI text under tgi_compat (LMI)."""
+        return self.kind is Kind.TGI_COMPAT or (self.kind is Kind.LMI_TEXT and self.tgi_names)
+
     def members(self, front_end_seed: int | None = None) -> list[list[Member]]:
         """The engine sequences of each prompt (n / best_of; seeds resolved now, see sequences.members)."""
         return [members(p.request_id, p.params, self.sequences, front_end_seed) for p in self.prompts]
@@ -100,8 +112,8 @@ def kind_of(route: str | None, chat: bool, rolling: bool) -> Kind:
         return Kind.OPENAI_CHAT
     if route == ROUTE_COMPLETIONS:
         return Kind.OPENAI_COMPLETION
-    if route == ROUTE_GENERATE:
-        return Kind.TGI_GENERATE
+    if route in _TGI_ROUTES:
+        return _TGI_ROUTES[route]
     if chat:
         return Kind.LMI_CHAT
     return Kind.LMI_TEXT if rolling else Kind.DYNAMIC_LIST
@@ -113,17 +125,20 @@ def shape_of(kind: Kind, route: str | None = None) -> Shape:
         return Shape.CHAT
     if kind in (Kind.OPENAI_COMPLETION, Kind.BATCH_LINE):
         return Shape.COMPLETION
-    return Shape.TGI if kind is Kind.TGI_GENERATE else Shape.LMI
+    return Shape.TGI if kind in TGI_KINDS else Shape.LMI
 
 
 def streaming_reason(kind: Kind, asked: bool, output_formatter: str | None) -> str | None:
     """Why the answer streams, in words for error messages; None when it does not.
 
     `stream: true`, or on LMI kinds in rolling batch option.output_formatter=jsonlines|sse (dynamic
-    batch streams {"outputs"} lines only when asked). Batch lines and TGI /generate never stream.
+    batch streams {"outputs"} lines only when asked). Batch lines and TGI /generate never stream,
+    TGI /generate_stream always does.
     """
     if kind in (Kind.BATCH_LINE, Kind.TGI_GENERATE):
         return None
+    if kind is Kind.TGI_STREAM:
+        return "/generate_stream always streams (use /generate)"
     if asked:
         return "send stream=false"
     if kind in (Kind.LMI_TEXT, Kind.LMI_CHAT) and output_formatter in ("jsonlines", "sse"):
@@ -132,11 +147,11 @@ def streaming_reason(kind: Kind, asked: bool, output_formatter: str | None) -> s
 
 
 def wire_of(kind: Kind, stream: bool, output_formatter: str | None, tgi_compat: bool) -> Wire:
-    """json when not streaming; SSE on OpenAI routes; {"outputs"} jsonlines in dynamic batch; else
+    """json when not streaming; SSE on OpenAI and TGI routes; {"outputs"} jsonlines in dynamic batch; else
     option.output_formatter, else SSE with tgi_compat, else jsonlines (LMI defaults)."""
     if not stream:
         return Wire.JSON
-    if kind in OPENAI_KINDS:
+    if kind in OPENAI_KINDS or kind in TGI_KINDS:
         return Wire.SSE
     if kind is Kind.DYNAMIC_LIST:
         return Wire.JSONLINES
@@ -146,10 +161,17 @@ def wire_of(kind: Kind, stream: bool, output_formatter: str | None, tgi_compat: 
 
 
 def tgi_names(kind: Kind, tgi_compat: bool) -> bool:
-    """TGI's token names (and list-wrapped LMI json): always on /generate; for LMI text under tgi_compat."""
-    return kind is Kind.TGI_GENERATE or (tgi_compat and kind is Kind.LMI_TEXT)
+    """TGI's token names (and list-wrapped LMI json): always on TGI routes; for LMI text under tgi_compat."""
+    return kind in TGI_KINDS or (tgi_compat and kind is Kind.LMI_TEXT)
 
 
 def details_by_default(kind: Kind, tgi_compat: bool) -> bool:
-    """`details` when the request does not say: on under tgi_compat (LMI), off on /generate (TGI)."""
-    return tgi_compat and kind is not Kind.TGI_GENERATE
+    """`details` when the request does not say: on under tgi_compat (LMI), off on TGI routes (TGI)."""
+    return tgi_compat and kind not in TGI_KINDS
+
+
+def sse_done_marker(tgi_compat: bool) -> bool:
+    """OpenAI streams end with `data: [DONE]` (OpenAI, vLLM); under tgi_compat they just end, as TGI 2.0 did:
+    the TGI client (text-generation 0.7.0) fails on the marker, and the openai package and huggingface_hub
+    stop at the stream's end either way."""
+    return not tgi_compat

@@ -137,6 +137,34 @@ def test_tgi_compat_stream_lines_use_tgi_names_index_and_top_tokens():
     assert lines[-1]["details"]["finish_reason"] == "length"
 
 
+def test_tgi_stream_events_carry_every_key_and_end_with_generated_text_and_details():
+    plan = make_plan(Kind.TGI_STREAM, Wire.SSE, details=True, tgi_names=True, decode_token=lambda i: f"t{i}")
+    events = [e for chunk in run(plan, steps(top=True)) for e in lines_of(chunk, sse=True)]
+    assert [e["index"] for e in events] == [1, 2, 3]
+    assert all(set(e) == {"index", "token", "top_tokens", "generated_text", "details"} for e in events)
+    assert events[0]["token"] == {"id": 1, "text": "Hi", "logprob": -0.1, "special": False}
+    assert events[0]["top_tokens"][1] == {"id": 99, "text": "t99", "logprob": -5.0, "special": False}
+    assert [e["generated_text"] for e in events] == [None, None, "Hi 我😀"]
+    assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 3, "seed": None,
+                                     "input_length": 2}
+
+
+def test_tgi_stream_error_is_tgi_error_event_and_compat_whole_answer_is_a_list():
+    failed = [RequestOutput("abc", [], "", True, FinishReason.ERROR, 4, 0, error="boom")]
+    plan = make_plan(Kind.TGI_STREAM, Wire.SSE, tgi_names=True)
+    assert lines_of(run(plan, failed)[0], sse=True) == [{"error": "boom", "error_type": "generation"}]
+    assert stream_failure("gone", 503, plan) == [{"error": "gone", "error_type": "generation"}]
+    whole = json.loads(run(make_plan(Kind.TGI_COMPAT, tgi_names=True), steps())[2])
+    assert whole == [{"generated_text": "Hi 我😀"}]
+    assert json.loads(run(make_plan(Kind.TGI_GENERATE, tgi_names=True), steps())[2]) == {"generated_text": "Hi 我😀"}
+
+
+def test_openai_streams_leave_out_done_when_the_plan_says_so():
+    plan = make_plan(Kind.OPENAI_CHAT, Wire.SSE, sse_done=False)
+    sent = "".join(run(plan, steps()))
+    assert "[DONE]" not in sent and sent.endswith("\n\n")
+
+
 # ---- chat / completions ------------------------------------------------------------------
 
 def test_chat_completion_object():
@@ -157,7 +185,9 @@ def test_chat_stream_chunks_end_with_done():
     assert sent[1] == "" and sent[-1].endswith(SSE_DONE)
     chunks = [c for chunk in sent for c in lines_of(chunk, sse=True)]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-abc" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+    # every delta carries role and tool_calls: null, as TGI sends them (the TGI client's ChoiceDelta requires them)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hi", "tool_calls": None}
+    assert all(c["system_fingerprint"] and c["choices"][0]["delta"]["role"] == "assistant" for c in chunks)
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hi 我😀"
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
 

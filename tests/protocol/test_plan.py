@@ -10,7 +10,9 @@ from lmi_handler.protocol.plan import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
     ROUTE_GENERATE,
+    ROUTE_GENERATE_STREAM,
     ROUTE_INVOCATIONS,
+    ROUTE_TGI,
     Kind,
     Shape,
     kind_of,
@@ -25,6 +27,7 @@ from lmi_handler.protocol.sequences import Combine, SequencePlan, best_choices, 
     (ROUTE_CHAT, False, True, Kind.OPENAI_CHAT), (ROUTE_COMPLETIONS, False, False, Kind.OPENAI_COMPLETION),
     (ROUTE_GENERATE, False, False, Kind.TGI_GENERATE), (ROUTE_INVOCATIONS, True, False, Kind.LMI_CHAT),
     (ROUTE_INVOCATIONS, False, True, Kind.LMI_TEXT), (None, False, False, Kind.DYNAMIC_LIST),
+    (ROUTE_GENERATE_STREAM, True, True, Kind.TGI_STREAM), (ROUTE_TGI, False, True, Kind.TGI_COMPAT),
 ])
 def test_kind_follows_route_then_messages_then_batching_mode(route, chat, rolling, kind):
     assert kind_of(route, chat, rolling) is kind
@@ -40,7 +43,8 @@ def test_a_batch_line_answers_the_object_of_its_url():
     (Kind.LMI_TEXT, False, None, False), (Kind.LMI_TEXT, True, None, True), (Kind.LMI_TEXT, False, "sse", True),
     (Kind.LMI_CHAT, False, "jsonlines", True), (Kind.OPENAI_CHAT, False, "sse", False),
     (Kind.DYNAMIC_LIST, False, "jsonlines", False), (Kind.TGI_GENERATE, True, None, False),
-    (Kind.BATCH_LINE, True, None, False),
+    (Kind.BATCH_LINE, True, None, False), (Kind.TGI_STREAM, False, None, True), (Kind.TGI_COMPAT, False, "sse", False),
+    (Kind.TGI_COMPAT, True, None, True),
 ])
 def test_lmi_kinds_stream_when_asked_or_by_option_others_only_when_asked(kind, asked, option, streams):
     assert (streaming_reason(kind, asked, option) is not None) is streams
@@ -50,7 +54,8 @@ def test_lmi_kinds_stream_when_asked_or_by_option_others_only_when_asked(kind, a
     (Kind.LMI_TEXT, False, "sse", True, Wire.JSON), (Kind.LMI_TEXT, True, None, False, Wire.JSONLINES),
     (Kind.LMI_TEXT, True, None, True, Wire.SSE), (Kind.LMI_TEXT, True, "jsonlines", True, Wire.JSONLINES),
     (Kind.LMI_CHAT, True, "jsonlines", False, Wire.JSONLINES), (Kind.OPENAI_CHAT, True, "jsonlines", False, Wire.SSE),
-    (Kind.DYNAMIC_LIST, True, "sse", True, Wire.JSONLINES),
+    (Kind.DYNAMIC_LIST, True, "sse", True, Wire.JSONLINES), (Kind.TGI_STREAM, True, "jsonlines", False, Wire.SSE),
+    (Kind.TGI_COMPAT, True, None, False, Wire.SSE),
 ])
 def test_wire_format_follows_lmi_defaults(kind, stream, option, tgi, wire):
     assert wire_of(kind, stream, option, tgi) is wire

@@ -2,17 +2,13 @@
 deep JSON is a 400 at any depth, and TGI's /generate answers TGI's shape."""
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 
-import httpx
 import pytest
 
 from lmi_handler import handler
-from lmi_handler.config import read_serving_properties
-from lmi_handler.server.app import create_app
-from tests.helpers import REPO
+from tests.server.inprocess import InProcessServer
 
 pytestmark = pytest.mark.slow
 
@@ -44,27 +40,6 @@ class CountingTokenizer:
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
-
-
-class InProcessServer:
-    """create_app() with its lifespan running on a private event loop; post() sends one request."""
-
-    def __init__(self, **options: str):
-        properties = read_serving_properties(REPO / "serving.properties", environ={})
-        self.app = create_app({**properties, "max_rolling_batch_size": "4", **options})
-        self.loop = asyncio.new_event_loop()
-        self.lifespan = self.app.router.lifespan_context(self.app)
-        self.loop.run_until_complete(self.lifespan.__aenter__())
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://app",
-                                        timeout=300)
-
-    def post(self, path: str, **kwargs) -> httpx.Response:
-        return self.loop.run_until_complete(self.client.post(path, **kwargs))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.client.aclose())
-        self.loop.run_until_complete(self.lifespan.__aexit__(None, None, None))
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,10 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     assert sample(metrics, "lmi_requests_waiting") == 0
     scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
     assert sample(metrics, "lmi_requests_waiting") == 1
-    assert sample(metrics, "lmi_front_end_pending") == 3
+    assert sample(metrics, "lmi_front_end_queue_depth") == 3
     allocator.allocate(2)
     assert sample(metrics, "lmi_kv_cache_blocks_used") == 2 and sample(metrics, "lmi_kv_cache_blocks_total") == 8
+    assert sample(metrics, "lmi_kv_cache_usage_ratio") == 0.25
 
 
 def test_no_engine_yet_exports_no_gauges():
@@ -63,3 +64,41 @@ def test_requests_are_counted_by_route_template_and_status_and_metrics_scrapes_a
     assert sample(metrics, "lmi_http_requests_total", route="/predictions/{model_name}", code="404") == 1
     assert sample(metrics, "lmi_http_requests_total", route="unmatched", code="404") == 1
     assert sample(metrics, "lmi_http_requests_total", route="/metrics", code="200") is None
+
+
+def _request(rid: str, done: bool = False, cancelled: bool = False, error: str | None = None):
+    from lmi_handler.protocol.plan import Prompt
+
+    plan = SimpleNamespace(prompts=(Prompt(rid, "p", (1, 2, 3), SamplingParams()),))
+    return SimpleNamespace(request_id=rid, plan=plan, members=[SimpleNamespace(request_id=rid)], done=done,
+                           cancelled=cancelled, error=error)
+
+
+def _out(rid: str, num_tokens: int, finished: bool = False):
+    from lmi_handler.engine.sequence import FinishReason, TokenOutput
+
+    tokens = [TokenOutput(i, "x", -0.1, False) for i in range(num_tokens)]
+    return SimpleNamespace(request_id=rid, new_tokens=tokens, finished=finished,
+                           finish_reason=FinishReason.LENGTH if finished else None)
+
+
+def test_each_request_is_counted_once_whichever_side_sees_its_end_first():
+    metrics = Metrics(lambda: None, lambda: None)
+    tracker = metrics.tracker
+    for rid in ("done", "gone", "queued"):
+        tracker.arrived(rid, "/invocations")
+    tracker.on_step([_request("done"), _request("gone")], {"done": _out("done", 1), "gone": _out("gone", 1)})
+    tracker.on_step([_request("done", done=True), _request("gone")],
+                    {"done": _out("done", 2, finished=True), "gone": _out("gone", 1)})
+    tracker.closed("done", 200)                 # the handler counted it already
+    tracker.closed("gone", 499)                 # the client left first: "abort" now ...
+    tracker.on_step([_request("gone", done=True, cancelled=True)], {})   # ... and not again when the step sees it
+    tracker.closed("queued", 499)               # left while queued: the handler never saw it
+    assert sample(metrics, "lmi_requests_finished_total", finish_reason="length") == 1
+    assert sample(metrics, "lmi_requests_finished_total", finish_reason="abort") == 2
+    assert sample(metrics, "lmi_e2e_request_latency_seconds_count") == 3
+    assert sample(metrics, "lmi_generation_tokens_total") == 5 and sample(metrics, "lmi_prompt_tokens_total") == 6
+    assert sample(metrics, "lmi_time_to_first_token_seconds_count") == 2
+    assert sample(metrics, "lmi_time_per_output_token_seconds_count") == 3      # tokens after each first one
+    # only the one the handler may still report is remembered (bounded: metrics._MAX_REMEMBERED)
+    assert not tracker._timings and list(tracker._finished) == ["queued"]

@@ -1,0 +1,66 @@
+"""TGI's native routes on the bundled app: POST /generate, /generate_stream and / (TGI's compat route),
+GET /info and /health, as text-generation-inference serves them.
+
+Owns these routes and TGI's /info document; the answers' shapes are the plan's and formatters'
+(Kind.TGI_*), serving a request is app.py's `serve`.
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from lmi_handler.protocol.plan import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI
+from lmi_handler.service import Service
+
+Serve = Callable[[Request, str], Awaitable[Response]]
+
+# TGI's request limit on stop sequences (protocol/params.py enforces it).
+MAX_STOP_SEQUENCES = 16
+
+
+def add_tgi_routes(app: FastAPI, serve: Serve, get_service: Callable[[], Service],
+                   healthy: Callable[[], bool]) -> None:
+    """Mount TGI's routes; `serve(request, route)` answers a generation route, `healthy()` is the engine's state."""
+
+    @app.post(ROUTE_TGI)
+    async def compat_generate(request: Request) -> Response:
+        """TGI: /generate_stream when the body says stream=true, else [/generate's answer]."""
+        return await serve(request, ROUTE_TGI)
+
+    @app.post(ROUTE_GENERATE)
+    async def generate(request: Request) -> Response:
+        return await serve(request, ROUTE_GENERATE)
+
+    @app.post(ROUTE_GENERATE_STREAM)
+    async def generate_stream(request: Request) -> Response:
+        return await serve(request, ROUTE_GENERATE_STREAM)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """TGI: 200 with an empty body when the model answers, 503 otherwise."""
+        return Response(status_code=200 if healthy() else 503)
+
+    @app.get("/info")
+    async def info() -> JSONResponse:
+        return JSONResponse(info_document(get_service()))
+
+
+def info_document(service: Service) -> dict:
+    """TGI's Info object, filled from this server's settings (fields TGI has and we do not are null)."""
+    settings, engine = service.settings, service.engine
+    try:
+        ours = version("lmi_handler")
+    except PackageNotFoundError:
+        ours = None
+    return {"model_id": service.model_name, "model_sha": None, "model_dtype": str(engine.runner.dtype),
+            "model_device_type": engine.device.type, "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": settings.max_rolling_batch_size, "max_best_of": settings.max_rolling_batch_size,
+            "max_stop_sequences": MAX_STOP_SEQUENCES, "max_input_tokens": engine.max_model_len - 1,
+            "max_input_length": engine.max_model_len - 1, "max_total_tokens": engine.max_model_len,
+            "max_batch_total_tokens": settings.max_rolling_batch_prefill_tokens,
+            "max_batch_size": settings.max_rolling_batch_size, "waiting_served_ratio": None,
+            "max_waiting_tokens": None, "validation_workers": 1, "max_client_batch_size": 1,
+            "router": "lmi_handler", "version": ours, "sha": None, "docker_label": None}

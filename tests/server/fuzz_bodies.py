@@ -1,0 +1,131 @@
+"""Hypothesis strategies for bad request bodies, shared by the in-process and the real-server fuzz tests.
+
+Each body starts from a valid one-token request of its route and breaks one thing: a field's type, a bound,
+emptiness or size, the bytes themselves (invalid UTF-8, truncated JSON) or the nesting depth. A mutation may
+land on a valid value: such a request still asks for at most one token, so it stays cheap.
+"""
+from __future__ import annotations
+
+import json
+
+from hypothesis import strategies as st
+
+LMI_ROUTES = ("/invocations", "/generate", "/generate_stream", "/")
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = LMI_ROUTES + OPENAI_ROUTES
+
+# Length fields never take a valid large value (that would be a long generation, not a bad body).
+LENGTH_FIELDS = {"max_new_tokens", "max_tokens", "max_completion_tokens"}
+BAD_LENGTHS = [0, -1, -(2 ** 63), 2 ** 63, 2 ** 64, 10 ** 30, 1.5, "3", True, [], {}, 100_000]
+
+PARAMETER_FIELDS = ["do_sample", "seed", "temperature", "repetition_penalty", "top_k", "top_p", "max_new_tokens",
+                    "details", "return_full_text", "stop_sequences", "stop", "decoder_input_details", "min_p",
+                    "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids",
+                    "include_stop_str_in_output", "logprobs", "top_n_tokens", "skip_special_tokens", "typical_p",
+                    "truncate", "n", "best_of", "num_beams"]
+OPENAI_FIELDS = ["model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "n", "stream", "stream_options", "stop", "seed", "max_tokens", "ignore_eos",
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "user", "logprobs",
+                 "top_logprobs", "max_completion_tokens", "echo", "best_of"]
+
+# Every bound the schema has, and just past it, plus values of the wrong JSON type.
+BOUNDS = [0, 1, -1, -2, 2, 20, 21, 16, 17, 2 ** 31 - 1, 2 ** 31, 2 ** 63 - 1, -(2 ** 63), 2 ** 63, -(2 ** 63) - 1,
+          0.0, -0.0, 1e-5, 1e-6, 0.5, 1.0, 1.0000001, 2.0, 2.0000001, -2.0000001, 1e308, -1e308, 5e-324]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+                    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(BOUNDS),
+                    st.text(max_size=20), st.sampled_from(["", " ", "\x00", "\ud800", "é" * 3, "1", "true", "null"]))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5),
+                                                                                           inner, max_size=3),
+                      max_leaves=8)
+
+
+def base_body(route: str, stream: bool = False) -> dict:
+    if route == "/v1/chat/completions":
+        return {"model": "model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": stream}
+    if route == "/v1/completions":
+        return {"model": "model", "prompt": "Hi", "max_tokens": 1, "stream": stream}
+    return {"inputs": "Hi", "parameters": {"max_new_tokens": 1}, "stream": stream}
+
+
+@st.composite
+def field_mutations(draw, route: str) -> bytes:
+    """A valid body of `route` with one field set to a drawn value (a wrong type, a bound, huge, empty)."""
+    body = base_body(route, stream=draw(st.booleans()))
+    openai = route in OPENAI_ROUTES
+    target = body if openai else body["parameters"]
+    name = draw(st.sampled_from(OPENAI_FIELDS if openai else PARAMETER_FIELDS))
+    value = draw(st.sampled_from(BAD_LENGTHS)) if name in LENGTH_FIELDS else draw(values)
+    target[name] = value
+    return json.dumps(body).encode()
+
+
+@st.composite
+def shape_mutations(draw, route: str) -> bytes:
+    """The body's own shape broken: a top-level key replaced, removed or added; inputs/messages/prompt bad."""
+    body = base_body(route)
+    key = draw(st.sampled_from(sorted(body) + ["parameters", "inputs", "messages", "prompt", "extra"]))
+    action = draw(st.sampled_from(["set", "drop"]))
+    if action == "drop":
+        body.pop(key, None)
+    elif key in LENGTH_FIELDS:        # OpenAI bodies keep max_tokens at the top level
+        body[key] = draw(st.sampled_from(BAD_LENGTHS))
+    elif key == "messages":
+        body[key] = draw(st.one_of(values, st.lists(st.dictionaries(st.sampled_from(["role", "content", "name"]),
+                                                                     values, max_size=3), max_size=3)))
+    else:
+        body[key] = draw(values)
+    if route == "/v1/chat/completions" and "max_tokens" not in body:   # else: the rest of the context
+        body["max_tokens"] = 1
+    if route in LMI_ROUTES and "parameters" not in body:              # else: 30 tokens
+        body["parameters"] = {"max_new_tokens": 1}
+    elif route in LMI_ROUTES and isinstance(body["parameters"], dict):
+        body["parameters"].setdefault("max_new_tokens", 1)
+    return json.dumps(body).encode()
+
+
+huge_inputs = st.sampled_from([b'{"inputs": "' + b"a" * (9 << 20) + b'"}',               # over 8 MiB: 413
+                               json.dumps({"inputs": "hello " * 20000, "parameters": {"max_new_tokens": 1}}).encode(),
+                               json.dumps({"inputs": "", "parameters": {"max_new_tokens": 1}}).encode(),
+                               json.dumps({"inputs": ["Hi"] * 3, "parameters": {"max_new_tokens": 1}}).encode(),
+                               b"", b"{}", b"[]", b"null", b'"Hi"', b"0", b"{", b'{"inputs": "\\ud800"}'])
+
+
+def _invalid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+# Bytes that are not JSON or not UTF-8; a text/plain body is the prompt itself (LMI), so it is sent only
+# when invalid UTF-8 (a valid one would be a real 30-token generation, not a bad body).
+json_bytes = st.one_of(st.binary(max_size=64).map(lambda b: (b, "application/json")),
+                       st.binary(min_size=1, max_size=16).map(
+                           lambda b: (b'{"inputs": "' + b + b'", "parameters": {"max_new_tokens": 1}}', None)),
+                       st.binary(min_size=1, max_size=8).map(lambda b: (
+                           b'{"inputs": "Hi", "parameters": {"max_new_tokens": 1, "stop": "' + b + b'"}}', None)))
+plain_bytes = st.binary(min_size=1, max_size=64).filter(_invalid_utf8).map(lambda b: (b, "text/plain"))
+
+
+def bad_bodies(route: str):
+    """(body bytes, content type or None) pairs for `route`."""
+    as_json = st.tuples(st.one_of(field_mutations(route), shape_mutations(route), huge_inputs),
+                        st.sampled_from(["application/json", None]))
+    return st.one_of(as_json, json_bytes, plain_bytes)
+
+
+def nested(depth: int, route: str) -> bytes:
+    """A valid body of `route` with an ignored key holding arrays nested `depth` deep."""
+    body = json.dumps(base_body(route))
+    return (body[:-1] + ', "ignored": ' + "[" * depth + "]" * depth + "}").encode()
+
+
+def nested_in_field(depth: int, route: str) -> bytes:
+    """Nesting where the schema looks: under `parameters` (LMI) or `messages` (chat) or `stop`."""
+    deep = "[" * depth + "]" * depth
+    if route == "/v1/chat/completions":
+        return ('{"messages": ' + deep + ', "max_tokens": 1}').encode()
+    if route == "/v1/completions":
+        return ('{"prompt": "Hi", "max_tokens": 1, "stop": ' + deep + "}").encode()
+    return ('{"inputs": "Hi", "parameters": {"max_new_tokens": 1, "stop_sequences": ' + deep + "}}").encode()

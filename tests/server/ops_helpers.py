@@ -38,7 +38,7 @@ def wait_until(check, timeout_s: float, poll_s: float = 0.1) -> float:
 
 def idle(client: httpx.Client, kv_used: float = 0) -> bool:
     return (metric(client, "lmi_requests_running") == 0 and metric(client, "lmi_requests_waiting") == 0
-            and metric(client, "lmi_front_end_pending") == 0 and metric(client, "lmi_kv_cache_blocks_used") == kv_used)
+            and metric(client, "lmi_front_end_queue_depth") == 0 and metric(client, "lmi_kv_cache_blocks_used") == kv_used)
 
 
 @dataclass

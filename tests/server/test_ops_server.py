@@ -107,12 +107,12 @@ def release(http, holds) -> None:
 def test_cancel_by_id_ends_a_queued_request_at_once_without_touching_the_running_ones(server, http):
     holds = hold_batch(server, http)
     thread, box = in_thread(send, server.url, "/invocations", LONG, headers={"x-request-id": "queued-1"})
-    wait_until(lambda: metric(http, "lmi_front_end_pending") == 1, 10, poll_s=0.05)
+    wait_until(lambda: metric(http, "lmi_front_end_queue_depth") == 1, 10, poll_s=0.05)
     assert http.post("/v1/requests/queued-1/cancel").status_code == 200
     thread.join(timeout=2)
     (reply,) = box
     assert reply.status == 409 and "queued-1" in reply.json()["error"]
-    assert metric(http, "lmi_requests_running") == 2 and metric(http, "lmi_front_end_pending") == 0
+    assert metric(http, "lmi_requests_running") == 2 and metric(http, "lmi_front_end_queue_depth") == 0
     release(http, holds)
 
 
@@ -141,7 +141,7 @@ def test_a_queued_client_that_disconnects_leaves_the_queue_and_never_runs(server
     holds = hold_batch(server, http)
     reply = send(server.url, "/invocations", LONG, timeout_s=1.5)
     assert reply.error is not None
-    wait_until(lambda: metric(http, "lmi_front_end_pending") == 0, 2)
+    wait_until(lambda: metric(http, "lmi_front_end_queue_depth") == 0, 2)
     assert metric(http, "lmi_requests_running") == 2
     release(http, holds)
 

@@ -6,6 +6,7 @@ VENV ?= .venv
 # same requirement from PyPI is a CUDA build. Another build: `make TORCH="torch==X.Y.Z" ...`.
 TORCH ?= torch==2.13.0
 PORT ?= 8080
+HOST ?= 0.0.0.0
 BIN := $(VENV)/bin
 
 .PHONY: install model tgi-client serve lint test-fast test bench bench-setup bench-smoke clean
@@ -37,7 +38,7 @@ model: $(VENV)/.installed
 	$(BIN)/lmi-handler prepare-model --out model
 
 serve: model
-	$(BIN)/lmi-handler serve --port $(PORT)
+	$(BIN)/lmi-handler serve --host $(HOST) --port $(PORT)
 
 LINT := $(BIN)/ruff check .
 PYTEST := $(BIN)/python -m pytest -q

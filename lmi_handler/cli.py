@@ -1,4 +1,4 @@
-"""Command line: lmi-handler serve | prepare-model | batch | bench.
+"""Command line: lmi-handler serve | prepare-model | batch (the benchmark is benchmarks/bench.py, `make bench`).
 
 Owns argument parsing and process set-up (logging, uvicorn); the work is done elsewhere.
 """
@@ -54,7 +54,12 @@ def _batch(args: argparse.Namespace) -> int:
     if rejection:
         print(f"error: batch rejected, nothing was run: {rejection}", file=sys.stderr)
         return 2
-    service = Service(Settings.from_properties(read_serving_properties(args.properties)))
+    settings = Settings.from_properties(read_serving_properties(args.properties))
+    if not (settings.model_path / "config.json").is_file():   # e.g. run outside the checkout
+        print(f"error: no model at {settings.model_path} (from {args.properties}): pass --properties "
+              "PATH/serving.properties, or run where serving.properties names a prepared model", file=sys.stderr)
+        return 2
+    service = Service(settings)
     try:
         summary = BatchRunner(service).run(args.input, args.output, args.errors, defaults, progress=not args.quiet)
     except BatchRejected as exc:

@@ -52,10 +52,18 @@ def test_best_of_plans_several_sequences_and_refuses_streaming(service):
     assert info.value.field == "best_of"
 
 
-def test_a_model_the_server_does_not_serve_is_a_404_on_openai_routes(service):
+def test_a_model_the_server_does_not_serve_is_a_404_on_openai_routes(model_dir):
+    plain = Service(Settings.from_properties({"model_id": str(model_dir), "max_rolling_batch_size": "4"}))
     with pytest.raises(RequestValidationError) as info:
-        service.plan(b'{"model": "gpt-4", "prompt": "Hi"}', route=ROUTE_COMPLETIONS)
+        plain.plan(b'{"model": "gpt-4", "prompt": "Hi"}', route=ROUTE_COMPLETIONS)
     assert info.value.status_code == 404 and info.value.field == "model"
+    assert plain.plan(json.dumps({"model": plain.model_name, "prompt": "Hi"}).encode(), route=ROUTE_COMPLETIONS)
+
+
+def test_under_tgi_compat_any_model_name_is_the_model_as_tgi_clients_send_tgi_or_dummy(service):
+    for name in ("tgi", "dummy", "gpt-4"):
+        plan = service.plan(json.dumps({"model": name, "prompt": "Hi"}).encode(), route=ROUTE_COMPLETIONS)
+        assert plan.kind is Kind.OPENAI_COMPLETION
 
 
 def test_a_batch_line_body_plans_the_openai_object_of_its_url_and_never_streams(service):

@@ -273,7 +273,8 @@ def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tens
     typical_p (at least one token). typical_p: (N,) float32; 1.0 = off.
     """
     logp = torch.log_softmax(logits, dim=-1)
-    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)                          # -inf * 0 = nan, skipped
+    plogp = torch.where(logp == float("-inf"), 0.0, logp * logp.exp())                # filtered tokens add 0
+    entropy = -row_sum(plogp)[:, None]
     scores_sorted, order = torch.sort((-logp - entropy).abs(), dim=-1)
     cum = torch.softmax(logits.gather(1, order), dim=-1).cumsum(dim=-1)
     last = (cum < typical_p[:, None]).sum(dim=1).clamp(max=logits.shape[1] - 1)       # (N,)
@@ -350,14 +351,23 @@ class Sampler:
 
 
 def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
-    """Fast path for an all-greedy batch: argmax, and log-probs as logit - logsumexp (no (B, V) log_softmax)."""
-    token_ids = logits.argmax(dim=-1)                                                  # (B,)
-    lse = torch.logsumexp(logits, dim=-1)                                              # (B,)
-    chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - lse
-    if max_top_n == 0:
-        return SamplerOutput(token_ids, chosen, None, None)
-    top = torch.topk(logits, min(max_top_n, logits.shape[1]), dim=-1)
-    return SamplerOutput(token_ids, chosen, top.indices, top.values - lse[:, None])
+    """All-greedy batch: argmax of the logits; log-probs from the same log_softmax the mixed path uses.
+
+    logits: (B, V) float32. `logit - logsumexp` would be cheaper but is neither the mixed path's value
+    (a greedy row's log-prob would move when a sampled row joins the step) nor row-invariant
+    (torch.logsumexp splits a lone row's reduction over threads): see `row_sum`.
+    """
+    return _output(logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1), max_top_n)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """(N, V) -> (N,) sums whose bits depend only on the row (batch-invariant).
+
+    torch's sum/nansum/logsumexp split a reduction over threads when there are few rows, so a row
+    alone and the same row in a batch round differently; a last-dim cumsum is one sequential scan
+    per row. (log_softmax and softmax over the last dim are row-wise already, measured.)
+    """
+    return x.cumsum(dim=-1)[:, -1]
 
 
 def _output(token_ids: torch.Tensor, logprobs: torch.Tensor, max_top_n: int) -> SamplerOutput:

@@ -178,8 +178,54 @@ def test_all_greedy_fast_path_matches_the_general_path():
     meta.all_greedy = False   # force the masked path: no sampled rows, all greedy rows
     slow = Sampler()(logits, meta)
     assert torch.equal(fast.token_ids, slow.token_ids) and torch.equal(fast.top_ids, slow.top_ids)
-    torch.testing.assert_close(fast.logprobs, slow.logprobs)
-    torch.testing.assert_close(fast.top_logprobs, slow.top_logprobs)
+    assert torch.equal(fast.logprobs, slow.logprobs) and torch.equal(fast.top_logprobs, slow.top_logprobs)
+
+
+def _greedy_row(batch: list[Sequence], logits: torch.Tensor, row: int):
+    out = Sampler()(logits, meta_for(batch, logits.shape[1]))   # top-n columns: the batch's largest n
+    return int(out.token_ids[row]), out.logprobs[row], out.top_ids[row, :3], out.top_logprobs[row, :3]
+
+
+@pytest.mark.parametrize("vocab", [700, 49152])   # 49152: the demo model's vocabulary, where the leak was seen
+def test_a_greedy_rows_log_probs_are_bitwise_the_same_alone_with_greedy_and_with_sampled_neighbours(vocab):
+    """Batch invariance covers the reported log-probs too: a greedy row's chosen and top-n log-probs
+    must not move in the last bits when the step holds other greedy rows or a sampled row."""
+    torch.manual_seed(11)
+    logits = torch.randn(4, vocab) * 6 + 20          # large logits: where logit - logsumexp loses bits
+    target = seq(greedy=True, top_n_tokens=3)
+    alone = _greedy_row([target], logits[:1], 0)
+    crowds = ([target, seq(greedy=True), seq(greedy=True, top_n_tokens=5)],
+              [seq(seed=3, temperature=0.7), target, seq(greedy=True)],
+              [seq(seed=1, top_p=0.8), seq(seed=2, typical_p=0.9), seq(greedy=True), target])
+    for batch in crowds:
+        row = batch.index(target)
+        order = [row] + [i for i in range(len(batch)) if i != row]
+        crowd_logits = torch.empty(len(batch), vocab)
+        crowd_logits[order] = logits[:len(batch)]            # the target's logits are logits[0] in every crowd
+        got = _greedy_row(batch, crowd_logits, row)
+        assert got[0] == alone[0] and torch.equal(got[2], alone[2])
+        assert torch.equal(got[1], alone[1]) and torch.equal(got[3], alone[3])
+
+
+def test_a_sampled_rows_log_probs_under_typical_p_are_bitwise_the_same_alone_and_in_a_batch():
+    """typical_p's entropy is a row reduction: it must not depend on the number of rows either."""
+    torch.manual_seed(12)
+    vocab = 49152
+    logits = torch.randn(3, vocab) * 4
+    target = seq(seed=9, typical_p=0.8, top_n_tokens=2)
+    alone = Sampler()(logits[:1], meta_for([target], vocab))
+    crowd = Sampler()(logits, meta_for([target, seq(seed=1, typical_p=0.5), seq(greedy=True)], vocab))
+    assert int(crowd.token_ids[0]) == int(alone.token_ids[0])
+    assert torch.equal(crowd.logprobs[0], alone.logprobs[0]) and torch.equal(crowd.top_logprobs[0], alone.top_logprobs[0])
+
+
+def test_row_sum_is_bitwise_the_same_for_a_row_alone_and_in_a_batch():
+    from lmi_handler.engine.sampler import row_sum
+
+    x = torch.randn(8, 49152)
+    full = row_sum(x)
+    assert all(torch.equal(row_sum(x[i:i + 1])[0], full[i]) for i in range(8))
+    torch.testing.assert_close(full, x.double().sum(-1).float(), rtol=1e-4, atol=1e-3)
 
 
 def _run(seqs: list[Sequence], row: int, steps: int, vocab: int) -> list[int]:

@@ -13,7 +13,6 @@ from typing import Iterator
 import torch
 
 from lmi_handler.config import EngineConfig
-from lmi_handler.engine.host_memory import keep_freed_memory
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
 from lmi_handler.engine.output_processor import (
@@ -62,8 +61,6 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device_id)
-        if self.device.type == "cpu":
-            keep_freed_memory()        # step buffers reused instead of page-faulted in again (host_memory.py)
         self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
                                   block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
                                   batch_invariant=config.batch_invariant, compile=config.compile)

@@ -19,6 +19,29 @@
 
 namespace {
 
+// Work items handed out on demand, `chunk` at a time, over torch's OpenMP threads (the same pool: torch's
+// libgomp is the one loaded). A static split leaves one thread waiting at the barrier whenever the
+// other's share is dearer (longer contexts, a busier core): perf showed the main thread spinning in
+// libgomp for 16 % of a 64-sequence decode step. Items write disjoint outputs, so which thread runs
+// one never changes its bits.
+template <class F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  if (num_chunks == 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    f(0, n);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t c = 0; c < num_chunks; ++c) f(c * chunk, std::min(n, (c + 1) * chunk));
+}
+
+// chunk size for n items: about 8 chunks per thread (balance) but never below `min_chunk`
+inline int64_t chunk_for(int64_t n, int64_t min_chunk) {
+  return std::max<int64_t>(min_chunk, n / (8 * std::max(1, at::get_num_threads())));
+}
+
 constexpr int64_t PANEL = 32;  // output columns per packed weight panel
 
 // ---- one vector of floats: AVX-512, AVX2+FMA, or a scalar fallback (std::fma keeps the chain) ----
@@ -160,7 +183,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
   float* yp = y.data_ptr<float>();
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
   // work item = (M block, panel), panels fastest: threads split the panels of each M block
-  at::parallel_for(0, num_mb * P, 1, [&](int64_t begin, int64_t end) {
+  // Panels of one M block are contiguous in memory. A few rows (decode at small batch) only stream the
+  // weight: one contiguous share per thread reads best. Many rows: small chunks balance the threads.
+  const int64_t items = num_mb * P, threads = std::max(1, at::get_num_threads());
+  const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
+  parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
     alignas(64) float buf[M_BLOCK * PANEL];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t mb = item / P, p = item % P;
@@ -355,7 +382,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // work item = (query row, kv head): the G query heads of a group share each K/V row read
-  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(T * KVH, chunk_for(T * KVH, 1), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * max_ctx);
     std::vector<const float*> k_rows(max_ctx), v_rows(max_ctx);
     for (int64_t item = begin; item < end; ++item) {

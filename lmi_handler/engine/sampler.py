@@ -273,8 +273,7 @@ def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tens
     typical_p (at least one token). typical_p: (N,) float32; 1.0 = off.
     """
     logp = torch.log_softmax(logits, dim=-1)
-    plogp = torch.where(logp == float("-inf"), 0.0, logp * logp.exp())                # filtered tokens add 0
-    entropy = -row_sum(plogp)[:, None]
+    entropy = row_entropy(logp)[:, None]
     scores_sorted, order = torch.sort((-logp - entropy).abs(), dim=-1)
     cum = torch.softmax(logits.gather(1, order), dim=-1).cumsum(dim=-1)
     last = (cum < typical_p[:, None]).sum(dim=1).clamp(max=logits.shape[1] - 1)       # (N,)
@@ -361,13 +360,23 @@ def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """(N, V) -> (N,) sums whose bits depend only on the row (batch-invariant).
+    """(N, V) float32 -> (N,) float32 sums whose bits depend only on the row (batch-invariant).
 
     torch's sum/nansum/logsumexp split a reduction over threads when there are few rows, so a row
-    alone and the same row in a batch round differently; a last-dim cumsum is one sequential scan
-    per row. (log_softmax and softmax over the last dim are row-wise already, measured.)
+    alone and the same row in a batch round differently (measured on CPU with 2 threads); a last-dim
+    cumsum is one sequential scan per row on CPU (CUDA's is a parallel scan, still per row). Its
+    accumulation order differs from a float32 `sum`, so values agree with `sum` to rounding only.
+    (log_softmax and softmax over the last dim are row-wise already, measured.)
     """
     return x.cumsum(dim=-1)[:, -1]
+
+
+def row_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy -sum(p log p) of each row of log-probs: (N, V) float32 -> (N,) float32, in nats.
+
+    Filtered tokens (log-prob -inf) add 0. Batch-invariant through row_sum (typical_p's threshold).
+    """
+    return -row_sum(torch.where(logp == float("-inf"), 0.0, logp * logp.exp()))
 
 
 def _output(token_ids: torch.Tensor, logprobs: torch.Tensor, max_top_n: int) -> SamplerOutput:

@@ -181,13 +181,22 @@ def test_all_greedy_fast_path_matches_the_general_path():
     assert torch.equal(fast.logprobs, slow.logprobs) and torch.equal(fast.top_logprobs, slow.top_logprobs)
 
 
+@pytest.fixture
+def two_threads():
+    """torch's reductions split a lone row only with several threads: the invariance tests need them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def _greedy_row(batch: list[Sequence], logits: torch.Tensor, row: int):
     out = Sampler()(logits, meta_for(batch, logits.shape[1]))   # top-n columns: the batch's largest n
     return int(out.token_ids[row]), out.logprobs[row], out.top_ids[row, :3], out.top_logprobs[row, :3]
 
 
 @pytest.mark.parametrize("vocab", [700, 49152])   # 49152: the demo model's vocabulary, where the leak was seen
-def test_a_greedy_rows_log_probs_are_bitwise_the_same_alone_with_greedy_and_with_sampled_neighbours(vocab):
+def test_a_greedy_rows_log_probs_are_bitwise_the_same_alone_with_greedy_and_with_sampled_neighbours(vocab, two_threads):
     """Batch invariance covers the reported log-probs too: a greedy row's chosen and top-n log-probs
     must not move in the last bits when the step holds other greedy rows or a sampled row."""
     torch.manual_seed(11)
@@ -207,7 +216,7 @@ def test_a_greedy_rows_log_probs_are_bitwise_the_same_alone_with_greedy_and_with
         assert torch.equal(got[1], alone[1]) and torch.equal(got[3], alone[3])
 
 
-def test_a_sampled_rows_log_probs_under_typical_p_are_bitwise_the_same_alone_and_in_a_batch():
+def test_a_sampled_rows_log_probs_under_typical_p_are_bitwise_the_same_alone_and_in_a_batch(two_threads):
     """typical_p's entropy is a row reduction: it must not depend on the number of rows either."""
     torch.manual_seed(12)
     vocab = 49152
@@ -219,13 +228,21 @@ def test_a_sampled_rows_log_probs_under_typical_p_are_bitwise_the_same_alone_and
     assert torch.equal(crowd.logprobs[0], alone.logprobs[0]) and torch.equal(crowd.top_logprobs[0], alone.top_logprobs[0])
 
 
-def test_row_sum_is_bitwise_the_same_for_a_row_alone_and_in_a_batch():
-    from lmi_handler.engine.sampler import row_sum
+def test_row_sum_and_row_entropy_are_bitwise_the_same_for_a_row_alone_and_in_a_batch(two_threads):
+    """typical_p's threshold rests on the entropy: a lone row's must not differ from its batched bits.
+    (torch's nansum, which it replaced, fails this check here: a lone row is split over threads.)"""
+    from lmi_handler.engine.sampler import row_entropy, row_sum
 
-    x = torch.randn(8, 49152)
-    full = row_sum(x)
-    assert all(torch.equal(row_sum(x[i:i + 1])[0], full[i]) for i in range(8))
-    torch.testing.assert_close(full, x.double().sum(-1).float(), rtol=1e-4, atol=1e-3)
+    x = torch.randn(8, 49152, generator=torch.Generator().manual_seed(13)) * 4
+    logp = torch.log_softmax(x, dim=-1)
+    logp[:, ::7] = float("-inf")                                         # filtered tokens
+    for fn, arg in ((row_sum, x), (row_entropy, logp)):
+        full = fn(arg)
+        assert all(torch.equal(fn(arg[i:i + 1])[0], full[i]) for i in range(8))
+    torch.testing.assert_close(row_sum(x), x.double().sum(-1).float(), rtol=1e-4, atol=1e-3)
+    p = logp.double().exp()
+    expected = -(torch.where(p > 0, p * logp.double(), 0.0)).sum(-1).float()
+    torch.testing.assert_close(row_entropy(logp), expected, rtol=1e-5, atol=1e-5)
 
 
 def _run(seqs: list[Sequence], row: int, steps: int, vocab: int) -> list[int]:

@@ -10,7 +10,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -19,22 +21,38 @@
 
 namespace {
 
-// Work items handed out on demand, `chunk` at a time, over torch's OpenMP threads (the same pool: torch's
-// libgomp is the one loaded). A static split leaves one thread waiting at the barrier whenever the
+// Work items handed out on demand, `chunk` at a time, over torch's OpenMP threads (the same pool where
+// torch's wheel ships `libgomp.so.1`, as its CPU wheel does: the loader reuses it; a wheel with a renamed
+// libgomp would give this extension a pool of its own). A static split leaves one thread waiting at the barrier whenever the
 // other's share is dearer (longer contexts, a busier core): perf showed the main thread spinning in
 // libgomp for 16 % of a 64-sequence decode step. Items write disjoint outputs, so which thread runs
 // one never changes its bits.
+// An exception inside a chunk (e.g. a failed allocation) is caught, the remaining chunks are skipped,
+// and the first one is re-thrown on the calling thread, as at::parallel_for does.
 template <class F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   if (n <= 0) return;
   chunk = std::max<int64_t>(1, chunk);
   const int64_t num_chunks = (n + chunk - 1) / chunk;
-  if (num_chunks == 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_chunks));
+  if (threads <= 1 || at::in_parallel_region()) {
     f(0, n);
     return;
   }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t c = 0; c < num_chunks; ++c) f(c * chunk, std::min(n, (c + 1) * chunk));
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    if (failed.load(std::memory_order_relaxed)) continue;
+    try {
+      f(c * chunk, std::min(n, (c + 1) * chunk));
+    } catch (...) {
+#pragma omp critical(lmi_parallel_chunks_error)
+      if (!error) error = std::current_exception();
+      failed.store(true, std::memory_order_relaxed);
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 // chunk size for n items: about 8 chunks per thread (balance) but never below `min_chunk`
@@ -204,7 +222,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
         for (int64_t i = 0, tile = 0; i < rows; i += MR, ++tile) {
           const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - tile * per_tile));
           tile_kernel(std::min(MR, rows - i), xp + (m0 + i) * K + k0, K, w, kc, buf + i * PANEL, k0 == 0,
-                      next + tile * per_tile * 16, own);
+                      own > 0 ? next + tile * per_tile * 16 : nullptr, own);
         }
       }
       for (int64_t i = 0; i < rows; ++i) {  // copy out, + bias (one add after the chain)
@@ -323,7 +341,10 @@ void weighted_chunk(const float* p, const float* const* v_rows, int64_t n, int64
   Vec acc[C];
   for (int c = 0; c < C; ++c) acc[c] = Vec::zero();
   for (int64_t t = 0; t < n; ++t) {
-    if (d0 == 0 && t + ATTN_PREFETCH < n) prefetch_rows(v_rows, t + ATTN_PREFETCH, t + ATTN_PREFETCH + 1, C * Vec::W);
+    if (t + ATTN_PREFETCH < n) {  // this chunk's columns of a value row further on
+      const float* const ahead[1] = {v_rows[t + ATTN_PREFETCH] + d0};
+      prefetch_rows(ahead, 0, 1, C * Vec::W);
+    }
     const Vec w = Vec::bcast(p[t]);
     const float* v = v_rows[t] + d0;
     for (int c = 0; c < C; ++c) acc[c] = Vec::fma(w, Vec::load(v + c * Vec::W), acc[c]);

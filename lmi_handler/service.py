@@ -121,10 +121,36 @@ class Service:
             try:
                 self.engine.check_fits(len(token_ids), params.max_new_tokens)
             except RequestRejected as exc:
-                raise RequestValidationError(exc.field, str(exc)) from None
+                raise self._length_error(request, exc, len(token_ids), params.max_new_tokens) from None
             rid = f"{request_id}-{index}" if len(texts) > 1 else request_id
             prompts.append(Prompt(rid, text, tuple(token_ids), params))
         return tuple(prompts)
+
+    def _length_error(self, request: InvocationRequest, exc: RequestRejected, num_prompt_tokens: int,
+                      max_new_tokens: int) -> RequestValidationError:
+        """The 400 for a request too long for the context or the KV cache, in its dialect's names.
+
+        LMI/TGI keep the engine's message (`inputs`, `max_new_tokens`, `parameters.truncate`). OpenAI
+        routes and batch lines name their own fields (`messages` or `prompt`; `max_completion_tokens`
+        or `max_tokens`, whichever was sent), with vLLM's/OpenAI's context-length wording.
+        """
+        openai = request.chat or request.completion
+        if openai is None:
+            return RequestValidationError(exc.field, str(exc))
+        prompt_field = "messages" if request.chat is not None else "prompt"
+        length_field = next((name for name in ("max_completion_tokens", "max_tokens")
+                             if getattr(openai, name, None) is not None), None)
+        total = num_prompt_tokens + max_new_tokens
+        if exc.field == "inputs":       # the model's context
+            limit, what = self.engine.max_model_len, "This model's maximum context length"
+        else:                           # the KV cache
+            limit = self.engine.allocator.num_blocks * self.engine.allocator.block_size
+            what = "This server's KV cache"
+        asked = (f"you requested {total} tokens ({num_prompt_tokens} in the {prompt_field}, {max_new_tokens} for the "
+                 f"completion)")
+        fix = f"reduce the length of the {prompt_field}" + (f" or `{length_field}`" if length_field else "")
+        field = length_field if length_field and num_prompt_tokens < limit else prompt_field
+        return RequestValidationError(field, f"{what} is {limit} tokens. However, {asked}. Please {fix}.")
 
     def _check_token_ids(self, token_ids: tuple[int, ...]) -> None:
         vocab_size = self.engine.runner.config.vocab_size

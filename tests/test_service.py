@@ -77,3 +77,26 @@ def test_an_over_long_prompt_is_refused_naming_the_token_counts(service):
     with pytest.raises(RequestValidationError) as info:
         service.plan(json.dumps({"inputs": "word " * 9000}))
     assert info.value.field == "inputs" and "exceeds" in info.value.message
+
+
+@pytest.mark.parametrize("route, body, field, names", [
+    (ROUTE_CHAT, {"messages": [{"role": "user", "content": "word " * 9000}]}, "messages", ("messages",)),
+    (ROUTE_CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 9000},
+     "max_completion_tokens", ("messages", "max_completion_tokens")),
+    (ROUTE_COMPLETIONS, {"prompt": "Hi", "max_tokens": 9000}, "max_tokens", ("prompt", "max_tokens")),
+    (ROUTE_COMPLETIONS, {"prompt": "word " * 9000, "max_tokens": 4}, "prompt", ("prompt",)),
+])
+def test_an_openai_request_too_long_for_the_context_names_its_own_fields(service, route, body, field, names):
+    with pytest.raises(RequestValidationError) as info:
+        service.plan(json.dumps(body).encode(), route=route)
+    message = info.value.message
+    assert info.value.status_code == 400 and info.value.field == field
+    assert "maximum context length is 8192 tokens" in message and all(name in message for name in names)
+    assert "inputs" not in message and "max_new_tokens" not in message and "truncate" not in message
+
+
+def test_a_batch_line_too_long_for_the_context_names_the_openai_fields(service):
+    with pytest.raises(RequestValidationError) as info:
+        service.plan_openai_body({"prompt": "Hi", "max_tokens": 9000}, ROUTE_COMPLETIONS, "line-1",
+                                 greedy_when_unset=True)
+    assert info.value.field == "max_tokens" and "maximum context length" in info.value.message

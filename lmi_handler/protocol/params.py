@@ -30,7 +30,7 @@ RULES: dict[str, str] = {
     "seed": f"an integer in [{INT64_MIN}, {INT64_MAX}]",
     "temperature": "a number >= 0 (below 1e-5 = greedy)",
     "repetition_penalty": "a number > 0 (1.0 = off)",
-    "top_k": "an integer in [0, 2147483647] (0 or -1 = off)",
+    "top_k": "an integer in [-1, 2147483647] (0 or -1 = off)",
     "top_p": "a number in (0, 1] (1.0 = off)",
     "max_new_tokens": "an integer >= 1",
     "details": "true or false",

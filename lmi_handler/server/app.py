@@ -93,7 +93,10 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 
     @app.get("/ping")
     async def ping() -> JSONResponse:
-        """Unhealthy (503) while the engine loop is down; a full queue is not unhealthy."""
+        """Unhealthy (503) while the engine loop is down, and while draining after SIGTERM (so a load
+        balancer stops routing here while accepted requests finish); a full queue is not unhealthy."""
+        if front_end.draining:
+            return JSONResponse({"status": "Draining"}, status_code=503)
         healthy = front_end.alive
         return JSONResponse({"status": "Healthy" if healthy else "Unhealthy"}, status_code=200 if healthy else 503)
 
@@ -116,7 +119,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
         return JSONResponse({"models": [{"modelName": name, "modelUrl": str(get_state().settings.model_path),
                                          "status": status} for name in get_state().service.served_names]})
 
-    add_tgi_routes(app, serve, lambda: get_state().service, lambda: front_end.alive)
+    add_tgi_routes(app, serve, lambda: get_state().service, lambda: front_end.alive and not front_end.draining)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -160,6 +160,9 @@ def test_sigterm_refuses_new_requests_and_drains_every_accepted_one_before_exiti
             time.sleep(0.3)
             refused = http.post("/invocations", json={"inputs": "Hi"})
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]
+            ping = http.get("/ping")          # a load balancer stops routing here while the drain runs
+            assert ping.status_code == 503 and ping.json() == {"status": "Draining"}
+            assert http.get("/health").status_code == 503
         replies: list[Reply] = []
         for thread, box in flights:
             thread.join(timeout=120)

@@ -57,6 +57,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="OpenAI: send a last chunk with usage and no choices")
 
 
+# Fields other servers honour that would change the answer, which this one does not implement: sent with
+# a value other than the neutral one, they are refused (400 naming the field) rather than ignored, so a
+# client never gets an answer that silently dropped a constraint. Neutral values pass (clients such as
+# text-generation's `chat` send `"tools": null`; nulls never reach this check).
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "suffix": ("",), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "use_beam_search": (False,), "prompt_logprobs": (0, False),
+    "min_tokens": (0,), "logits_processors": ([],),
+}
+
+
+def _refuse_not_implemented(given: dict[str, Any]) -> None:
+    """Raise RequestValidationError (400) for the first NOT_IMPLEMENTED field with a non-neutral value."""
+    for name, neutral in NOT_IMPLEMENTED.items():
+        if name in given and given[name] not in neutral:
+            raise RequestValidationError(name, f"Invalid parameter `{name}`: not supported by this server "
+                                         f"(leave it out{' or send ' + repr(neutral[0]) if neutral else ''})")
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and completions (OpenAI, plus the vLLM extras)."""
 
@@ -90,6 +110,7 @@ class _SamplingRequest(BaseModel):
         if not isinstance(data, dict):
             raise RequestValidationError.out_of_range("body", data, "a JSON object")
         given = {key: value for key, value in data.items() if value is not None}
+        _refuse_not_implemented({k: v for k, v in given.items() if k not in cls.model_fields})
         unknown = sorted(set(given) - set(cls.model_fields))
         if unknown:
             logger.warning("ignoring unsupported request fields: %s", ", ".join(unknown))

@@ -160,3 +160,25 @@ def test_n_and_best_of_stay_the_openai_rule_not_generation_parameters():
     params = request.to_generation_parameters()
     assert (request.n, request.best_of) == (2, 3) and (params.n, params.best_of) == (1, None)
     assert params.to_sampling_params().greedy
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logit_bias", {"50256": -100}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+    ("guided_choice", ["a", "b"]), ("use_beam_search", True), ("prompt_logprobs", 1), ("min_tokens", 4),
+])
+def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_refused_not_ignored(field, value):
+    for parse in (lambda: chat(**{field: value}),
+                  lambda: CompletionRequest.parse({"model": "smol", "prompt": "Hi", field: value})):
+        with pytest.raises(RequestValidationError) as info:
+            parse()
+        assert info.value.status_code == 400 and info.value.field == field
+        assert f"`{field}`" in info.value.message and "not supported" in info.value.message
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted():
+    """Clients send these defaults (text-generation's `chat` sends nulls; others empty lists or 'none')."""
+    request = chat(logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"}, functions=None,
+                   use_beam_search=False, min_tokens=0, guided_json=None)
+    assert request.messages == MESSAGES
+    assert CompletionRequest.parse({"model": "smol", "prompt": "Hi", "suffix": "", "logit_bias": None}).echo is False

@@ -66,6 +66,9 @@ def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "")
     loc = [str(part) for part in err["loc"]]
     field = loc[0] if loc else "body"
     allowed = rules.get(field)
+    if err.get("type") == "missing":        # its "input" is the whole body, not the field's value
+        return RequestValidationError(prefix + field, f"Invalid parameter `{prefix}{field}`: required"
+                                      + (f", must be {allowed}" if allowed else ""))
     if allowed is None:
         return RequestValidationError(prefix + field, f"Invalid parameter `{prefix}{field}`: {err['msg']}")
     return RequestValidationError.out_of_range(prefix + field, err.get("input"), allowed)

@@ -24,7 +24,7 @@ OPENAI_RULES: dict[str, str] = {
     "model": "a string",
     "messages": f"a non-empty list of {{role, content}} objects (role one of {', '.join(ROLES)}; "
                 "content a string or a list of text parts; only assistant messages may omit it)",
-    "prompt": "a non-empty string or a non-empty list of strings",
+    "prompt": "a non-empty string (one prompt per request here)",
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
     "stop": RULES["stop_sequences"],
@@ -39,7 +39,7 @@ OPENAI_RULES: dict[str, str] = {
 }
 # OpenAI field -> GenerationParameters field, to name the client's field in errors.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "top_n_tokens": "top_logprobs",
-                "return_full_text": "echo"}
+                "return_full_text": "echo", "truncate": "truncate_prompt_tokens"}
 _FINISH_REASONS = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",
                    FinishReason.LENGTH: "length", FinishReason.ERROR: "error"}
 
@@ -65,14 +65,16 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "suffix": ("",), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "use_beam_search": (False,), "prompt_logprobs": (0, False),
-    "min_tokens": (0,), "logits_processors": ([],),
+    "min_tokens": (0,), "logits_processors": ([],), "structured_outputs": (), "allowed_token_ids": (),
+    "bad_words": (), "best_of": (1,),      # best_of: chat only (completions implement it)
 }
+EMPTY = ({}, [], "")   # neutral for every field above
 
 
 def _refuse_not_implemented(given: dict[str, Any]) -> None:
     """Raise RequestValidationError (400) for the first NOT_IMPLEMENTED field with a non-neutral value."""
     for name, neutral in NOT_IMPLEMENTED.items():
-        if name in given and given[name] not in neutral:
+        if name in given and given[name] not in neutral and given[name] not in EMPTY:
             raise RequestValidationError(name, f"Invalid parameter `{name}`: not supported by this server "
                                          f"(leave it out{' or send ' + repr(neutral[0]) if neutral else ''})")
 
@@ -102,6 +104,8 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="vLLM: token ids that end generation")
     include_stop_str_in_output: bool = Field(False, description="vLLM: keep the stop string in the text")
     skip_special_tokens: bool = Field(True, description="vLLM: leave special tokens out of the text")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM: keep only the last k prompt tokens "
+                                               "(LMI/TGI `truncate`)")
     user: str | None = None
 
     @classmethod
@@ -115,9 +119,13 @@ class _SamplingRequest(BaseModel):
         if unknown:
             logger.warning("ignoring unsupported request fields: %s", ", ".join(unknown))
         try:
-            return cls.model_validate(given)
+            request = cls.model_validate(given)
         except ValidationError as exc:
             raise from_pydantic(exc, OPENAI_RULES) from None
+        if request.stream_options is not None and not request.stream:     # vLLM refuses it too
+            raise RequestValidationError("stream_options", "Invalid parameter `stream_options`: only allowed "
+                                         "with stream=true")
+        return request
 
     @property
     def include_usage(self) -> bool:
@@ -135,7 +143,7 @@ class _SamplingRequest(BaseModel):
         for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
             out[name] = getattr(self, name)
         # n (and best_of) are the OpenAI dialect's rule (sequences.openai_n), not GenerationParameters'
-        out.update(stop_sequences=self.stop, ignore_eos=self.ignore_eos,
+        out.update(stop_sequences=self.stop, ignore_eos=self.ignore_eos, truncate=self.truncate_prompt_tokens,
                    include_stop_str_in_output=self.include_stop_str_in_output,
                    skip_special_tokens=self.skip_special_tokens)
         return out
@@ -201,6 +209,8 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] = Field(description="OpenAI: one prompt or a list (one choice each); text only")
     max_tokens: int | None = Field(16, ge=1, description="OpenAI: generated tokens at most (default 16)")
+    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens, as on chat and in "
+                                              "batch lines (DESIGN §4), so a batch body and the route agree")
     echo: bool = Field(False, description="OpenAI: prepend the prompt to the text")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="OpenAI: alternatives per token, [0, 5]")
@@ -219,9 +229,9 @@ class CompletionRequest(_SamplingRequest):
 
     def to_generation_parameters(self, *, defaults: dict | None = None,
                                  greedy_when_unset: bool = False) -> GenerationParameters:
-        """OpenAI -> LMI parameters (max_tokens default 16; echo -> return_full_text)."""
+        """OpenAI -> LMI parameters (max_completion_tokens, then max_tokens, default 16; echo -> return_full_text)."""
         values = self._sampling_dict(defaults, greedy_when_unset)
-        values.update(max_new_tokens=self.max_tokens, return_full_text=self.echo,
+        values.update(max_new_tokens=self.max_completion_tokens or self.max_tokens, return_full_text=self.echo,
                       top_n_tokens=self.logprobs)
         return _parse_generation(values)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -129,11 +130,13 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await serve(request, ROUTE_COMPLETIONS)
 
+    models_created = int(time.time())      # OpenAI Model.created: unix seconds; here, when the app was built
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         names = get_state().service.served_names
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "lmi_handler"}
-                                                        for name in names]})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": models_created,
+                                                         "owned_by": "lmi_handler"} for name in names]})
 
     return app
 

@@ -182,3 +182,41 @@ def test_neutral_values_of_unimplemented_fields_are_accepted():
                    use_beam_search=False, min_tokens=0, guided_json=None)
     assert request.messages == MESSAGES
     assert CompletionRequest.parse({"model": "smol", "prompt": "Hi", "suffix": "", "logit_bias": None}).echo is False
+
+
+def test_empty_values_of_unimplemented_fields_are_neutral():
+    assert chat(response_format={}, guided_json={}, guided_choice=[], guided_regex="", bad_words=[]).messages == MESSAGES
+    with pytest.raises(RequestValidationError) as info:
+        chat(best_of=2)                     # chat has no best_of here (completions implement it)
+    assert info.value.field == "best_of"
+    for field, value in (("structured_outputs", {"json": {}}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"])):
+        with pytest.raises(RequestValidationError) as info:
+            chat(**{field: value})
+        assert info.value.field == field
+
+
+def test_completions_take_max_completion_tokens_over_max_tokens_as_batch_lines_do():
+    request = CompletionRequest.parse({"prompt": "Hi", "max_tokens": 9, "max_completion_tokens": 5})
+    assert request.to_generation_parameters().max_new_tokens == 5
+    assert CompletionRequest.parse({"prompt": "Hi"}).to_generation_parameters().max_new_tokens == 16
+
+
+def test_truncate_prompt_tokens_is_lmi_truncate_and_its_errors_keep_the_vllm_name():
+    assert chat(truncate_prompt_tokens=7).to_generation_parameters().truncate == 7
+    with pytest.raises(RequestValidationError) as info:
+        chat(truncate_prompt_tokens=0)
+    assert info.value.field == "truncate_prompt_tokens"
+
+
+def test_stream_options_without_stream_is_refused_as_vllm_does():
+    with pytest.raises(RequestValidationError) as info:
+        chat(stream_options={"include_usage": True})
+    assert info.value.field == "stream_options" and "stream=true" in info.value.message
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+
+
+@pytest.mark.parametrize("body, field", [({"max_tokens": 2}, "prompt"), ({"prompt": None, "max_tokens": 2}, "prompt")])
+def test_a_missing_field_is_named_as_required_without_echoing_the_body(body, field):
+    with pytest.raises(RequestValidationError) as info:
+        CompletionRequest.parse(body)
+    assert info.value.field == field and "required" in info.value.message and "max_tokens" not in info.value.message

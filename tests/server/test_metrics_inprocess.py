@@ -59,8 +59,10 @@ def test_tgi_info_and_health(app):
 
 
 def test_every_served_name_is_accepted_and_the_first_is_answered(app):
-    names = [m["id"] for m in app.get("/v1/models").json()["data"]]
+    listed = app.get("/v1/models").json()["data"]
+    names = [m["id"] for m in listed]
     assert names == ["smol", "model"]
+    assert all(isinstance(m["created"], int) and m["created"] > 1_700_000_000 and m["object"] == "model" for m in listed)
     for name in names:
         reply = app.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1})
         assert reply.status_code == 200 and reply.json()["model"] == "smol"

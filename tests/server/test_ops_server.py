@@ -79,12 +79,19 @@ def test_cancel_by_id_ends_a_running_stream_with_its_error_line_and_frees_its_bl
     assert http.post("/v1/requests/cancel-stream/cancel").status_code == 404   # finished: nothing to cancel
 
 
-def test_cancel_by_id_ends_a_running_non_streaming_request_with_a_409_json_error(server, http):
-    thread, box = in_thread(send, server.url, "/invocations", LONG, headers={"x-request-id": "cancel-whole"})
-    wait_until(lambda: metric(http, "lmi_requests_running") == 1, 30, poll_s=0.05)
-    assert http.post("/v1/requests/cancel-whole/cancel").status_code == 200
-    thread.join(timeout=10)
+def cancel_whole(server, http, request_id: str, gauge: str, value: int, join_s: float):
+    """Send LONG (not streamed) as `request_id`, wait until `gauge` reads `value`, cancel it by id;
+    returns its reply once the sending thread ends (within `join_s`)."""
+    thread, box = in_thread(send, server.url, "/invocations", LONG, headers={"x-request-id": request_id})
+    wait_until(lambda: metric(http, gauge) == value, 30, poll_s=0.05)
+    assert http.post(f"/v1/requests/{request_id}/cancel").status_code == 200
+    thread.join(timeout=join_s)
     (reply,) = box
+    return reply
+
+
+def test_cancel_by_id_ends_a_running_non_streaming_request_with_a_409_json_error(server, http):
+    reply = cancel_whole(server, http, "cancel-whole", "lmi_requests_running", 1, join_s=10)
     assert reply.status == 409 and "cancelled" in reply.json()["error"]
     wait_until(lambda: idle(http), 2)
 
@@ -106,11 +113,7 @@ def release(http, holds) -> None:
 
 def test_cancel_by_id_ends_a_queued_request_at_once_without_touching_the_running_ones(server, http):
     holds = hold_batch(server, http)
-    thread, box = in_thread(send, server.url, "/invocations", LONG, headers={"x-request-id": "queued-1"})
-    wait_until(lambda: metric(http, "lmi_front_end_queue_depth") == 1, 10, poll_s=0.05)
-    assert http.post("/v1/requests/queued-1/cancel").status_code == 200
-    thread.join(timeout=2)
-    (reply,) = box
+    reply = cancel_whole(server, http, "queued-1", "lmi_front_end_queue_depth", 1, join_s=2)
     assert reply.status == 409 and "queued-1" in reply.json()["error"]
     assert metric(http, "lmi_requests_running") == 2 and metric(http, "lmi_front_end_queue_depth") == 0
     release(http, holds)

@@ -112,7 +112,7 @@ def make_meta(tables: list[list[int]], starts: list[int], lengths: list[int], bl
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 12, 1), (6, 2, 128, 3), (2, 1, 5, 7)])
+    (9, 3, 64, 16), (4, 4, 12, 1), (6, 2, 128, 3), (2, 1, 5, 7), (8, 2, 16, 4), (8, 1, 24, 5)])
 def test_paged_kernel_matches_reference_on_random_shapes(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     num_seqs = 6

@@ -280,93 +280,128 @@ float exp_and_sum(float* s, int64_t n, float max) {
   return total;
 }
 
-// dot(a, b) over D floats in a fixed order: vector lanes, then lanes summed, then a scalar tail
-inline float dot(const float* a, const float* b, int64_t D) {
-  Vec acc = Vec::zero();
+// ---- one query row, all H heads, walking its sequence's cache block by block -----------------
+// A block holds BS tokens x KVH heads x D floats contiguously (12 KiB for the demo model), so a row
+// that takes every head at once reads each block as one sequential stream, and the next block is
+// prefetched while this one is used (measured on the demo model's 64-sequence decode, 30 layers,
+// 2 threads: 53.2 -> 46.7 ms against one (row, KV head) per item reading K/V rows one by one; the
+// bits are unchanged). A score s[h * ld + t] is one dot chain over d (vector lanes, lanes summed in a
+// fixed order, scalar tail), an output lane one FMA chain over t in order from zero, stored and
+// reloaded between blocks (exact): the same operations whatever else is in the batch.
+
+// scores of NH heads (pointers q[h], key offset koff[h] within a token's row) for one key row
+template <int NH>
+inline void score_heads(const float* const* q, const int64_t* koff, const float* krow, int64_t D, float scale,
+                        float* s, int64_t ld, int64_t t, float* mx) {
+  Vec acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = Vec::zero();
   int64_t d = 0;
-  for (; d + Vec::W <= D; d += Vec::W) acc = Vec::fma(Vec::load(a + d), Vec::load(b + d), acc);
-  float s = acc.sum();
-  for (; d < D; ++d) s = std::fma(a[d], b[d], s);
-  return s;
+  for (; d + Vec::W <= D; d += Vec::W)
+    for (int h = 0; h < NH; ++h) acc[h] = Vec::fma(Vec::load(q[h] + d), Vec::load(krow + koff[h] + d), acc[h]);
+  for (int h = 0; h < NH; ++h) {
+    float r = acc[h].sum();
+    for (int64_t e = d; e < D; ++e) r = std::fma(q[h][e], krow[koff[h] + e], r);
+    r *= scale;
+    s[h * ld + t] = r;
+    mx[h] = std::max(mx[h], r);
+  }
 }
 
-// Keys and values sit one row per token in scattered cache blocks, which the hardware prefetcher
-// cannot follow: the loops below fetch rows ATTN_PREFETCH tokens ahead (no effect on the arithmetic).
-constexpr int64_t ATTN_PREFETCH = 16;
+// out[h][d0 .. d0 + C*W) (+)= sum over the block's keys t0..t1 of p[h][t] * v_t[g][...] for the
+// NG heads of one KV head; `first`: start from zero (the first block), else from the stored value
+template <int NG, int C>
+inline void values_heads(const float* p, int64_t ld, const float* vblock, int64_t row_stride, int64_t t0, int64_t t1,
+                         int64_t d0, float* out, int64_t D, bool first) {
+  Vec acc[NG][C];
+  for (int h = 0; h < NG; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = first ? Vec::zero() : Vec::load(out + h * D + d0 + c * Vec::W);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* v = vblock + (t - t0) * row_stride + d0;
+    for (int h = 0; h < NG; ++h) {
+      const Vec w = Vec::bcast(p[h * ld + t]);
+      for (int c = 0; c < C; ++c) acc[h][c] = Vec::fma(w, Vec::load(v + c * Vec::W), acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NG; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c].store(out + h * D + d0 + c * Vec::W);
+}
 
-inline void prefetch_rows(const float* const* rows, int64_t begin, int64_t end, int64_t D) {
+template <int NG>
+void values_group(const float* p, int64_t ld, const float* vblock, int64_t row_stride, int64_t t0, int64_t t1,
+                  float* out, int64_t D, bool first) {
+  constexpr int C = NG == 1 ? 8 : (NG == 2 ? 4 : (NG <= 3 ? 4 : 2));  // NG x C accumulators <= 12
+  int64_t d = 0;
+  for (; d + C * Vec::W <= D; d += C * Vec::W) values_heads<NG, C>(p, ld, vblock, row_stride, t0, t1, d, out, D, first);
+  for (; d + Vec::W <= D; d += Vec::W) values_heads<NG, 1>(p, ld, vblock, row_stride, t0, t1, d, out, D, first);
+  for (; d < D; ++d)
+    for (int h = 0; h < NG; ++h) {
+      float a = first ? 0.f : out[h * D + d];
+      for (int64_t t = t0; t < t1; ++t) a = std::fma(p[h * ld + t], vblock[(t - t0) * row_stride + d], a);
+      out[h * D + d] = a;
+    }
+}
+
+inline void prefetch_span(const float* p, int64_t first_line, int64_t last_line) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  for (int64_t t = begin; t < end; ++t)
-    for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(rows[t] + d), _MM_HINT_T0);
+  for (int64_t l = first_line; l < last_line; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + l * 16), _MM_HINT_T0);
 #endif
 }
 
-// s[t] = dot(q, k_rows[t]) * scale for t < n, four keys at a time (four independent chains, each
-// exactly the operations of dot()); returns the max
-float score_row(const float* q, const float* const* k_rows, int64_t n, int64_t D, float scale, float* s) {
-  float mx = -INFINITY;
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    const float *k0 = k_rows[t], *k1 = k_rows[t + 1], *k2 = k_rows[t + 2], *k3 = k_rows[t + 3];
-    prefetch_rows(k_rows, t + ATTN_PREFETCH, std::min(n, t + ATTN_PREFETCH + 4), D);
-    Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
-    int64_t d = 0;
-    for (; d + Vec::W <= D; d += Vec::W) {
-      const Vec qv = Vec::load(q + d);
-      a0 = Vec::fma(qv, Vec::load(k0 + d), a0);
-      a1 = Vec::fma(qv, Vec::load(k1 + d), a1);
-      a2 = Vec::fma(qv, Vec::load(k2 + d), a2);
-      a3 = Vec::fma(qv, Vec::load(k3 + d), a3);
+// One query row: q (H, D), keys 0..n-1 of the sequence with block table `table`; out (H, D).
+// Scratch: scores H x ld floats (ld >= n), stats 2 H floats.
+void attend_row(const float* q, const float* kp, const float* vp, const int32_t* table, int64_t n, int64_t BS,
+                int64_t H, int64_t KVH, int64_t D, float scale, float* scores, int64_t ld, float* stats, float* out) {
+  const int64_t G = H / KVH, row_stride = KVH * D, block_floats = BS * row_stride;
+  const int64_t block_lines = (block_floats + 15) / 16, num_blocks = (n + BS - 1) / BS;
+  float* mx = stats;
+  float* denom = stats + H;
+  std::fill(mx, mx + H, -INFINITY);
+  // scores, four heads at a time, block by block (the next block's keys prefetched meanwhile)
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const float* kb = kp + static_cast<int64_t>(table[j]) * block_floats;
+    const float* next = j + 1 < num_blocks ? kp + static_cast<int64_t>(table[j + 1]) * block_floats : nullptr;
+    const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS), per_t = (block_lines + (t1 - t0) - 1) / (t1 - t0);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (next) prefetch_span(next, (t - t0) * per_t, std::min(block_lines, (t - t0 + 1) * per_t));
+      const float* krow = kb + (t - t0) * row_stride;
+      int64_t h = 0;
+      for (; h + 4 <= H; h += 4) {
+        const float* qs[4] = {q + h * D, q + (h + 1) * D, q + (h + 2) * D, q + (h + 3) * D};
+        const int64_t ko[4] = {(h / G) * D, ((h + 1) / G) * D, ((h + 2) / G) * D, ((h + 3) / G) * D};
+        score_heads<4>(qs, ko, krow, D, scale, scores + h * ld, ld, t, mx + h);
+      }
+      for (; h < H; ++h) {
+        const float* qs[1] = {q + h * D};
+        const int64_t ko[1] = {(h / G) * D};
+        score_heads<1>(qs, ko, krow, D, scale, scores + h * ld, ld, t, mx + h);
+      }
     }
-    float r0 = a0.sum(), r1 = a1.sum(), r2 = a2.sum(), r3 = a3.sum();
-    for (; d < D; ++d) {
-      r0 = std::fma(q[d], k0[d], r0);
-      r1 = std::fma(q[d], k1[d], r1);
-      r2 = std::fma(q[d], k2[d], r2);
-      r3 = std::fma(q[d], k3[d], r3);
+  }
+  for (int64_t h = 0; h < H; ++h) denom[h] = exp_and_sum(scores + h * ld, n, mx[h]);
+  // weighted values, block by block, the G heads of each KV head together
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const float* vb = vp + static_cast<int64_t>(table[j]) * block_floats;
+    if (j + 1 < num_blocks) prefetch_span(vp + static_cast<int64_t>(table[j + 1]) * block_floats, 0, block_lines);
+    const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS);
+    for (int64_t g = 0; g < KVH; ++g) {
+      const float* p = scores + g * G * ld;
+      float* o = out + g * G * D;
+      const float* vg = vb + g * D;
+      switch (G) {
+        case 1: values_group<1>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
+        case 2: values_group<2>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
+        case 3: values_group<3>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
+        case 4: values_group<4>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
+        default:
+          for (int64_t h = 0; h < G; ++h)
+            values_group<1>(p + h * ld, ld, vg, row_stride, t0, t1, o + h * D, D, j == 0);
+      }
     }
-    s[t] = r0 * scale; s[t + 1] = r1 * scale; s[t + 2] = r2 * scale; s[t + 3] = r3 * scale;
-    mx = std::max(std::max(mx, std::max(s[t], s[t + 1])), std::max(s[t + 2], s[t + 3]));
   }
-  for (; t < n; ++t) {
-    s[t] = dot(q, k_rows[t], D) * scale;
-    mx = std::max(mx, s[t]);
-  }
-  return mx;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] /= denom[h];
 }
 
-// out[d0 .. d0 + C*W) = sum_t p[t] * v_t[...]: C independent FMA chains over t in order
-template <int C>
-void weighted_chunk(const float* p, const float* const* v_rows, int64_t n, int64_t d0, float* out) {
-  Vec acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = Vec::zero();
-  for (int64_t t = 0; t < n; ++t) {
-    if (t + ATTN_PREFETCH < n) {  // this chunk's columns of a value row further on
-      const float* const ahead[1] = {v_rows[t + ATTN_PREFETCH] + d0};
-      prefetch_rows(ahead, 0, 1, C * Vec::W);
-    }
-    const Vec w = Vec::bcast(p[t]);
-    const float* v = v_rows[t] + d0;
-    for (int c = 0; c < C; ++c) acc[c] = Vec::fma(w, Vec::load(v + c * Vec::W), acc[c]);
-  }
-  for (int c = 0; c < C; ++c) acc[c].store(out + d0 + c * Vec::W);
-}
-
-// out[0..D) = sum_t p[t] * v_t / denom, v_t at v_rows[t]. Each lane d is one FMA chain over t in
-// order whichever chunk it falls in; eight vectors per pass hide the FMA latency.
-void weighted_sum(const float* p, const float* const* v_rows, int64_t n, int64_t D, float denom,
-                  float* out) {
-  int64_t d = 0;
-  for (; d + 8 * Vec::W <= D; d += 8 * Vec::W) weighted_chunk<8>(p, v_rows, n, d, out);
-  for (; d + 4 * Vec::W <= D; d += 4 * Vec::W) weighted_chunk<4>(p, v_rows, n, d, out);
-  for (; d + Vec::W <= D; d += Vec::W) weighted_chunk<1>(p, v_rows, n, d, out);
-  for (; d < D; ++d) {
-    float a = 0.f;
-    for (int64_t t = 0; t < n; ++t) a = std::fma(p[t], v_rows[t][d], a);
-    out[d] = a;
-  }
-  for (d = 0; d < D; ++d) out[d] /= denom;
-}
 
 // q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (S, max_blocks)
 // int32; context_lens: (S,) int32; cu_seqlens_q: (S+1,) int32. Row r of sequence s sits at
@@ -382,7 +417,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t S = context_lens.size(0), MB = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes mismatch");
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -402,26 +437,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  // work item = (query row, kv head): the G query heads of a group share each K/V row read
-  parallel_chunks(T * KVH, chunk_for(T * KVH, 1), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * max_ctx);
-    std::vector<const float*> k_rows(max_ctx), v_rows(max_ctx);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KVH, g = item % KVH, s = seq_of_row[r];
+  // work item = one query row with all its heads: each cache block is read as one stream
+  parallel_chunks(T, chunk_for(T, 1), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(H * max_ctx), stats(2 * H);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = seq_of_row[r];
       const int64_t n = ctx[s] - (cu[s + 1] - cu[s]) + (r - cu[s]) + 1;  // keys 0..pos
-      const int32_t* table = tables + s * MB;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t off = ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + g) * D;
-        k_rows[t] = kp + off;
-        v_rows[t] = vp + off;
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        const float* qh = qp + (r * H + g * G + h) * D;
-        float* sh = scores.data() + h * max_ctx;
-        const float mx = score_row(qh, k_rows.data(), n, D, fscale, sh);
-        const float denom = exp_and_sum(sh, n, mx);
-        weighted_sum(sh, v_rows.data(), n, D, denom, op + (r * H + g * G + h) * D);
-      }
+      attend_row(qp + r * H * D, kp, vp, tables + s * MB, n, BS, H, KVH, D, fscale, scores.data(), max_ctx,
+                 stats.data(), op + r * H * D);
     }
   });
   return out;

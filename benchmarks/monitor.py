@@ -147,9 +147,10 @@ class RoundWatch:
     """Where the CPU went during one offline round: the engine running it, its idle peers, everyone else.
 
     `pid` is the running worker, `peer_pids` the workers waiting their turn (each with its process tree,
-    taken at the start and the end). "Other" is every process outside this one's tree, so the benchmark's
-    own processes are never in it. Cores busy = CPU seconds / the round's wall time; steal as in
-    `steal_fraction`. Use as a context manager; read `result()` after.
+    taken at the start and the end; the idle peers' figure is None without peers). "Other" is every
+    process outside this one's tree, so the benchmark's own processes are never in it. Cores busy = CPU
+    seconds / the round's wall time; steal as in `steal_fraction`. Use as a context manager; read
+    `result()` after.
     """
 
     def __init__(self, pid: int, peer_pids: list[int]):
@@ -175,7 +176,8 @@ class RoundWatch:
             return sum(cpu[pid] - self._cpu.get(pid, 0.0) for pid in pids if pid in cpu) / wall if wall else 0.0
 
         self._result = {"wall_s": wall, "steal_fraction": steal_fraction(self._stat, stat),
-                        "engine_cpu_cores_busy": cores(engine), "idle_peer_cpu_cores_busy": cores(peers - engine),
+                        "engine_cpu_cores_busy": cores(engine),
+                        "idle_peer_cpu_cores_busy": cores(peers - engine) if self.peer_pids else None,
                         "other_cpu_cores_busy": cores(set(cpu) - ours), "loadavg_after": list(os.getloadavg())}
 
     def result(self) -> dict:

@@ -50,9 +50,12 @@ class OfflineWorker:
         """Start the worker and wait until it is warmed up; returns its ready.json. Raises WorkerFailed."""
         self.control_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as log_file:
-            # own process group: a timeout kills vLLM's engine-core children with it
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
-                                         env=self.env, cwd=REPO, text=True, start_new_session=True)
+            try:  # own process group: a timeout kills vLLM's engine-core children with it
+                self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=log_file,
+                                             stderr=subprocess.STDOUT, env=self.env, cwd=REPO, text=True,
+                                             start_new_session=True)
+            except OSError as exc:
+                raise WorkerFailed(f"cannot start {self.cmd[0]}: {exc}") from None
         self.monitor = PhaseMonitor(self.proc.pid).start()
         return self._wait_for(READY, "it was ready")
 
@@ -134,62 +137,83 @@ def run_rounds(workers: list[OfflineWorker], num_rounds: int, snapshot_s: float 
     into that round's record as "machine". A worker that fails is killed and recorded as skipped; the
     others go on. Returns {worker name: its final JSON, or {"skipped": why}}.
     """
-    results: dict[str, dict] = {}
-    live: list[OfflineWorker] = []
-    machine: dict[str, dict[int, dict]] = {w.name: {} for w in workers}
-
-    def fail(worker: OfflineWorker, exc: Exception, when: str) -> None:
-        worker.kill()
-        if worker in live:
-            live.remove(worker)
-        results[worker.name] = {"skipped": f"failed {when}: {exc}"}
-        log(f"    {worker.name}: failed {when}: {str(exc)[:400]}")
-
+    rounds = _Rounds(snapshot_s, log)
     try:
         for worker in workers:
-            log(f"[{time.strftime('%H:%M:%S')}] {worker.name}: starting (rounds worker) ...")
-            try:
-                ready = worker.start()
-                live.append(worker)
-                log(f"    {worker.name}: ready ({', '.join(f'{k} {v:.1f}' for k, v in ready.items())})")
-            except WorkerFailed as exc:
-                fail(worker, exc, "at start-up")
+            rounds.start(worker)
         for k in range(1, num_rounds + 1):
-            order = live[(k - 1) % len(live):] + live[:(k - 1) % len(live)] if live else []
+            shift = (k - 1) % max(len(rounds.live), 1)
+            order = rounds.live[shift:] + rounds.live[:shift]
             for position, worker in enumerate(order, 1):
-                if worker not in live:
-                    continue
-                record = {"position": position, "order": [w.name for w in order],
-                          "before": machine_snapshot(snapshot_s)}
-                try:
-                    with RoundWatch(worker.proc.pid, [w.proc.pid for w in live if w is not worker]) as watch:
-                        result = worker.run_round(k)
-                except WorkerFailed as exc:
-                    fail(worker, exc, f"in round {k}")
-                    continue
-                machine[worker.name][k] = {**record, "during": watch.result()}
-                log(f"    round {k}/{num_rounds} {worker.name}: {result['output_tokens']} tokens in "
-                    f"{result['wall_s']:.1f} s = {result['output_tokens_per_s']:.1f} tok/s; "
-                    f"{describe(machine[worker.name][k])}")
-        for worker in list(live):
-            try:
-                result = worker.finish()
-            except WorkerFailed as exc:
-                fail(worker, exc, "at finish (batch-1)")
-                continue
-            for rnd in result.get("rounds", []):
-                rnd["machine"] = machine[worker.name].get(rnd["round"])
-            result["phase_s"] = result["monitor"]["wall_s"]
-            results[worker.name] = result
+                rounds.turn(worker, k, num_rounds, position, [w.name for w in order])
+        for worker in list(rounds.live):
+            rounds.finish(worker)
     finally:
         for worker in workers:
             worker.kill()
-    return results
+    return rounds.results
+
+
+class _Rounds:
+    """run_rounds' state: the live workers, each one's machine record per round, the results so far."""
+
+    def __init__(self, snapshot_s: float, log):
+        self.snapshot_s, self.log = snapshot_s, log
+        self.live: list[OfflineWorker] = []
+        self.machine: dict[str, dict[int, dict]] = {}
+        self.results: dict[str, dict] = {}
+
+    def start(self, worker: OfflineWorker) -> None:
+        self.log(f"[{time.strftime('%H:%M:%S')}] {worker.name}: starting (rounds worker) ...")
+        try:
+            ready = worker.start()
+        except Exception as exc:  # noqa: BLE001 - one worker's failure must not lose the others' results
+            self._fail(worker, exc, "at start-up")
+            return
+        self.live.append(worker)
+        self.machine[worker.name] = {}
+        self.log(f"    {worker.name}: ready ({', '.join(f'{k} {v:.1f}' for k, v in ready.items())})")
+
+    def turn(self, worker: OfflineWorker, k: int, num_rounds: int, position: int, order: list[str]) -> None:
+        """`worker` runs round `k` while the other live workers wait; its machine record is kept."""
+        if worker not in self.live:  # failed earlier in this round
+            return
+        record = {"position": position, "order": order, "before": machine_snapshot(self.snapshot_s)}
+        try:
+            with RoundWatch(worker.proc.pid, [w.proc.pid for w in self.live if w is not worker]) as watch:
+                result = worker.run_round(k)
+        except Exception as exc:  # noqa: BLE001 - as in start
+            self._fail(worker, exc, f"in round {k}")
+            return
+        record["during"] = watch.result()
+        self.machine[worker.name][k] = record
+        self.log(f"    round {k}/{num_rounds} {worker.name}: {result['output_tokens']} tokens in "
+                 f"{result['wall_s']:.1f} s = {result['output_tokens_per_s']:.1f} tok/s; {describe(record)}")
+
+    def finish(self, worker: OfflineWorker) -> None:
+        try:
+            result = worker.finish()
+        except Exception as exc:  # noqa: BLE001 - as in start
+            self._fail(worker, exc, "at finish (batch-1)")
+            return
+        for rnd in result.get("rounds", []):
+            rnd["machine"] = self.machine[worker.name].get(rnd["round"])
+        result["phase_s"] = result["monitor"]["wall_s"]
+        self.results[worker.name] = result
+
+    def _fail(self, worker: OfflineWorker, exc: Exception, when: str) -> None:
+        worker.kill()
+        if worker in self.live:
+            self.live.remove(worker)
+        why = str(exc) if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {exc}"
+        self.results[worker.name] = {"skipped": f"failed {when}: {why}"}
+        self.log(f"    {worker.name}: failed {when}: {why[:400]}")
 
 
 def describe(record: dict) -> str:
     """One round's machine record in a few words, for progress output."""
-    during, steal = record["during"], record["during"]["steal_fraction"]
+    during = record["during"]
+    steal, peer = during["steal_fraction"], during["idle_peer_cpu_cores_busy"]
     return (f"steal {'–' if steal is None else f'{100 * steal:.1f} %'}, "
             f"load {record['before']['loadavg_1_5_15'][0]:.2f}, other processes {during['other_cpu_cores_busy']:.2f} "
-            f"cores, idle peer {during['idle_peer_cpu_cores_busy']:.2f}")
+            f"cores, idle peer {'–' if peer is None else f'{peer:.2f}'}")

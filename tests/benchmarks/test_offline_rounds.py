@@ -92,6 +92,14 @@ def test_a_peer_failing_in_round_two_keeps_every_round_of_ours(tmp_path):
     assert [r["round"] for r in results["ours"]["rounds"]] == [1, 2, 3]
 
 
+def test_a_worker_that_cannot_start_is_recorded_and_the_other_runs_alone(tmp_path):
+    gone = OfflineWorker("gone", [str(tmp_path / "no-such-python")], dict(os.environ), tmp_path, 60)
+    results = run_rounds([gone, _fake(tmp_path, "ours", "--rate", "10")], 2, snapshot_s=0.05, log=lambda line: None)
+    assert results["gone"]["skipped"].startswith("failed at start-up: cannot start")
+    assert results["ours"]["rounds"][1]["machine"]["order"] == ["ours"]
+    assert results["ours"]["rounds"][1]["machine"]["during"]["idle_peer_cpu_cores_busy"] is None
+
+
 def test_a_worker_past_its_time_limit_is_killed_and_the_other_goes_on(tmp_path):
     hung, ours = _fake(tmp_path, "hung", "--rate", "5", "--hang", time_limit_s=4), _fake(tmp_path, "ours", "--rate", "10")
     results = run_rounds([hung, ours], 2, snapshot_s=0.05, log=lambda line: None)

@@ -3,14 +3,16 @@
     .venv/bin/python benchmarks/bench.py [--smoke] [--write-readme] [--skip vllm,hf ...]
 
 Workload (workload.py): the first 64 MT-bench prompts (turns[0]) through the chat template, 128
-greedy tokens each, EOS ignored. Phases, never two engines at once:
+greedy tokens each, EOS ignored. Phases, never two engines running at once:
 
 1. peak matmul rate (a big torch.matmul) — the compute bound's denominator;
-2. our engine offline: every request added at once to lmi_handler's Engine (default, then plain);
+2. offline, in --offline-rounds interleaved rounds (offline_rounds.py): our Engine and vLLM's CPU build
+   (benchmarks/.venv-vllm, set up by vllm_peer.py) both loaded, taking turns on the whole workload,
+   who goes first swapping every round; then our engine's plain variant, one round alone;
 3. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
 4. our HTTP server (ServerProcess) streaming /v1/completions at each --concurrency;
 5. transformers generate(), static batches at the fastest of --hf-batch-sizes;
-6. vLLM's CPU build (benchmarks/.venv-vllm, set up by vllm_peer.py) offline, then its API server;
+6. vLLM's API server, as our server;
 7. the peak matmul rate again (the machine's state at the end).
 
 A phase that cannot run (peer not set up, command missing, a failure) is recorded with its reason
@@ -37,6 +39,7 @@ import report as report_mod  # noqa: E402
 import vllm_peer  # noqa: E402
 from load_client import run_load  # noqa: E402
 from monitor import PhaseMonitor, machine_snapshot  # noqa: E402
+from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
 from workload import BENCH, PROMPTS, REPO, Workload, build_workload, compute_bound, model_flops, write_batch_file  # noqa: E402
 
 from lmi_handler.server.process import ServerProcess, free_port  # noqa: E402
@@ -44,10 +47,6 @@ from lmi_handler.server.process import ServerProcess, free_port  # noqa: E402
 
 class PhaseSkipped(Exception):
     """A phase could not run; its message says why (recorded in the report, the run goes on)."""
-
-
-def log_tail(path: Path, chars: int = 2500) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
 class Bench:
@@ -114,11 +113,33 @@ class Bench:
                "--dtype", self.args.dtype, "--peak-size", str(self.args.peak_size)]
         return self.run_worker(name, cmd, self.env)
 
-    def ours_offline(self, name: str, **extra: str) -> dict:
+    def offline(self, names: list[str], num_rounds: int) -> None:
+        """Offline phases `names` (of ours_offline, ours_offline_plain, vllm_offline) as workers taking turns
+        for `num_rounds` rounds (offline_rounds.run_rounds); each one's result or why not goes into phases."""
+        print(f"[{time.strftime('%H:%M:%S')}] {' + '.join(names)}: {num_rounds} rounds ...", flush=True)
+        makers = {"ours_offline": self._ours_worker, "vllm_offline": self._vllm_worker,
+                  "ours_offline_plain": lambda name: self._ours_worker(name, batch_invariant="false")}
+        workers = []
+        for name in names:
+            try:
+                workers.append(makers[name](name))
+            except PhaseSkipped as exc:
+                self.phases[name] = {"skipped": str(exc)}
+        try:
+            self.phases.update(run_rounds(workers, num_rounds, log=lambda line: print(line, flush=True)))
+        except Exception as exc:  # noqa: BLE001 - a bug here must not lose the other phases
+            for worker in workers:
+                self.phases.setdefault(worker.name, {"skipped": f"failed: {type(exc).__name__}: {exc}"})
+        for name in names:
+            res = self.phases[name]
+            note = f"skipped: {res['skipped'][:400]}" if "skipped" in res else report_mod.one_line(res)
+            print(f"    {name}: {note}", flush=True)
+
+    def _ours_worker(self, name: str, **extra: str) -> OfflineWorker:
         opts = [x for kv in self.our_options(**extra).items() for x in ("--option", *kv)]
         cmd = [sys.executable, str(BENCH / "workers.py"), "ours-offline", "--workload", str(self.workload_path),
-               "--out", str(self.tmp / f"{name}.json"), "--threads", str(self.args.threads), *opts]
-        return self.run_worker(name, cmd, self.env)
+               "--threads", str(self.args.threads), *opts]
+        return OfflineWorker(name, cmd, self.env, self.tmp, self.args.phase_timeout_s)
 
     def hf(self) -> dict:
         cmd = [sys.executable, str(BENCH / "workers.py"), "hf", "--workload", str(self.workload_path),
@@ -194,13 +215,13 @@ class Bench:
         return {"wall_s": wall, "num_lines": len(lines), "num_ok": len(ok), "output_tokens": tokens,
                 "output_tokens_per_s": tokens / wall, "monitor": mon.result()}
 
-    def vllm_offline(self) -> dict:
+    def _vllm_worker(self, name: str) -> OfflineWorker:
         py = self._vllm_python()
         a = self.args
         cmd = [str(py), str(BENCH / "vllm_worker.py"), "--workload", str(self.workload_path),
-               "--out", str(self.tmp / "vllm-offline.json"), "--dtype", self._vllm_dtype(),
+               "--dtype", self._vllm_dtype(),
                "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_batched_tokens)]
-        return self.run_worker("vllm-offline", cmd, self._vllm_env())
+        return OfflineWorker(name, cmd, self._vllm_env(), self.tmp, a.phase_timeout_s)
 
     def vllm_server(self) -> dict:
         py = self._vllm_python()
@@ -286,19 +307,27 @@ def run(args: argparse.Namespace) -> dict:
           f"load {before['loadavg_1_5_15']}, other processes {before['other_cpu_cores_busy']:.2f} cores; "
           f"logs in {tmp}", flush=True)
     skip = set(args.skip)
-    plan = [("peak_start", bench.peak, "peak_start"), ("ours_offline", bench.ours_offline, "ours_offline")]
-    if args.plain:
-        plan.append(("ours_offline_plain", lambda: bench.ours_offline("ours_offline_plain", batch_invariant="false")))
-    plan += [("batch_runner", bench.batch_runner), ("ours_server", bench.ours_server), ("hf", bench.hf),
-             ("vllm_offline", bench.vllm_offline), ("vllm_server", bench.vllm_server),
-             ("peak_end", bench.peak, "peak_end")]
-    for name, fn, *fn_args in plan:
+
+    def wanted(name: str) -> bool:
         group = name.split("_")[0] if name.startswith(("vllm", "peak")) else name
         if name in skip or group in skip:
             bench.phases[name] = {"skipped": "--skip"}
             print(f"    {name}: skipped (--skip)", flush=True)
-            continue
-        bench.phase(name, fn, *fn_args)
+            return False
+        return True
+
+    if wanted("peak_start"):
+        bench.phase("peak_start", bench.peak, "peak_start")
+    pair = [name for name in ("ours_offline", "vllm_offline") if wanted(name)]
+    if pair:
+        bench.offline(pair, args.offline_rounds)
+    if args.plain and wanted("ours_offline_plain"):
+        bench.offline(["ours_offline_plain"], 1)
+    for name, fn, *fn_args in [("batch_runner", bench.batch_runner), ("ours_server", bench.ours_server),
+                               ("hf", bench.hf), ("vllm_server", bench.vllm_server),
+                               ("peak_end", bench.peak, "peak_end")]:
+        if wanted(name):
+            bench.phase(name, fn, *fn_args)
     config = json.loads((Path(workload.model) / "config.json").read_text())
     flops = model_flops(config, workload)
     peaks = [bench.phases[p].get("peak_flops_per_s") for p in ("peak_start", "peak_end")]
@@ -333,6 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache of ours and vLLM (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="extra option.KEY=VALUE for our engine (offline, server and batch runner alike)")
+    p.add_argument("--offline-rounds", type=int, default=None,
+                   help="rounds of the offline workload per engine, ours and vLLM taking turns, who goes first "
+                        "swapping each round; the figures are the median round (default 3, --smoke 2)")
     p.add_argument("--no-plain", dest="plain", action="store_false",
                    help="do not also run our engine offline with option.batch_invariant=false")
     p.add_argument("--hf-batch-sizes", type=ints, default=[8, 16, 32, 64])
@@ -349,7 +381,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--readme-from", type=Path, help="only regenerate the README table from this result JSON")
     p.add_argument("--request-timeout-s", type=float, default=900)
     p.add_argument("--server-start-timeout-s", type=float, default=600)
-    p.add_argument("--phase-timeout-s", type=float, default=3600)
+    p.add_argument("--phase-timeout-s", type=float, default=3600,
+                   help="per worker: an offline worker's limit counts its own start-up, rounds and batch-1, "
+                        "not the rounds it waits through")
     args = p.parse_args(argv)
     if args.smoke:
         args.threads = args.threads or 1
@@ -359,6 +393,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.plain = "plain" in args.with_
         args.skip = [*args.skip, "peak_end"] + ([] if "vllm" in args.with_ else ["vllm"])
         args.phase_timeout_s = min(args.phase_timeout_s, 600)
+    if args.offline_rounds is None:
+        args.offline_rounds = 2 if args.smoke else 3
+    if args.offline_rounds < 1:
+        p.error(f"--offline-rounds {args.offline_rounds}: at least 1")
     args.threads = args.threads or len(os.sched_getaffinity(0))
     return args
 

@@ -5,6 +5,7 @@ Owns turning bench.py's phase results into numbers people read; measuring is ben
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 README = Path(__file__).resolve().parent / "README.md"
@@ -24,6 +25,8 @@ def one_line(result: dict) -> str:
                f"decode-shaped GEMM {result['decode_shape_flops_per_s'] / 1e9:.0f} GFLOP/s"
     line = f"{result.get('output_tokens', 0)} tokens in {result.get('wall_s', 0):.1f} s = " \
            f"{result.get('output_tokens_per_s', 0):.1f} tok/s"
+    if result.get("rounds"):
+        line += f" (median round of {len(result['rounds'])}: {_round_range(result)})"
     if result.get("batch_size"):
         line += f" (batch size {result['batch_size']})"
     return line
@@ -38,6 +41,22 @@ def _row(name: str, result: dict | None, peak_rss: float | None = None, note: st
             "other_cpu_cores_busy": (result.get("monitor") or {}).get("other_cpu_cores_busy"), "note": note}
 
 
+def _round_rates(result: dict | None) -> list[float]:
+    return [r["output_tokens_per_s"] for r in (result or {}).get("rounds", [])]
+
+
+def _round_range(result: dict) -> str:
+    rates = _round_rates(result)
+    return f"{min(rates):.1f}–{max(rates):.1f} tok/s" if rates else "–"
+
+
+def _offline_row(name: str, result: dict) -> dict:
+    """An offline phase's row: its median round's figures, every round's tok/s, the range in the note."""
+    rates = _round_rates(result)
+    note = f"median of {len(rates)} rounds; range {_round_range(result)}" if len(rates) > 1 else ""
+    return {**_row(name, result, note=note), "round_tokens_per_s": rates}
+
+
 def _ok(phases: dict, name: str) -> dict | None:
     res = phases.get(name)
     return None if not res or "skipped" in res else res
@@ -45,6 +64,20 @@ def _ok(phases: dict, name: str) -> dict | None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+def round_ratios(phases: dict, a: str = "ours_offline", b: str = "vllm_offline") -> dict | None:
+    """Phase `a`'s output tok/s over phase `b`'s, round by round (the same round number of each, so the
+    two ran minutes apart at most): the per-round ratios, their median (statistics.median: of an even
+    number, the mean of the middle two), min, max and count. None unless both have a round in common."""
+    rates_a = {r["round"]: r["output_tokens_per_s"] for r in (_ok(phases, a) or {}).get("rounds", [])}
+    rates_b = {r["round"]: r["output_tokens_per_s"] for r in (_ok(phases, b) or {}).get("rounds", [])}
+    per_round = [_ratio(rates_a[k], rates_b[k]) for k in sorted(rates_a.keys() & rates_b.keys())]
+    per_round = [x for x in per_round if x is not None]
+    if not per_round:
+        return None
+    return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
+            "num_rounds": len(per_round), "per_round": per_round}
 
 
 def add_summary(result: dict) -> None:
@@ -55,7 +88,7 @@ def add_summary(result: dict) -> None:
                         ("ours_offline_plain", "ours offline (option.batch_invariant=false)"),
                         ("vllm_offline", "vLLM CPU offline (LLM.generate)")):
         if res := _ok(ph, name):
-            rows.append(_row(label, res))
+            rows.append(_offline_row(label, res))
             tps[name] = res["output_tokens_per_s"]
     if res := _ok(ph, "batch_runner"):
         excl = res.get("output_tokens_per_s_excl_startup")
@@ -83,8 +116,11 @@ def add_summary(result: dict) -> None:
     rss = {k: (res.get("monitor") or {}).get("peak_rss_mib") if (res := _ok(ph, k)) else None
            for k in ("ours_offline", "vllm_offline")}
     rss.update({k: res.get("peak_rss_mib") if (res := _ok(ph, k)) else None for k in ("ours_server", "vllm_server")})
+    by_round = round_ratios(ph)
     ratios = {
-        "ours_offline_vs_vllm_offline": _ratio(tps.get("ours_offline"), tps.get("vllm_offline")),
+        # interleaved rounds: the median of the per-round ratios (a single run's ratio in older results)
+        "ours_offline_vs_vllm_offline": by_round["median"] if by_round
+        else _ratio(tps.get("ours_offline"), tps.get("vllm_offline")),
         "ours_offline_plain_vs_vllm_offline": _ratio(tps.get("ours_offline_plain"), tps.get("vllm_offline")),
         "ours_offline_vs_hf": _ratio(tps.get("ours_offline"), tps.get("hf")),
         "ours_default_vs_plain": _ratio(tps.get("ours_offline"), tps.get("ours_offline_plain")),
@@ -101,6 +137,8 @@ def add_summary(result: dict) -> None:
         ratios[f"ours_server_c{c}_vs_ours_offline"] = _ratio(tps[key], tps.get("ours_offline"))
         ratios[f"ours_server_c{c}_vs_vllm_server_c{c}"] = _ratio(tps[key], tps.get(f"vllm_server_c{c}"))
     result["rows"] = rows
+    result["offline_rounds"] = {"ours_offline_vs_vllm_offline": by_round,
+                                "num_rounds": {k: len(_round_rates(_ok(ph, k))) for k in ("ours_offline", "vllm_offline")}}
     result["greedy_agreement_with_ours_offline"] = greedy_agreement(ph)
     result["batch1_decode_tokens_per_s"] = b1
     result["ratios"] = ratios
@@ -108,7 +146,8 @@ def add_summary(result: dict) -> None:
 
 
 def greedy_agreement(phases: dict) -> dict:
-    """Per engine: how many prompts got exactly our offline token ids (greedy; informational, never asserted).
+    """Per engine: how many prompts got exactly our offline token ids (greedy; informational, never asserted);
+    for the offline phases run in rounds, the first round's ids.
 
     fp32 near-ties can flip a token anywhere in 128, so a few differences are normal. Drops the token
     ids from the phases afterwards (the raw worker files keep them).
@@ -143,6 +182,7 @@ def table(result: dict) -> str:
                  f"ours {_fmt(b1['ours_offline'], '.1f')}, vLLM {_fmt(b1['vllm_offline'], '.1f')}.")
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items() if v is not None)
     lines.append(f"Ratios: {ratios or '–'}.")
+    lines.extend(rounds_lines(result))
     agree = ", ".join(f"{k} {v}" for k, v in result.get("greedy_agreement_with_ours_offline", {}).items())
     lines.append(f"Prompts whose greedy tokens equal ours offline, token for token: {agree or '–'}.")
     m = result["machine"]
@@ -155,6 +195,39 @@ def table(result: dict) -> str:
     for name, why in result["skipped"].items():
         lines.append(f"Skipped {name}: {why.splitlines()[0][:200]}")
     return "\n".join(lines)
+
+
+def _round_cell(rnd: dict, label: str) -> str:
+    """One offline round for the table: "K engine tok/s (steal % / load / other cores / idle peer cores)"."""
+    m = rnd.get("machine") or {}
+    during, before = m.get("during") or {}, m.get("before") or {}
+    steal = during.get("steal_fraction")
+    load = (before.get("loadavg_1_5_15") or [None])[0]
+    return (f"{rnd['round']} {label} {_fmt(rnd['output_tokens_per_s'], '.1f')} "
+            f"({_fmt(None if steal is None else 100 * steal, '.1f')} / {_fmt(load, '.2f')} / "
+            f"{_fmt(during.get('other_cpu_cores_busy'), '.2f')} / {_fmt(during.get('idle_peer_cpu_cores_busy'), '.2f')})")
+
+
+def rounds_lines(result: dict) -> list[str]:
+    """How the offline rounds ran: the per-round ratio and its spread, and the machine in each round."""
+    ph = result["phases"]
+    engines = [(k, label) for k, label in (("ours_offline", "ours"), ("vllm_offline", "vLLM")) if _round_rates(_ok(ph, k))]
+    if not engines:
+        return []
+    n = max(len(_round_rates(_ok(ph, k))) for k, _ in engines)
+    by_round = (result.get("offline_rounds") or {}).get("ours_offline_vs_vllm_offline")
+    if by_round:
+        per = ", ".join(f"{x:.2f}" for x in by_round["per_round"])
+        head = (f"Offline: {n} rounds, interleaved (both engines loaded, one running while the other waits; ours "
+                f"first in odd rounds, vLLM first in even ones); ours/vLLM per round {per}: median "
+                f"{by_round['median']:.2f}, min {by_round['min']:.2f}, max {by_round['max']:.2f}.")
+    else:
+        head = f"Offline: {n} rounds of {' and '.join(label for _, label in engines)} alone (no peer to take turns with)."
+    # in the order they ran: by round, then who went first
+    cells = sorted(((r["round"], (r.get("machine") or {}).get("position", 0), _round_cell(r, label))
+                    for k, label in engines for r in _ok(ph, k)["rounds"]))
+    return [head, "Rounds, tok/s (steal % of CPU time / load average 1 min before / other processes' cores / idle "
+                  f"peer engine's cores): {'; '.join(cell for _, _, cell in cells)}."]
 
 
 def write_readme(result: dict, source: str, readme: Path = README) -> None:
@@ -185,10 +258,13 @@ def plot(result: dict, path: Path) -> None:
               else "tab:green" if "transformers" in r["name"] else "tab:blue" for r in rows]
     bars = axes[0].barh([r["name"] for r in rows], [r["output_tokens_per_s"] for r in rows], color=colors)
     axes[0].bar_label(bars, fmt="%.1f", fontsize=8)
+    for y, r in enumerate(rows):  # the offline rounds, one dot each (the bar is the median round)
+        rates = r.get("round_tokens_per_s") or []
+        axes[0].plot(rates, [y] * len(rates), "k.", markersize=5)
     axes[0].invert_yaxis()
     axes[0].set_xlabel("output tokens / s")
     axes[0].tick_params(axis="y", labelsize=8)
-    axes[0].set_title("Throughput")
+    axes[0].set_title("Throughput (dots: the offline rounds, bar: the median round)")
     for server, label, color in (("ours_server", "ours", "tab:blue"), ("vllm_server", "vLLM", "tab:orange")):
         levels = (_ok(result["phases"], server) or {}).get("levels", [])
         cs = [lv["concurrency"] for lv in levels]

@@ -1,10 +1,12 @@
 """vLLM offline worker: runs inside benchmarks/.venv-vllm (vLLM's CPU build), never in the project's venv.
 
-    .venv-vllm/bin/python benchmarks/vllm_worker.py --workload W.json --out R.json [--max-num-seqs 64 ...]
+    .venv-vllm/bin/python benchmarks/vllm_worker.py --workload W.json --control-dir D --out R.json [--max-num-seqs 64 ...]
     .venv-vllm/bin/python benchmarks/vllm_worker.py --check --model model     # 8 greedy tokens, a set-up check
 
-All requests go to `vllm.LLM.generate` at once (the same prompt token ids as our engine, greedy,
-EOS ignored); then one request alone through the engine's step loop for batch-1 decode tok/s.
+Long-lived (round_protocol.py): after the warm-up, each "run K" line on stdin sends all requests to
+`vllm.LLM.generate` at once (the same prompt token ids as our engine, greedy, EOS ignored; the prefix
+cache emptied first); "finish" runs one request alone through the engine's step loop for batch-1
+decode tok/s, writes --out and exits.
 Imports only vLLM, the standard library and the benchmark's plain-Python helpers.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_protocol import serve, summarize  # noqa: E402
 from stats import percentiles  # noqa: E402
 from workload import Workload  # noqa: E402
 
@@ -64,17 +67,10 @@ def batch1_decode(llm, ids: list[int], max_tokens: int) -> dict:
                 "method": f"(N - 1) / (t(N) - t(1)), two generate() calls (step loop failed: {exc!r})"}
 
 
-def run(args) -> dict:
-    import torch
-    import vllm
-
-    workload = Workload.load(args.workload)
-    start = time.perf_counter()
-    llm = make_llm(workload.model, args)
-    startup_s = time.perf_counter() - start
+def generate_round(llm, workload: Workload) -> dict:
+    """All the workload's requests through one LLM.generate call, from an empty prefix cache."""
+    prefix_cache_reset = bool(llm.reset_prefix_cache())  # round 2 must not find round 1's prompts cached
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
-    # warm-up, the same as our engine's
-    llm.generate([{"prompt_token_ids": ids} for ids in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, greedy(workload.max_new_tokens), use_tqdm=False)
     wall = time.perf_counter() - start
@@ -86,10 +82,28 @@ def run(args) -> dict:
         first, arrival = getattr(m, "first_token_time", None), getattr(m, "arrival_time", None)
         if first and arrival:
             ttft.append(first - arrival)
+    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "ttft_s": percentiles(ttft), "itl_s": None, "prefix_cache_reset": prefix_cache_reset,
+            "output_token_ids": token_ids}
+
+
+def run(args) -> dict:
+    import torch
+    import vllm
+
+    workload = Workload.load(args.workload)
+    start = time.perf_counter()
+    llm = make_llm(workload.model, args)
+    startup_s = time.perf_counter() - start
+    # warm-up, the same as our engine's
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
+    warmup_s = time.perf_counter() - start
+    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s},
+                   lambda k: generate_round(llm, workload))
     return {"engine": "vllm", "vllm_version": vllm.__version__, "torch": torch.__version__,
-            "torch_num_threads": torch.get_num_threads(), "startup_s": startup_s,
-            "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "ttft_s": percentiles(ttft), "itl_s": None, "output_token_ids": token_ids,
+            "torch_num_threads": torch.get_num_threads(), "startup_s": startup_s, "warmup_s": warmup_s,
+            **summarize(rounds),
             "batch1": batch1_decode(llm, workload.prompt_token_ids[0], workload.max_new_tokens)}
 
 
@@ -113,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", type=Path)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--control-dir", type=Path, help="where ready.json and round-K.json go")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--model", default="model", help="model directory (--check)")
     parser.add_argument("--dtype", default="float32")
@@ -122,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         return check(args)
+    if not (args.workload and args.out and args.control_dir):
+        parser.error("--workload, --control-dir and --out are needed (or --check)")
     args.out.write_text(json.dumps(run(args)))
     return 0
 

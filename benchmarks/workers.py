@@ -1,9 +1,11 @@
 """Benchmark workers that run in the project's venv, one engine per process (so its RSS is its own).
 
-    python benchmarks/workers.py ours-offline|hf|peak --workload W.json --out R.json [options]
+    python benchmarks/workers.py hf|peak --workload W.json --out R.json [options]
+    python benchmarks/workers.py ours-offline --workload W.json --control-dir D --out R.json [options]
 
-Each writes one JSON result to --out. The orchestrator (bench.py) starts them one after the other
-and samples their memory; nothing here starts another engine.
+Each writes one JSON result to --out. ours-offline is long-lived: after its warm-up it runs one round
+per "run K" line on stdin and ends on "finish" (round_protocol.py). The orchestrator (bench.py) samples
+their memory; nothing here starts another engine.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_protocol import serve, summarize  # noqa: E402
 from workload import REPO, Workload  # noqa: E402
 
 
@@ -59,7 +62,18 @@ def run_engine(engine, workload: Workload, params, prefix: str) -> dict:
             "output_token_ids": [seq.output_token_ids for seq in seqs.values()]}
 
 
+def drop_prefix_cache(allocator) -> None:
+    """Empty the engine's prefix cache, so that every round computes its prompts as the first one did.
+
+    The engine has no reset call: allocating every free block evicts the cached ones (allocate clears
+    their hashes), and freeing them leaves them empty. Only between rounds, when no sequence holds a block.
+    """
+    allocator.free(allocator.allocate(allocator.num_free_blocks))
+    assert allocator.num_cached_blocks == 0, "a sequence still holds cached blocks between rounds"
+
+
 def ours_offline(args, workload: Workload) -> dict:
+    """Start and warm up the engine, run the workload once per "run K" command, then batch-1 decode."""
     import torch
 
     from lmi_handler.engine.engine import Engine
@@ -73,14 +87,23 @@ def ours_offline(args, workload: Workload) -> dict:
     start = time.perf_counter()
     run_engine(engine, workload.warmup(), replace(params, max_new_tokens=2), "warmup-")
     warmup_s = time.perf_counter() - start
-    main = run_engine(engine, workload, params, "r")
-    times = main.pop("token_times")
+
+    def one_round(k: int) -> dict:
+        drop_prefix_cache(engine.allocator)
+        stats = engine.allocator.prefix_cache_stats
+        hits = stats.num_hit_tokens
+        result = run_engine(engine, workload, params, f"r{k}-")
+        result["num_requests"] = len(result.pop("token_times"))
+        result["prefix_cache_hit_tokens"] = stats.num_hit_tokens - hits
+        return result
+
+    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s}, one_round)
     one = run_engine(engine, workload.head(1), params, "b1-")
     b1_times = next(iter(one.pop("token_times").values()))
     decode = (len(b1_times) - 1) / (b1_times[-1] - b1_times[0]) if len(b1_times) > 1 else None
     return {"engine": "ours", "settings": settings.model_dump(mode="json"), "device": str(engine.device),
             "dtype": str(engine.runner.dtype), "torch_num_threads": torch.get_num_threads(),
-            "startup_s": startup_s, "warmup_s": warmup_s, **main, "num_requests": len(times),
+            "startup_s": startup_s, "warmup_s": warmup_s, **summarize(rounds),
             "batch1": {"output_tokens": one["output_tokens"], "wall_s": one["wall_s"],
                        "decode_tokens_per_s": decode,
                        "method": "(tokens - 1) / (last token time - first token time), one request alone"}}
@@ -178,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("worker", choices=["ours-offline", "hf", "peak"])
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--control-dir", type=Path, help="ours-offline: where ready.json and round-K.json go")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
@@ -186,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-probe-tokens", type=int, default=32)
     parser.add_argument("--peak-size", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.worker == "ours-offline" and args.control_dir is None:
+        parser.error("ours-offline needs --control-dir")
     if args.threads:
         import torch
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,32 @@ def test_workload_flops_count_every_matrix_of_the_demo_model(model_dir):
     assert flops["lm_head_flops"] == 2 * flops["lm_head_params"] * 4
 
 
+def _offline(rates: list[float]) -> dict:
+    return {"output_tokens_per_s": statistics.median_low(rates),
+            "rounds": [{"round": k, "output_tokens_per_s": rate} for k, rate in enumerate(rates, 1)]}
+
+
+def test_offline_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians():
+    # per round: 100/100, 200/100, 150/300 -> 1.0, 2.0, 0.5; the ratio of the medians would be 150/100
+    phases = {"ours_offline": _offline([100.0, 200.0, 150.0]), "vllm_offline": _offline([100.0, 100.0, 300.0])}
+    by_round = report.round_ratios(phases)
+    assert by_round == {"median": 1.0, "min": 0.5, "max": 2.0, "num_rounds": 3, "per_round": [1.0, 2.0, 0.5]}
+    result = {"phases": phases, "workload": {"c1_prompts": 8, "max_new_tokens": 128}, "compute_bound": None,
+              "config": {"threads": 2}, "machine": {"cpu": "cpu", "affinity_cpus": 2, "before": {"loadavg_1_5_15": [0, 0, 0],
+                                                   "other_cpu_cores_busy": 0.0}, "after": {"loadavg_1_5_15": [0, 0, 0]}}}
+    report.add_summary(result)
+    assert result["ratios"]["ours_offline_vs_vllm_offline"] == 1.0
+    assert result["offline_rounds"]["ours_offline_vs_vllm_offline"]["max"] == 2.0
+    table = report.table(result)
+    assert "median 1.00, min 0.50, max 2.00" in table and "range 100.0–300.0 tok/s" in table
+
+
+def test_offline_ratio_pairs_rounds_by_number_and_needs_both_engines():
+    phases = {"ours_offline": _offline([100.0, 50.0]), "vllm_offline": _offline([100.0])}
+    assert report.round_ratios(phases)["per_round"] == [1.0]
+    assert report.round_ratios({"ours_offline": _offline([1.0]), "vllm_offline": {"skipped": "--skip"}}) is None
+
+
 def _batch_command_exists() -> bool:
     probe = subprocess.run([sys.executable, "-m", "lmi_handler.cli", "batch", "--help"], env=ENV, cwd=REPO,
                            capture_output=True)
@@ -71,6 +98,13 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
         assert phases[name]["output_tokens"] == tokens
         assert phases[name]["output_tokens_per_s"] > 0 and phases[name]["monitor"]["peak_rss_mib"] > 0
     assert phases["ours_offline"]["batch1"]["output_tokens"] == 8
+    rounds = phases["ours_offline"]["rounds"]  # --smoke: 2 rounds, so the multi-round path runs in CI
+    assert [r["round"] for r in rounds] == [1, 2] and all(r["output_tokens"] == tokens for r in rounds)
+    assert all(r["output_tokens_per_s"] > 0 and r["machine"]["during"]["wall_s"] > 0 for r in rounds)
+    assert phases["ours_offline"]["output_tokens_per_s"] == statistics.median_low(
+        r["output_tokens_per_s"] for r in rounds)
+    assert rounds[1]["same_token_ids_as_first_round"]  # and the prefix cache was emptied between them:
+    assert rounds[1]["prefix_cache_hit_tokens"] == rounds[0]["prefix_cache_hit_tokens"]
     assert phases["ours_offline"]["torch_num_threads"] == 1
     (level,) = phases["ours_server"]["levels"]
     assert (level["concurrency"], level["num_errors"], level["output_tokens"]) == (2, 0, tokens)

@@ -14,6 +14,7 @@ import torch
 
 from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
@@ -128,7 +129,7 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_bytes} bytes")
         shape = (c.num_layers, 2, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device).zero_()
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:

@@ -99,6 +99,10 @@ class Bench:
                     proc.kill()
                     proc.wait()
                     raise PhaseSkipped(f"timed out after {self.args.phase_timeout_s} s; log {log}") from None
+                except BaseException:  # Ctrl-C, SIGTERM: the worker must not outlive us
+                    proc.kill()
+                    proc.wait()
+                    raise
         if rc != 0 or not out.exists():
             raise PhaseSkipped(f"exit code {rc}; log {log}:\n{log_tail(log)}")
         result = json.loads(out.read_text())
@@ -205,7 +209,12 @@ class Bench:
             proc = subprocess.Popen([*cli, "batch", str(inp), "-o", str(out)], stdout=log_file,
                                     stderr=subprocess.STDOUT, env=env, cwd=REPO)
             with PhaseMonitor(proc.pid) as mon:
-                rc = proc.wait(timeout=self.args.phase_timeout_s)
+                try:
+                    rc = proc.wait(timeout=self.args.phase_timeout_s)
+                except BaseException:  # a timeout, Ctrl-C, SIGTERM: the runner must not outlive us
+                    proc.kill()
+                    proc.wait()
+                    raise
         wall = time.perf_counter() - start
         if rc != 0 or not out.exists():
             raise PhaseSkipped(f"`lmi-handler batch` exit code {rc}; log {log}:\n{log_tail(log)}")
@@ -286,6 +295,10 @@ def stop_group(proc: subprocess.Popen) -> None:
         pass
 
 
+PHASES = ("peak", "peak_start", "peak_end", "ours_offline", "ours_offline_plain", "batch_runner", "ours_server", "hf",
+          "vllm", "vllm_offline", "vllm_server")
+
+
 def machine_info() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -311,8 +324,9 @@ def run(args: argparse.Namespace) -> dict:
     def wanted(name: str) -> bool:
         group = name.split("_")[0] if name.startswith(("vllm", "peak")) else name
         if name in skip or group in skip:
-            bench.phases[name] = {"skipped": "--skip"}
-            print(f"    {name}: skipped (--skip)", flush=True)
+            why = args.smoke_skips.get(name) or args.smoke_skips.get(group) or "--skip"
+            bench.phases[name] = {"skipped": why}
+            print(f"    {name}: skipped ({why})", flush=True)
             return False
         return True
 
@@ -321,7 +335,11 @@ def run(args: argparse.Namespace) -> dict:
     pair = [name for name in ("ours_offline", "vllm_offline") if wanted(name)]
     if pair:
         bench.offline(pair, args.offline_rounds)
-    if args.plain and wanted("ours_offline_plain"):
+    if not args.plain:
+        why = "--smoke (add --with plain)" if args.smoke else "--no-plain"
+        bench.phases["ours_offline_plain"] = {"skipped": why}
+        print(f"    ours_offline_plain: skipped ({why})", flush=True)
+    elif wanted("ours_offline_plain"):
         bench.offline(["ours_offline_plain"], 1)
     for name, fn, *fn_args in [("batch_runner", bench.batch_runner), ("ours_server", bench.ours_server),
                                ("hf", bench.hf), ("vllm_server", bench.vllm_server),
@@ -346,8 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     words = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true",
-                   help="CI variant: 2 prompts x 8 tokens, ours offline + batch runner + server at C=2 + HF (bs 2); "
-                        "vLLM and the plain variant skipped unless named in --with")
+                   help="CI variant: 2 prompts x 8 tokens, ours offline + batch runner + server at C=2 + HF (bs 2), "
+                        "1 thread unless --threads; these sizes replace --num-prompts, --max-new-tokens, --concurrency "
+                        "and --hf-batch-sizes; vLLM and the plain variant skipped unless named in --with")
     p.add_argument("--with", dest="with_", type=words, default=[], help="with --smoke: also run these (vllm,plain)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -359,7 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto = float32 on CPU, bfloat16 on CUDA (vLLM: float32)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per engine step")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache of ours and vLLM (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache of ours (exact) and vLLM (VLLM_CPU_KVCACHE_SPACE takes whole GiB: rounded, at least 1)")
     p.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="extra option.KEY=VALUE for our engine (offline, server and batch runner alike)")
     p.add_argument("--offline-rounds", type=int, default=None,
@@ -370,9 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", type=ints, default=[8, 16, 32, 64])
     p.add_argument("--hf-probe-tokens", type=int, default=32, help="tokens per probe of a batch size")
     p.add_argument("--peak-size", type=int, default=0, help="square matmul size (0: 2048 on CPU, 8192 on CUDA)")
-    p.add_argument("--skip", type=words, default=[],
-                   help="phases to skip: peak,ours_offline,ours_offline_plain,batch_runner,ours_server,hf,vllm,"
-                        "vllm_offline,vllm_server")
+    p.add_argument("--skip", type=words, default=[], help=f"phases to skip, comma-separated: {','.join(PHASES)}")
     p.add_argument("--vllm-venv", type=Path, default=vllm_peer.DEFAULT_VENV)
     p.add_argument("--model", type=Path, default=REPO / "model")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="MT-bench questions JSONL (turns[0] is used)")
@@ -385,13 +403,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per worker: an offline worker's limit counts its own start-up, rounds and batch-1, "
                         "not the rounds it waits through")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.skip) - set(PHASES))
+    if unknown:
+        p.error(f"--skip {','.join(unknown)}: unknown phase; the phases are {','.join(PHASES)}")
+    for name, value, low in (("--threads", args.threads, 1), ("--num-prompts", args.num_prompts, 1),
+                             ("--max-new-tokens", args.max_new_tokens, 1), ("--c1-prompts", args.c1_prompts, 1),
+                             ("--max-num-seqs", args.max_num_seqs, 1), ("--max-batched-tokens", args.max_batched_tokens, 1),
+                             ("--hf-probe-tokens", args.hf_probe_tokens, 1), ("--peak-size", args.peak_size, 0)):
+        if value is not None and value < low:
+            p.error(f"{name} {value}: at least {low}")
+    for name, values in (("--concurrency", args.concurrency), ("--hf-batch-sizes", args.hf_batch_sizes)):
+        if not values or min(values) < 1:
+            p.error(f"{name} {','.join(map(str, values))}: one or more integers, each at least 1")
+    if args.kv_cache_gib <= 0:
+        p.error(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
+    if args.readme_from and not args.readme_from.is_file():
+        p.error(f"--readme-from {args.readme_from}: no such file")
+    if args.with_ and not args.smoke:
+        p.error("--with only applies to --smoke")
+    args.smoke_skips = {}
     if args.smoke:
+        sizes = {"--num-prompts": 64, "--max-new-tokens": 128, "--concurrency": [1, 8, 32, 64], "--hf-batch-sizes": [8, 16, 32, 64]}
+        overridden = [flag for flag, default in sizes.items() if getattr(args, flag[2:].replace("-", "_")) != default]
+        if overridden:
+            print(f"--smoke sets its own sizes: {', '.join(overridden)} ignored", flush=True)
         args.threads = args.threads or 1
         args.kv_cache_gib = min(args.kv_cache_gib, 0.125)
         args.num_prompts, args.max_new_tokens, args.concurrency = 2, 8, [2]
         args.hf_batch_sizes, args.hf_probe_tokens, args.peak_size = [2], 4, args.peak_size or 512
         args.plain = "plain" in args.with_
-        args.skip = [*args.skip, "peak_end"] + ([] if "vllm" in args.with_ else ["vllm"])
+        args.smoke_skips = {"peak_end": "--smoke", **({} if "vllm" in args.with_ else {"vllm": "--smoke (add --with vllm)"})}
+        args.skip = [*args.skip, *args.smoke_skips]
         args.phase_timeout_s = min(args.phase_timeout_s, 600)
     if args.offline_rounds is None:
         args.offline_rounds = 2 if args.smoke else 3
@@ -401,8 +443,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _unwind_on_sigterm() -> None:
+    """SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: every phase's `finally` then stops the engines,
+    servers and workers it started (they run in process groups of their own and would outlive us)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _unwind_on_sigterm()
     if args.readme_from:
         report_mod.write_readme(json.loads(args.readme_from.read_text()), args.readme_from.name)
         return 0

@@ -110,7 +110,10 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     assert (level["concurrency"], level["num_errors"], level["output_tokens"]) == (2, 0, tokens)
     assert level["ttft_s"]["p99"] >= level["ttft_s"]["p50"] > 0 and level["itl_s"]["n"] == 2 * 7
     assert phases["peak_start"]["peak_flops_per_s"] > 0 and result["compute_bound"]["output_tokens_per_s"] > 0
-    assert phases["vllm_offline"] == {"skipped": "--skip"} and phases["vllm_server"] == {"skipped": "--skip"}
+    smoke_off = {"skipped": "--smoke (add --with vllm)"}  # every phase is in the JSON, with why it did not run
+    assert phases["vllm_offline"] == smoke_off and phases["vllm_server"] == smoke_off
+    assert phases["ours_offline_plain"] == {"skipped": "--smoke (add --with plain)"}
+    assert phases["peak_end"] == {"skipped": "--smoke"}
     if _batch_command_exists():
         assert phases["batch_runner"]["num_ok"] == 2 and phases["batch_runner"]["output_tokens"] == tokens
     else:

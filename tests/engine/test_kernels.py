@@ -97,6 +97,28 @@ def test_huge_page_buffers_are_2mib_aligned_float32_and_freed_with_their_tensor(
     assert packed.panels.shape == (3, 9, PANEL)
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_build_is_waited_for(tmp_path, caplog):
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    assert not kernels.clear_stale_build_lock(tmp_path)           # none there
+    old = time.time() - kernels.STALE_LOCK_S - 5                   # left by a build killed long ago
+    lock.touch()
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING):
+        assert kernels.clear_stale_build_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text
+    lock.touch()                                                   # a build in progress that finishes
+    threading.Timer(0.3, lock.unlink).start()
+    start = time.monotonic()
+    assert not kernels.clear_stale_build_lock(tmp_path, poll_s=0.05)
+    assert time.monotonic() - start >= 0.25
+    lock.touch()                                                   # one that dies: stale after max_age_s
+    assert kernels.clear_stale_build_lock(tmp_path, max_age_s=0.5, poll_s=0.05) and not lock.exists()
+
+
 def test_bad_shapes_are_refused_with_a_message():
     packed = pack_weight(torch.randn(40, 16))
     with pytest.raises(RuntimeError, match="in_features"):

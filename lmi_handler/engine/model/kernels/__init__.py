@@ -39,12 +39,38 @@ def _module_name(source: Path) -> str:
     return "lmi_cpu_kernels_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
 
 
+STALE_LOCK_S = 600.0   # a build takes about a minute here; a lock this old was left by a killed build
+
+
+def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> bool:
+    """Wait while `build_dir`/lock is held by a build younger than `max_age_s` seconds (as torch itself
+    would), then remove it if it is still there; True when a stale lock was removed.
+
+    torch.utils.cpp_extension serialises builds with that file and waits for it to go away, forever: a
+    build killed part-way (SIGKILL, a CI timeout) would otherwise hang every later start of the engine.
+    The file's mtime is when its build began.
+    """
+    lock = Path(build_dir) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= max_age_s:
+            break
+        time.sleep(min(poll_s, max_age_s - age))
+    log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build(source: Path, name: str):
     """Compile `source` as extension `name`; None (and a warning) when that fails."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     start = time.perf_counter()
     try:
+        clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)))
         module = load(name=name, sources=[str(source)],
                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:     # no compiler, no ninja, a build error: the PyTorch paths still work

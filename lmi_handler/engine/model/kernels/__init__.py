@@ -114,14 +114,15 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32, device: torch.de
     For the large, streamed buffers (packed weights, the KV cache): with 4 KiB pages each page is a
     TLB miss, and under a hypervisor each miss walks two page tables (measured on this project's
     2-core VM: a 425 MiB stream read at 17.6 GB/s with 4 KiB pages, 23.2 GB/s with huge pages).
-    Falls back to torch.empty for other dtypes or devices, when the C++ kernels are unavailable, or
-    when LMI_HUGE_PAGES=0; where THP is off the kernel ignores the advice. Contents are what
-    torch.empty gives: zero_() or copy_() before use.
+    Falls back to torch.empty for other dtypes or devices, when LMI_HUGE_PAGES=0, or when the C++ kernels
+    are not built: it never builds them itself, so the plain (option.batch_invariant=false) path compiles
+    nothing; the batch-invariant path builds them before packing its weights. Where THP is off the
+    kernel ignores the advice. Contents are what torch.empty gives: zero_() or copy_() before use.
     """
     import os
 
     if (dtype != torch.float32 or torch.device(device).type != "cpu" or os.environ.get("LMI_HUGE_PAGES") == "0"
-            or (module := cpu_kernels()) is None):
+            or (module := _state.get("module")) is None):
         return torch.empty(shape, dtype=dtype, device=device)
     return module.empty_huge(list(shape))
 

@@ -57,11 +57,14 @@ test: model tgi-client
 	$(PYTEST) -m slow
 
 # The benchmark (benchmarks/README.md): ours offline, batch file, server, HF generate and vLLM's CPU build,
-# one after the other. bench-setup installs vLLM into its own venv (benchmarks/.venv-vllm); when that
-# fails the benchmark says so and runs without it. Extra flags: make bench BENCH_ARGS="--write-readme".
+# one after the other, in each of --dtype (fp32, bf16); llama.cpp as the batch-1 peer. bench-setup installs
+# vLLM (benchmarks/.venv-vllm, with TCMalloc from apt and libiomp5 for its LD_PRELOAD) and llama-cpp-python
+# (benchmarks/.venv-llamacpp, built from source); when one fails the benchmark says so and runs without it.
+# Extra flags: make bench BENCH_ARGS="--write-readme".
 BENCH_ARGS ?=
 bench-setup: $(VENV)/.installed
 	$(BIN)/python benchmarks/vllm_peer.py setup || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
+	$(BIN)/python benchmarks/llamacpp_peer.py setup || echo "llama.cpp set-up failed (benchmarks/.venv-llamacpp/setup.log): make bench goes on without it"
 
 bench: model bench-setup
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

@@ -170,6 +170,11 @@ class _Rounds:
         except Exception as exc:  # noqa: BLE001 - one worker's failure must not lose the others' results
             self._fail(worker, exc, "at start-up")
             return
+        if "refused" in ready:  # the engine would not start with these options: not a failure of the run
+            worker.kill()
+            self.results[worker.name] = {"skipped": ready["refused"]}
+            self.log(f"    {worker.name}: refused at start-up: {ready['refused'][:400]}")
+            return
         self.live.append(worker)
         self.machine[worker.name] = {}
         self.log(f"    {worker.name}: ready ({', '.join(f'{k} {v:.1f}' for k, v in ready.items())})")

@@ -133,7 +133,7 @@ class Bench:
     def peak(self, name: str) -> dict:
         cmd = [sys.executable, str(BENCH / "workers.py"), "peak", "--workload", str(self.workload_path),
                "--out", str(self.tmp / f"{name}.json"), "--threads", str(self.args.threads),
-               "--dtypes", ",".join(self.args.dtype), "--peak-size", str(self.args.peak_size),
+               "--dtypes", ",".join(dict.fromkeys([*self.args.dtype, *DTYPES])), "--peak-size", str(self.args.peak_size),
                "--mem-bytes", str(self.args.mem_bytes), "--mem-repeats", str(self.args.mem_repeats)]
         return self.run_worker(name, cmd, self.env)
 

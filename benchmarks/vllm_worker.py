@@ -136,7 +136,7 @@ def check(args) -> int:
     llm = make_llm(args.model, args)
     out = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0]
     print(json.dumps({"ok": len(out.token_ids) == 8, "text": out.text, "token_ids": list(out.token_ids),
-                      "seconds": time.perf_counter() - start}))
+                      "seconds": time.perf_counter() - start, "preload": preload_seen()}))
     return 0 if len(out.token_ids) == 8 else 1
 
 

@@ -311,7 +311,8 @@ def host_lines(result: dict) -> list[str]:
             mem = res.get("mem_read") or {}
             mem_text = (f"read {mem['best_bytes_per_s'] / 1e9:.1f} GB/s (best of {mem['repeats']} passes over "
                         f"{mem['bytes'] / 2**20:.0f} MiB, {mem['threads']} threads on CPUs {mem.get('bound_cpus')}, "
-                        f"{(mem.get('anon_huge_pages_bytes') or 0) / 2**20:.0f} MiB on huge pages)"
+                        f"{(mem.get('anon_huge_pages_bytes') or 0) / 2**20:.0f} MiB on huge pages"
+                        + _cpu_share(mem) + ")"
                         if "best_bytes_per_s" in mem else f"read bandwidth not measured: {mem.get('skipped', '–')[:150]}")
             lines.append(f"Probes at {p.split('_')[1]}: {one_line(res).split(';')[0]}; {mem_text}.")
     if pre := result.get("vllm_preload"):
@@ -319,6 +320,16 @@ def host_lines(result: dict) -> list[str]:
         why = "; ".join(f"{k}: {v}" for k, v in (pre.get("why_not") or {}).items())
         lines.append(f"vLLM LD_PRELOAD: {used}" + (f" (not preloaded: {why[:300]})" if why else "") + ".")
     return lines
+
+
+def _cpu_share(mem: dict) -> str:
+    """The probe's CPU share in its best pass; a warning below 0.9 (the threads waited for the CPU, so the
+    figure is this busy machine's share of its bandwidth and the ceilings are too low)."""
+    share = mem.get("cpu_fraction")
+    if share is None:
+        return ""
+    return f", its threads on the CPU {100 * share:.0f} % of the pass" + (
+        ": a busy machine, the figure is its share, not the bandwidth" if share < 0.9 else "")
 
 
 def _round_cell(rnd: dict, label: str) -> str:

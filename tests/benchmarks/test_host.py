@@ -101,3 +101,4 @@ def test_the_read_bandwidth_probe_builds_and_reports_every_pass(tmp_path):
     assert result["best_s"] == min(result["seconds"]) > 0
     assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
     assert result["bound_cpus"] and result["huge_pages_requested"] in (0, 1)
+    assert 0 < result["cpu_fraction"] <= 1.05  # thread CPU time / wall time of the best pass

@@ -23,7 +23,7 @@ def _rounds(rates: list[float], **top) -> dict:
 def _peak(read_gb_s: float | None) -> dict:
     mem = {"skipped": "no C compiler"} if read_gb_s is None else {
         "best_bytes_per_s": read_gb_s * 1e9, "repeats": 10, "bytes": 1 << 30, "threads": 2, "bound_cpus": "0-1",
-        "anon_huge_pages_bytes": 1 << 30}
+        "anon_huge_pages_bytes": 1 << 30, "cpu_fraction": 0.5}
     return {"peak_flops_per_s": 1e11, "square_size": 2048, "mem_read": mem,
             "by_dtype": {"fp32": {"peak_flops_per_s": 1e11}, "bf16": {"peak_flops_per_s": 2e11}}}
 
@@ -111,6 +111,7 @@ def test_the_table_shows_both_dtypes_batch1_ceilings_the_host_and_what_was_prelo
     assert "| ours fp32 | fp32 | 50.0 | 400.0 | 62.5 | 0.80 |" in text
     assert "| llama.cpp (llama-cpp-python) | GGUF llama 135M Q4_1 | 100.0 | 125.0 | 200.0 | 0.50 |" in text
     assert "best read bandwidth, 25.0 GB/s: start 20.0, end 25.0" in text
+    assert "its threads on the CPU 50 % of the pass: a busy machine, the figure is its share" in text
     assert "ours_offline_bf16 / vllm_offline_bf16 per round 1.50, 1.10, 0.90: median 1.10" in text
     assert "ours_batch1_int8_bf16 / llamacpp_batch1 per round 2.00, 2.00, 2.00" in text
     assert "Machine: Test CPU, 2 CPUs (2 physical cores), 24.0 GiB, L3 260 MiB, THP madvise, a VM" in text

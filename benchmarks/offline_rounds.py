@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from monitor import PhaseMonitor, RoundWatch, machine_snapshot
-from round_protocol import READY, round_file
+from round_protocol import READY, headline, round_file
 from workload import REPO
 
 
@@ -192,8 +192,7 @@ class _Rounds:
             return
         record["during"] = watch.result()
         self.machine[worker.name][k] = record
-        self.log(f"    round {k}/{num_rounds} {worker.name}: {result['output_tokens']} tokens in "
-                 f"{result['wall_s']:.1f} s = {result['output_tokens_per_s']:.1f} tok/s; {describe(record)}")
+        self.log(f"    round {k}/{num_rounds} {worker.name}: {headline(result)}; {describe(record)}")
 
     def finish(self, worker: OfflineWorker) -> None:
         try:

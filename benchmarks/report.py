@@ -10,6 +10,8 @@ import re
 import statistics
 from pathlib import Path
 
+from round_protocol import headline
+
 README = Path(__file__).resolve().parent / "README.md"
 TABLE_START, TABLE_END = "<!-- bench-table:start (bench.py --write-readme) -->", "<!-- bench-table:end -->"
 
@@ -55,8 +57,7 @@ def one_line(result: dict) -> str:
         mem = (result.get("mem_read") or {}).get("best_bytes_per_s")
         return (", ".join(f"{d} {r['peak_flops_per_s'] / 1e9:.0f} GFLOP/s".strip() for d, r in by.items())
                 + f" ({result['square_size']}^3 matmul); read {_fmt(mem and mem / 1e9, '.1f')} GB/s")
-    line = f"{result.get('output_tokens', 0)} tokens in {result.get('wall_s', 0):.1f} s = " \
-           f"{_fmt(result.get('output_tokens_per_s'), '.1f')} tok/s"
+    line = headline(result)
     if result.get("rounds"):
         line += f" (median round of {len(result['rounds'])}: {_round_range(result)})"
     if result.get("batch_size"):

@@ -1,13 +1,12 @@
 """Shared fixtures: the prepared demo model (run `lmi-handler prepare-model` or `make test`)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-from tests.helpers import MODEL_DIR, SHARED
+from tests.helpers import MODEL_DIR, mt_bench_questions
 
 # Property tests draw the same examples every run: a CI failure is reproducible, never a coin toss.
 settings.register_profile("lmi_handler", derandomize=True, print_blob=True)
@@ -30,6 +29,5 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def mt_bench_prompts() -> list[str]:
-    """First turns of the MT-Bench questions (../shared/data), in file order."""
-    path = SHARED / "data" / "mt_bench_questions.jsonl"
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    """First turns of the MT-Bench questions (benchmarks/data), in file order."""
+    return mt_bench_questions()

@@ -63,7 +63,7 @@ class Engine:
         self.device = pick_device(config.device_id)
         self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
                                   block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                  batch_invariant=config.batch_invariant, compile=config.compile)
+                                  batch_invariant=config.batch_invariant, huge_pages=config.huge_pages)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)

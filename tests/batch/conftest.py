@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmi_handler.server.process import ServerProcess
-from tests.helpers import REPO
+from tests.helpers import REPO, ServerProcess
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_FILE_BYTES = 200_000   # option.batch_max_file_bytes of the test servers (the 413 test)

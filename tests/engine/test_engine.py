@@ -131,13 +131,6 @@ def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tiny_tokeni
         engine.add_request("long", [5] * 250, SamplingParams(max_new_tokens=10))  # context is 256
 
 
-def test_option_compile_reaches_the_engine_config_and_is_off_by_default():
-    from lmi_handler.config import Settings
-
-    assert Settings.from_properties({}).engine_config().compile is False
-    assert Settings.from_properties({"compile": "true"}).engine_config().compile is True
-
-
 @pytest.mark.slow
 def test_engine_greedy_on_the_demo_model_equals_hf_generate_for_mt_bench_prompts(model_dir, tokenizer,
                                                                                  mt_bench_prompts):

@@ -4,8 +4,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lmi_handler.server.process import ServerProcess
-from tests.helpers import REPO
+from tests.helpers import REPO, ServerProcess
 
 
 def serve(tmp_path_factory, name: str, **options: str):

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from lmi_handler.server.process import ServerProcess
-from tests.helpers import REPO
+from tests.helpers import REPO, ServerProcess
 
 
 def start_server(tmp_path_factory, name: str, env: dict[str, str] | None = None, **options: str) -> ServerProcess:

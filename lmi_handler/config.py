@@ -69,12 +69,20 @@ class Settings(BaseModel):
     """KV-cache size in bytes (all layers, K and V)."""
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
     """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
+    enable_streaming: bool = False
+    """LMI schema: every /invocations answer streams. Dynamic batch: a request's list of inputs answers
+    `application/jsonlines` lines of {"outputs": [new text per input]}, token by token; rolling batch: LMI
+    text and chat stream as with stream=true. Other routes keep their own rule."""
     tgi_compat: bool = False
-    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; any `model`
-    name is accepted on the OpenAI routes (as TGI)."""
+    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; OpenAI streams
+    end without `data: [DONE]` (TGI's client cannot parse it)."""
     served_model_name: str | None = None
     """Names the model answers to, comma-separated (vLLM's --served-model-name): the first is the one
-    responses carry, every one is accepted in `model` and /predictions/{name}. Unset: the model directory's name."""
+    responses carry, every one is valid in /predictions/{name}. Unset: the model directory's name."""
+    strict_model_name: bool = False
+    """The OpenAI routes answer 404 for a `model` that is not a served name, as vLLM does. Unset (false): any
+    `model` is answered by the loaded model, as TGI and LMI do (Hugging Face's InferenceClient sends "tgi").
+    Batch lines always take any `model` (the batch input format: the loaded model answers)."""
     batch_size: int = Field(4, ge=1, le=1024)
     """Dynamic batch: most requests per handle() call (top-level serving.properties key)."""
     max_batch_delay: int = Field(100, ge=0, le=60_000)

@@ -1,157 +1,41 @@
 """The container front end's batching loops, in-process: they drive handle() exactly as DJL Serving does.
 
-Owns the bounded waiting queue (job_queue_size), the active batch, batch_NNN Input building and
-fanning each entry back to its client, and ending requests early: deadlines (request_timeout_s /
-X-Request-Timeout), cancel by id, clients gone. What the entries mean is handler.py's, HTTP is app.py's.
+Owns the active batch, batch_NNN Input building and fanning each entry back to its client, and the
+places a request may take (reserve, has_room); the requests themselves (queue, deadlines, cancel) are
+requests.py's, what the entries mean is handler.py's, HTTP is server/'s.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-import uuid
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
+from lmi_handler.config import Settings
 from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
 from lmi_handler.engine.sequence import random_seed
-from lmi_handler.handler import CANCEL_PROPERTY, PLAN_KEY, ROUTE_PROPERTY
+from lmi_handler.frontend.requests import CANCELLED_CODE, Chunk, ClientRequest, WaitingQueue
+from lmi_handler.handler import CANCEL_PROPERTY, HANDOVER_KEY, ROUTE_PROPERTY, Handover
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE
-from lmi_handler.protocol.plan import RequestPlan
 
 logger = logging.getLogger(__name__)
 
-# A request the server ended before its answer was complete: the status of its JSON error when nothing
-# was sent yet; a stream already under way ends with its error line (finish_reason "error") instead.
-TIMEOUT_CODE = 504     # its deadline passed (option.request_timeout_s or the X-Request-Timeout header)
-CANCELLED_CODE = 409   # POST /v1/requests/{id}/cancel
+# The front end's own keys: they never reach the handler's properties (DJL reads them itself).
+FRONT_END_KEYS = ("batch_size", "max_batch_delay", "job_queue_size")
 
 
-@dataclass
-class Chunk:
-    """One piece of a response: text to send, and whether it is the last.
-
-    A failure carries a status `code` and either an `error` message (the app builds the body) or,
-    with `error` None, its whole body in `data` (dynamic batch items answer their own error body).
-    """
-
-    data: str
-    last: bool
-    code: int | None = None
-    error: str | None = None
-
-
-@dataclass
-class ClientRequest:
-    """An accepted HTTP request waiting for (or inside) the active batch.
-
-    `plan` is the RequestPlan the app built from `body` (under `request_id`); it travels to the handler
-    beside the bytes, so the request is not parsed again. Without one the handler parses `body`.
-    """
-
-    body: bytes
-    loop: asyncio.AbstractEventLoop
-    route: str = "/invocations"
-    content_type: str = "application/json"
-    plan: RequestPlan | None = None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False           # nobody wants the answer any more: stop its sequences
-    public_id: str = ""               # the x-request-id the client sees (cancel looks it up); "" = request_id
-    timeout_s: float | None = None    # its deadline, seconds after `arrival`; None = none
-    arrival: float = field(default_factory=time.monotonic)
-    abort: tuple[int, str] | None = None   # (status, message) asked by a cancel, acted on by the loop thread
-    ended: bool = False               # the loop sent its last chunk early (deadline, cancel)
-
-    def __post_init__(self) -> None:
-        self.public_id = self.public_id or self.request_id
-
-    @property
-    def stream(self) -> bool:
-        """A streamed answer (dynamic batch sends a streaming request alone)."""
-        return self.plan is not None and self.plan.stream
-
-    def push(self, chunk: Chunk) -> None:
-        """Thread-safe: hand a chunk to the client's event loop."""
-        try:
-            self.loop.call_soon_threadsafe(self.chunks.put_nowait, chunk)
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            pass
-
-    def due(self, now: float) -> tuple[int, str] | None:
-        """(status, message) when the request must end now (cancelled by id, or past its deadline)."""
-        if self.abort is not None:
-            return self.abort
-        if self.timeout_s is not None and now - self.arrival >= self.timeout_s:
-            return TIMEOUT_CODE, (f"request timed out: its deadline of {self.timeout_s:g} s passed "
-                                  "(option.request_timeout_s / X-Request-Timeout)")
-        return None
-
-    def end_if_due(self, now: float) -> bool:
-        """Loop thread: end the request now if it is due (its last chunk is the error).
-
-        True when the request is over: ended now or before, or its client gone."""
-        if self.ended or self.cancelled:
-            return True
-        reason = self.due(now)
-        if reason is None:
-            return False
-        code, message = reason
-        logger.info("request %s ended early (%d): %s", self.public_id, code, message)
-        self.push(Chunk("", True, code, message))
-        self.ended = self.cancelled = True
-        return True
-
-
-class WaitingQueue:
-    """Accepted requests waiting for a batch slot, in arrival order (DJL's job queue).
-
-    Bounded by `capacity` (job_queue_size): `put` refuses past it, so overload answers 503 at once
-    instead of queueing without limit. Thread-safe; `qsize()` is what /metrics reads.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.items: deque[ClientRequest] = deque()
-        self.cond = threading.Condition()
-
-    def put(self, client: ClientRequest) -> bool:
-        """Queue `client`; False (not queued) when the queue is full. Clients already gone make room."""
-        with self.cond:
-            if len(self.items) >= self.capacity:
-                self.items = deque(c for c in self.items if not c.cancelled)
-            if len(self.items) >= self.capacity:
-                return False
-            self.items.append(client)
-            self.cond.notify()
-            return True
-
-    def get(self, timeout: float | None) -> ClientRequest | None:
-        """The oldest client, waiting up to `timeout` seconds (0/None: do not wait); None if none came."""
-        with self.cond:
-            if not self.items and timeout:
-                self.cond.wait(timeout)
-            return self.items.popleft() if self.items else None
-
-    def end_due(self, now: float) -> None:
-        """Drop the clients that are gone, and end (with their error) the ones due (deadline, cancel)."""
-        with self.cond:
-            if not any(c.cancelled or c.abort is not None or c.timeout_s is not None for c in self.items):
-                return
-            kept = deque()
-            for client in self.items:
-                if not client.end_if_due(now):
-                    kept.append(client)
-            self.items = kept
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def qsize(self) -> int:
-        return len(self.items)
+def make_front_end(handle: Callable, settings: Settings, properties: dict[str, str]) -> "FrontEnd":
+    """The loop `settings` ask for (rolling unless option.rolling_batch=disable), calling `handle` with
+    `properties` (less the front end's own keys) on its first call, as DJL does."""
+    handler_props = {k: v for k, v in properties.items() if k not in FRONT_END_KEYS}
+    if settings.is_rolling:
+        front_end: FrontEnd = RollingFrontEnd(handle, handler_props, settings.max_rolling_batch_size,
+                                              settings.job_queue_size)
+    else:
+        front_end = DynamicFrontEnd(handle, handler_props, settings.batch_size, settings.max_batch_delay,
+                                    settings.job_queue_size)
+    front_end.request_timeout_s = settings.request_timeout_s
+    return front_end
 
 
 class FrontEnd:
@@ -184,9 +68,25 @@ class FrontEnd:
         return self.pending.put(request)
 
     @property
+    def max_batch_size(self) -> int:
+        """Most requests one handle() call holds (max_rolling_batch_size, or the dynamic batch_size)."""
+        raise NotImplementedError
+
+    @property
+    def num_active(self) -> int:
+        """Requests in the active batch between calls (0 for the dynamic batcher, which holds none)."""
+        return 0
+
+    @property
     def free_slots(self) -> int:
         """Places in the batch a new request could take without waiting (0 for the dynamic batcher)."""
         return 0
+
+    def has_room(self, reserve: int) -> bool:
+        """Room for one more internal request (a batch job's line) without delaying live ones: no HTTP
+        client's request waits, and the active batch plus the waiting queue leave `reserve` places free.
+        A racy read (the loop thread moves requests meanwhile): a hint for the batch jobs' pacing."""
+        return self.pending.only_internal() and self.num_active + self.pending.qsize() <= self.max_batch_size - reserve
 
     def reserve(self) -> bool:
         """Event loop: hold a place for a request about to be planned; False (refuse it) when the places
@@ -246,7 +146,7 @@ class FrontEnd:
     def _run(self) -> None:
         try:  # the initialization call: properties only, empty content (DESIGN §2)
             self.handle(OwnInput(self.properties))
-        except BaseException as exc:  # noqa: BLE001 - reported by /ping and the server start
+        except BaseException as exc:  # reported by /ping and the server start
             logger.exception("model initialization failed")
             self.init_error = exc
             self.ready.set()
@@ -270,10 +170,18 @@ class RollingFrontEnd(FrontEnd):
     def __init__(self, handle: Callable, properties: dict[str, str], max_batch_size: int,
                  job_queue_size: int = 1000):
         super().__init__(handle, properties, job_queue_size)
-        self.max_batch_size = max_batch_size
+        self.batch_limit = max_batch_size
         self.active: list[ClientRequest] = []
         self.num_running = 0          # leading items of `active` the handler has already seen
         self.reset_next = False
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_limit
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
 
     @property
     def free_slots(self) -> int:
@@ -291,7 +199,7 @@ class RollingFrontEnd(FrontEnd):
         try:
             output = self.handle(call)
             entries = self._read_entries(output)
-        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+        except Exception as exc:  # the loop must survive anything
             logger.exception("rolling batch step failed")
             self._fail_all(f"inference failed: {exc}")
             return
@@ -332,7 +240,7 @@ class RollingFrontEnd(FrontEnd):
 
     def _read_entries(self, output: OwnOutput | None) -> list[dict[str, str]]:
         if output is None or output.code != 200:
-            raise RuntimeError(f"handler answered code {getattr(output, 'code', None)}")
+            raise RuntimeError(f"handler answered code {None if output is None else output.code}")
         if output.content.size() != len(self.active):
             raise RuntimeError(f"handler answered {output.content.size()} entries for {len(self.active)} requests")
         return [binary_decode(output.content.value_at(i)) for i in range(len(self.active))]
@@ -367,21 +275,25 @@ class DynamicFrontEnd(FrontEnd):
         self.max_batch_delay_s = max_batch_delay_ms / 1000
         self.carry: ClientRequest | None = None   # a streaming client met while filling a batch
 
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_size
+
     def loop_once(self) -> None:
         batch = self._collect()
         if not batch:
             return
         try:
             output = self.handle(self._build_input(batch))
-            streamed = getattr(output, "stream_content", None) is not None
+            streamed = output is not None and output.stream_content is not None
             if output is None or output.code != 200 or (output.content.size() != len(batch) and not streamed):
                 raise RuntimeError("handler answered a malformed batch")
-        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+        except Exception as exc:  # the loop must survive anything
             logger.exception("dynamic batch failed")
             for client in batch:
                 client.push(Chunk("", True, GENERATION_ERROR_CODE, f"inference failed: {exc}"))
             return
-        if getattr(output, "stream_content", None) is not None:
+        if streamed:
             self._pump(batch[0], output.stream_content[0])
             return
         for index, client in enumerate(batch):
@@ -421,13 +333,11 @@ class DynamicFrontEnd(FrontEnd):
                     return
                 client.push(Chunk(piece, False))
             client.push(Chunk("", True))
-        except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+        except Exception as exc:  # the loop must survive anything
             logger.exception("dynamic stream failed")
             client.push(Chunk("", True, GENERATION_ERROR_CODE, f"inference failed: {exc}"))
         finally:
-            close = getattr(pieces, "close", None)
-            if close is not None:
-                close()
+            pieces.close()      # a generator (handler.DynamicBatch): its sequences stop with it
 
     @staticmethod
     def _build_input(batch: list[ClientRequest]) -> OwnInput:
@@ -448,6 +358,7 @@ class DynamicFrontEnd(FrontEnd):
 
 
 def _hand_over(content: PairList, prefix: str, client: ClientRequest) -> None:
-    """In-process only: the plan built from the client's bytes goes beside them (handler.PLAN_KEY)."""
+    """In-process only: the plan built from the client's bytes goes beside them, with where its whole
+    answer goes (handler.Handover)."""
     if client.plan is not None:
-        content.add(prefix + PLAN_KEY, client.plan)
+        content.add(prefix + HANDOVER_KEY, Handover(client.plan, client.answered))

@@ -43,7 +43,7 @@ from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
 from workload import BENCH, PROMPTS, REPO, Workload, build_workload, compute_bound, model_flops, write_batch_file  # noqa: E402
 
 sys.path.insert(0, str(REPO))   # the server subprocess harness is the tests' (tests/helpers.py)
-from tests.helpers import ServerProcess, free_port  # noqa: E402
+from tests.helpers import ServerProcess, free_port
 
 
 class PhaseSkipped(Exception):

@@ -93,3 +93,11 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve(tmp_path_factory, name: str, **options: str):
+    """Start a server with OPTION_* overrides of the repo's serving.properties; yields it, then stops it
+    (for fixtures: `yield from serve(...)`)."""
+    log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    with ServerProcess(options, log_path, REPO / "serving.properties") as server:
+        yield server

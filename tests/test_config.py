@@ -89,3 +89,12 @@ def test_only_config_reads_the_environment():
     readers = [str(path.relative_to(package)) for path in package.rglob("*.py")
                if "os.environ" in path.read_text() or "getenv(" in path.read_text()]
     assert readers == ["config.py"]
+
+
+def test_job_queue_size_is_a_top_level_key_with_the_environment_as_djls_default(tmp_path):
+    props = tmp_path / "serving.properties"
+    props.write_text("option.model_id=model\n")
+    assert Settings.from_properties(read_serving_properties(props, {})).job_queue_size == 1000
+    assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "4"
+    props.write_text("job_queue_size=7\n")
+    assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "7"

@@ -98,3 +98,11 @@ def test_job_queue_size_is_a_top_level_key_with_the_environment_as_djls_default(
     assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "4"
     props.write_text("job_queue_size=7\n")
     assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "7"
+
+
+def test_enable_streaming_and_strict_model_name_are_off_by_default_and_read_as_booleans():
+    assert (Settings().enable_streaming, Settings().strict_model_name) == (False, False)
+    settings = Settings.from_properties({"enable_streaming": "true", "strict_model_name": "TRUE"})
+    assert settings.enable_streaming and settings.strict_model_name
+    with pytest.raises(ConfigError, match="strict_model_name"):
+        Settings.from_properties({"strict_model_name": "sometimes"})

@@ -21,7 +21,7 @@ from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
 from lmi_handler.server.ops import RequestIds, add_cancel_route
-from lmi_handler.server.serving import answer_framework_errors, error_response, serve
+from lmi_handler.server.serving import add_generation_routes, answer_framework_errors, error_response, serve
 from lmi_handler.server.tgi import add_tgi_routes
 
 
@@ -85,9 +85,7 @@ def _add_djl_routes(app: FastAPI) -> None:
         healthy = state.front_end.alive
         return JSONResponse({"status": "Healthy" if healthy else "Unhealthy"}, status_code=200 if healthy else 503)
 
-    @app.post("/invocations")
-    async def invocations(request: Request) -> Response:
-        return await serve(request, ROUTE_INVOCATIONS)
+    add_generation_routes(app, ROUTE_INVOCATIONS)
 
     @app.post("/predictions/{model_name}")
     async def predictions(model_name: str, request: Request) -> Response:

@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from lmi_handler.protocol.dialects import ROUTE_CHAT, ROUTE_COMPLETIONS
-from lmi_handler.server.serving import serve
+from lmi_handler.server.serving import add_generation_routes
 
 
 def add_openai_routes(app: FastAPI) -> None:
-    @app.post(ROUTE_CHAT)
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, ROUTE_CHAT)
-
-    @app.post(ROUTE_COMPLETIONS)
-    async def completions(request: Request) -> Response:
-        return await serve(request, ROUTE_COMPLETIONS)
+    add_generation_routes(app, ROUTE_CHAT, ROUTE_COMPLETIONS)
 
     models_created = int(time.time())      # OpenAI Model.created: unix seconds; here, when the app was built
 

@@ -64,6 +64,18 @@ def answer_framework_errors(app: FastAPI) -> None:
         return error_response(dialect_of(request.url.path), f"invalid request: {exc.errors()[:1]}", 422)
 
 
+def add_generation_routes(app: FastAPI, *routes: str) -> None:
+    """Mount `POST route` for each of `routes`, answered by serve(request, route) (what the plan is made for)."""
+    for route in routes:
+        app.add_api_route(route, _serving(route), methods=["POST"], name=f"generate:{route}")
+
+
+def _serving(route: str):
+    async def endpoint(request: Request) -> Response:
+        return await serve(request, route)
+    return endpoint
+
+
 async def serve(request: Request, route: str) -> Response:
     """Answer a generation route (`route`: the path the plan is made for) with the app's front end and
     service (app.state); every refusal before inference is a 4xx/5xx in the route's dialect."""

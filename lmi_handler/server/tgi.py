@@ -9,31 +9,20 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from lmi_handler.protocol.dialects import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI
 from lmi_handler.protocol.params import MAX_STOP_SEQUENCES
-from lmi_handler.server.serving import serve
+from lmi_handler.server.serving import add_generation_routes
 from lmi_handler.service import Service
 
 
 def add_tgi_routes(app: FastAPI) -> None:
-    """Mount TGI's routes on `app` (its state: the front end, the service)."""
+    """Mount TGI's routes on `app` (its state: the front end, the service). POST / is TGI's compat route:
+    /generate_stream when the body says stream=true, else [/generate's answer] (the plan's Kind.TGI_COMPAT)."""
     state = app.state
-
-    @app.post(ROUTE_TGI)
-    async def compat_generate(request: Request) -> Response:
-        """TGI: /generate_stream when the body says stream=true, else [/generate's answer]."""
-        return await serve(request, ROUTE_TGI)
-
-    @app.post(ROUTE_GENERATE)
-    async def generate(request: Request) -> Response:
-        return await serve(request, ROUTE_GENERATE)
-
-    @app.post(ROUTE_GENERATE_STREAM)
-    async def generate_stream(request: Request) -> Response:
-        return await serve(request, ROUTE_GENERATE_STREAM)
+    add_generation_routes(app, ROUTE_TGI, ROUTE_GENERATE, ROUTE_GENERATE_STREAM)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from lmi_handler.djl import OwnOutput
 from lmi_handler.frontend.loops import DynamicFrontEnd, RollingFrontEnd
@@ -134,4 +135,49 @@ def test_a_streaming_request_waits_for_a_dynamic_batch_of_its_own():
     front_end.submit(streamed)
     assert front_end._collect() == [plain]
     assert front_end._collect() == [streamed]
+    loop.close()
+
+
+def test_batch_jobs_get_room_only_while_no_live_request_waits_and_the_reserve_stays_free():
+    """FrontEnd.has_room(reserve): the batch jobs' one question (batch/jobs.py); live requests go first."""
+    loop = asyncio.new_event_loop()
+    front_end = RollingFrontEnd(ScriptedHandle(last_after=100), {}, max_batch_size=4)
+    assert (front_end.max_batch_size, front_end.num_active) == (4, 0) and front_end.has_room(reserve=1)
+    (live,) = clients(1, loop)
+    front_end.submit(live)
+    assert not front_end.has_room(reserve=1)              # a live request waits: it goes first
+    front_end.loop_once()                                 # ... and joins the active batch
+    assert front_end.num_active == 1 and front_end.has_room(reserve=1)
+    lines = [ClientRequest(b"{}", loop, request_id=f"line{i}", plan=make_plan(request_id=f"line{i}"), internal=True)
+             for i in range(3)]
+    front_end.submit(lines[0])
+    front_end.submit(lines[1])
+    assert front_end.has_room(reserve=1)                  # 1 active + 2 waiting lines: 3 of the 4 - 1 places
+    front_end.submit(lines[2])
+    assert not front_end.has_room(reserve=1) and front_end.has_room(reserve=0)
+    dynamic = DynamicFrontEnd(lambda inputs: None, {}, batch_size=3, max_batch_delay_ms=0)
+    assert (dynamic.max_batch_size, dynamic.num_active) == (3, 0)
+    loop.close()
+
+
+def test_an_in_process_caller_gets_the_whole_answers_object_with_its_last_chunk():
+    """The handler hands the answer object back through the Handover (handler.py), so the batch jobs never
+    parse the JSON text the entry carries."""
+    loop = asyncio.new_event_loop()
+    answer = {"object": "chat.completion", "choices": []}
+
+    def handle(inputs):
+        (item,) = inputs.get_batches()
+        item.content.get(HANDOVER_KEY).answered(answer)
+        output = OwnOutput()
+        output.add(OwnOutput.binary_encode({"data": json.dumps(answer), "last": "true"}), key="data", batch_index=0)
+        return output
+
+    front_end = RollingFrontEnd(handle, {}, max_batch_size=2)
+    (client,) = clients(1, loop)
+    front_end.submit(client)
+    front_end.loop_once()
+    loop.run_until_complete(asyncio.sleep(0))
+    (chunk,) = drained(client)
+    assert chunk.last and client.answer is answer and json.loads(chunk.data) == answer
     loop.close()

@@ -67,3 +67,13 @@ def test_option_enable_streaming_streams_every_lmi_answer_and_a_dynamic_batch_li
 ])
 def test_wire_format_follows_lmi_defaults(kind, stream, option, tgi, wire):
     assert wire_of(kind, stream, option, tgi) is wire
+
+
+def test_the_stream_terminator_is_decided_once_by_the_plan():
+    """`data: [DONE]` ends OpenAI-shaped streams unless tgi_compat (sse_done_marker): plan.stream_end."""
+    from lmi_handler.protocol.encoder import DONE
+    from lmi_handler.protocol.plan import sse_done_marker
+    from tests.protocol.helpers import make_plan
+
+    assert make_plan(Kind.OPENAI_CHAT, Wire.SSE, sse_done=sse_done_marker(False)).stream_end == (DONE,)
+    assert make_plan(Kind.OPENAI_CHAT, Wire.SSE, sse_done=sse_done_marker(True)).stream_end == ()

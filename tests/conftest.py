@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 
 from tests.batch.helpers import start
-from tests.helpers import MODEL_DIR, REPO, mt_bench_questions, serve
+from tests.helpers import MODEL_DIR, REPO, SMALL_KV_CACHE_BYTES, mt_bench_questions, serve
 
 # Property tests draw the same examples every run: a CI failure is reproducible, never a coin toss.
 settings.register_profile("lmi_handler", derandomize=True, print_blob=True)
@@ -67,10 +67,12 @@ def runner(service):
 
 @pytest.fixture(scope="session")
 def app(model_dir):
-    """The real app in this process (ASGI, no sockets): its own model, two served names, 4 sequences a step."""
+    """The real app in this process (ASGI, no sockets): its own model, two served names, 4 sequences a step, a
+    256 MiB KV cache (it lives as long as the session, beside the other in-process models)."""
     from tests.server.helpers import InProcessServer
 
-    server = InProcessServer(max_rolling_batch_size="4", num_threads="1", served_model_name="smol, model")
+    server = InProcessServer(max_rolling_batch_size="4", num_threads="1", served_model_name="smol, model",
+                             kv_cache_bytes=str(SMALL_KV_CACHE_BYTES))
     yield server
     server.close()
 

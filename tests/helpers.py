@@ -2,8 +2,10 @@
 conftest modules only hold fixtures."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,9 @@ MT_BENCH = REPO / "benchmarks" / "data" / "mt_bench_questions.jsonl"   # a copy 
 # The originals the copies come from: ../shared beside the checkout (LMI_SHARED_DIR points elsewhere);
 # only tests/test_repository.py reads it, to check that the copies still match.
 SHARED = Path(os.environ.get("LMI_SHARED_DIR") or REPO.parent / "shared")
+# The KV cache of the models the tests hold in their own process (option.kv_cache_bytes; the default 1 GiB is
+# touched at start-up): several of them at once must fit a shared 2-core, 24 GiB machine.
+SMALL_KV_CACHE_BYTES = 256 << 20
 
 
 def load_case(case_id: str) -> dict:
@@ -36,6 +41,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server's child process (Linux): SIGTERM it when the process that started it dies, so a test run
+    that is killed (a timeout, the OOM killer) leaves no server behind. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class ServerProcess:
@@ -58,7 +72,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmi_handler.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--properties", str(properties)],
-            cwd=properties.parent, env=environ, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=properties.parent, env=environ, stdout=self.log, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout_s: float = 180) -> float:
         """Seconds until /ping answered 200. Raises RuntimeError if the server exits or times out."""

@@ -7,6 +7,7 @@ import pytest
 
 from lmi_handler import handler
 from lmi_handler.djl import OwnInput, PairList, binary_decode
+from tests.helpers import SMALL_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +16,7 @@ def init_handler(model_dir, **options) -> handler.Handler:
     """A Handler of its own (a fresh worker), initialized as the front end does it."""
     worker = handler.Handler()
     props = {"model_id": str(model_dir), "max_rolling_batch_size": "8", "device_id": "-1",
-             "cluster_size": 1, "handler": "handle", **options}
+             "cluster_size": 1, "handler": "handle", "kv_cache_bytes": str(SMALL_KV_CACHE_BYTES), **options}
     assert worker.handle(OwnInput(props)) is None  # initialization call: properties, empty content
     return worker
 
@@ -148,7 +149,8 @@ def test_dynamic_batch_stream_answers_with_stream_content_of_outputs_lines(model
 def test_the_module_entry_point_is_the_containers_one_handler(model_dir):
     """DJL imports `lmi_handler.handler` and calls its `handle`: one Handler per worker process, initialized
     by the first call. (The bundled server makes a Handler of its own, so nothing here swaps a global.)"""
-    props = {"model_id": str(model_dir), "max_rolling_batch_size": "2", "device_id": "-1", "cluster_size": 1}
+    props = {"model_id": str(model_dir), "max_rolling_batch_size": "2", "device_id": "-1", "cluster_size": 1,
+             "kv_cache_bytes": str(SMALL_KV_CACHE_BYTES)}
     assert handler.handle(OwnInput(props)) is None
     (entry,) = decode(handler.handle(rolling_call([("solo", body("Hi", stream=False, max_new_tokens=2))])), 1)
     for _ in range(3):                 # a whole answer comes in the step that finishes it

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.helpers import SMALL_KV_CACHE_BYTES
 from tests.server.helpers import fresh_server, generated_text, invoke, stream_lines, streamed_text
 
 pytestmark = pytest.mark.slow
@@ -146,7 +147,8 @@ def test_enable_streaming_makes_a_dynamic_batch_list_stream_outputs_lines_that_j
     parameters = {"max_new_tokens": 8}
     with httpx.Client(base_url=dynamic_server.url, timeout=300) as http:     # the same model, not streaming
         whole = http.post("/invocations", json={"inputs": inputs, "parameters": parameters}).json()
-    with fresh_server(rolling_batch="disable", enable_streaming="true", num_threads="1") as streaming:
+    with fresh_server(rolling_batch="disable", enable_streaming="true", num_threads="1",
+                      kv_cache_bytes=str(SMALL_KV_CACHE_BYTES)) as streaming:
         response = streaming.post("/invocations", json={"inputs": inputs, "parameters": parameters})
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("application/jsonlines")
@@ -243,7 +245,7 @@ def test_every_served_name_is_accepted_and_the_first_is_answered(app):
 
 def test_a_dead_engine_loop_is_unhealthy_and_requests_fail_fast(model_dir):
     """On an app of its own: stopping its front end's loop touches no other test's server."""
-    with fresh_server(max_rolling_batch_size="2", num_threads="1") as app:
+    with fresh_server(max_rolling_batch_size="2", num_threads="1", kv_cache_bytes=str(SMALL_KV_CACHE_BYTES)) as app:
         front_end = app.app.state.front_end
         front_end.stop()
         assert not front_end.thread.is_alive()

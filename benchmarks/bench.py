@@ -58,7 +58,8 @@ from workload import (  # noqa: E402
     write_batch_file,
 )
 
-from lmi_handler.server.process import ServerProcess, free_port  # noqa: E402
+sys.path.insert(0, str(REPO))   # the server subprocess harness is the tests' (tests/helpers.py)
+from tests.helpers import ServerProcess, free_port
 
 
 class PhaseSkipped(Exception):

@@ -12,10 +12,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-# ../shared beside the checkout (CI, main), or ../../shared for a git worktree one level further down
-PROMPTS = next((p for p in (REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl",
-                            REPO.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl") if p.is_file()),
-               REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl")
+# a copy inside the repository (benchmarks/data/README.md: source and licence), so a clone runs alone
+PROMPTS = BENCH / "data" / "mt_bench_questions.jsonl"
 
 
 @dataclass

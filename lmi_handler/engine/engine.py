@@ -38,6 +38,17 @@ class RequestRejected(ValueError):
         self.field = field
 
 
+class RequestTooLong(RequestRejected):
+    """prompt + max_new_tokens can never fit: past the model's context (`limit_name` "context") or the whole
+    KV cache ("kv_cache"). Carries the numbers (tokens) so each dialect can word the 400 in its own fields."""
+
+    def __init__(self, field: str, message: str, *, num_prompt_tokens: int, max_new_tokens: int, limit: int,
+                 limit_name: str):
+        super().__init__(field, message)
+        self.num_prompt_tokens, self.max_new_tokens = num_prompt_tokens, max_new_tokens
+        self.limit, self.limit_name = limit, limit_name
+
+
 def pick_device(device_id: int) -> torch.device:
     """cuda:device_id (cuda:0 for -1) when CUDA is present, else CPU."""
     if torch.cuda.is_available():
@@ -63,7 +74,7 @@ class Engine:
         self.device = pick_device(config.device_id)
         self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
                                   block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                  batch_invariant=config.batch_invariant, compile=config.compile)
+                                  batch_invariant=config.batch_invariant, huge_pages=config.huge_pages)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -87,16 +98,19 @@ class Engine:
     # ---- requests in and out -------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise RequestRejected unless prompt + max_new_tokens fits the context and the KV cache."""
+        """Raise RequestTooLong unless prompt + max_new_tokens fits the context and the KV cache."""
         total = num_prompt_tokens + max_new_tokens
+        counts = dict(num_prompt_tokens=num_prompt_tokens, max_new_tokens=max_new_tokens)
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
-            raise RequestRejected(
+            raise RequestTooLong(
                 "inputs", f"inputs has {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
                 f"their sum {total} exceeds the model's token limit of {self.max_model_len} "
-                f"(shorten the input, lower max_new_tokens, or set parameters.truncate)")
+                f"(shorten the input, lower max_new_tokens, or set parameters.truncate)",
+                **counts, limit=self.max_model_len, limit_name="context")
         if num_blocks_needed(total, self.allocator.block_size) > self.allocator.num_blocks:
-            raise RequestRejected("max_new_tokens", f"{total} tokens exceed the KV cache "
-                                  f"({self.allocator.num_blocks * self.allocator.block_size} tokens)")
+            cache_tokens = self.allocator.num_blocks * self.allocator.block_size
+            raise RequestTooLong("max_new_tokens", f"{total} tokens exceed the KV cache ({cache_tokens} tokens)",
+                                 **counts, limit=cache_tokens, limit_name="kv_cache")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     seed: int | None = None) -> Sequence:

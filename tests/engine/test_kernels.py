@@ -82,18 +82,18 @@ def test_packed_weight_keeps_the_original_rows_exactly():
     assert torch.equal(packed.rows(ids), weight[ids])
 
 
-def test_huge_page_buffers_are_2mib_aligned_float32_and_freed_with_their_tensor(monkeypatch):
+def test_huge_page_buffers_are_2mib_aligned_float32_and_freed_with_their_tensor():
     t = kernels.empty_huge(300, 7, 5)
     assert t.shape == (300, 7, 5) and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % (2 << 20) == 0
     t.fill_(1.5)
     assert float(t.sum()) == 1.5 * 300 * 7 * 5
     assert kernels.empty_huge(0, 4).shape == (0, 4)
-    # packed weights live there, the KV cache too; other dtypes and LMI_HUGE_PAGES=0 get torch.empty
+    # packed weights live there, the KV cache too; other dtypes and huge_pages=False (option.huge_pages,
+    # LMI_HUGE_PAGES=0: tests/test_config.py) get torch.empty
     assert pack_weight(torch.randn(70, 9)).panels.data_ptr() % (2 << 20) == 0
     assert kernels.empty_huge(4, dtype=torch.float64).dtype == torch.float64
-    monkeypatch.setenv("LMI_HUGE_PAGES", "0")
-    packed = pack_weight(torch.randn(70, 9))
+    packed = pack_weight(torch.randn(70, 9), huge_pages=False)
     assert packed.panels.shape == (3, 9, PANEL)
 
 

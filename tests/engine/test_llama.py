@@ -12,16 +12,8 @@ from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.llama import rope_inv_freq
 from lmi_handler.engine.model.loader import args_from_config, load_model
 from lmi_handler.engine.model_runner import ModelRunner, read_model_config
-from tests.engine.conftest import TINY_VARIANTS, TINY_VOCAB, greedy_generate
-
-PROMPTS = [[1, 17, 300, 45, 9], [1, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 499]]
-
-
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                            pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+from tests.engine.helpers import RUNNER_PROMPTS as PROMPTS
+from tests.engine.helpers import TINY_VARIANTS, TINY_VOCAB, greedy_generate, hf_greedy
 
 
 @pytest.mark.parametrize("variant", ["llama3_rope", "linear_rope_bias"])
@@ -59,7 +51,7 @@ def test_prefill_logits_match_transformers(tiny_model):
     runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=4, num_blocks=32)
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     prompt = PROMPTS[2]
-    from tests.engine.conftest import make_seq
+    from tests.engine.helpers import make_seq
     seq = make_seq(prompt, allocator, len(prompt), prompt_logprobs=True)
     from lmi_handler.engine.scheduler import SchedulerOutput
     step = runner.prepare(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[len(prompt)]))

@@ -194,12 +194,13 @@ class LlamaModel(nn.Module):
                         else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, huge_pages: bool = True) -> bool:
         """Repack every linear weight (and lm_head) for the C++ row-invariant kernel, in place.
 
         Only for float32 weights on CPU with the kernels built; returns whether it packed. Each
         weight is replaced (one copy held at a time, so peak memory grows by one weight). A tied
         lm_head replaces the embedding too: embedding rows are read back from the packed panels.
+        `huge_pages`: the panels in huge-page memory (kernels.empty_huge).
         """
         if self.embed_tokens.device.type != "cpu" or self.embed_tokens.dtype != torch.float32:
             return False
@@ -208,11 +209,11 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"),
                                  (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
-                packed = pack_weight(getattr(module, name).detach())
+                packed = pack_weight(getattr(module, name).detach(), huge_pages)
                 delattr(module, name)                     # drop the Parameter before holding both
                 setattr(module, name, packed)
         tied = self.lm_head is self.embed_tokens
-        packed = pack_weight(self.lm_head.detach())
+        packed = pack_weight(self.lm_head.detach(), huge_pages)
         del self.lm_head
         self.lm_head = packed
         if tied:

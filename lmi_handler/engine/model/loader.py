@@ -99,12 +99,12 @@ def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[s
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               pack_weights: bool = False) -> LlamaModel:
+               pack_weights: bool = False, huge_pages: bool = True) -> LlamaModel:
     """Build LlamaModel from an HF directory, weights cast to `dtype` on `device`, in eval mode.
 
     pack_weights: repack the linear weights for the C++ row-invariant kernels (LlamaModel.pack_weights;
     float32 on CPU only, else a no-op), after the checkpoint's own tensors are released so that
-    only one extra weight is held at a time.
+    only one extra weight is held at a time; `huge_pages` puts the packed weights in huge-page memory.
     Raises: KeyError naming a missing weight; ValueError for an unsupported architecture.
     """
     args = args_from_config(read_config(model_dir))
@@ -128,5 +128,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
     model.inv_freq = rope_inv_freq(args).to(device)
     if pack_weights:
-        model.pack_weights()
+        model.pack_weights(huge_pages)
     return model

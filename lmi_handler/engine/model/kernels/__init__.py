@@ -108,32 +108,32 @@ class PackedWeight:
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].clone()
 
 
-def empty_huge(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+def empty_huge(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               huge_pages: bool = True) -> torch.Tensor:
     """An uninitialised CPU tensor in 2 MiB-aligned memory marked for transparent huge pages.
 
     For the large, streamed buffers (packed weights, the KV cache): with 4 KiB pages each page is a
     TLB miss, and under a hypervisor each miss walks two page tables (measured on this project's
     2-core VM: a 425 MiB stream read at 17.6 GB/s with 4 KiB pages, 23.2 GB/s with huge pages).
-    Falls back to torch.empty for other dtypes or devices, when LMI_HUGE_PAGES=0, or when the C++ kernels
+    Falls back to torch.empty for other dtypes or devices, when `huge_pages` is False (option.huge_pages,
+    LMI_HUGE_PAGES=0: config.py), or when the C++ kernels
     are not built: it never builds them itself, so the plain (option.batch_invariant=false) path compiles
     nothing; the batch-invariant path builds them before packing its weights. Where THP is off the
     kernel ignores the advice. Contents are what torch.empty gives: zero_() or copy_() before use.
     """
-    import os
-
-    if (dtype != torch.float32 or torch.device(device).type != "cpu" or os.environ.get("LMI_HUGE_PAGES") == "0"
+    if (dtype != torch.float32 or torch.device(device).type != "cpu" or not huge_pages
             or (module := _state.get("module")) is None):
         return torch.empty(shape, dtype=dtype, device=device)
     return module.empty_huge(list(shape))
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, huge_pages: bool = True) -> PackedWeight:
     """(out, in) float32 CPU weight -> PackedWeight (in huge-page memory, see empty_huge). Holds one extra
-    copy only while packing."""
+    copy only while packing. `huge_pages`: see empty_huge."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL)
     padded = torch.nn.functional.pad(weight, (0, 0, 0, num_panels * PANEL - out_features))
-    panels = empty_huge(num_panels, in_features, PANEL, dtype=weight.dtype, device=weight.device)
+    panels = empty_huge(num_panels, in_features, PANEL, dtype=weight.dtype, device=weight.device, huge_pages=huge_pages)
     panels.copy_(padded.view(num_panels, PANEL, in_features).transpose(1, 2))
     return PackedWeight(panels=panels, out_features=out_features)
 

@@ -15,6 +15,10 @@ from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 512
 
+# (activations' dtype, quantize) the engine runs a model in on CPU; every promise holds in each
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+              "int8": (torch.float32, "int8"), "int8_bf16": (torch.bfloat16, "int8")}
+
 TINY_VARIANTS = {
     "gqa_tied": dict(tie_word_embeddings=True),
     "gqa_untied": dict(tie_word_embeddings=False),

@@ -31,7 +31,7 @@ def reference_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     acc = torch.zeros(xf.shape[0], wf.shape[0])
     for i in range(xf.shape[1] // 2):
         for k in (2 * i + 1, 2 * i):
-            acc = acc + xf[:, k, None] * wf[None, :, k]
+            acc.add_(xf[:, k, None] * wf[None, :, k])
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)
@@ -54,7 +54,10 @@ def reference_linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     acc = torch.zeros(x.shape[0], q.shape[0])
     for k in range(x.shape[1]):
         step = xs[:, k, None] * qs[None, :, k]
-        acc = acc + step if exact else (acc.double() + step).float()
+        if exact:
+            acc.add_(step)
+        else:
+            acc = (acc.double() + step).float()
     acc = acc * scale.float()
     if bias is not None:
         acc = acc + bias.float()

@@ -36,61 +36,127 @@ inline void prefetch_share(const char* pf, int64_t pf_lines, int64_t per_k, int6
   prefetch_lines(pf, k * per_k, std::min(pf_lines, (k + 1) * per_k));
 }
 
-// ---- float32 panels: R rows of x (stride ldx), panel rows k = 0..kc-1, C vectors of columns ------
-// acc[i][j] = fma(x[i, k], w[k, j], acc[i][j]) in k order; acc lives in `buf` (R rows of stride
-// PANEL) between K blocks.
-template <int R, int C>
-void micro_f32(const float* x, int64_t ldx, const float* w, int64_t kc, float* buf, bool first,
-               const char* pf, int64_t pf_lines) {
+// Streaming (NP = 2, a few rows, the whole K in one pass): each panel's stream prefetches the lines
+// STREAM_AHEAD bytes past the panel row it reads, one prefetch per 64 bytes consumed. Cheaper than the
+// spread scheme above (no per-k range arithmetic: with a row or two, that arithmetic shares the vector
+// ports with the FMAs). The address is formed as an integer: past the weight's end it is only a hint.
+constexpr int64_t STREAM_AHEAD = 2048;   // measured best of 512, 2048, 8192 (batch 1, 1 thread, weights hot and cold)
+template <int ROW_BYTES>
+inline void prefetch_ahead(const void* row, int64_t k) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const uintptr_t base = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(STREAM_AHEAD);
+  if constexpr (ROW_BYTES >= 64) {
+    for (int l = 0; l < ROW_BYTES / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(base + l * 64), _MM_HINT_T0);
+  } else {
+    if (k % (64 / ROW_BYTES) == 0) _mm_prefetch(reinterpret_cast<const char*>(base), _MM_HINT_T0);
+  }
+#endif
+}
+
+// Every micro kernel below computes R rows of x (stride ldx) against NP panels w[0..NP-1] (panel
+// rows k = 0..kc-1, C vectors of columns each), accumulators acc[i][q][j] living in buf[q] (R rows of
+// stride PANEL) between K blocks. NP = 2 gives a row of decode (batch 1) four independent FMA chains
+// instead of two; an element's chain is the same for any NP, R or C.
+
+// ---- float32 panels: acc = fma(x[i, k], w[k, j], acc) in k order --------------------------------
+template <int R, int C, int NP>
+void micro_f32(const float* x, int64_t ldx, const float* const* w, int64_t kc, float* const* buf, bool first,
+               const char* const* pf, int64_t pf_lines) {
   const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
-  Vec acc[R][C];
+  Vec acc[R][NP][C];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = first ? Vec::zero() : Vec::load(buf + i * PANEL + j * Vec::W);
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j)
+        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
   for (int64_t k = 0; k < kc; ++k) {
-    prefetch_share(pf, pf_lines, per_k, k);
-    Vec b[C];
-    for (int j = 0; j < C; ++j) b[j] = Vec::load(w + k * PANEL + j * Vec::W);
+    for (int q = 0; q < NP; ++q) {
+      if constexpr (NP == 2) prefetch_ahead<PANEL * 4>(w[q] + k * PANEL, k);
+      else prefetch_share(pf[q], pf_lines, per_k, k);
+    }
+    Vec b[NP][C];
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) b[q][j] = Vec::load(w[q] + k * PANEL + j * Vec::W);
     for (int i = 0; i < R; ++i) {
       const Vec a = Vec::bcast(x[i * ldx + k]);
-      for (int j = 0; j < C; ++j) acc[i][j] = Vec::fma(a, b[j], acc[i][j]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(a, b[q][j], acc[i][q][j]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j].store(buf + i * PANEL + j * Vec::W);
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
 }
 
 // ---- bfloat16 pair panels, two FMAs per pair on widened values (any CPU) -------------------------
-// x: floats holding bf16 values, pairs at x[2i], x[2i + 1]; w: kc panel rows of 2*PANEL bf16 (the
-// words of C vectors of columns); per accumulator: odd element, then even, pair by pair.
-template <int R, int C>
-void micro_bf16(const float* x, int64_t ldx, const bf16* w, int64_t kc, float* buf, bool first,
-                const char* pf, int64_t pf_lines) {
+// x: floats holding bf16 values, pairs at x[2k], x[2k + 1]; a panel row is 2*PANEL bf16 (the words of
+// C vectors of columns); per accumulator: odd element, then even, pair by pair.
+template <int R, int C, int NP>
+void micro_bf16(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, float* const* buf, bool first,
+                const char* const* pf, int64_t pf_lines) {
   const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
-  Vec acc[R][C];
+  Vec acc[R][NP][C];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = first ? Vec::zero() : Vec::load(buf + i * PANEL + j * Vec::W);
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j)
+        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
   for (int64_t k = 0; k < kc; ++k) {
-    prefetch_share(pf, pf_lines, per_k, k);
-    Vec lo[C], hi[C];
-    for (int j = 0; j < C; ++j) {
-      const auto words = Vec::load_words(w + k * 2 * PANEL + j * 2 * Vec::W);
-      lo[j] = Vec::pair_lo(words);
-      hi[j] = Vec::pair_hi(words);
+    for (int q = 0; q < NP; ++q) {
+      if constexpr (NP == 2) prefetch_ahead<PANEL * 4>(w[q] + k * 2 * PANEL, k);
+      else prefetch_share(pf[q], pf_lines, per_k, k);
     }
+    Vec lo[NP][C], hi[NP][C];
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) {
+        const auto words = Vec::load_words(w[q] + k * 2 * PANEL + j * 2 * Vec::W);
+        lo[q][j] = Vec::pair_lo(words);
+        hi[q][j] = Vec::pair_hi(words);
+      }
     for (int i = 0; i < R; ++i) {
       const Vec odd = Vec::bcast(x[i * ldx + 2 * k + 1]), even = Vec::bcast(x[i * ldx + 2 * k]);
-      for (int j = 0; j < C; ++j) acc[i][j] = Vec::fma(odd, hi[j], acc[i][j]);
-      for (int j = 0; j < C; ++j) acc[i][j] = Vec::fma(even, lo[j], acc[i][j]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(odd, hi[q][j], acc[i][q][j]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(even, lo[q][j], acc[i][q][j]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j].store(buf + i * PANEL + j * Vec::W);
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
+}
+
+// ---- int8 panels: k rows of PANEL int8, widened to floats (exact) -------------------------------
+template <int R, int C, int NP>
+void micro_i8(const float* x, int64_t ldx, const int8_t* const* w, int64_t kc, float* const* buf, bool first,
+              const char* const* pf, int64_t pf_lines) {
+  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  Vec acc[R][NP][C];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j)
+        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int q = 0; q < NP; ++q) {
+      if constexpr (NP == 2) prefetch_ahead<PANEL>(w[q] + k * PANEL, k);
+      else prefetch_share(pf[q], pf_lines, per_k, k);
+    }
+    Vec b[NP][C];
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) b[q][j] = Vec::load_i8(w[q] + k * PANEL + j * Vec::W);
+    for (int i = 0; i < R; ++i) {
+      const Vec a = Vec::bcast(x[i * ldx + k]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(a, b[q][j], acc[i][q][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
 }
 
 #if defined(__AVX512BF16__)
 constexpr bool NATIVE_BF16 = true;
 // The same pairs through VDPBF16PS: x as bf16 words (a pair per 32 bits), one instruction per pair
-// and 16 columns. Whole panel rows only (AVX-512: NV == 2).
+// and 16 columns. One panel, whole panel rows (AVX-512: NV == 2).
 template <int R>
 void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* buf, bool first,
                   const char* pf, int64_t pf_lines) {
@@ -117,107 +183,106 @@ void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* 
 constexpr bool NATIVE_BF16 = false;
 #endif
 
-// ---- int8 panels: k rows of PANEL int8, widened to floats (exact) -------------------------------
-template <int R, int C>
-void micro_i8(const float* x, int64_t ldx, const int8_t* w, int64_t kc, float* buf, bool first,
-              const char* pf, int64_t pf_lines) {
-  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
-  Vec acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = first ? Vec::zero() : Vec::load(buf + i * PANEL + j * Vec::W);
-  for (int64_t k = 0; k < kc; ++k) {
-    prefetch_share(pf, pf_lines, per_k, k);
-    Vec b[C];
-    for (int j = 0; j < C; ++j) b[j] = Vec::load_i8(w + k * PANEL + j * Vec::W);
-    for (int i = 0; i < R; ++i) {
-      const Vec a = Vec::bcast(x[i * ldx + k]);
-      for (int j = 0; j < C; ++j) acc[i][j] = Vec::fma(a, b[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j].store(buf + i * PANEL + j * Vec::W);
-}
-
-// R rows over the whole panel: one call when R x NV accumulators fit in 12 registers, else in column
-// pairs (R x 2 accumulators: the classic 6x16 shape on AVX2, which loads each W vector once). `Micro`
-// is one of the micro kernels above; `col_elems` the weight elements per column vector in a panel row
-// (W, or 2 W for bf16 pairs).
-template <int R, class WT, class Micro>
-void rows_kernel(const Micro& micro, const float* x, int64_t ldx, const WT* w, int64_t col_elems, int64_t kc,
-                 float* buf, bool first, const char* pf, int64_t pf_lines) {
-  if constexpr (R * NV <= 12) {
-    micro.template run<R, NV>(x, ldx, w, kc, buf, first, pf, pf_lines);
-  } else {
-    for (int c = 0; c < NV; c += 2)
-      micro.template run<R, 2>(x, ldx, w + c * col_elems, kc, buf + c * Vec::W, first, pf, c == 0 ? pf_lines : 0);
-  }
-}
-
 struct MicroF32 {
-  template <int R, int C>
-  void run(const float* x, int64_t ldx, const float* w, int64_t kc, float* buf, bool first, const char* pf,
-           int64_t n) const { micro_f32<R, C>(x, ldx, w, kc, buf, first, pf, n); }
+  template <int R, int C, int NP>
+  void run(const float* x, int64_t ldx, const float* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_f32<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
 };
 struct MicroBF16 {
-  template <int R, int C>
-  void run(const float* x, int64_t ldx, const bf16* w, int64_t kc, float* buf, bool first, const char* pf,
-           int64_t n) const { micro_bf16<R, C>(x, ldx, w, kc, buf, first, pf, n); }
+  template <int R, int C, int NP>
+  void run(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_bf16<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
 };
 struct MicroI8 {
-  template <int R, int C>
-  void run(const float* x, int64_t ldx, const int8_t* w, int64_t kc, float* buf, bool first, const char* pf,
-           int64_t n) const { micro_i8<R, C>(x, ldx, w, kc, buf, first, pf, n); }
+  template <int R, int C, int NP>
+  void run(const float* x, int64_t ldx, const int8_t* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_i8<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
 };
 
-template <class WT, class Micro>
-void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, const WT* w, int64_t col_elems,
-                 int64_t kc, float* buf, bool first, const char* pf, int64_t pf_lines) {
-  switch (rows) {
-    case 1: return rows_kernel<1>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
-    case 2: return rows_kernel<2>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
-    case 3: return rows_kernel<3>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
-    case 4: return rows_kernel<4>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
-    case 5: return rows_kernel<5>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
-    default: return rows_kernel<6>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+// R rows over whole panels: one call when R x NP x NV accumulators fit in 12 registers (16 with two
+// panels, AVX-512's 32 registers hold them and their weight vectors), else in column pairs of one
+// panel at a time (R x 2 accumulators: the classic 6x16 shape on AVX2, which loads each W vector once).
+// `col_elems`: weight elements per column vector in a panel row (W, or 2 W for bf16 pairs).
+template <int R, int NP, class WT, class Micro>
+void rows_kernel(const Micro& micro, const float* x, int64_t ldx, const WT* const* w, int64_t col_elems, int64_t kc,
+                 float* const* buf, bool first, const char* const* pf, int64_t pf_lines) {
+  if constexpr (R * NP * NV <= (NP == 1 ? 12 : 16)) {
+    micro.template run<R, NV, NP>(x, ldx, w, kc, buf, first, pf, pf_lines);
+  } else {
+    for (int q = 0; q < NP; ++q)
+      for (int c = 0; c < NV; c += 2) {
+        const WT* wc[1] = {w[q] + c * col_elems};
+        float* bc[1] = {buf[q] + c * Vec::W};
+        const char* pc[1] = {pf[q]};
+        micro.template run<R, 2, 1>(x, ldx, wc, kc, bc, first, pc, c == 0 ? pf_lines : 0);
+      }
   }
 }
 
-// The blocked loop shared by every kind. Work item = (M block, panel), panels fastest: threads split
-// the panels of each M block (panels of one M block are contiguous in memory). A few rows (decode at
-// small batch) only stream the weight: one contiguous share per thread reads best. Many rows: small
-// chunks balance the threads. Cache blocking: a K block of one panel (k_block panel rows, 16 KiB) stays
-// in L1 while the M block's rows stream past it; the M block's accumulators (M_BLOCK x PANEL floats,
-// 12 KiB) stay close.
-//   tile(rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 at w
+template <int NP, class WT, class Micro>
+void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, const WT* const* w, int64_t col_elems,
+                 int64_t kc, float* const* buf, bool first, const char* const* pf, int64_t pf_lines) {
+  switch (rows) {
+    case 1: return rows_kernel<1, NP>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+    case 2: return rows_kernel<2, NP>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+    case 3: return rows_kernel<3, NP>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+    case 4: return rows_kernel<4, NP>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+    case 5: return rows_kernel<5, NP>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+    default: return rows_kernel<6, NP>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+  }
+}
+
+// The blocked loop shared by every kind. Work item = (M block, NP panels), panels fastest: threads
+// split the panels of each M block (panels of one M block are contiguous in memory). A few rows (decode
+// at small batch) only stream the weight: one contiguous share per thread reads best, two panels at a
+// time (NP = 2, AVX-512) so that each row has four independent FMA chains. Many rows: small chunks of
+// one panel balance the threads. Cache blocking: a K block of one panel (k_block panel rows, 16 KiB)
+// stays in L1 while the M block's rows stream past it; the M block's accumulators (M_BLOCK x PANEL
+// floats, 12 KiB a panel) stay close.
+//   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
+//     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
+constexpr int64_t SMALL_M = 4;      // at most this many rows: two panels per work item, streamed
+
 template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, const WT* wp,
                  int64_t out_features, const Tile& tile, const Store& store) {
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
-  const int64_t items = num_mb * P, threads = std::max(1, at::get_num_threads());
+  const int64_t NP = M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
+  const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
   const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
-  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT));
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
   parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[M_BLOCK * PANEL];
+    alignas(64) float acc[2][M_BLOCK * PANEL];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t mb = item / P, p = item % P;
+      const int64_t mb = item / groups, p0 = (item % groups) * NP, np = std::min(NP, P - p0);
       const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
-      const int64_t n0 = p * PANEL, ncols = std::min(PANEL, out_features - n0);
-      for (int64_t k0 = 0; k0 < K_rows; k0 += k_block) {
-        const int64_t kc = std::min(k_block, K_rows - k0);
-        const WT* w = wp + (p * K_rows + k0) * row_elems;
-        // the next k_block rows of the stream (this panel's next block, or the next panel's first:
-        // panels are contiguous), spread over the row tiles; none past the weight's end
-        const char* next = reinterpret_cast<const char*>(w + kc * row_elems);
-        const int64_t lines = std::min(k_block, P * K_rows - (p * K_rows + k0 + kc)) * row_bytes / 64;
+      const int64_t kb = NP == 2 ? K_rows : k_block;       // streaming: the whole K in registers
+      for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
+        const int64_t kc = std::min(kb, K_rows - k0);
+        const WT* w[2];
+        const char* next[2];
+        int64_t lines = 0;
+        for (int64_t q = 0; q < np; ++q) {
+          // the next k_block rows of panel q's stream (its next block, or the next item's first: panels
+          // are contiguous), spread over the row tiles; none past the weight's end
+          const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
+          w[q] = wp + row * row_elems;
+          next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
+          lines = std::max<int64_t>(0, std::min(k_block, total_rows - ahead)) * row_bytes / 64;
+        }
         const int64_t tiles = (rows + MR - 1) / MR, per_tile = (lines + tiles - 1) / tiles;
         for (int64_t i = 0, t = 0; i < rows; i += MR, ++t) {
           const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
-          tile(std::min(MR, rows - i), m0 + i, k0, w, kc, buf + i * PANEL, k0 == 0,
-               own > 0 ? next + t * per_tile * 64 : nullptr, own);
+          const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
+          float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
+          tile(np, std::min(MR, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
         }
       }
-      for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, buf + i * PANEL);
+      for (int64_t q = 0; q < np; ++q) {
+        const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
+        for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+      }
     }
   });
 }
@@ -286,24 +351,28 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
   if (M == 0) return y;
   const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
   const float* sp = s_f.defined() ? s_f.data_ptr<float>() : nullptr;
+  // one tile through a micro kernel family, np (1 or 2) panels
+  auto tiles = [](const auto& micro, int64_t np, int64_t rows, const float* x, int64_t ldx, const auto* const* w,
+                  int64_t col_elems, int64_t kc, float* const* buf, bool first, const char* const* pf, int64_t n) {
+    if (np == 2) return tile_kernel<2>(micro, rows, x, ldx, w, col_elems, kc, buf, first, pf, n);
+    tile_kernel<1>(micro, rows, x, ldx, w, col_elems, kc, buf, first, pf, n);
+  };
   auto run = [&](auto store) {
     if (kind == torch::kFloat32) {
       const torch::Tensor xf = float_rows(x, K, false);
       const float* xp = xf.data_ptr<float>();
-      const float* wp = packed.data_ptr<float>();
-      packed_gemm(M, K, P, PANEL, K_BLOCK_F32, wp, out_features,
-                  [&](int64_t rows, int64_t m, int64_t k0, const float* w, int64_t kc, float* buf, bool first,
-                      const char* pf, int64_t n) {
-                    tile_kernel(MicroF32{}, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+      packed_gemm(M, K, P, PANEL, K_BLOCK_F32, packed.data_ptr<float>(), out_features,
+                  [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
+                      float* const* buf, bool first, const char* const* pf, int64_t n) {
+                    tiles(MicroF32{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store);
     } else if (kind == torch::kInt8) {
       const torch::Tensor xf = float_rows(x, K, false);
       const float* xp = xf.data_ptr<float>();
-      const int8_t* wp = packed.data_ptr<int8_t>();
-      packed_gemm(M, K, P, PANEL, K_BLOCK_I8, wp, out_features,
-                  [&](int64_t rows, int64_t m, int64_t k0, const int8_t* w, int64_t kc, float* buf, bool first,
-                      const char* pf, int64_t n) {
-                    tile_kernel(MicroI8{}, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+      packed_gemm(M, K, P, PANEL, K_BLOCK_I8, packed.data_ptr<int8_t>(), out_features,
+                  [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
+                      float* const* buf, bool first, const char* const* pf, int64_t n) {
+                    tiles(MicroI8{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store);
     } else {
       const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
@@ -314,16 +383,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
         if (width != K) xb = torch::constant_pad_nd(xb, {0, width - K});
         const bf16* xp = data_of<bf16>(xb);
         packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, wp, out_features,
-                    [&](int64_t rows, int64_t m, int64_t k0, const bf16* w, int64_t kc, float* buf, bool first,
-                        const char* pf, int64_t n) {
+                    [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
+                        float* const* buf, bool first, const char* const* pf, int64_t n) {
                       const bf16* xr = xp + m * width + 2 * k0;
-                      switch (rows) {
-                        case 1: return micro_dpbf16<1>(xr, width, w, kc, buf, first, pf, n);
-                        case 2: return micro_dpbf16<2>(xr, width, w, kc, buf, first, pf, n);
-                        case 3: return micro_dpbf16<3>(xr, width, w, kc, buf, first, pf, n);
-                        case 4: return micro_dpbf16<4>(xr, width, w, kc, buf, first, pf, n);
-                        case 5: return micro_dpbf16<5>(xr, width, w, kc, buf, first, pf, n);
-                        default: return micro_dpbf16<6>(xr, width, w, kc, buf, first, pf, n);
+                      for (int64_t q = 0; q < np; ++q) {
+                        const int64_t own = q == 0 ? n : 0;
+                        switch (rows) {
+                          case 1: micro_dpbf16<1>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 2: micro_dpbf16<2>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 3: micro_dpbf16<3>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 4: micro_dpbf16<4>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 5: micro_dpbf16<5>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          default: micro_dpbf16<6>(xr, width, w[q], kc, buf[q], first, pf[0], own);
+                        }
                       }
                     }, store);
         return;
@@ -333,10 +405,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
       const torch::Tensor xf = float_rows(x, width, true);
       const float* xp = xf.data_ptr<float>();
       packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, wp, out_features,
-                  [&](int64_t rows, int64_t m, int64_t k0, const bf16* w, int64_t kc, float* buf, bool first,
-                      const char* pf, int64_t n) {
-                    tile_kernel(MicroBF16{}, rows, xp + m * width + 2 * k0, width, w, 2 * Vec::W, kc, buf, first,
-                                pf, n);
+                  [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
+                      float* const* buf, bool first, const char* const* pf, int64_t n) {
+                    tiles(MicroBF16{}, np, rows, xp + m * width + 2 * k0, width, w, 2 * Vec::W, kc, buf, first, pf, n);
                   }, store);
     }
   };

@@ -340,3 +340,31 @@ def test_bf16_row_ops_give_a_row_the_same_bits_alone_and_in_any_batch():
         rows = slice(start, start + num_rows)
         assert torch.equal(fused_add_rmsnorm(x[rows].clone(), delta[rows], weight, 1e-6), full_norm[rows])
         assert torch.equal(fused_silu_mul(gate_up[rows].contiguous()), full_act[rows])
+
+
+@pytest.mark.slow
+def test_an_avx2_build_gives_the_same_bits_as_the_references():
+    """CPUs without AVX-512 get the same kernels with 8-float vectors (-march=haswell: AVX2 + FMA). Built
+    here under another name and checked like the native build: bf16 and int8 panels bitwise the fixed-order
+    references (so every CPU gives the same bf16 and int8 logits), rows the same alone and in a batch."""
+    from torch.utils.cpp_extension import load
+
+    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name, cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    module = load(name=_module_name(_SOURCE) + "_avx2", sources=[str(_SOURCE)],
+                  extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    assert module.VECTOR_WIDTH == 8 and not module.NATIVE_BF16
+    for num_rows, in_features, out_features in ((1, 576, 960), (7, 33, 77), (20, 576, 200), (13, 1536, 70)):
+        x, weight, bias = random_case(num_rows, in_features, out_features, seed=num_rows, with_bias=True)
+        xb = x.to(torch.bfloat16)
+        bf, i8 = pack_weight(weight, "bfloat16"), pack_weight(weight, "int8")
+        q, scale = quantize_int8(weight)
+        ours_bf = module.linear(xb, bf.panels, out_features, bias, None, False, False)
+        ours_i8 = module.linear(x, i8.panels, out_features, bias, i8.scale, False, False)
+        assert torch.equal(ours_bf, reference_linear_bf16(xb, weight, bias))
+        assert torch.equal(ours_i8, reference_linear_int8(x, q, scale, bias))
+        for row in (0, num_rows - 1):
+            assert torch.equal(module.linear(xb[row:row + 1], bf.panels, out_features, bias, None, False, False),
+                               ours_bf[row:row + 1])

@@ -1,6 +1,7 @@
 """Microbenchmark of the batch-invariant CPU kernels against MKL and the previous tiled path.
 
-Per op (the demo model's shapes): packed C++ linear vs F.linear (MKL, not invariant) vs 16-row
+Per op (the demo model's shapes): packed C++ linear in float32, bfloat16 (FMA form, and VDPBF16PS where
+the CPU has it) and int8 vs F.linear in float32 and bfloat16 (MKL / oneDNN, not invariant) vs 16-row
 tiled bmm (the PyTorch fallback) at M = 1, 16, 64; paged attention vs one SDPA call per
 sequence for a 64-sequence decode step; and a whole ModelRunner decode step at batch 1 and 64
 in both modes (KV contents are left as they are: timing only), the batch-invariant one both with
@@ -8,9 +9,12 @@ the fused C++ decoder layers (LlamaModel.fused, the default) and module by modul
 reference path); `--profile` adds a torch.profiler per-op breakdown of a batch-1 step of each. Best of a few runs, wall clock;
 on a shared machine the numbers are noisy, so the load average is written alongside, and
 `--threads 1 --clock cpu` (process CPU time) gives what one idle core would take.
+`--dtypes fp32,bf16,int8` instead runs an interleaved batch-1 decode A/B of one runner per precision in
+this process, with the same-run read bandwidth and the resulting ceiling (bench_decode_dtypes).
 Writes benchmarks/results/kernels-<date>.json.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_kernels.py [--model-dir model --threads 2]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_kernels.py --dtypes fp32,bf16,int8 [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
@@ -51,17 +55,30 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def bench_linears(repeats: int) -> list[dict]:
+    """Per linear shape and row count: our packed kernel in each weight kind (float32, bfloat16 in the FMA
+    form and through VDPBF16PS where the CPU has it, int8) against torch's F.linear in float32 and bfloat16
+    (oneDNN/MKL, not batch-invariant) and the 16-row tiled bmm (the PyTorch fallback)."""
+    module = cpu_kernels()
     rows = []
     for name, (k, n) in SHAPES.items():
-        weight = torch.randn(n, k)
-        packed = pack_weight(weight)
+        weight = torch.randn(n, k) * 0.02
+        packed = {kind: pack_weight(weight, kind) for kind in ("float32", "bfloat16", "int8")}
+        weight_bf16 = weight.to(torch.bfloat16)
         for m in (1, 16, 64):
             x = torch.randn(m, k)
+            xb = x.to(torch.bfloat16)
             r = max(2, repeats // 10) if name == "lm_head" else repeats
-            rows.append({"op": name, "M": m, "K": k, "N": n,
-                         "packed_ms": best_ms(lambda x=x, p=packed: packed_linear(x, p, None), r),
-                         "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
-                         "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)})
+            row = {"op": name, "M": m, "K": k, "N": n,
+                   "packed_ms": best_ms(lambda x=x, p=packed["float32"]: packed_linear(x, p, None), r),
+                   "packed_bf16_ms": best_ms(lambda x=xb, p=packed["bfloat16"]: packed_linear(x, p, None), r),
+                   "packed_int8_ms": best_ms(lambda x=xb, p=packed["int8"]: packed_linear(x, p, None), r),
+                   "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
+                   "torch_bf16_ms": best_ms(lambda x=xb, w=weight_bf16: F.linear(x, w), r),
+                   "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)}
+            if module.NATIVE_BF16:
+                p = packed["bfloat16"]
+                row["vdpbf16ps_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, True), r)
+            rows.append(row)
             print(rows[-1], flush=True)
     return rows
 

@@ -43,7 +43,13 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     """Context limit in tokens; default: the model's max_position_embeddings."""
     dtype: str = "auto"
-    """auto | fp32 | fp16 | bf16 (auto: fp32 on CPU, bf16 on CUDA)."""
+    """auto | fp32 | fp16 | bf16 (also float32, float16, bfloat16). auto follows the checkpoint: on CPU a
+    bf16/fp16 checkpoint runs in bf16 where the CPU has native bf16 dot products (AVX512_BF16 / AMX), else
+    fp32; fp16 runs as bf16 on CPU; on CUDA auto is the checkpoint's fp16/bf16, else bf16
+    (engine/precision.py)."""
+    quantize: Literal["int8"] | None = None
+    """Weight-only quantization at load: int8 = per-output-channel symmetric int8 weights, dequantized in
+    the C++ CPU kernels (activations stay in `dtype`); CPU only. Unset or `none`: the checkpoint's weights."""
     device_id: int = -1
     """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
     tensor_parallel_degree: int = Field(1, ge=1, le=1)
@@ -110,6 +116,11 @@ class Settings(BaseModel):
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
         return DTYPES[value.lower()]
 
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _no_quantize(cls, value):
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
     @field_validator("rolling_batch")
     @classmethod
     def _lower(cls, value: str) -> str:
@@ -143,7 +154,7 @@ class Settings(BaseModel):
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
                             batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "Settings":
@@ -181,6 +192,7 @@ class EngineConfig:
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
     huge_pages: bool = True
+    quantize: str | None = None
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -22,6 +22,7 @@ from lmi_handler.engine.output_processor import (
     gather_prompt_logprobs,
     plan_prompt_logprobs,
 )
+from lmi_handler.engine.precision import Precision, checkpoint_dtype, resolve_precision
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
@@ -56,11 +57,15 @@ def pick_device(device_id: int) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on CPU and bfloat16 on CUDA; otherwise the named dtype."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def pick_precision(config: EngineConfig, device: torch.device) -> Precision:
+    """option.dtype and option.quantize for this checkpoint on this device (precision.resolve_precision).
+    Raises: ConfigError naming option.quantize when the engine cannot serve it."""
+    from lmi_handler.engine.model.kernels import cpu_kernels
+    from lmi_handler.engine.model.kernels.build import native_bf16_cpu
+
+    return resolve_precision(config.dtype, config.quantize, checkpoint_dtype(config.model_path), device,
+                             native_bf16=device.type == "cpu" and native_bf16_cpu(),
+                             kernels_built=lambda: cpu_kernels() is not None)
 
 
 class Engine:
@@ -72,9 +77,12 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device_id)
-        self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
+        precision = pick_precision(config, self.device)
+        (logger.warning if precision.warn else logger.info)("%s", precision.reason)
+        self.runner = ModelRunner(config.model_path, precision.dtype, self.device,
                                   block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                  batch_invariant=config.batch_invariant, huge_pages=config.huge_pages)
+                                  batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
+                                  quantize=precision.quantize)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)

@@ -106,21 +106,25 @@ class ModelRunner:
     """Owns the model and its paged KV cache; `prepare` builds a step's ModelInput, `execute` runs it.
 
     KV cache: per layer a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
-    head_dim) in `dtype`, zero-initialised (so padded gathers never read NaN).
+    head_dim) in `dtype` (the activations' dtype: bfloat16 for a bf16 model, whatever the weights' kind),
+    zero-initialised (so padded gathers never read NaN).
+    `quantize` ("int8" or None): int8 weight panels, quantized at load (loader.load_model); the C++
+    kernels run them in either mode.
     `batch_invariant` (default True) makes a sequence's logits bitwise independent of the rest of
     the batch: the C++ row-invariant linear over packed weights and the paged attention kernel
     (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
     False: plain F.linear GEMMs, logits may move in the last bits with the batch.
-    `huge_pages`: packed weights and the KV cache in huge-page memory (kernels.empty_huge; CPU float32).
+    `huge_pages`: packed weights and the KV cache in huge-page memory (kernels.empty_huge; CPU).
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True, huge_pages: bool = True):
+                 batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
-        self.batch_invariant = batch_invariant
-        self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant, huge_pages=huge_pages)
+        self.batch_invariant, self.quantize = batch_invariant, quantize
+        self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
+                                quantize=quantize, huge_pages=huge_pages)
         c = self.config
         block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
@@ -205,4 +209,3 @@ def _positions(starts: list[int], counts: list[int], cu: list[int]) -> tuple[tor
     seq_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=num_tokens)
     offset = torch.tensor(starts, dtype=torch.int64) - torch.tensor(cu[:-1], dtype=torch.int64)   # (S,)
     return torch.arange(num_tokens) + offset[seq_index], seq_index
-

@@ -17,6 +17,10 @@ from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 512
 
+# (activations' dtype, quantize) the engine runs a model in on CPU; every promise holds in each
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+              "int8": (torch.float32, "int8"), "int8_bf16": (torch.bfloat16, "int8")}
+
 TINY_VARIANTS = {
     "gqa_tied": dict(tie_word_embeddings=True),
     "gqa_untied": dict(tie_word_embeddings=False),
@@ -134,3 +138,14 @@ def run(engine, prompts, params_list):
 
 ENGINE_PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 300, 6, 9, 400, 11, 23, 57, 88, 91, 120, 33, 7],
            [300, 200, 100, 50, 25], [7, 7, 7, 7, 8, 8, 8, 9, 9, 10, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+def assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target, others, n, chunks):
+    """Run `target` alone, then first in a batch with `others` (their prompts chunked by `chunks`, so
+    the target's prefill and decode steps share the batch with other prefills and decodes)."""
+    alone_tokens, alone_logits = greedy_generate(runner, allocator, [target], n)
+    batch_tokens, batch_logits = greedy_generate(runner, allocator, [target] + others, n,
+                                                 chunk_sizes=[len(target)] + chunks)
+    assert batch_tokens[0] == alone_tokens[0]
+    diffs = [(a - b).abs().max().item() for a, b in zip(alone_logits[0], batch_logits[0])]
+    assert all(torch.equal(a, b) for a, b in zip(alone_logits[0], batch_logits[0])), f"max abs diffs {diffs}"

@@ -15,7 +15,7 @@ from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence
 from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
-from tests.engine.helpers import hf_greedy, make_engine, run
+from tests.engine.helpers import PRECISIONS, hf_greedy, make_engine, run
 
 
 def test_greedy_tokens_equal_hf_generate_with_chunked_prefill_in_a_batch(tiny_model_dir, tiny_tokenizer):
@@ -303,8 +303,10 @@ def assert_hit_logits_bitwise_equal(runner: ModelRunner, config: SchedulerConfig
     assert warm.output_token_ids == cold.output_token_ids
 
 
-def test_logits_after_a_prefix_hit_are_bitwise_those_computed_without_the_cache(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir, torch.float32, torch.device("cpu"), block_size=4, num_blocks=128)
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_logits_after_a_prefix_hit_are_bitwise_those_computed_without_the_cache(tiny_model_dir, precision):
+    dtype, quantize = PRECISIONS[precision]
+    runner = ModelRunner(tiny_model_dir, dtype, torch.device("cpu"), block_size=4, num_blocks=128, quantize=quantize)
     for budget in (64, 12):                  # whole prompts in one chunk; chunked prefill
         assert_hit_logits_bitwise_equal(runner, SchedulerConfig(4, budget), PREFIX_PROMPTS[0], [PREFIX_PROMPTS[1]], 8)
 
@@ -346,8 +348,10 @@ def test_demo_model_greedy_equals_hf_generate_on_16_mt_bench_prompts_chunked_and
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_demo_model_logits_after_a_prefix_hit_are_bitwise_those_computed_without_the_cache(
-        model_dir, tokenizer, mt_bench_prompts):
-    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=8, num_blocks=64)
+        model_dir, tokenizer, mt_bench_prompts, precision):
+    dtype, quantize = PRECISIONS[precision]
+    runner = ModelRunner(model_dir, dtype, torch.device("cpu"), block_size=8, num_blocks=64, quantize=quantize)
     target, *warmers = chat_prompt_ids(tokenizer, mt_bench_prompts[:2])
     assert_hit_logits_bitwise_equal(runner, SchedulerConfig(4, 64), target, warmers, 4)

@@ -16,8 +16,15 @@ from lmi_handler.engine.kv_cache import BlockAllocator, build_slot_mapping
 from lmi_handler.engine.model_runner import ModelInput, ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.helpers import (
+    PRECISIONS,
+    assert_logits_bitwise_identical_alone_and_in_batch,
+    build_tiny_llama,
+    greedy_generate,
+    hf_greedy,
+    make_seq,
+)
 from tests.engine.helpers import RUNNER_PROMPTS as PROMPTS
-from tests.engine.helpers import build_tiny_llama, greedy_generate, hf_greedy, make_seq
 
 CPU = torch.device("cpu")
 
@@ -27,8 +34,8 @@ def run_step(runner: ModelRunner, seqs, counts):
     return runner.execute(runner.prepare(SchedulerOutput(seqs=list(seqs), num_scheduled_tokens=list(counts))))
 
 
-def tiny_runner(model_dir, **kwargs) -> tuple[ModelRunner, BlockAllocator]:
-    runner = ModelRunner(model_dir, torch.float32, CPU, block_size=4, num_blocks=128, **kwargs)
+def tiny_runner(model_dir, dtype=torch.float32, **kwargs) -> tuple[ModelRunner, BlockAllocator]:
+    runner = ModelRunner(model_dir, dtype, CPU, block_size=4, num_blocks=128, **kwargs)
     return runner, BlockAllocator(runner.num_blocks, runner.block_size)
 
 
@@ -98,19 +105,10 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert ours[0] == hf_greedy(hf_model, PROMPTS[0], 6)
 
 
-def assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target, others, n, chunks):
-    """Run `target` alone, then first in a batch with `others` (their prompts chunked by `chunks`, so
-    the target's prefill and decode steps share the batch with other prefills and decodes)."""
-    alone_tokens, alone_logits = greedy_generate(runner, allocator, [target], n)
-    batch_tokens, batch_logits = greedy_generate(runner, allocator, [target] + others, n,
-                                                 chunk_sizes=[len(target)] + chunks)
-    assert batch_tokens[0] == alone_tokens[0]
-    diffs = [(a - b).abs().max().item() for a, b in zip(alone_logits[0], batch_logits[0])]
-    assert all(torch.equal(a, b) for a, b in zip(alone_logits[0], batch_logits[0])), f"max abs diffs {diffs}"
-
-
-def test_logits_are_bitwise_identical_alone_and_in_batch(tiny_model_dir):
-    runner, allocator = tiny_runner(tiny_model_dir)
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_logits_are_bitwise_identical_alone_and_in_batch(tiny_model_dir, precision):
+    dtype, quantize = PRECISIONS[precision]
+    runner, allocator = tiny_runner(tiny_model_dir, dtype, quantize=quantize)
     others = [list(range(3, 40)), [1, 2, 3], list(range(100, 117)), [7] * 9, [1, 400, 401]]
     for target in (PROMPTS[0], list(range(200, 230))):   # small-tile and large-tile (>= 16) prefill
         assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target, others, 12,
@@ -156,6 +154,18 @@ def test_real_model_greedy_matches_transformers(real_runner, model_dir, tokenize
 @pytest.mark.slow
 def test_real_model_logits_are_bitwise_identical_alone_and_in_batch(real_runner, tokenizer, mt_bench_prompts):
     runner, allocator = real_runner
+    prompts = [chat_ids(tokenizer, p) for p in mt_bench_prompts[:4]]
+    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, prompts[0], prompts[1:], 8,
+                                                       chunks=[len(prompts[1]), 16, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int8_bf16"])
+def test_real_model_logits_are_bitwise_identical_alone_and_in_batch_in_every_precision(
+        model_dir, tokenizer, mt_bench_prompts, precision):
+    dtype, quantize = PRECISIONS[precision]
+    runner = ModelRunner(model_dir, dtype, CPU, block_size=16, num_blocks=128, quantize=quantize)
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     prompts = [chat_ids(tokenizer, p) for p in mt_bench_prompts[:4]]
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, prompts[0], prompts[1:], 8,
                                                        chunks=[len(prompts[1]), 16, 1])

@@ -368,3 +368,13 @@ def test_an_avx2_build_gives_the_same_bits_as_the_references():
         for row in (0, num_rows - 1):
             assert torch.equal(module.linear(xb[row:row + 1], bf.panels, out_features, bias, None, False, False),
                                ours_bf[row:row + 1])
+
+
+def test_the_build_name_changes_with_the_torch_install_so_venvs_never_rebuild_each_others_build(monkeypatch, tmp_path):
+    """torch writes its include paths into the build file: two venvs sharing a name would rebuild in turn."""
+    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name
+
+    here = _module_name(_SOURCE)
+    assert _module_name(_SOURCE) == here                      # stable within one install
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert _module_name(_SOURCE) != here

@@ -46,7 +46,10 @@ def _module_name(source: Path) -> str:
     """The extension's name carries a hash of its sources (the .cpp and the headers beside it) and of the
     CPU's flags: checkouts of different versions on one machine (a CI clone beside a working tree) never
     load each other's build from torch's shared cache, and a home directory shared by machines with
-    different CPUs never loads a -march=native build made for another one."""
+    different CPUs never loads a -march=native build made for another one. It also carries torch's
+    version and install path: torch writes that path (its include directories) into the build file, so
+    two virtual environments sharing one build directory would each see the other's build as stale and
+    rebuild it in turn (seen here: five checkouts, each start waiting minutes on the others' builds)."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -54,6 +57,7 @@ def _module_name(source: Path) -> str:
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(sorted(cpu_flags())).encode())
+    digest.update(f"{torch.__version__}\0{Path(torch.__file__).resolve().parent}".encode())
     return "lmi_cpu_kernels_" + digest.hexdigest()[:12]
 
 

@@ -28,9 +28,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-# the repo's copy of the MT-bench questions, else ../shared beside the checkout (or beside a worktree)
-PROMPT_FILES = (BENCH / "data" / "mt_bench_questions.jsonl", REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl",
-                REPO.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl")
+PROMPT_FILE = BENCH / "data" / "mt_bench_questions.jsonl"   # the repo's copy of the MT-bench questions
 
 VARIANTS = {   # name -> (our activations' dtype, quantize, reference dtype)
     "fp32": (torch.float32, None, torch.float32), "bf16": (torch.bfloat16, None, torch.bfloat16),
@@ -40,7 +38,7 @@ VARIANTS = {   # name -> (our activations' dtype, quantize, reference dtype)
 
 def mt_bench_questions(path: Path | None = None) -> list[str]:
     """First turns of the MT-bench questions, in file order."""
-    path = path or next((p for p in PROMPT_FILES if p.is_file()), PROMPT_FILES[0])
+    path = path or PROMPT_FILE
     return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -46,7 +46,8 @@ def _module_name(source: Path) -> str:
     """The extension's name carries a hash of its sources (the .cpp and the headers beside it) and of the
     CPU's flags: checkouts of different versions on one machine (a CI clone beside a working tree) never
     load each other's build from torch's shared cache, and a home directory shared by machines with
-    different CPUs never loads a -march=native build made for another one."""
+    different CPUs never loads a -march=native build made for another one; and of the torch installation,
+    so that venvs do not rebuild each other's."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -54,6 +55,10 @@ def _module_name(source: Path) -> str:
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(sorted(cpu_flags())).encode())
+    # and of the torch it builds against: two venvs (worktrees) on one machine with the same sources would
+    # otherwise share one build directory whose build.ninja names the other's include paths, and each
+    # start would rebuild it (about a minute) under the other's lock
+    digest.update(f"{torch.__version__}\0{Path(torch.__file__).resolve().parent}".encode())
     return "lmi_cpu_kernels_" + digest.hexdigest()[:12]
 
 

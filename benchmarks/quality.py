@@ -14,7 +14,7 @@ A row "hf_bf16" puts transformers' own bf16 model against its fp32 one, for scal
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quality.py [--prompts 16 --tokens 32 --variants bf16,int8]
 
-Writes benchmarks/results/quality-<date>.json.
+Writes benchmarks/results/quality-<date>.json (rewritten after each variant).
 """
 from __future__ import annotations
 
@@ -177,6 +177,8 @@ def main() -> None:
     refs: dict[torch.dtype, Reference] = {}
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": str(args.model_dir),
               "int8_lm_head": args.int8_lm_head, "variants": {}}
+    out = BENCH / "results" / f"quality-{dt.datetime.now().strftime('%Y-%m-%d-%H%M')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         start = time.perf_counter()
         if name == "hf_bf16":
@@ -194,9 +196,7 @@ def main() -> None:
               f"{result['first_difference_at_reference_tie']} part at a tie in generate()'s logits), argmax "
               f"agreement {result['argmax_agreement']:.3f} ({result['argmax_misses']} misses, "
               f"{result['misses_at_reference_ties']} at reference ties)", flush=True)
-    out = BENCH / "results" / f"quality-{dt.datetime.now().strftime('%Y-%m-%d-%H%M')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+        out.write_text(json.dumps(report, indent=1))   # after every variant: a run cut short keeps what it measured
     print(f"wrote {out}")
 
 

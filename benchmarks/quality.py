@@ -14,7 +14,7 @@ A row "hf_bf16" puts transformers' own bf16 model against its fp32 one, for scal
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quality.py [--prompts 16 --tokens 32 --variants bf16,int8]
 
-Writes benchmarks/results/quality-<date>.json.
+Writes benchmarks/results/quality-<date>.json (rewritten after each variant).
 """
 from __future__ import annotations
 
@@ -28,9 +28,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-# the repo's copy of the MT-bench questions, else ../shared beside the checkout (or beside a worktree)
-PROMPT_FILES = (BENCH / "data" / "mt_bench_questions.jsonl", REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl",
-                REPO.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl")
+PROMPT_FILE = BENCH / "data" / "mt_bench_questions.jsonl"   # the repo's copy of the MT-bench questions
 
 VARIANTS = {   # name -> (our activations' dtype, quantize, reference dtype)
     "fp32": (torch.float32, None, torch.float32), "bf16": (torch.bfloat16, None, torch.bfloat16),
@@ -40,7 +38,7 @@ VARIANTS = {   # name -> (our activations' dtype, quantize, reference dtype)
 
 def mt_bench_questions(path: Path | None = None) -> list[str]:
     """First turns of the MT-bench questions, in file order."""
-    path = path or next((p for p in PROMPT_FILES if p.is_file()), PROMPT_FILES[0])
+    path = path or PROMPT_FILE
     return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -179,6 +177,8 @@ def main() -> None:
     refs: dict[torch.dtype, Reference] = {}
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": str(args.model_dir),
               "int8_lm_head": args.int8_lm_head, "variants": {}}
+    out = BENCH / "results" / f"quality-{dt.datetime.now().strftime('%Y-%m-%d-%H%M')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         start = time.perf_counter()
         if name == "hf_bf16":
@@ -196,9 +196,7 @@ def main() -> None:
               f"{result['first_difference_at_reference_tie']} part at a tie in generate()'s logits), argmax "
               f"agreement {result['argmax_agreement']:.3f} ({result['argmax_misses']} misses, "
               f"{result['misses_at_reference_ties']} at reference ties)", flush=True)
-    out = BENCH / "results" / f"quality-{dt.datetime.now().strftime('%Y-%m-%d-%H%M')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+        out.write_text(json.dumps(report, indent=1))   # after every variant: a run cut short keeps what it measured
     print(f"wrote {out}")
 
 

@@ -77,9 +77,9 @@ int main(int argc, char **argv) {
             best = secs;
             best_cpu_fraction = least_cpu / secs;
         }
-        printf("%s%.6f", r ? ", " : "", secs);
+        printf("%s%.9f", r ? ", " : "", secs);
     }
-    printf("], \"best_s\": %.6f, \"best_bytes_per_s\": %.1f, \"mean_bytes_per_s\": %.1f, \"cpu_fraction\": %.3f, "
+    printf("], \"best_s\": %.9f, \"best_bytes_per_s\": %.1f, \"mean_bytes_per_s\": %.1f, \"cpu_fraction\": %.3f, "
            "\"huge_pages_requested\": %d, \"madvise_ok\": %d, \"anon_huge_pages_bytes\": %lld, \"sink\": %llu}\n",
            best, (double)bytes / best, (double)bytes * repeats / total, best_cpu_fraction, huge, madvise_ok, huge_bytes,
            (unsigned long long)(sink & 0xffff));

@@ -9,31 +9,48 @@
 
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// exp for 8 floats: Cephes range reduction x = n ln2 + r and a degree-5 polynomial (~1 ulp)
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
+// exp for W/32 floats (exp256: AVX2, exp512: AVX-512): Cephes range reduction x = n ln2 + r and a
+// degree-5 polynomial (~1 ulp); ROUND rounds to the nearest integer
+#define LMI_EXP(W, ROUND)                                                                                   \
+  inline __m##W exp##W(__m##W x) {                                                                          \
+    x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(-87.3f)), _mm##W##_set1_ps(88.3f));             \
+    __m##W fx = ROUND(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504088896341f)),                           \
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                        \
+    x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(0.693359375f), x);                                          \
+    x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(-2.12194440e-4f), x);                                       \
+    __m##W y = _mm##W##_set1_ps(1.9875691500e-4f);                                                          \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.3981999507e-3f));                                        \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(8.3334519073e-3f));                                        \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(4.1665795894e-2f));                                        \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.6666665459e-1f));                                        \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(5.0000001201e-1f));                                        \
+    y = _mm##W##_fmadd_ps(y, _mm##W##_mul_ps(x, x), _mm##W##_add_ps(x, _mm##W##_set1_ps(1.f)));             \
+    __m##W##i n = _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvtps_epi32(fx), _mm##W##_set1_epi32(127)), 23); \
+    return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(n));                                                  \
+  }
+#if defined(__AVX512F__)
+LMI_EXP(512, _mm512_roundscale_ps)
+#elif defined(__AVX2__) && defined(__FMA__)
+LMI_EXP(256, _mm256_round_ps)
 #endif
+#undef LMI_EXP
 
 // s[t] = exp(s[t] - max) in place for t < n; returns the sum (fixed order)
 float exp_and_sum(float* s, int64_t n, float max) {
   int64_t t = 0;
   float total = 0.f;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+  // every element through exp512 (the tail masked: lanes past n add 0 to the sum), lanes summed at the end
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(max);
+  for (; t < n; t += 16) {
+    const __mmask16 k = t + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(max);
   for (; t + 8 <= n; t += 8) {
     __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
@@ -59,7 +76,10 @@ template <> inline Vec load_vec<bf16>(const bf16* p) { return Vec::load_bf16(p);
 // so a row that takes every head at once reads each block as one sequential stream, and the next
 // block is prefetched while this one is used (measured on the demo model's 64-sequence decode, 30
 // layers, 2 threads: 53.2 -> 46.7 ms against one (row, KV head) per item reading K/V rows one by one;
-// the bits are unchanged). A score s[h * ld + t] is one dot chain over d (vector lanes, lanes summed
+// the bits are unchanged). On AVX-512 the scores go sixteen keys at a time per head, their lane sums in
+// one transpose (transpose_sum16) instead of a horizontal sum per key, and exp is vectorized (exp512):
+// 64 rows x 200 keys, 1 thread, thread CPU time, old and new builds interleaved in one process:
+// float32 2.75 -> 2.39 ms a layer, bfloat16 2.32 -> 1.91 (the rest is mostly reading K/V). A score s[h * ld + t] is one dot chain over d (vector lanes, lanes summed
 // in a fixed order, scalar tail), an output lane one FMA chain over t in order from zero, stored and
 // reloaded between blocks (exact): the same operations whatever else is in the batch.
 
@@ -116,6 +136,63 @@ void values_group(const float* p, int64_t ld, const T* vblock, int64_t row_strid
     }
 }
 
+#if defined(__AVX512F__)
+// Sixteen vectors' lane sums as one vector: out lane i = a fixed tree over the 16 lanes of v[PERM[i]]
+// (pairs of lanes, then pairs of pairs, ...); a lane never mixes two vectors, so a key's score does not
+// depend on which keys share its group (absent ones are zero vectors).
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// where transpose_sum16 puts vector i's sum: computed once by running it on one-hot vectors
+struct Sum16Order {
+  int lane_of[16];
+  Sum16Order() {
+    for (int i = 0; i < 16; ++i) {
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) v[j] = _mm512_set1_ps(j == i ? 1.f : 0.f);
+      alignas(64) float out[16];
+      _mm512_store_ps(out, transpose_sum16(v));
+      for (int l = 0; l < 16; ++l)
+        if (out[l] != 0.f) lane_of[i] = l;
+    }
+  }
+};
+
+// scores of head h (float query q, D a multiple of 16) for keys t0..t0+cnt-1 (cnt <= 16) at krows (row
+// stride row_stride, the head's KV slice at koff): s[t] = scale * tree sum over lanes of the FMA chain
+// over d; returns the group's max
+template <class T>
+inline float score_group16(const float* q, const T* krows, int64_t row_stride, int64_t koff, int64_t D, int64_t cnt,
+                           float scale, float* s) {
+  static const Sum16Order order;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int64_t i = 0; i < cnt; ++i)
+      acc[i] = _mm512_fmadd_ps(qv, load_vec<T>(krows + i * row_stride + koff + d).v, acc[i]);
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale)));
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < cnt; ++i) {
+    s[i] = sums[order.lane_of[i]];
+    mx = std::max(mx, s[i]);
+  }
+  return mx;
+}
+#endif
+
 // One query row, the query heads of KV heads g0..g1-1: q (H, D) the row's queries as floats, keys
 // 0..n-1 of the sequence with block table `table`; writes those heads of out (H, D) floats. Scratch
 // (indexed by head): scores H x ld floats (ld >= n), stats 2 H floats. A head's bits do not depend
@@ -136,6 +213,19 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
     const T* kb = kp + static_cast<int64_t>(table[j]) * block_elems;
     const T* next = j + 1 < num_blocks ? kp + static_cast<int64_t>(table[j + 1]) * block_elems : nullptr;
     const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS);
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {   // sixteen keys at a time per head, their lane sums in one transpose
+      for (int64_t t = t0; t < t1; ++t)
+        if (next) prefetch_lines(next + (t - t0) * row_stride + slice_begin, 0, slice_lines);
+      for (int64_t u = t0; u < t1; u += 16) {
+        const int64_t cnt = std::min<int64_t>(16, t1 - u);
+        for (int64_t h = h0; h < h1; ++h)
+          mx[h] = std::max(mx[h], score_group16<T>(q + h * D, kb + (u - t0) * row_stride, row_stride, (h / G) * D, D,
+                                                   cnt, scale, scores + h * ld + u));
+      }
+      continue;
+    }
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       if (next) prefetch_lines(next + (t - t0) * row_stride + slice_begin, 0, slice_lines);
       const T* krow = kb + (t - t0) * row_stride;

@@ -242,7 +242,7 @@ class RowTables:
             meta, stops = self._tables
             self._tables = (meta.advanced(self._last_tokens), stops)
         else:
-            self._tables = (SamplingMetadata.from_sequences(seqs, self.vocab_size, self.device),
+            self._tables = (SamplingMetadata.from_sequences(seqs, self.vocab_size, self.device, self.eos_token_ids),
                             StopTable.from_sequences(seqs, self.eos_token_ids, self.max_model_len, self.device))
         self._seqs, self._counts, self._last_tokens = list(seqs), counts, None
         return self._tables

@@ -135,7 +135,7 @@ class OutputProcessor:
         if reason_code != STOP_NONE:  # the last token: complete characters held back go out with it
             text += state.detokenizer.flush()
         state.pending.append(TokenOutput(token_id, text, logprob, state.detokenizer.is_special(token_id), top))
-        if state.matcher.add(text):
+        if state.matcher.add(text, search=seq.num_output_tokens > seq.params.min_tokens):
             seq.finish_reason = FinishReason.STOP_SEQUENCE
         elif reason_code != STOP_NONE:
             seq.finish_reason = FINISH_REASONS[reason_code]

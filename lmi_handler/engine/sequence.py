@@ -37,6 +37,31 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class GrammarKind(str, enum.Enum):
+    """What a structured-output constraint is written in (engine/grammar.py compiles each)."""
+
+    JSON_SCHEMA = "json_schema"   # value: the schema as JSON text
+    JSON_OBJECT = "json_object"   # any JSON object; value ""
+    REGEX = "regex"               # value: the pattern, matched in full
+    CHOICE = "choice"             # choices: the allowed outputs, exactly
+    GRAMMAR = "grammar"           # value: a Lark grammar, or GBNF/EBNF (rules written with ::=)
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """One request's output constraint, as the protocol layer hands it over (hashable: compiles are cached by it).
+
+    The engine masks every token the grammar cannot accept next; the sequence ends when the grammar
+    does (the model must then pick eos or a stop token). `max_whitespace` bounds each run of
+    whitespace between JSON tokens (JSON kinds), so JSON mode cannot spin on spaces until max_new_tokens.
+    """
+
+    kind: GrammarKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
+    max_whitespace: int = 8
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation knobs, already validated at the edge (protocol/params.py).
@@ -65,6 +90,22 @@ class SamplingParams:
     skip_special_tokens: bool = True
     top_n_tokens: int = 0               # alternatives returned per generated token
     prompt_logprobs: bool = False       # LMI decoder_input_details
+    prompt_top_n_tokens: int = 0        # vLLM prompt_logprobs=k: alternatives per prompt token (needs prompt_logprobs)
+    # logits controls (engine/logits_controls.py); token ids must be < the model's vocab size
+    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI/vLLM: (token id, added to its logit), ids unique
+    min_tokens: int = 0                 # vLLM: eos and stop_token_ids banned (and stop strings unmatched) before this
+    bad_words: tuple[tuple[int, ...], ...] = ()      # vLLM bad_words / TRT-LLM bad_sequences, as token ids: the
+    # last id is banned whenever the ids before it end the context (prompt + output; one id = always banned)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM: only these ids may be generated
+    structured_output: StructuredOutputSpec | None = None
+    # beam search (engine/beam_search.py; transformers' semantics): num_beams > 1 turns it on
+    num_beams: int = 1
+    length_penalty: float = 1.0         # finished score = sum of log probs / generated_len ** length_penalty
+    early_stopping: bool | str = False  # True, False (transformers' heuristic) or "never"
+
+    @property
+    def uses_beam_search(self) -> bool:
+        return self.num_beams > 1
 
 
 @dataclass

@@ -61,6 +61,9 @@ class Settings(BaseModel):
     decoder_input_details compute their whole prompt (vLLM: prompt log probs skip the cache)."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV-cache size in bytes (all layers, K and V)."""
+    structured_output_compile_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    """Seconds a request's grammar (JSON schema, regex, choice, Lark) may take to compile, off the engine
+    loop, before that request alone fails with an error; (0, 3600]."""
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
     """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
     tgi_compat: bool = False
@@ -131,7 +134,8 @@ class Settings(BaseModel):
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
                             batch_invariant=self.batch_invariant, compile=self.compile,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            structured_output_compile_timeout_s=self.structured_output_compile_timeout_s)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
@@ -161,6 +165,7 @@ class EngineConfig:
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
     compile: bool = False
+    structured_output_compile_timeout_s: float = 30.0
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from lmi_handler.config import EngineConfig
+from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
 from lmi_handler.engine.output_processor import (
@@ -24,7 +25,7 @@ from lmi_handler.engine.output_processor import (
 )
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, random_seed
 from lmi_handler.engine.stopping import StopTable
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ class Engine:
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)
         self.output = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.config.vocab_size, self.eos_token_ids,
+                                        config.structured_output_compile_timeout_s)
         self.seqs: dict[str, Sequence] = {}
+        self._compiling: list[Sequence] = []   # waiting for their grammar, in arrival order
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.device, self.runner.dtype, self.runner.num_blocks, self.runner.block_size,
                     self.max_model_len)
@@ -111,6 +115,9 @@ class Engine:
         if params.seed is None:
             params = replace(params, seed=seed if seed is not None else random_seed())
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        if params.structured_output is not None:
+            seq.grammar_ticket = self.grammars.submit(params.structured_output)
+            self._compiling.append(seq)
         self.seqs[request_id] = seq
         self.output.add(seq)
         self.scheduler.add(seq)
@@ -135,17 +142,49 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step for every scheduled sequence; return the outputs of requests that moved."""
+        failed = self._poll_grammars()                   # compiled grammars attach; failed compiles end
         sched = self.scheduler.schedule()                # which sequences, how many tokens each
         if sched.is_empty:
-            return []
+            self._idle_wait()
+            return failed
         model_input = self.runner.prepare(sched)         # SchedulerOutput -> ModelInput (plain tensors)
         sampling = self._prepare_sampling(sched)         # rows due a token, their tables (device)
         model_out = self.runner.execute(model_input)     # forward: logits
         self.scheduler.update_from_output(sched)         # their tokens are in the KV cache now
         sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
-        outputs = self.output.process(sampled)           # the one host sync; text, stop strings
+        outputs = self.output.process(sampled)           # the one host sync; text, stop strings, grammars
         self._finish(sampled.seqs)                       # free what finished
-        return outputs
+        return failed + outputs
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Attach the grammars that finished compiling; end (finish reason error) the requests whose compile
+        failed or ran past option.structured_output_compile_timeout_s. Never blocks."""
+        if not self._compiling:
+            return []
+        now, failed, still = time.monotonic(), [], []
+        for seq in self._compiling:
+            if self.seqs.get(seq.request_id) is not seq:
+                continue                                 # aborted meanwhile
+            outcome = seq.grammar_ticket.outcome(now, self.eos_token_ids + seq.params.stop_token_ids)
+            if outcome is None:
+                still.append(seq)
+            elif isinstance(outcome, str):
+                failed.append(self._fail_waiting(seq, outcome))
+            else:
+                seq.grammar = outcome
+        self._compiling = still
+        return failed
+
+    def _fail_waiting(self, seq: Sequence, error: str) -> RequestOutput:
+        seq.finish_reason, seq.error = FinishReason.ERROR, error
+        self._finish([seq])
+        return RequestOutput(seq.request_id, [], "", True, FinishReason.ERROR, seq.num_prompt_tokens, 0, error=error,
+                             invalid_request=True)
+
+    def _idle_wait(self) -> None:
+        """Nothing to run: rather than spin, wait a moment for the first pending compile (the caller loops)."""
+        if self._compiling:
+            self.grammars.wait_any([s.grammar_ticket for s in self._compiling], timeout_s=0.05)
 
     def _prepare_sampling(self, sched: SchedulerOutput) -> SamplingInput:
         """Before the forward, so every host -> device copy is queued ahead of it: the rows whose prompt is
@@ -168,10 +207,20 @@ class Engine:
         logits = model_out.logits                                                   # (S, vocab) float32
         if sampling.row_index is not None:
             logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
-        sampled = self.sampler(logits, sampling.meta)
+        sampled = self.sampler(logits, self._with_grammar_masks(sampling.seqs, sampling.meta))
         self.row_tables.record(sampled.token_ids)
         reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
         return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values)
+
+    def _with_grammar_masks(self, seqs: list[Sequence], meta: SamplingMetadata) -> SamplingMetadata:
+        """The step's metadata with a bitmask row for each constrained sequence (filled while the forward
+        runs on an accelerator; on CPU, after it)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return meta
+        bitmask = self.grammars.fill_bitmask([seqs[i] for i in rows]).to(self.device)
+        index = None if len(rows) == len(seqs) else torch.tensor(rows).to(self.device)
+        return replace(meta, grammar_rows=index, grammar_bitmask=bitmask)
 
     def _finish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

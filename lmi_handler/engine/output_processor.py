@@ -16,7 +16,14 @@ from lmi_handler.engine.model_runner import ModelOutput
 from lmi_handler.engine.sampler import SamplerOutput
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, Sequence, TokenOutput
-from lmi_handler.engine.stopping import FINISH_REASONS, STOP_NONE, StopStringMatcher
+from lmi_handler.engine.stopping import (
+    FINISH_REASONS,
+    STOP_EOS,
+    STOP_ERROR,
+    STOP_LENGTH,
+    STOP_NONE,
+    StopStringMatcher,
+)
 
 
 @dataclass
@@ -122,7 +129,9 @@ class OutputProcessor:
                 seq.first_token_time = now
             n = seq.params.top_n_tokens
             top = host.tops[i][:n] if host.tops and n else None
-            outputs.append(self.append_token(seq, host.token_ids[i], host.logprobs[i], top, host.reasons[i]))
+            reason = host.reasons[i] if seq.grammar is None else _grammar_reason(seq, host.token_ids[i],
+                                                                                 host.reasons[i])
+            outputs.append(self.append_token(seq, host.token_ids[i], host.logprobs[i], top, reason))
         return outputs
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float,
@@ -149,7 +158,8 @@ class OutputProcessor:
             token.text = text
         prompt_tokens, state.prompt_tokens = state.prompt_tokens, None
         return RequestOutput(seq.request_id, new_tokens, state.matcher.text, final, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, prompt_tokens=prompt_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, prompt_tokens=prompt_tokens,
+                             error=seq.error)
 
     def _set_prompt_tokens(self, seq: Sequence) -> None:
         state = self.texts[seq.request_id]
@@ -157,6 +167,18 @@ class OutputProcessor:
         state.prompt_tokens = [
             TokenOutput(tid, text, lp, state.detokenizer.is_special(tid))
             for tid, text, lp in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs)]
+
+
+def _grammar_reason(seq: Sequence, token_id: int, reason_code: int) -> int:
+    """Feed a constrained row's token to its grammar: an end id there ends the sequence (eos_token, or
+    stop_sequence for a stop id: even under ignore_eos); a rejected token fails it (STOP_ERROR)."""
+    if reason_code not in (STOP_NONE, STOP_LENGTH):
+        return reason_code              # eos / a stop id, allowed by the mask only where the grammar may end
+    ended, error = seq.grammar.advance(token_id)
+    if error is not None:
+        seq.error = error
+        return STOP_ERROR
+    return STOP_EOS if ended else reason_code
 
 
 @dataclass

@@ -124,13 +124,16 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in FIFO order while the batch, the budget and the KV cache allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.waiting_for_grammar:   # skipped until its grammar compiles; holds no blocks meanwhile
+                continue
             hits = self._cached_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.allocator.block_size, self.config.prefill_chunk_size)
             if n > budget or not self._admit(seq, hits, n):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.seqs.append(seq)

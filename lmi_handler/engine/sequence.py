@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -156,6 +157,9 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     prompt_token_logprobs: list[float | None] | None = None  # first is None (no context)
     first_token_time: float | None = None          # seconds, for TTFT
+    # structured output (engine/grammar.py): the compile being waited on, then this sequence's matcher
+    grammar_ticket: Any = None                      # CompileTicket while the grammar compiles
+    grammar: Any = None                             # GrammarState once compiled
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -181,6 +185,11 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed_tokens > 1
 
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling: the scheduler leaves it waiting, holding no KV blocks."""
+        return self.grammar_ticket is not None and self.grammar is None
+
 
 @dataclass
 class RequestOutput:
@@ -200,3 +209,6 @@ class RequestOutput:
     num_generated_tokens: int = 0
     prompt_tokens: list[TokenOutput] | None = None   # decoder_input_details, on the first output
     error: str | None = None
+    # the request ended before any token because what it asked for cannot be done (its grammar does not
+    # compile, or not in time): a client error (4xx naming the constraint's field), not a generation failure
+    invalid_request: bool = False

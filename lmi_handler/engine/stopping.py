@@ -16,11 +16,13 @@ STOP_NONE = 0      # go on
 STOP_EOS = 1       # a model eos id (LMI finish_reason eos_token)
 STOP_LENGTH = 2    # max_new_tokens reached (LMI finish_reason length)
 STOP_TOKEN = 3     # a user stop_token_ids entry (LMI finish_reason stop_sequence)
+STOP_ERROR = 4     # host side only: the grammar rejected the token (seq.error says why)
 
 FINISH_REASONS: dict[int, FinishReason] = {
     STOP_EOS: FinishReason.EOS_TOKEN,
     STOP_LENGTH: FinishReason.LENGTH,
     STOP_TOKEN: FinishReason.STOP_SEQUENCE,
+    STOP_ERROR: FinishReason.ERROR,
 }
 
 

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from lmi_handler.config import EngineConfig
+from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
 from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
@@ -78,6 +79,7 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.config.vocab_size, self.eos_token_ids,
                                         config.structured_output_compile_timeout_s)
+        self.beams = BeamSearch(self.scheduler, self.tokenizer, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._compiling: list[Sequence] = []   # waiting for their grammar, in arrival order
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -90,16 +92,21 @@ class Engine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise RequestRejected unless prompt + max_new_tokens fits the context and the KV cache."""
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int, num_beams: int = 1) -> None:
+        """Raise RequestRejected unless prompt + max_new_tokens fits the context and the KV cache (for each of
+        num_beams beams, counting no sharing), and num_beams fits max_num_seqs."""
         total = num_prompt_tokens + max_new_tokens
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
             raise RequestRejected(
                 "inputs", f"inputs has {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
                 f"their sum {total} exceeds the model's token limit of {self.max_model_len} "
                 f"(shorten the input, lower max_new_tokens, or set parameters.truncate)")
-        if num_blocks_needed(total, self.allocator.block_size) > self.allocator.num_blocks:
-            raise RequestRejected("max_new_tokens", f"{total} tokens exceed the KV cache "
+        if num_beams > self.scheduler.config.max_num_seqs:
+            raise RequestRejected("num_beams", f"num_beams {num_beams} exceeds max_rolling_batch_size "
+                                  f"({self.scheduler.config.max_num_seqs}): every beam is a sequence of the batch")
+        if num_blocks_needed(total, self.allocator.block_size) * num_beams > self.allocator.num_blocks:
+            what = f"{num_beams} beams of {total} tokens" if num_beams > 1 else f"{total} tokens"
+            raise RequestRejected("max_new_tokens", f"{what} exceed the KV cache "
                                   f"({self.allocator.num_blocks * self.allocator.block_size} tokens)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -107,14 +114,19 @@ class Engine:
         """Queue a request. `seed` is the front end's seed, used when params.seed is None.
 
         Sampled rows always get a seed here (drawn once at admission when neither is given), so
-        their draws depend only on (seed, position). Raises RequestRejected (see check_fits).
+        their draws depend only on (seed, position). num_beams > 1 runs a beam search (deterministic: the
+        sampling knobs are ignored) that reports once, at its end. Raises RequestRejected (see check_fits).
         """
-        self.check_fits(len(prompt_token_ids), params.max_new_tokens)
+        self.check_fits(len(prompt_token_ids), params.max_new_tokens, params.num_beams)
         if request_id in self.seqs:
             raise RequestRejected("request_id", f"request_id {request_id!r} is already running")
         if params.seed is None:
             params = replace(params, seed=seed if seed is not None else random_seed())
+        if params.uses_beam_search:
+            params = replace(params, greedy=True)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        if params.uses_beam_search:
+            self.beams.add(seq, min(params.max_new_tokens, self.max_model_len - len(prompt_token_ids)))
         if params.structured_output is not None:
             seq.grammar_ticket = self.grammars.submit(params.structured_output)
             self._compiling.append(seq)
@@ -127,6 +139,7 @@ class Engine:
         """Drop a request at once (client gone, reset); frees its KV blocks. Unknown ids are ignored."""
         seq = self.seqs.pop(request_id, None)
         self.output.remove(request_id)
+        self.beams.abort(request_id)
         if seq is not None:
             self.scheduler.finish(seq)
 
@@ -153,6 +166,7 @@ class Engine:
         self.scheduler.update_from_output(sched)         # their tokens are in the KV cache now
         sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
         outputs = self.output.process(sampled)           # the one host sync; text, stop strings, grammars
+        outputs += self._advance_beams(sampled)          # beams fork, die or end
         self._finish(sampled.seqs)                       # free what finished
         return failed + outputs
 
@@ -207,10 +221,30 @@ class Engine:
         logits = model_out.logits                                                   # (S, vocab) float32
         if sampling.row_index is not None:
             logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
-        sampled = self.sampler(logits, self._with_grammar_masks(sampling.seqs, sampling.meta))
+        layout = self.beams.layout(sampling.seqs)
+        if layout is not None:   # beam rows score log probs; processors then edit those (transformers' order)
+            rows = torch.tensor([r for group_rows in layout[1] for r in group_rows]).to(self.device)
+            logits = logits.index_copy(0, rows, torch.log_softmax(logits.index_select(0, rows), dim=-1))
+        meta = self._with_grammar_masks(sampling.seqs, sampling.meta)
+        processed = self.sampler.process(logits, meta)
+        sampled = self.sampler.pick(processed, meta)
         self.row_tables.record(sampled.token_ids)
         reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
-        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values)
+        candidates = beam_candidates(processed, *layout) if layout is not None else None
+        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values,
+                          beam_groups=layout[0] if layout is not None else [], beam_candidates=candidates)
+
+    def _advance_beams(self, step: StepSample) -> list[RequestOutput]:
+        """Each beam group's step from its candidates (brought to the host with the step's one sync)."""
+        outputs = []
+        for group, candidates in zip(step.beam_groups, step.beam_results):
+            out = self.beams.advance(group, *candidates)
+            if out is not None:
+                out.prompt_tokens = self.output.take_prompt_tokens(group.request_id)
+                self.seqs.pop(group.request_id, None)
+                self.output.remove(group.request_id)
+                outputs.append(out)
+        return outputs
 
     def _with_grammar_masks(self, seqs: list[Sequence], meta: SamplingMetadata) -> SamplingMetadata:
         """The step's metadata with a bitmask row for each constrained sequence (filled while the forward

@@ -57,6 +57,10 @@ class StepSample:
     stop_reasons: torch.Tensor | None      # (B,) int8 stopping codes
     prompt_chunks: list[PromptChunk]
     prompt_logprobs: torch.Tensor | None   # (sum of num_targets,) float32, in prompt_chunks order
+    beam_groups: list = field(default_factory=list)     # BeamGroups whose beams are among the rows
+    beam_candidates: tuple[torch.Tensor, ...] | None = None   # beam_search.beam_candidates' 4 (G, K) tensors
+    # filled by OutputProcessor.process: per group (values, parents, tokens, log probs) as lists
+    beam_results: list[tuple[list[float], list[int], list[int], list[float]]] = field(default_factory=list)
 
 
 def plan_prompt_logprobs(sched: SchedulerOutput,
@@ -122,9 +126,12 @@ class OutputProcessor:
             offset += chunk.num_targets
             if chunk.ends_prompt:
                 self._set_prompt_tokens(chunk.seq)
+        step.beam_results = host.beams
         now = time.monotonic()
         outputs = []
         for i, seq in enumerate(step.seqs):
+            if seq.beam_group is not None:
+                continue                   # beams advance as a group (engine/beam_search.py)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             n = seq.params.top_n_tokens
@@ -161,6 +168,14 @@ class OutputProcessor:
                              seq.num_prompt_tokens, seq.num_output_tokens, prompt_tokens=prompt_tokens,
                              error=seq.error)
 
+    def take_prompt_tokens(self, request_id: str) -> list[TokenOutput] | None:
+        """The prompt tokens (decoder_input_details) not yet handed out, e.g. for a beam search's one output."""
+        state = self.texts.get(request_id)
+        if state is None:
+            return None
+        prompt_tokens, state.prompt_tokens = state.prompt_tokens, None
+        return prompt_tokens
+
     def _set_prompt_tokens(self, seq: Sequence) -> None:
         state = self.texts[seq.request_id]
         texts = state.detokenizer.decode_prompt_tokens()
@@ -188,6 +203,7 @@ class _HostStep:
     reasons: list[int]
     tops: list[list[tuple[int, float]]] | None
     prompt_logprobs: list[float]
+    beams: list[tuple[list[float], list[int], list[int], list[float]]]
 
 
 def _to_host(step: StepSample) -> _HostStep:
@@ -205,8 +221,11 @@ def _to_host(step: StepSample) -> _HostStep:
             parts += [s.top_ids.flatten(), s.top_logprobs.flatten()]
     if step.prompt_logprobs is not None:
         parts.append(step.prompt_logprobs)
+    num_prompt = step.prompt_logprobs.numel() if step.prompt_logprobs is not None else 0
+    if step.beam_candidates is not None:
+        parts += [t.flatten() for t in step.beam_candidates]
     if not parts:
-        return _HostStep([], [], [], None, [])
+        return _HostStep([], [], [], None, [], [])
     # host sync, the step's only one: sampled tokens, stop reasons and log probs go to Python
     flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
     token_ids = [int(t) for t in flat[:num_rows]]
@@ -219,4 +238,12 @@ def _to_host(step: StepSample) -> _HostStep:
         # alternatives filtered out of a row's distribution come back as -inf: not real choices
         tops = [[(int(t), lp) for t, lp in zip(ids[r * k:(r + 1) * k], lps[r * k:(r + 1) * k]) if lp != float("-inf")]
                 for r in range(num_rows)]
-    return _HostStep(token_ids, logprobs, reasons, tops, flat[end:])
+    prompt_logprobs, end = flat[end:end + num_prompt], end + num_prompt
+    beams = []
+    if step.beam_candidates is not None:
+        num_groups, k = step.beam_candidates[0].shape
+        n = num_groups * k
+        values, parents, tokens, lps = (flat[end + j * n:end + (j + 1) * n] for j in range(4))
+        beams = [(values[g * k:(g + 1) * k], [int(p) for p in parents[g * k:(g + 1) * k]],
+                  [int(t) for t in tokens[g * k:(g + 1) * k]], lps[g * k:(g + 1) * k]) for g in range(num_groups)]
+    return _HostStep(token_ids, logprobs, reasons, tops, prompt_logprobs, beams)

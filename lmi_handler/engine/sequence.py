@@ -128,9 +128,12 @@ class TokenOutput:
     top_tokens: list[tuple[int, float]] | None = None  # (id, log_prob), best first
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """A request's running state. The engine mutates it; the model runner and scheduler read it.
+
+    Compared by identity (eq=False): a beam forked from another is field-for-field equal to it at first,
+    and the queues' `in` / `remove` must never mistake one for the other.
 
     Token positions: all_token_ids = prompt_token_ids + output_token_ids.
     `num_computed_tokens` counts tokens whose K/V are in the cache; the sequence is in
@@ -160,6 +163,7 @@ class Sequence:
     # structured output (engine/grammar.py): the compile being waited on, then this sequence's matcher
     grammar_ticket: Any = None                      # CompileTicket while the grammar compiles
     grammar: Any = None                             # GrammarState once compiled
+    beam_group: Any = None                          # BeamGroup of a beam-search request (engine/beam_search.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -186,9 +190,25 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens > 1
 
     @property
+    def in_beam_search(self) -> bool:
+        """A beam of a search that has forked: its beams are scheduled together, one decode token each."""
+        return self.beam_group is not None and self.beam_group.started
+
+    @property
     def waiting_for_grammar(self) -> bool:
         """Its grammar is still compiling: the scheduler leaves it waiting, holding no KV blocks."""
         return self.grammar_ticket is not None and self.grammar is None
+
+
+@dataclass
+class BeamOutput:
+    """One finished beam of a beam-search request (engine/beam_search.py), best first in RequestOutput.beams."""
+
+    text: str
+    tokens: list[TokenOutput]       # texts concatenate to `text`; log_prob is the processed log prob
+    score: float                    # sum of log probs / len(tokens) ** length_penalty (transformers)
+    cumulative_logprob: float       # sum of the tokens' log probs
+    finish_reason: FinishReason
 
 
 @dataclass
@@ -212,3 +232,6 @@ class RequestOutput:
     # the request ended before any token because what it asked for cannot be done (its grammar does not
     # compile, or not in time): a client error (4xx naming the constraint's field), not a generation failure
     invalid_request: bool = False
+    # beam search: every finished beam, best first (the best is also new_tokens / generated_text); a beam
+    # request reports only once, when the search ends
+    beams: list[BeamOutput] | None = None

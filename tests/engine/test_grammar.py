@@ -245,6 +245,12 @@ SCHEMAS = [
 ]
 
 
+def chat_ids(tokenizer, text: str) -> list[int]:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
 @pytest.mark.slow
 def test_demo_model_outputs_for_32_json_schema_prompts_validate_when_they_finish(model_dir, tokenizer):
     import jsonschema
@@ -257,11 +263,11 @@ def test_demo_model_outputs_for_32_json_schema_prompts_validate_when_they_finish
         schema = SCHEMAS[i % 4]
         text = (f"Describe {SUBJECTS[i % 8]} as a JSON object with the keys {', '.join(schema['required'])}. "
                 "Answer with JSON only.")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = chat_ids(tokenizer, text)
         params = SamplingParams(max_new_tokens=160, structured_output=schema_spec(schema))
         if i % 2:
             params = replace(params, greedy=False, temperature=0.7, seed=i)
-        requests.append((f"r{i}", list(ids), params))
+        requests.append((f"r{i}", ids, params))
     results = engine.generate(requests)
     finished = 0
     for rid, _, params in requests:
@@ -274,9 +280,9 @@ def test_demo_model_outputs_for_32_json_schema_prompts_validate_when_they_finish
 
     choice = SamplingParams(max_new_tokens=8, structured_output=spec("choice", choices=("yes", "no")))
     regex = SamplingParams(max_new_tokens=16, structured_output=spec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"))
-    ask = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+    ask = [chat_ids(tokenizer, q)
            for q in ("Is the sky blue? Answer yes or no.", "When did the Apollo 11 landing happen? Give the date.")]
-    _, small = run(engine, [list(a) for a in ask], [choice, regex])
+    _, small = run(engine, ask, [choice, regex])
     assert small["r0"][-1].generated_text in ("yes", "no")
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", small["r1"][-1].generated_text)
     assert engine.allocator.num_used_blocks == 0

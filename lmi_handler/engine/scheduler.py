@@ -107,8 +107,8 @@ class Scheduler:
             if seq.is_prefill != prefill or seq.status is not SequenceStatus.RUNNING or id(seq) in already:
                 continue
             beams = seq.beam_group.beams if seq.in_beam_search and not prefill else [seq]
-            if seq is not beams[0] or not all(b.status is SequenceStatus.RUNNING and not b.is_prefill
-                                              for b in beams):
+            if len(beams) > 1 and (seq is not beams[0] or not all(b.status is SequenceStatus.RUNNING
+                                                                  and not b.is_prefill for b in beams)):
                 continue        # a group decodes together, when all its beams are ready, from its first beam
             n = self._chunk(seq)
             if n * len(beams) > budget:  # a full chunk or nothing: never a budget-shaped chunk

@@ -48,7 +48,7 @@ def test_preempted_sequence_resumes_with_the_same_tokens(tiny_model_dir, tiny_to
 
     def spy(seq):
         preempted.append(seq.request_id)
-        original(seq)
+        return original(seq)
 
     tight.scheduler._preempt = spy
     squeezed, _ = run(tight, PROMPTS, [params] * 3)

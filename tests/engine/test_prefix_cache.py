@@ -43,7 +43,7 @@ def count_preemptions(engine: Engine) -> list[str]:
 
     def spy(seq):
         preempted.append(seq.request_id)
-        original(seq)
+        return original(seq)
 
     engine.scheduler._preempt = spy
     return preempted

@@ -215,9 +215,9 @@ class Engine:
 
     def _sample(self, sampling: SamplingInput, model_out: ModelOutput) -> StepSample:
         """Sample the due rows and check eos / stop ids / length, all on the device."""
-        prompt_values = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
+        prompt_values, prompt_top = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
         if not sampling.seqs:
-            return StepSample([], None, None, sampling.prompt_chunks, prompt_values)
+            return StepSample([], None, None, sampling.prompt_chunks, prompt_values, prompt_top)
         logits = model_out.logits                                                   # (S, vocab) float32
         if sampling.row_index is not None:
             logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
@@ -231,7 +231,7 @@ class Engine:
         self.row_tables.record(sampled.token_ids)
         reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
         candidates = beam_candidates(processed, *layout) if layout is not None else None
-        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values,
+        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values, prompt_top,
                           beam_groups=layout[0] if layout is not None else [], beam_candidates=candidates)
 
     def _advance_beams(self, step: StepSample) -> list[RequestOutput]:

@@ -57,6 +57,9 @@ class StepSample:
     stop_reasons: torch.Tensor | None      # (B,) int8 stopping codes
     prompt_chunks: list[PromptChunk]
     prompt_logprobs: torch.Tensor | None   # (sum of num_targets,) float32, in prompt_chunks order
+    # vLLM prompt_logprobs=k: (M, K) top ids and log probs of the targets of chunks with prompt_top_n_tokens,
+    # in prompt_chunks order (M = their targets, K = the largest k)
+    prompt_top: tuple[torch.Tensor, torch.Tensor] | None = None
     beam_groups: list = field(default_factory=list)     # BeamGroups whose beams are among the rows
     beam_candidates: tuple[torch.Tensor, ...] | None = None   # beam_search.beam_candidates' 4 (G, K) tensors
     # filled by OutputProcessor.process: per group (values, parents, tokens, log probs) as lists
@@ -84,17 +87,25 @@ def plan_prompt_logprobs(sched: SchedulerOutput,
     return chunks, (torch.tensor(targets, dtype=torch.int64).to(device) if targets else None)
 
 
-def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None,
-                           model_out: ModelOutput) -> torch.Tensor | None:
-    """Log prob of each planned target given the tokens before it: (N,) float32 on the device."""
-    values, offset = [], 0
+def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None, model_out: ModelOutput
+                           ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Log prob of each planned target given the tokens before it: (N,) float32 on the device; and for chunks
+    whose sequence asks for prompt alternatives (prompt_top_n_tokens), their targets' top ids and log probs
+    ((M, K) int64 and float32, K the largest prompt_top_n_tokens of the step), else None."""
+    values, top_ids, top_values, offset = [], [], [], 0
+    k = max((c.seq.params.prompt_top_n_tokens for c in chunks if c.num_targets), default=0)
     for chunk in chunks:
         if chunk.num_targets:
             logp = torch.log_softmax(model_out.chunk_logits[chunk.index][:chunk.num_targets].float(), dim=-1)
             target = targets[offset:offset + chunk.num_targets, None]                    # (n, 1)
             values.append(logp.gather(1, target).squeeze(1))
             offset += chunk.num_targets
-    return torch.cat(values) if values else None
+            if chunk.seq.params.prompt_top_n_tokens:
+                top = torch.topk(logp, min(k, logp.shape[1]), dim=-1)
+                top_ids.append(top.indices)
+                top_values.append(top.values)
+    top = (torch.cat(top_ids), torch.cat(top_values)) if top_ids else None
+    return (torch.cat(values) if values else None), top
 
 
 class OutputProcessor:
@@ -120,10 +131,17 @@ class OutputProcessor:
         text); the caller finishes those in the scheduler. Returns one RequestOutput per sampled row.
         """
         host = _to_host(step)
-        offset = 0
+        offset = top_offset = 0
         for chunk in step.prompt_chunks:
             chunk.seq.prompt_token_logprobs.extend(host.prompt_logprobs[offset:offset + chunk.num_targets])
             offset += chunk.num_targets
+            n = chunk.seq.params.prompt_top_n_tokens
+            if n and chunk.num_targets:
+                if chunk.seq.prompt_top_tokens is None:
+                    chunk.seq.prompt_top_tokens = [None]      # the first prompt token has no context
+                chunk.seq.prompt_top_tokens.extend(row[:n] for row in host.prompt_tops[top_offset:
+                                                                                        top_offset + chunk.num_targets])
+                top_offset += chunk.num_targets
             if chunk.ends_prompt:
                 self._set_prompt_tokens(chunk.seq)
         step.beam_results = host.beams
@@ -179,9 +197,10 @@ class OutputProcessor:
     def _set_prompt_tokens(self, seq: Sequence) -> None:
         state = self.texts[seq.request_id]
         texts = state.detokenizer.decode_prompt_tokens()
+        tops = seq.prompt_top_tokens or [None] * seq.num_prompt_tokens
         state.prompt_tokens = [
-            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid))
-            for tid, text, lp in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs)]
+            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid), top)
+            for tid, text, lp, top in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs, tops)]
 
 
 def _grammar_reason(seq: Sequence, token_id: int, reason_code: int) -> int:
@@ -204,6 +223,7 @@ class _HostStep:
     tops: list[list[tuple[int, float]]] | None
     prompt_logprobs: list[float]
     beams: list[tuple[list[float], list[int], list[int], list[float]]]
+    prompt_tops: list[list[tuple[int, float]]]
 
 
 def _to_host(step: StepSample) -> _HostStep:
@@ -224,8 +244,10 @@ def _to_host(step: StepSample) -> _HostStep:
     num_prompt = step.prompt_logprobs.numel() if step.prompt_logprobs is not None else 0
     if step.beam_candidates is not None:
         parts += [t.flatten() for t in step.beam_candidates]
+    if step.prompt_top is not None:
+        parts += [t.flatten() for t in step.prompt_top]
     if not parts:
-        return _HostStep([], [], [], None, [], [])
+        return _HostStep([], [], [], None, [], [], [])
     # host sync, the step's only one: sampled tokens, stop reasons and log probs go to Python
     flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
     token_ids = [int(t) for t in flat[:num_rows]]
@@ -246,4 +268,11 @@ def _to_host(step: StepSample) -> _HostStep:
         values, parents, tokens, lps = (flat[end + j * n:end + (j + 1) * n] for j in range(4))
         beams = [(values[g * k:(g + 1) * k], [int(p) for p in parents[g * k:(g + 1) * k]],
                   [int(t) for t in tokens[g * k:(g + 1) * k]], lps[g * k:(g + 1) * k]) for g in range(num_groups)]
-    return _HostStep(token_ids, logprobs, reasons, tops, prompt_logprobs, beams)
+        end += 4 * n
+    prompt_tops = []
+    if step.prompt_top is not None:
+        rows, k = step.prompt_top[0].shape
+        ids, lps = flat[end:end + rows * k], flat[end + rows * k:end + 2 * rows * k]
+        prompt_tops = [[(int(t), lp) for t, lp in zip(ids[r * k:(r + 1) * k], lps[r * k:(r + 1) * k])]
+                       for r in range(rows)]
+    return _HostStep(token_ids, logprobs, reasons, tops, prompt_logprobs, beams, prompt_tops)

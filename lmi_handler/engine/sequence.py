@@ -159,6 +159,7 @@ class Sequence:
     # filled by the engine's output path
     output_logprobs: list[float] = field(default_factory=list)
     prompt_token_logprobs: list[float | None] | None = None  # first is None (no context)
+    prompt_top_tokens: list[list[tuple[int, float]] | None] | None = None  # prompt_top_n_tokens; first None
     first_token_time: float | None = None          # seconds, for TTFT
     # structured output (engine/grammar.py): the compile being waited on, then this sequence's matcher
     grammar_ticket: Any = None                      # CompileTicket while the grammar compiles

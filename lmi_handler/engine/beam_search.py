@@ -70,18 +70,22 @@ class BeamGroup:
         """Take this step's K candidates (best first: accumulated score, parent beam index, token, the token's
         log prob) and decide the next beams and hypotheses. Pure host logic on a few values per group."""
         k, nb = self.num_candidates, self.num_beams
+        # a candidate a grammar or allowed_token_ids masked out (-inf) is no candidate: with fewer allowed
+        # continuations than K, a group runs on with fewer beams
+        k = min(k, sum(v > float("-inf") for v in values[:k]))
         values, parents, tokens, logprobs = values[:k], parents[:k], tokens[:k], logprobs[:k]
         at_max = self.num_generated + 1 >= self.max_new_tokens
         ends = [at_max or t in self.end_ids for t in tokens]
         self._add_hypotheses(values, parents, tokens, logprobs, ends)
-        order = [r for r in range(len(tokens)) if not ends[r]] + [r for r in range(len(tokens)) if ends[r]]
+        order = [r for r in range(k) if not ends[r]] + [r for r in range(k) if ends[r]]
         # an ended candidate runs on only when fewer than num_beams did not end (the last step), at
         # transformers' float32 score - 1e9
         step = BeamStep([(parents[r], tokens[r], _f32(values[r] - 1e9) if ends[r] else values[r], logprobs[r])
                          for r in order[:nb]])
         self.num_generated += 1
         self.started = True
-        self._update_improvable(step.running[0][2])
+        if step.running:
+            self._update_improvable(step.running[0][2])
         full = len(self.finished) == nb
         step.done = not self.improvable or (full and self.early_stopping is True) or all(ends)
         return step
@@ -213,7 +217,13 @@ class BeamSearch:
     def _output(self, group: BeamGroup) -> RequestOutput:
         self.groups.pop(group.request_id, None)
         root = group.beams[0]
-        beams = [self._beam_output(root, h) for h in group.finished]
+        hypotheses = group.finished or [   # every continuation was masked out before any beam finished
+            Hypothesis(score, list(b.output_token_ids), list(b.output_logprobs), FinishReason.LENGTH)
+            for b, score in zip(group.beams, group.scores) if b.output_token_ids]
+        if not hypotheses:
+            return RequestOutput(group.request_id, [], "", True, FinishReason.ERROR, root.num_prompt_tokens, 0,
+                                 error="beam search: no token was allowed (the constraints exclude every token)")
+        beams = [self._beam_output(root, h) for h in hypotheses]
         best = beams[0]
         return RequestOutput(group.request_id, best.tokens, best.text, True, best.finish_reason,
                              root.num_prompt_tokens, len(best.tokens), beams=beams)

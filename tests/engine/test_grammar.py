@@ -286,3 +286,18 @@ def test_demo_model_outputs_for_32_json_schema_prompts_validate_when_they_finish
     assert small["r0"][-1].generated_text in ("yes", "no")
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", small["r1"][-1].generated_text)
     assert engine.allocator.num_used_blocks == 0
+
+
+def test_every_beam_of_a_constrained_beam_search_matches_its_grammar(tiny_model_dir, tiny_tokenizer):
+    engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_seqs=8)
+    regex = spec("regex", r"[a-c]{2,6}")
+    ids, results = run(engine, [PROMPTS[0], PROMPTS[1]],
+                       [SamplingParams(max_new_tokens=10, num_beams=3, structured_output=regex),
+                        SamplingParams(max_new_tokens=10, num_beams=2, structured_output=SPECS[0])])
+    for rid, s in (("r0", regex), ("r1", SPECS[0])):
+        beams = results[rid][-1].beams
+        assert len(beams) == int(rid == "r0") + 2
+        for beam in beams:
+            assert beam.finish_reason is FinishReason.EOS_TOKEN
+            check_output(s, text_before_eos(tiny_tokenizer, [t.id for t in beam.tokens]))
+    assert engine.allocator.num_used_blocks == 0

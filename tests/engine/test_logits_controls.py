@@ -12,6 +12,7 @@ from transformers import MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProc
 from lmi_handler.engine.logits_controls import (
     LogitsControls,
     apply_token_bitmask,
+    bitmask_penalties,
     bitmask_words,
     token_ids_to_bitmask,
     unpack_bitmask,
@@ -48,6 +49,18 @@ def test_a_bitmask_built_from_ids_unpacks_to_exactly_those_ids(ids):
     mask = token_ids_to_bitmask(ids, V)
     assert mask.dtype == torch.int32 and mask.shape == (bitmask_words(V),)
     assert unpack_bitmask(mask[None], V)[0].nonzero().flatten().tolist() == ids
+
+
+@pytest.mark.parametrize("vocab", [70, 96, 49152])
+def test_the_byte_table_penalties_equal_the_bit_by_bit_reference(vocab):
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(vocab))
+    bitmask[0] = 0
+    bitmask[1] = -1
+    expected = torch.where(unpack_bitmask(bitmask, vocab), 0.0, float("-inf"))
+    assert torch.equal(bitmask_penalties(bitmask, vocab), expected)
+    assert torch.equal(bitmask_penalties(bitmask[:, :1], vocab), torch.where(unpack_bitmask(bitmask[:, :1], vocab),
+                                                                             0.0, float("-inf")))
 
 
 def test_ids_past_the_bitmask_width_are_masked_so_a_padded_vocabulary_stays_covered():

@@ -191,6 +191,7 @@ class Engine:
 
     def _fail_waiting(self, seq: Sequence, error: str) -> RequestOutput:
         seq.finish_reason, seq.error = FinishReason.ERROR, error
+        self.beams.abort(seq.request_id)
         self._finish([seq])
         return RequestOutput(seq.request_id, [], "", True, FinishReason.ERROR, seq.num_prompt_tokens, 0, error=error,
                              invalid_request=True)
@@ -318,8 +319,9 @@ class RowTables:
     def get(self, seqs: list[Sequence]) -> tuple[SamplingMetadata, StopTable]:
         """Tables for these rows; record() must follow with the tokens sampled from them."""
         counts = [s.num_output_tokens for s in seqs]
+        # a beam's new token is its group's choice, not the token its row sampled: steps with beams rebuild
         same = (self._tables is not None and self._last_tokens is not None and len(seqs) == len(self._seqs)
-                and all(a is b for a, b in zip(seqs, self._seqs))
+                and all(a is b and a.beam_group is None for a, b in zip(seqs, self._seqs))
                 and all(c == c0 + 1 for c, c0 in zip(counts, self._counts)))   # each row gained one token
         if same:
             meta, stops = self._tables

@@ -14,7 +14,8 @@ from lmi_handler.engine.engine import Engine, RequestRejected
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model_runner import copy_blocks, copy_blocks_reference
 from lmi_handler.engine.sequence import FinishReason, SamplingParams
-from tests.engine.test_engine import PROMPTS, make_engine, run
+from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
+from tests.engine.helpers import make_engine, run
 
 SETTINGS = [(1.0, True), (1.0, False), (0.5, False), (2.0, "never"), (-1.0, False), (0.0, True)]
 STOPS = [35, 378, 86]       # tokens the tiny model produces often: as stop ids they end beams early

@@ -17,7 +17,8 @@ from lmi_handler.engine.engine import Engine
 from lmi_handler.engine.grammar import GrammarCompiler, GrammarError, check_spec, grammar_source
 from lmi_handler.engine.logits_controls import unpack_bitmask
 from lmi_handler.engine.sequence import FinishReason, GrammarKind, SamplingParams, Sequence, StructuredOutputSpec
-from tests.engine.test_engine import PROMPTS, make_engine, run
+from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
+from tests.engine.helpers import make_engine, run
 
 EOS = 2     # the tiny model's eos (its tokenizer's own eos, id 1, is an ordinary token to the engine)
 

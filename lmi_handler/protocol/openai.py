@@ -5,7 +5,7 @@ Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); error object
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -39,7 +39,7 @@ OPENAI_RULES: dict[str, str] = {
 }
 # OpenAI field -> GenerationParameters field, to name the client's field in errors.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "top_n_tokens": "top_logprobs",
-                "return_full_text": "echo", "truncate": "truncate_prompt_tokens"}
+                "return_full_text": "echo", "truncate": "truncate_prompt_tokens", "do_sample": "use_beam_search"}
 _FINISH_REASONS = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",
                    FinishReason.LENGTH: "length", FinishReason.ERROR: "error"}
 
@@ -62,11 +62,8 @@ class StreamOptions(BaseModel):
 # client never gets an answer that silently dropped a constraint. Neutral values pass (clients such as
 # text-generation's `chat` send `"tools": null`; nulls never reach this check).
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "suffix": ("",), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "use_beam_search": (False,), "prompt_logprobs": (0, False),
-    "min_tokens": (0,), "logits_processors": ([],), "structured_outputs": (), "allowed_token_ids": (),
-    "bad_words": (), "best_of": (1,),      # best_of: chat only (completions implement it)
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "suffix": ("",), "logits_processors": ([],), "best_of": (1,),      # best_of: chat only (completions implement it)
 }
 EMPTY = ({}, [], "")   # neutral for every field above
 
@@ -107,6 +104,25 @@ class _SamplingRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM: keep only the last k prompt tokens "
                                                "(LMI/TGI `truncate`)")
     user: str | None = None
+    # vLLM beam search: n beams (completions: max(n, best_of)), the n best answered as choices
+    use_beam_search: bool = Field(False, description="vLLM: beam search of width n; the n best beams answer")
+    length_penalty: float | None = Field(None, allow_inf_nan=False, description="vLLM/transformers beam score "
+                                         "exponent")
+    early_stopping: bool | Literal["never"] | None = Field(None, description="vLLM/transformers beam stopping")
+    # logits controls and structured output: checked by GenerationParameters, under the same names
+    logit_bias: Any = Field(None, description="OpenAI: token id -> bias in [-100, 100]")
+    min_tokens: Any = Field(None, description="vLLM: tokens before eos / stop ids may end it")
+    bad_words: Any = Field(None, description="vLLM: strings never generated")
+    allowed_token_ids: Any = Field(None, description="vLLM: the only token ids generated")
+    prompt_logprobs: Any = Field(None, description="vLLM: prompt tokens' log probs with k alternatives")
+    response_format: Any = Field(None, description="OpenAI: text, json_object or json_schema")
+    structured_outputs: Any = Field(None, description="vLLM: one of json, regex, choice, grammar, json_object")
+    guided_json: Any = Field(None, description="legacy vLLM: a JSON schema")
+    guided_regex: Any = Field(None, description="legacy vLLM: a regex")
+    guided_choice: Any = Field(None, description="legacy vLLM: exact strings")
+    guided_grammar: Any = Field(None, description="legacy vLLM: a Lark or EBNF grammar")
+    guided_decoding_backend: str | None = Field(None, description="legacy vLLM: the grammar library; llguidance "
+                                                "here whatever is named (the constraint is the same)")
 
     @classmethod
     def parse(cls, data: Any):
@@ -138,15 +154,21 @@ class _SamplingRequest(BaseModel):
             value = getattr(self, name)
             out[name] = value if value is not None else (defaults or {}).get(name)
         if out["temperature"] is None:
-            # vLLM: temperature absent = 1.0 (sampling); DESIGN §4 batch files: absent = greedy
-            out["do_sample"] = not greedy_when_unset
-        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
+            # vLLM: temperature absent = 1.0 (sampling), beam search greedy; DESIGN §4 batch files: absent = greedy
+            out["do_sample"] = not (greedy_when_unset or self.use_beam_search)
+        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids", *PASSED_THROUGH):
             out[name] = getattr(self, name)
         # n (and best_of) are the OpenAI dialect's rule (sequences.openai_n), not GenerationParameters'
         out.update(stop_sequences=self.stop, ignore_eos=self.ignore_eos, truncate=self.truncate_prompt_tokens,
                    include_stop_str_in_output=self.include_stop_str_in_output,
                    skip_special_tokens=self.skip_special_tokens)
         return out
+
+
+# fields GenerationParameters checks under the names the OpenAI body uses
+PASSED_THROUGH = ("length_penalty", "early_stopping", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
+                  "prompt_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar")
 
 
 def _parse_generation(values: dict[str, Any]) -> GenerationParameters:
@@ -201,6 +223,7 @@ class ChatCompletionRequest(_SamplingRequest):
         values = self._sampling_dict(defaults, greedy_when_unset)
         values["max_new_tokens"] = self.max_completion_tokens or self.max_tokens or default_max_new_tokens
         values["top_n_tokens"] = (self.top_logprobs or 0) if self.logprobs else None
+        values["num_beams"] = self.n if self.use_beam_search else 1
         return _parse_generation(values)
 
 
@@ -232,7 +255,8 @@ class CompletionRequest(_SamplingRequest):
         """OpenAI -> LMI parameters (max_completion_tokens, then max_tokens, default 16; echo -> return_full_text)."""
         values = self._sampling_dict(defaults, greedy_when_unset)
         values.update(max_new_tokens=self.max_completion_tokens or self.max_tokens, return_full_text=self.echo,
-                      top_n_tokens=self.logprobs)
+                      top_n_tokens=self.logprobs,
+                      num_beams=max(self.n, self.best_of or 1) if self.use_beam_search else 1)
         return _parse_generation(values)
 
 

@@ -36,12 +36,13 @@ def structured_output(given: dict[str, Any]) -> tuple[str, StructuredOutputSpec]
     """The one constraint among `given` (field name -> value as sent, nulls left out), as (the field to name
     in errors, the engine's spec); None when no field asks for one (`response_format` {"type": "text"}).
 
-    Raises RequestValidationError naming the field: two constraints at once, a shape the field's owner does
+    An empty value ({}, [], "") counts as not given, as clients send them for "none". Raises
+    RequestValidationError naming the field: two constraints at once, a shape the field's owner does
     not define, or a schema / regex / grammar llguidance refuses (with its reason).
     """
     found = []
     for name in CONSTRAINT_FIELDS:
-        if name in given:
+        if name in given and given[name] not in ({}, [], ""):    # empty = not given (clients send defaults)
             spec = _PARSERS[name](given[name], name)
             if spec is not None:
                 found.append((name, spec))

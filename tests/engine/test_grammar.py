@@ -19,6 +19,8 @@ from lmi_handler.engine.logits_controls import unpack_bitmask
 from lmi_handler.engine.sequence import FinishReason, GrammarKind, SamplingParams, Sequence, StructuredOutputSpec
 from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
 from tests.engine.helpers import make_engine, run
+from tests.helpers import JSON_SCHEMAS as SCHEMAS
+from tests.helpers import SCHEMA_SUBJECTS as SUBJECTS
 
 EOS = 2     # the tiny model's eos (its tokenizer's own eos, id 1, is an ordinary token to the engine)
 
@@ -221,30 +223,6 @@ def test_an_invalid_grammar_fails_its_request_before_any_token(tiny_model_dir, t
 
 
 # --- the demo model ---------------------------------------------------------------------------------------
-
-SUBJECTS = ["a fictional person", "a city", "a book", "a recipe", "a laptop", "a movie", "a company", "a planet"]
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
-                                      "rating": {"enum": ["good", "bad", "average"]},
-                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                                               "minItems": 1, "maxItems": 3}},
-     "required": ["title", "rating", "tags"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "location": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30},
-                                                      "population": {"type": "integer", "minimum": 0}},
-                     "required": ["country"], "additionalProperties": False}},
-     "required": ["name", "location"], "additionalProperties": False},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
-        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                         "kind": {"enum": ["small", "large"]}},
-        "required": ["name", "kind"], "additionalProperties": False}}, "ok": {"type": "boolean"}},
-     "required": ["items", "ok"], "additionalProperties": False},
-]
-
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

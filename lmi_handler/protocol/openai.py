@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
+from lmi_handler.protocol.decoding import CONSTRAINT_FIELDS
 from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
 from lmi_handler.protocol.params import INT64_MAX, INT64_MIN, MAX_TOP_N_TOKENS, RULES, GenerationParameters
 
@@ -50,6 +51,12 @@ def to_openai_finish_reason(reason: FinishReason | None) -> str | None:
     error -> "error" (OpenAI has no word for it; vLLM's streaming also reports errors in-band).
     """
     return None if reason is None else _FINISH_REASONS[FinishReason(reason)]
+
+
+# vLLM/OpenAI fields GenerationParameters checks (and names in errors) as the OpenAI body spells them: the
+# logits controls and the structured-output constraints (protocol/decoding.py)
+PASSED_THROUGH = ("logit_bias", "min_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs",
+                  *CONSTRAINT_FIELDS)
 
 
 class StreamOptions(BaseModel):
@@ -109,20 +116,9 @@ class _SamplingRequest(BaseModel):
     length_penalty: float | None = Field(None, allow_inf_nan=False, description="vLLM/transformers beam score "
                                          "exponent")
     early_stopping: bool | Literal["never"] | None = Field(None, description="vLLM/transformers beam stopping")
-    # logits controls and structured output: checked by GenerationParameters, under the same names
-    logit_bias: Any = Field(None, description="OpenAI: token id -> bias in [-100, 100]")
-    min_tokens: Any = Field(None, description="vLLM: tokens before eos / stop ids may end it")
-    bad_words: Any = Field(None, description="vLLM: strings never generated")
-    allowed_token_ids: Any = Field(None, description="vLLM: the only token ids generated")
-    prompt_logprobs: Any = Field(None, description="vLLM: prompt tokens' log probs with k alternatives")
-    response_format: Any = Field(None, description="OpenAI: text, json_object or json_schema")
-    structured_outputs: Any = Field(None, description="vLLM: one of json, regex, choice, grammar, json_object")
-    guided_json: Any = Field(None, description="legacy vLLM: a JSON schema")
-    guided_regex: Any = Field(None, description="legacy vLLM: a regex")
-    guided_choice: Any = Field(None, description="legacy vLLM: exact strings")
-    guided_grammar: Any = Field(None, description="legacy vLLM: a Lark or EBNF grammar")
     guided_decoding_backend: str | None = Field(None, description="legacy vLLM: the grammar library; llguidance "
                                                 "here whatever is named (the constraint is the same)")
+    _decoding: dict[str, Any] = PrivateAttr(default_factory=dict)   # PASSED_THROUGH fields as sent
 
     @classmethod
     def parse(cls, data: Any):
@@ -130,6 +126,7 @@ class _SamplingRequest(BaseModel):
         if not isinstance(data, dict):
             raise RequestValidationError.out_of_range("body", data, "a JSON object")
         given = {key: value for key, value in data.items() if value is not None}
+        decoding = {key: given.pop(key) for key in PASSED_THROUGH if key in given}
         _refuse_not_implemented({k: v for k, v in given.items() if k not in cls.model_fields})
         unknown = sorted(set(given) - set(cls.model_fields))
         if unknown:
@@ -138,6 +135,7 @@ class _SamplingRequest(BaseModel):
             request = cls.model_validate(given)
         except ValidationError as exc:
             raise from_pydantic(exc, OPENAI_RULES) from None
+        request._decoding = decoding
         if request.stream_options is not None and not request.stream:     # vLLM refuses it too
             raise RequestValidationError("stream_options", "Invalid parameter `stream_options`: only allowed "
                                          "with stream=true")
@@ -156,19 +154,15 @@ class _SamplingRequest(BaseModel):
         if out["temperature"] is None:
             # vLLM: temperature absent = 1.0 (sampling), beam search greedy; DESIGN §4 batch files: absent = greedy
             out["do_sample"] = not (greedy_when_unset or self.use_beam_search)
-        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids", *PASSED_THROUGH):
+        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "length_penalty",
+                     "early_stopping"):
             out[name] = getattr(self, name)
+        out.update(self._decoding)
         # n (and best_of) are the OpenAI dialect's rule (sequences.openai_n), not GenerationParameters'
         out.update(stop_sequences=self.stop, ignore_eos=self.ignore_eos, truncate=self.truncate_prompt_tokens,
                    include_stop_str_in_output=self.include_stop_str_in_output,
                    skip_special_tokens=self.skip_special_tokens)
         return out
-
-
-# fields GenerationParameters checks under the names the OpenAI body uses
-PASSED_THROUGH = ("length_penalty", "early_stopping", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
-                  "prompt_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                  "guided_choice", "guided_grammar")
 
 
 def _parse_generation(values: dict[str, Any]) -> GenerationParameters:

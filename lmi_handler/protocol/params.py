@@ -219,7 +219,8 @@ class GenerationParameters(BaseModel):
         if self.best_of is not None and self.best_of < self.n:
             raise RequestValidationError(
                 prefix + "best_of", f"Invalid parameter `{prefix}best_of`: must be >= n ({self.n}), got {self.best_of}")
-        if self.min_tokens > self.max_new_tokens:
+        if self.min_tokens > self.max_new_tokens and "max_new_tokens" in self.model_fields_set:  # (chat without
+            # max_tokens gets the rest of the context later: checked only against a length the client sent)
             name = "min_length" if "min_length" in self._sent else "min_tokens"
             raise RequestValidationError(prefix + name, f"Invalid parameter `{prefix}{name}`: must be <= "
                                          f"max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")

@@ -301,7 +301,7 @@ def test_regex_choice_and_json_object_through_extra_body_on_completions(sdk):
     label = sdk.completions.create(model="model", prompt="The sentiment of 'I love it' is", max_tokens=8,
                                    temperature=0.9, seed=3, extra_body={"guided_choice": ["positive", "negative"]})
     assert label.choices[0].text in ("positive", "negative")
-    anything = sdk.chat.completions.create(model="model", max_tokens=120, temperature=0,
+    anything = sdk.chat.completions.create(model="model", max_tokens=60, temperature=0,
                                            messages=[{"role": "user", "content": "A JSON object about a cat."}],
                                            response_format={"type": "json_object"})
     if anything.choices[0].finish_reason == "stop":

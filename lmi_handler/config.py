@@ -73,6 +73,9 @@ class Settings(BaseModel):
     decoder_input_details compute their whole prompt (vLLM: prompt log probs skip the cache)."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV-cache size in bytes (all layers, K and V)."""
+    structured_output_compile_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    """Seconds a request's grammar (JSON schema, regex, choice, Lark) may take to compile, off the engine
+    loop, before that request alone fails with an error; (0, 3600]."""
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
     """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
     enable_streaming: bool = False
@@ -154,7 +157,8 @@ class Settings(BaseModel):
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
                             batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
-                            enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize)
+                            enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
+                            structured_output_compile_timeout_s=self.structured_output_compile_timeout_s)
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "Settings":
@@ -193,6 +197,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     huge_pages: bool = True
     quantize: str | None = None
+    structured_output_compile_timeout_s: float = 30.0
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

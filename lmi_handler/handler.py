@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
 from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
+from lmi_handler.engine.sequence import RequestOutput
 from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_body
@@ -68,6 +69,7 @@ class ActiveRequest:
     plan: RequestPlan | None = None
     members: list[Member] = field(default_factory=list)    # n / best_of: the engine sequences
     error: str | None = None          # set when the request failed; answered once with last=true
+    error_code: int = GENERATION_ERROR_CODE   # 400 when the engine found the request itself invalid
     done: bool = False
     cancelled: bool = False           # the client went away: answered once with last=true, no data
     handover: Handover | None = None  # in-process: where the whole answer's object goes too
@@ -97,6 +99,20 @@ class ActiveRequest:
         if self.handover is not None:
             self.handover.answered(body)
         return encode([body], Wire.JSON), True
+
+
+def refused_message(plan: RequestPlan, out: RequestOutput) -> str:
+    """The 400's message for a request the engine refused before any token (its grammar did not compile,
+    or not within option.structured_output_compile_timeout_s), naming the field the constraint came in."""
+    field = plan.constraint_field or "structured_outputs"
+    return f"Invalid parameter `{field}`: {out.error}"
+
+
+def _refused(members: list[list[Member]], results: dict) -> list[RequestOutput]:
+    """The last outputs of a dynamic-batch request's sequences that the engine refused (invalid_request)."""
+    last = [results[m.request_id][-1] for prompt_members in members for m in prompt_members
+            if results.get(m.request_id)]
+    return [out for out in last if out.invalid_request]
 
 
 def _truthy(value: str | None) -> bool:
@@ -186,14 +202,21 @@ class RollingBatch:
                     request.error = "internal error during generation"
             engine.abort_all()
             return {}
+        outputs_of = {out.request_id: out for out in outputs}
         for request in self.active:
+            refused = [outputs_of[m.request_id] for m in request.members
+                       if m.request_id in outputs_of and outputs_of[m.request_id].invalid_request]
+            if refused and request.error is None and not request.done:
+                request.error, request.error_code = refused_message(request.plan, refused[0]), 400
+                for member in request.members:
+                    engine.abort(member.request_id)
             hit = [failed[m.request_id] for m in request.members if m.request_id in failed]
             if hit and request.error is None and not request.done:
                 logger.error("request %s failed: %s", request.request_id, hit[0])
                 request.error = hit[0]
                 for member in request.members:  # n / best_of: the request fails as a whole
                     engine.abort(member.request_id)
-        return {out.request_id: out for out in outputs}
+        return outputs_of
 
     def _answer(self, answer: Output, index: int, request: ActiveRequest, outputs: dict) -> None:
         entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
@@ -202,7 +225,7 @@ class RollingBatch:
             entry["last"] = "true"
             request.done = True
         elif request.error is not None:
-            entry.update(last="true", code=str(GENERATION_ERROR_CODE), error=request.error,
+            entry.update(last="true", code=str(request.error_code), error=request.error,
                          content_type="application/json")
             request.done = True
         else:
@@ -242,9 +265,13 @@ class DynamicBatch:
                                   for p in plans]
         answer = Output()
         for index, (item, plan) in enumerate(zip(items, plans)):
+            refused = _refused(members_of[plan.request_id], results) if isinstance(plan, RequestPlan) else []
             if isinstance(plan, str):
                 body = error_body(dialect_of(item.get_property(ROUTE_PROPERTY)), plan, GENERATION_ERROR_CODE)
                 answer.add_property(f"batch_{index}_code", str(GENERATION_ERROR_CODE))
+            elif refused:
+                body = error_body(plan.dialect, refused_message(plan, refused[0]), 400, plan.constraint_field)
+                answer.add_property(f"batch_{index}_code", "400")
             else:
                 body = response_body(plan, members_of[plan.request_id], results)
                 handed = _handover(item)

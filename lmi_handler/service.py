@@ -9,10 +9,12 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from lmi_handler.config import Settings
-from lmi_handler.engine.engine import Engine, RequestTooLong
+from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
+from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
 from lmi_handler.protocol.dialects import Dialect, dialect_of
@@ -82,7 +84,9 @@ class Service:
             logprobs=bool(openai and openai.logprobs is not None and openai.logprobs is not False),
             include_usage=bool(openai and openai.include_usage), model_name=model_name,
             sse_done=rules.sse_done_marker(settings.tgi_compat),
-            created=int(time.time()), decode_token=self.decode_token)
+            created=int(time.time()), decode_token=self.decode_token,
+            constraint_field=params.constraint[0] if params.constraint else None,
+            prompt_logprobs=params.prompt_logprobs is not None)
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
         if not self.settings.is_rolling and request.stream and kind is not Kind.DYNAMIC_LIST:
@@ -116,6 +120,9 @@ class Service:
         """n / best_of by the dialect's rule (protocol/sequences.py)."""
         params = request.parameters
         openai = request.chat or request.completion
+        if params.num_beams > 1:    # one engine request: its best beams answer (protocol/sequences.beam_search)
+            return sequences.beam_search(params.num_beams, openai.n if openai is not None else 1,
+                                         stream=why_streaming is not None)
         if openai is not None:      # OpenAI routes, batch lines and LMI chat: OpenAI's n (and legacy best_of)
             best_of = openai.best_of if isinstance(openai, CompletionRequest) else None
             return sequences.openai_n(openai.n, best_of, stream=why_streaming is not None,
@@ -128,12 +135,15 @@ class Service:
         prompts = []
         for index, (text, token_ids) in enumerate(texts):
             token_ids = self._truncate(token_ids, request.parameters)
-            params = self._openai_length(request, kind, len(token_ids)).to_sampling_params()
-            self._check_token_ids(params.stop_token_ids)
+            generation = self._openai_length(request, kind, len(token_ids))
+            params = self._token_controls(generation, generation.to_sampling_params())
             try:
-                self.engine.check_fits(len(token_ids), params.max_new_tokens)
+                self.engine.check_fits(len(token_ids), params.max_new_tokens, params.num_beams)
             except RequestTooLong as exc:
                 raise self._length_error(request, exc) from None
+            except RequestRejected as exc:       # num_beams past the batch: OpenAI's beams are its `n`
+                field = "n" if request.chat or request.completion else exc.field
+                raise RequestValidationError(field, f"Invalid parameter `{field}`: {exc}") from None
             rid = f"{request_id}-{index}" if len(texts) > 1 else request_id
             prompts.append(Prompt(rid, text, tuple(token_ids), params))
         return tuple(prompts)
@@ -174,11 +184,26 @@ class Service:
                 self.engine.abort(request_id)
             raise
 
-    def _check_token_ids(self, token_ids: tuple[int, ...]) -> None:
+    def _token_controls(self, generation: GenerationParameters, params: SamplingParams) -> SamplingParams:
+        """The controls that need the model: token ids checked against its vocabulary (stop_token_ids,
+        logit_bias, allowed_token_ids), bad words as token ids (vLLM: each word as written and with a
+        leading space, so it is banned at the start of a word too). Raises RequestValidationError."""
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", tuple(t for t, _ in params.logit_bias))
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
+        if not generation.bad_words:
+            return params
+        words: dict[tuple[int, ...], None] = {}
+        for word in generation.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                words.setdefault(tuple(self._encode(text, "bad_words", add_special_tokens=False)), None)
+        return replace(params, bad_words=tuple(w for w in words if w))
+
+    def _check_token_ids(self, field: str, token_ids: tuple[int, ...]) -> None:
         vocab_size = self.engine.runner.config.vocab_size
         bad = [t for t in token_ids if t >= vocab_size]
         if bad:
-            raise RequestValidationError("stop_token_ids", f"Invalid parameter `stop_token_ids`: ids must be in "
+            raise RequestValidationError(field, f"Invalid parameter `{field}`: ids must be in "
                                          f"[0, {vocab_size - 1}] (the model's vocabulary), got {bad}")
 
     def _openai_length(self, request: InvocationRequest, kind: Kind, num_prompt_tokens: int) -> GenerationParameters:

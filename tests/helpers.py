@@ -116,3 +116,28 @@ def serve(tmp_path_factory, name: str, **options: str):
     log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
     with ServerProcess(options, log_path, REPO / "serving.properties") as server:
         yield server
+
+
+# JSON schemas with nested objects, arrays, enums and required keys, and what to ask each for (structured output)
+SCHEMA_SUBJECTS = ["a fictional person", "a city", "a book", "a recipe", "a laptop", "a movie", "a company", "a planet"]
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
+                                      "rating": {"enum": ["good", "bad", "average"]},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["title", "rating", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "location": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30},
+                                                      "population": {"type": "integer", "minimum": 0}},
+                     "required": ["country"], "additionalProperties": False}},
+     "required": ["name", "location"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                         "kind": {"enum": ["small", "large"]}},
+        "required": ["name", "kind"], "additionalProperties": False}}, "ok": {"type": "boolean"}},
+     "required": ["items", "ok"], "additionalProperties": False},
+]

@@ -13,6 +13,8 @@ from typing import Iterator
 import torch
 
 from lmi_handler.config import EngineConfig
+from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
+from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
 from lmi_handler.engine.output_processor import (
@@ -25,7 +27,7 @@ from lmi_handler.engine.output_processor import (
 from lmi_handler.engine.precision import Precision, checkpoint_dtype, resolve_precision
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, random_seed
 from lmi_handler.engine.stopping import StopTable
 
 logger = logging.getLogger(__name__)
@@ -94,7 +96,11 @@ class Engine:
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)
         self.output = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.config.vocab_size, self.eos_token_ids,
+                                        config.structured_output_compile_timeout_s)
+        self.beams = BeamSearch(self.scheduler, self.tokenizer, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
+        self._compiling: list[Sequence] = []   # waiting for their grammar, in arrival order
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.device, self.runner.dtype, self.runner.num_blocks, self.runner.block_size,
                     self.max_model_len)
@@ -105,8 +111,9 @@ class Engine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise RequestTooLong unless prompt + max_new_tokens fits the context and the KV cache."""
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int, num_beams: int = 1) -> None:
+        """Raise RequestTooLong unless prompt + max_new_tokens fits the context and the KV cache (for each of
+        num_beams beams, counting no sharing); RequestRejected unless num_beams fits max_num_seqs."""
         total = num_prompt_tokens + max_new_tokens
         counts = dict(num_prompt_tokens=num_prompt_tokens, max_new_tokens=max_new_tokens)
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
@@ -115,24 +122,36 @@ class Engine:
                 f"their sum {total} exceeds the model's token limit of {self.max_model_len} "
                 f"(shorten the input, lower max_new_tokens, or set parameters.truncate)",
                 **counts, limit=self.max_model_len, limit_name="context")
-        if num_blocks_needed(total, self.allocator.block_size) > self.allocator.num_blocks:
+        if num_beams > self.scheduler.config.max_num_seqs:
+            raise RequestRejected("num_beams", f"num_beams {num_beams} exceeds max_rolling_batch_size "
+                                  f"({self.scheduler.config.max_num_seqs}): every beam is a sequence of the batch")
+        if num_blocks_needed(total, self.allocator.block_size) * num_beams > self.allocator.num_blocks:
             cache_tokens = self.allocator.num_blocks * self.allocator.block_size
-            raise RequestTooLong("max_new_tokens", f"{total} tokens exceed the KV cache ({cache_tokens} tokens)",
-                                 **counts, limit=cache_tokens, limit_name="kv_cache")
+            what = f"{num_beams} beams of {total} tokens" if num_beams > 1 else f"{total} tokens"
+            raise RequestTooLong("max_new_tokens", f"{what} exceed the KV cache ({cache_tokens} tokens)",
+                                 **counts, limit=cache_tokens // num_beams, limit_name="kv_cache")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     seed: int | None = None) -> Sequence:
         """Queue a request. `seed` is the front end's seed, used when params.seed is None.
 
         Sampled rows always get a seed here (drawn once at admission when neither is given), so
-        their draws depend only on (seed, position). Raises RequestRejected (see check_fits).
+        their draws depend only on (seed, position). num_beams > 1 runs a beam search (deterministic: the
+        sampling knobs are ignored) that reports once, at its end. Raises RequestRejected (see check_fits).
         """
-        self.check_fits(len(prompt_token_ids), params.max_new_tokens)
+        self.check_fits(len(prompt_token_ids), params.max_new_tokens, params.num_beams)
         if request_id in self.seqs:
             raise RequestRejected("request_id", f"request_id {request_id!r} is already running")
         if params.seed is None:
             params = replace(params, seed=seed if seed is not None else random_seed())
+        if params.uses_beam_search:
+            params = replace(params, greedy=True)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        if params.uses_beam_search:
+            self.beams.add(seq, min(params.max_new_tokens, self.max_model_len - len(prompt_token_ids)))
+        if params.structured_output is not None:
+            seq.grammar_ticket = self.grammars.submit(params.structured_output)
+            self._compiling.append(seq)
         self.seqs[request_id] = seq
         self.output.add(seq)
         self.scheduler.add(seq)
@@ -142,6 +161,7 @@ class Engine:
         """Drop a request at once (client gone, reset); frees its KV blocks. Unknown ids are ignored."""
         seq = self.seqs.pop(request_id, None)
         self.output.remove(request_id)
+        self.beams.abort(request_id)
         if seq is not None:
             self.scheduler.finish(seq)
 
@@ -157,17 +177,51 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step for every scheduled sequence; return the outputs of requests that moved."""
+        failed = self._poll_grammars()                   # compiled grammars attach; failed compiles end
         sched = self.scheduler.schedule()                # which sequences, how many tokens each
         if sched.is_empty:
-            return []
+            self._idle_wait()
+            return failed
         model_input = self.runner.prepare(sched)         # SchedulerOutput -> ModelInput (plain tensors)
         sampling = self._prepare_sampling(sched)         # rows due a token, their tables (device)
         model_out = self.runner.execute(model_input)     # forward: logits
         self.scheduler.update_from_output(sched)         # their tokens are in the KV cache now
         sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
-        outputs = self.output.process(sampled)           # the one host sync; text, stop strings
+        outputs = self.output.process(sampled)           # the one host sync; text, stop strings, grammars
+        outputs += self._advance_beams(sampled)          # beams fork, die or end
         self._finish(sampled.seqs)                       # free what finished
-        return outputs
+        return failed + outputs
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Attach the grammars that finished compiling; end (finish reason error) the requests whose compile
+        failed or ran past option.structured_output_compile_timeout_s. Never blocks."""
+        if not self._compiling:
+            return []
+        now, failed, still = time.monotonic(), [], []
+        for seq in self._compiling:
+            if self.seqs.get(seq.request_id) is not seq:
+                continue                                 # aborted meanwhile
+            outcome = seq.grammar_ticket.outcome(now, self.eos_token_ids + seq.params.stop_token_ids)
+            if outcome is None:
+                still.append(seq)
+            elif isinstance(outcome, str):
+                failed.append(self._fail_waiting(seq, outcome))
+            else:
+                seq.grammar = outcome
+        self._compiling = still
+        return failed
+
+    def _fail_waiting(self, seq: Sequence, error: str) -> RequestOutput:
+        seq.finish_reason, seq.error = FinishReason.ERROR, error
+        self.beams.abort(seq.request_id)
+        self._finish([seq])
+        return RequestOutput(seq.request_id, [], "", True, FinishReason.ERROR, seq.num_prompt_tokens, 0, error=error,
+                             invalid_request=True)
+
+    def _idle_wait(self) -> None:
+        """Nothing to run: rather than spin, wait a moment for the first pending compile (the caller loops)."""
+        if self._compiling:
+            self.grammars.wait_any([s.grammar_ticket for s in self._compiling], timeout_s=0.05)
 
     def _prepare_sampling(self, sched: SchedulerOutput) -> SamplingInput:
         """Before the forward, so every host -> device copy is queued ahead of it: the rows whose prompt is
@@ -184,16 +238,46 @@ class Engine:
 
     def _sample(self, sampling: SamplingInput, model_out: ModelOutput) -> StepSample:
         """Sample the due rows and check eos / stop ids / length, all on the device."""
-        prompt_values = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
+        prompt_values, prompt_top = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
         if not sampling.seqs:
-            return StepSample([], None, None, sampling.prompt_chunks, prompt_values)
+            return StepSample([], None, None, sampling.prompt_chunks, prompt_values, prompt_top)
         logits = model_out.logits                                                   # (S, vocab) float32
         if sampling.row_index is not None:
             logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
-        sampled = self.sampler(logits, sampling.meta)
+        layout = self.beams.layout(sampling.seqs)
+        if layout is not None:   # beam rows score log probs; processors then edit those (transformers' order)
+            rows = torch.tensor([r for group_rows in layout[1] for r in group_rows]).to(self.device)
+            logits = logits.index_copy(0, rows, torch.log_softmax(logits.index_select(0, rows), dim=-1))
+        meta = self._with_grammar_masks(sampling.seqs, sampling.meta)
+        processed = self.sampler.process(logits, meta)
+        sampled = self.sampler.pick(processed, meta)
         self.row_tables.record(sampled.token_ids)
         reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
-        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values)
+        candidates = beam_candidates(processed, *layout) if layout is not None else None
+        return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values, prompt_top,
+                          beam_groups=layout[0] if layout is not None else [], beam_candidates=candidates)
+
+    def _advance_beams(self, step: StepSample) -> list[RequestOutput]:
+        """Each beam group's step from its candidates (brought to the host with the step's one sync)."""
+        outputs = []
+        for group, candidates in zip(step.beam_groups, step.beam_results):
+            out = self.beams.advance(group, *candidates)
+            if out is not None:
+                out.prompt_tokens = self.output.take_prompt_tokens(group.request_id)
+                self.seqs.pop(group.request_id, None)
+                self.output.remove(group.request_id)
+                outputs.append(out)
+        return outputs
+
+    def _with_grammar_masks(self, seqs: list[Sequence], meta: SamplingMetadata) -> SamplingMetadata:
+        """The step's metadata with a bitmask row for each constrained sequence (filled while the forward
+        runs on an accelerator; on CPU, after it)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return meta
+        bitmask = self.grammars.fill_bitmask([seqs[i] for i in rows]).to(self.device)
+        index = None if len(rows) == len(seqs) else torch.tensor(rows).to(self.device)
+        return replace(meta, grammar_rows=index, grammar_bitmask=bitmask)
 
     def _finish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -257,14 +341,15 @@ class RowTables:
     def get(self, seqs: list[Sequence]) -> tuple[SamplingMetadata, StopTable]:
         """Tables for these rows; record() must follow with the tokens sampled from them."""
         counts = [s.num_output_tokens for s in seqs]
+        # a beam's new token is its group's choice, not the token its row sampled: steps with beams rebuild
         same = (self._tables is not None and self._last_tokens is not None and len(seqs) == len(self._seqs)
-                and all(a is b for a, b in zip(seqs, self._seqs))
+                and all(a is b and a.beam_group is None for a, b in zip(seqs, self._seqs))
                 and all(c == c0 + 1 for c, c0 in zip(counts, self._counts)))   # each row gained one token
         if same:
             meta, stops = self._tables
             self._tables = (meta.advanced(self._last_tokens), stops)
         else:
-            self._tables = (SamplingMetadata.from_sequences(seqs, self.vocab_size, self.device),
+            self._tables = (SamplingMetadata.from_sequences(seqs, self.vocab_size, self.device, self.eos_token_ids),
                             StopTable.from_sequences(seqs, self.eos_token_ids, self.max_model_len, self.device))
         self._seqs, self._counts, self._last_tokens = list(seqs), counts, None
         return self._tables

@@ -69,7 +69,7 @@ class StepGuard:
     # ---- isolation -----------------------------------------------------------------------------
 
     def _isolate(self, exc: BaseException, running_before: set[str],
-                 computed: dict[str, int]) -> tuple[list[RequestOutput], dict[str, str]]:
+                 computed: dict[int, tuple[Sequence, int]]) -> tuple[list[RequestOutput], dict[str, str]]:
         scheduler, message = self.engine.scheduler, failure_message(exc)
         newest = [seq for seq in scheduler.running if seq.request_id not in running_before]
         if newest:
@@ -98,7 +98,7 @@ class StepGuard:
                 outputs.extend(alone)
         return culprits
 
-    def _try_without(self, parked: list[Sequence], computed: dict[str, int]) -> list[RequestOutput] | None:
+    def _try_without(self, parked: list[Sequence], computed: dict[int, tuple[Sequence, int]]) -> list[RequestOutput] | None:
         """One step with `parked` (and every waiting sequence) set aside; None (state restored) if it fails."""
         with self._parked(parked):
             try:
@@ -128,17 +128,19 @@ class StepGuard:
             self.engine.abort(request_id)   # leaves both queues, frees its KV blocks
         return {request_id: message for request_id in request_ids}
 
-    def _snapshot(self) -> dict[str, int]:
-        return {rid: seq.num_computed_tokens for rid, seq in self.engine.seqs.items()}
+    def _snapshot(self) -> dict[int, tuple[Sequence, int]]:
+        """Every queued sequence's computed count, by identity (a beam search's beams share a request id)."""
+        scheduler = self.engine.scheduler
+        return {id(seq): (seq, seq.num_computed_tokens) for seq in list(scheduler.running) + list(scheduler.waiting)}
 
-    def _restore(self, computed: dict[str, int]) -> None:
+    def _restore(self, computed: dict[int, tuple[Sequence, int]]) -> None:
         """Undo a failed step's progress: tokens it claimed to compute are computed again next time.
 
         Only running sequences with blocks keep a count; one preempted meanwhile restarts from 0 anyway.
         """
-        for rid, seq in self.engine.seqs.items():
-            if seq.status is SequenceStatus.RUNNING and seq.block_table and rid in computed:
-                seq.num_computed_tokens = min(computed[rid], seq.num_computed_tokens)
+        for seq, num_computed in computed.values():
+            if seq.status is SequenceStatus.RUNNING and seq.block_table:
+                seq.num_computed_tokens = min(num_computed, seq.num_computed_tokens)
 
 
 # ---- fault injection (tests) --------------------------------------------------------------------

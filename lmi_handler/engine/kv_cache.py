@@ -177,6 +177,18 @@ class BlockAllocator:
                 else:
                     self._evictable[block_id] = None
 
+    def share(self, block_ids: list[int]) -> None:
+        """Add one reference to each block in use (a forked beam shares its parent's table).
+
+        A block shared this way is written again only after copy-on-write (Scheduler._reserve): the
+        writer takes a fresh copy while other holders remain. Raises ValueError if a block is not in use.
+        """
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks or self._ref_counts[b] == 0]
+        if bad:
+            raise ValueError(f"sharing blocks not in use: {bad}")
+        for block_id in block_ids:
+            self._ref_counts[block_id] += 1
+
     def match_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
         """Block ids of the longest run of leading `block_hashes` found in the cache (changes nothing)."""
         hits = []

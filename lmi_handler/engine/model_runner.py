@@ -83,6 +83,7 @@ class ModelInput:
     logit_rows: torch.Tensor            # (R,) int64 flat rows lm_head runs on, R = num_chunk_rows + S
     num_chunk_rows: int                 # leading entries of logit_rows that are prompt-logprob chunks
     chunk_spans: dict[int, tuple[int, int]]  # caller's index -> rows [a, b) of lm_head's output (its chunk)
+    blocks_to_copy: torch.Tensor | None = None  # (N, 2) int64 (src, dst) block ids, copied before the forward
 
     @property
     def num_seqs(self) -> int:
@@ -95,8 +96,9 @@ class ModelInput:
     def to(self, device: torch.device) -> "ModelInput":
         """The same step with every tensor on `device` (host -> device copies, no sync)."""
         attn = replace(self.attn, **{f: getattr(self.attn, f).to(device) for f in _ATTN_TENSORS})
+        copies = self.blocks_to_copy.to(device) if self.blocks_to_copy is not None else None
         return replace(self, input_ids=self.input_ids.to(device), positions=self.positions.to(device),
-                       attn=attn, logit_rows=self.logit_rows.to(device))
+                       attn=attn, logit_rows=self.logit_rows.to(device), blocks_to_copy=copies)
 
 
 _ATTN_TENSORS = ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q")
@@ -166,9 +168,10 @@ class ModelRunner:
         for j in chunked:
             spans[j] = (row, row + counts[j])
             row += counts[j]
+        copies = torch.tensor(sched.blocks_to_copy, dtype=torch.int64).view(-1, 2) if sched.blocks_to_copy else None
         model_input = ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, attn=attn,
-            logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans)
+            logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans, blocks_to_copy=copies)
         return model_input if self.device.type == "cpu" else model_input.to(self.device)
 
     @torch.inference_mode()
@@ -176,11 +179,28 @@ class ModelRunner:
         """Run one step: write its K/V into the cache, return float32 logits in the caller's order."""
         mi = model_input
         invariant = self.batch_invariant
+        if mi.blocks_to_copy is not None:
+            copy_blocks(self.kv_cache, mi.blocks_to_copy)
         hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant)  # (T, hidden)
         logits = self.model.compute_logits(hidden[mi.logit_rows], invariant)              # (R, vocab) f32
         last = logits[mi.num_chunk_rows:]
         chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
         return ModelOutput(logits=last, chunk_logits=chunk_logits)
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy whole KV blocks in place, every layer's K and V at once: block dst <- block src for each row.
+
+    kv_cache: (layers, 2, num_blocks, block_size, kv_heads, head_dim); pairs: (N, 2) int64 (src, dst) on
+    its device, no dst repeated and no dst also a src (copy-on-write targets are fresh blocks).
+    """
+    kv_cache.index_copy_(2, pairs[:, 1], kv_cache.index_select(2, pairs[:, 0]))
+
+
+def copy_blocks_reference(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """copy_blocks one block at a time, for the test that compares the two."""
+    for src, dst in pairs:
+        kv_cache[:, :, dst].copy_(kv_cache[:, :, src])
 
 
 def _check_schedulable(seq: Sequence, start: int, n: int, block_size: int) -> None:

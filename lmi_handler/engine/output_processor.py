@@ -16,7 +16,14 @@ from lmi_handler.engine.model_runner import ModelOutput
 from lmi_handler.engine.sampler import SamplerOutput
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, Sequence, TokenOutput
-from lmi_handler.engine.stopping import FINISH_REASONS, STOP_NONE, StopStringMatcher
+from lmi_handler.engine.stopping import (
+    FINISH_REASONS,
+    STOP_EOS,
+    STOP_ERROR,
+    STOP_LENGTH,
+    STOP_NONE,
+    StopStringMatcher,
+)
 
 
 @dataclass
@@ -50,6 +57,13 @@ class StepSample:
     stop_reasons: torch.Tensor | None      # (B,) int8 stopping codes
     prompt_chunks: list[PromptChunk]
     prompt_logprobs: torch.Tensor | None   # (sum of num_targets,) float32, in prompt_chunks order
+    # vLLM prompt_logprobs=k: (M, K) top ids and log probs of the targets of chunks with prompt_top_n_tokens,
+    # in prompt_chunks order (M = their targets, K = the largest k)
+    prompt_top: tuple[torch.Tensor, torch.Tensor] | None = None
+    beam_groups: list = field(default_factory=list)     # BeamGroups whose beams are among the rows
+    beam_candidates: tuple[torch.Tensor, ...] | None = None   # beam_search.beam_candidates' 4 (G, K) tensors
+    # filled by OutputProcessor.process: per group (values, parents, tokens, log probs) as lists
+    beam_results: list[tuple[list[float], list[int], list[int], list[float]]] = field(default_factory=list)
 
 
 def plan_prompt_logprobs(sched: SchedulerOutput,
@@ -73,17 +87,25 @@ def plan_prompt_logprobs(sched: SchedulerOutput,
     return chunks, (torch.tensor(targets, dtype=torch.int64).to(device) if targets else None)
 
 
-def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None,
-                           model_out: ModelOutput) -> torch.Tensor | None:
-    """Log prob of each planned target given the tokens before it: (N,) float32 on the device."""
-    values, offset = [], 0
+def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None, model_out: ModelOutput
+                           ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Log prob of each planned target given the tokens before it: (N,) float32 on the device; and for chunks
+    whose sequence asks for prompt alternatives (prompt_top_n_tokens), their targets' top ids and log probs
+    ((M, K) int64 and float32, K the largest prompt_top_n_tokens of the step), else None."""
+    values, top_ids, top_values, offset = [], [], [], 0
+    k = max((c.seq.params.prompt_top_n_tokens for c in chunks if c.num_targets), default=0)
     for chunk in chunks:
         if chunk.num_targets:
             logp = torch.log_softmax(model_out.chunk_logits[chunk.index][:chunk.num_targets].float(), dim=-1)
             target = targets[offset:offset + chunk.num_targets, None]                    # (n, 1)
             values.append(logp.gather(1, target).squeeze(1))
             offset += chunk.num_targets
-    return torch.cat(values) if values else None
+            if chunk.seq.params.prompt_top_n_tokens:
+                top = torch.topk(logp, min(k, logp.shape[1]), dim=-1)
+                top_ids.append(top.indices)
+                top_values.append(top.values)
+    top = (torch.cat(top_ids), torch.cat(top_values)) if top_ids else None
+    return (torch.cat(values) if values else None), top
 
 
 class OutputProcessor:
@@ -109,20 +131,32 @@ class OutputProcessor:
         text); the caller finishes those in the scheduler. Returns one RequestOutput per sampled row.
         """
         host = _to_host(step)
-        offset = 0
+        offset = top_offset = 0
         for chunk in step.prompt_chunks:
             chunk.seq.prompt_token_logprobs.extend(host.prompt_logprobs[offset:offset + chunk.num_targets])
             offset += chunk.num_targets
+            n = chunk.seq.params.prompt_top_n_tokens
+            if n and chunk.num_targets:
+                if chunk.seq.prompt_top_tokens is None:
+                    chunk.seq.prompt_top_tokens = [None]      # the first prompt token has no context
+                chunk.seq.prompt_top_tokens.extend(row[:n] for row in host.prompt_tops[top_offset:
+                                                                                        top_offset + chunk.num_targets])
+                top_offset += chunk.num_targets
             if chunk.ends_prompt:
                 self._set_prompt_tokens(chunk.seq)
+        step.beam_results = host.beams
         now = time.monotonic()
         outputs = []
         for i, seq in enumerate(step.seqs):
+            if seq.beam_group is not None:
+                continue                   # beams advance as a group (engine/beam_search.py)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             n = seq.params.top_n_tokens
             top = host.tops[i][:n] if host.tops and n else None
-            outputs.append(self.append_token(seq, host.token_ids[i], host.logprobs[i], top, host.reasons[i]))
+            reason = host.reasons[i] if seq.grammar is None else _grammar_reason(seq, host.token_ids[i],
+                                                                                 host.reasons[i])
+            outputs.append(self.append_token(seq, host.token_ids[i], host.logprobs[i], top, reason))
         return outputs
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float,
@@ -135,7 +169,7 @@ class OutputProcessor:
         if reason_code != STOP_NONE:  # the last token: complete characters held back go out with it
             text += state.detokenizer.flush()
         state.pending.append(TokenOutput(token_id, text, logprob, state.detokenizer.is_special(token_id), top))
-        if state.matcher.add(text):
+        if state.matcher.add(text, search=seq.num_output_tokens > seq.params.min_tokens):
             seq.finish_reason = FinishReason.STOP_SEQUENCE
         elif reason_code != STOP_NONE:
             seq.finish_reason = FINISH_REASONS[reason_code]
@@ -149,14 +183,36 @@ class OutputProcessor:
             token.text = text
         prompt_tokens, state.prompt_tokens = state.prompt_tokens, None
         return RequestOutput(seq.request_id, new_tokens, state.matcher.text, final, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, prompt_tokens=prompt_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, prompt_tokens=prompt_tokens,
+                             error=seq.error)
+
+    def take_prompt_tokens(self, request_id: str) -> list[TokenOutput] | None:
+        """The prompt tokens (decoder_input_details) not yet handed out, e.g. for a beam search's one output."""
+        state = self.texts.get(request_id)
+        if state is None:
+            return None
+        prompt_tokens, state.prompt_tokens = state.prompt_tokens, None
+        return prompt_tokens
 
     def _set_prompt_tokens(self, seq: Sequence) -> None:
         state = self.texts[seq.request_id]
         texts = state.detokenizer.decode_prompt_tokens()
+        tops = seq.prompt_top_tokens or [None] * seq.num_prompt_tokens
         state.prompt_tokens = [
-            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid))
-            for tid, text, lp in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs)]
+            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid), top)
+            for tid, text, lp, top in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs, tops)]
+
+
+def _grammar_reason(seq: Sequence, token_id: int, reason_code: int) -> int:
+    """Feed a constrained row's token to its grammar: an end id there ends the sequence (eos_token, or
+    stop_sequence for a stop id: even under ignore_eos); a rejected token fails it (STOP_ERROR)."""
+    if reason_code not in (STOP_NONE, STOP_LENGTH):
+        return reason_code              # eos / a stop id, allowed by the mask only where the grammar may end
+    ended, error = seq.grammar.advance(token_id)
+    if error is not None:
+        seq.error = error
+        return STOP_ERROR
+    return STOP_EOS if ended else reason_code
 
 
 @dataclass
@@ -166,6 +222,8 @@ class _HostStep:
     reasons: list[int]
     tops: list[list[tuple[int, float]]] | None
     prompt_logprobs: list[float]
+    beams: list[tuple[list[float], list[int], list[int], list[float]]]
+    prompt_tops: list[list[tuple[int, float]]]
 
 
 def _to_host(step: StepSample) -> _HostStep:
@@ -183,8 +241,13 @@ def _to_host(step: StepSample) -> _HostStep:
             parts += [s.top_ids.flatten(), s.top_logprobs.flatten()]
     if step.prompt_logprobs is not None:
         parts.append(step.prompt_logprobs)
+    num_prompt = step.prompt_logprobs.numel() if step.prompt_logprobs is not None else 0
+    if step.beam_candidates is not None:
+        parts += [t.flatten() for t in step.beam_candidates]
+    if step.prompt_top is not None:
+        parts += [t.flatten() for t in step.prompt_top]
     if not parts:
-        return _HostStep([], [], [], None, [])
+        return _HostStep([], [], [], None, [], [], [])
     # host sync, the step's only one: sampled tokens, stop reasons and log probs go to Python
     flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
     token_ids = [int(t) for t in flat[:num_rows]]
@@ -197,4 +260,19 @@ def _to_host(step: StepSample) -> _HostStep:
         # alternatives filtered out of a row's distribution come back as -inf: not real choices
         tops = [[(int(t), lp) for t, lp in zip(ids[r * k:(r + 1) * k], lps[r * k:(r + 1) * k]) if lp != float("-inf")]
                 for r in range(num_rows)]
-    return _HostStep(token_ids, logprobs, reasons, tops, flat[end:])
+    prompt_logprobs, end = flat[end:end + num_prompt], end + num_prompt
+    beams = []
+    if step.beam_candidates is not None:
+        num_groups, k = step.beam_candidates[0].shape
+        n = num_groups * k
+        values, parents, tokens, lps = (flat[end + j * n:end + (j + 1) * n] for j in range(4))
+        beams = [(values[g * k:(g + 1) * k], [int(p) for p in parents[g * k:(g + 1) * k]],
+                  [int(t) for t in tokens[g * k:(g + 1) * k]], lps[g * k:(g + 1) * k]) for g in range(num_groups)]
+        end += 4 * n
+    prompt_tops = []
+    if step.prompt_top is not None:
+        rows, k = step.prompt_top[0].shape
+        ids, lps = flat[end:end + rows * k], flat[end + rows * k:end + 2 * rows * k]
+        prompt_tops = [[(int(t), lp) for t, lp in zip(ids[r * k:(r + 1) * k], lps[r * k:(r + 1) * k])]
+                       for r in range(rows)]
+    return _HostStep(token_ids, logprobs, reasons, tops, prompt_logprobs, beams, prompt_tops)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lmi_handler.engine.logits_controls import LogitsControls, apply_token_bitmask
 from lmi_handler.engine.sequence import SamplingParams, Sequence, wrap_int64
 
 # ---------------------------------------------------------------------------------------------
@@ -104,15 +105,20 @@ class SamplingMetadata:
     use_top_p: bool = True                     # some sampled row has top_p < 1
     use_min_p: bool = True                     # some sampled row has min_p > 0
     use_typical_p: bool = True                 # some sampled row has typical_p < 1
+    controls: LogitsControls | None = None     # logit_bias, bad words, min_tokens, allowed ids (None = no row)
+    # this step's grammar masks (engine/grammar.py), set per step: rows (Ng,) int64, bitmask (Ng, W) int32
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
-    def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
+                       eos_token_ids: tuple[int, ...] = ()) -> "SamplingMetadata":
         """Build the step's metadata from the sequences, in batch order.
 
         Reads seq.params (a seed of None counts as 0: the engine fills seeds of sampled rows at
         admission), seq.prompt_token_ids and seq.output_token_ids. Token-id tensors are built only
         when some row has a penalty that reads them. Knobs travel to `device` in one float and one
-        int transfer.
+        int transfer. `eos_token_ids` are the model's, for min_tokens (banned until then unless ignore_eos).
         """
         params = [s.params for s in seqs]
         knobs = [_knobs(p) for p in params]                   # (temperature, top_k, top_p, min_p, typical_p)
@@ -139,6 +145,7 @@ class SamplingMetadata:
             max_top_k=max((k[1] for k in sampled), default=0),
             use_top_p=any(k[2] < 1.0 for k in sampled), use_min_p=any(k[3] > 0.0 for k in sampled),
             use_typical_p=any(k[4] < 1.0 for k in sampled),
+            controls=LogitsControls.from_sequences(seqs, vocab_size, eos_token_ids, device),
         )
 
     def advanced(self, token_ids: torch.Tensor) -> "SamplingMetadata":
@@ -151,7 +158,9 @@ class SamplingMetadata:
         outputs = self.output_token_ids
         if outputs is not None:
             outputs = torch.cat([outputs, token_ids[:, None]], dim=1)
-        return replace(self, positions=self.positions + 1, output_token_ids=outputs)
+        controls = self.controls.advanced(token_ids) if self.controls is not None else None
+        return replace(self, positions=self.positions + 1, output_token_ids=outputs, controls=controls,
+                       grammar_rows=None, grammar_bitmask=None)
 
 
 def _knobs(p: SamplingParams) -> tuple[float, int, float, float, float]:
@@ -307,8 +316,26 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        return self.pick(self.process(logits, meta), meta)
+
+    @staticmethod
+    def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The processors every row gets, before any sampling knob: the grammar mask, the logits controls
+        (allowed ids, bad words, min_tokens, logit_bias), then the penalties. (B, V) float32 in and out;
+        the input is left as it is (a copy is edited when a mask or control applies)."""
+        if meta.grammar_bitmask is not None or meta.controls is not None:
+            logits = logits.clone()
+            if meta.grammar_bitmask is not None:
+                apply_token_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
+            if meta.controls is not None:
+                meta.controls.apply(logits, meta.positions)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
+        return logits
+
+    def pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Choose each row's token from processed logits (Sampler.process): greedy rows by argmax, sampled
+        rows by temperature, the filters and the seeded exponential race."""
         if meta.all_greedy:
             return greedy_sample(logits, meta.max_top_n)
         sampled_rows, greedy_rows = _rows(meta)

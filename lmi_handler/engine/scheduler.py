@@ -6,7 +6,7 @@ hits, recompute preemption); it never sees a tensor: the model runner turns its 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lmi_handler.engine.kv_cache import BlockAllocator, BlockHash, extend_block_hashes, num_blocks_needed
 from lmi_handler.engine.sequence import Sequence, SequenceStatus
@@ -36,6 +36,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # copy-on-write of shared partial blocks (forked beams), (src, dst) block ids: done before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -59,6 +61,13 @@ class Scheduler:
     compute (the step needs its logits), and a hit block is never written again. Sequences asking
     for prompt log probs (decoder_input_details) take no hits, since every prompt position's logits
     must be computed, but their blocks still fill the cache.
+
+    Beam search (engine/beam_search.py): a request's beams share their blocks by reference count
+    (`fork`); a beam about to write into a shared partial block first takes a copy of it
+    (copy-on-write, `blocks_to_copy`). A group's beams are scheduled together, each computing its one
+    decode token, or not at all; preempting one beam preempts its group, and a preempted group is
+    admitted again as a whole, prefilling each beam up to its last token, which they then decode together.
+    A beam request's prompt (before its first token) takes num_beams of the max_num_seqs seats.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
@@ -66,6 +75,7 @@ class Scheduler:
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -87,6 +97,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
         self._schedule_running(out, budget, prefill=True)
+        out.blocks_to_copy, self._copies = self._copies, []
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: bool) -> int:
@@ -95,48 +106,86 @@ class Scheduler:
         for seq in list(self.running):
             if seq.is_prefill != prefill or seq.status is not SequenceStatus.RUNNING or id(seq) in already:
                 continue
+            beams = seq.beam_group.beams if seq.in_beam_search and not prefill else [seq]
+            if len(beams) > 1 and (seq is not beams[0] or not all(b.status is SequenceStatus.RUNNING
+                                                                  and not b.is_prefill for b in beams)):
+                continue        # a group decodes together, when all its beams are ready, from its first beam
             n = self._chunk(seq)
-            if n > budget:  # a full chunk or nothing: never a budget-shaped chunk
+            if n * len(beams) > budget:  # a full chunk or nothing: never a budget-shaped chunk
                 continue
-            if not self._reserve_or_preempt(seq, n, out):
+            if not all(self._reserve_or_preempt(b, n, out, beams) for b in beams):
                 if seq.status is SequenceStatus.RUNNING:
                     break       # nothing left to preempt
                 continue        # seq itself was preempted
-            out.seqs.append(seq)
-            out.num_scheduled_tokens.append(n)
-            budget -= n
+            for b in beams:
+                out.seqs.append(b)
+                out.num_scheduled_tokens.append(n)
+                already.add(id(b))
+            budget -= n * len(beams)
         return budget
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+    def _reserve_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput,
+                            keep: list[Sequence] | None = None) -> bool:
         """Reserve blocks for `n` more tokens of `seq`, preempting the latest-arrived sequences not
-        already scheduled this step while short. False when `seq` itself had to go, or no victim is left."""
+        already scheduled this step (nor in `keep`, seq's beam group) while short; the last resort is seq
+        itself (with its group). False when seq had to go, or no victim is left."""
+        keep_ids = {id(b) for b in keep or []}
         while not self._reserve(seq, n):
             scheduled = {id(s) for s in out.seqs}
-            victims = [s for s in self.running if id(s) not in scheduled]
+            victims = [s for s in self.running if id(s) not in scheduled and id(s) not in keep_ids]
+            victims = victims or [s for s in self.running if s is seq]
             if not victims:
                 return False
-            victim = victims[-1]
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is seq:
+            out.preempted.extend(self._preempt(victims[-1]))
+            if seq.status is not SequenceStatus.RUNNING:
                 return False
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in FIFO order while the batch, the budget and the KV cache allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self._cached_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.allocator.block_size, self.config.prefill_chunk_size)
-            if n > budget or not self._admit(seq, hits, n):
+        seats = sum(_seats(s) for s in self.running)
+        for seq in list(self.waiting):
+            if budget <= 0 or seats >= self.config.max_num_seqs:
                 break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_scheduled_tokens.append(n)
-            budget -= n
+            if seq.waiting_for_grammar or seq.status is not SequenceStatus.WAITING:
+                continue   # skipped until its grammar compiles (holding no blocks); or admitted with its group
+            group = seq.beam_group.beams if seq.in_beam_search else [seq]
+            if seats + sum(_seats(b) for b in group) > self.config.max_num_seqs:
+                break
+            admitted = self._admit_all(group, budget)
+            if admitted is None:
+                break
+            for member, n in zip(group, admitted):
+                self.waiting.remove(member)
+                member.status = SequenceStatus.RUNNING
+                self.running.append(member)
+                if n:
+                    out.seqs.append(member)
+                    out.num_scheduled_tokens.append(n)
+            budget -= sum(admitted)
+            seats += sum(_seats(b) for b in group)
         return budget
+
+    def _admit_all(self, group: list[Sequence], budget: int) -> list[int] | None:
+        """Admit every sequence of `group` (one sequence, or a preempted beam group) with its first chunk,
+        within `budget` tokens; their chunk sizes, or None (nothing changes) when they do not all fit."""
+        admitted: list[int] = []
+        for seq in group:
+            hits = self._cached_prefix(seq)
+            n = min(self._remaining(seq, len(hits) * self.allocator.block_size), self.config.prefill_chunk_size)
+            if sum(admitted) + n > budget or not self._admit(seq, hits, n):
+                for done in group[:len(admitted)]:
+                    self._release(done)
+                    done.num_computed_tokens = done.num_cached_tokens = 0
+                return None
+            admitted.append(n)
+        return admitted
+
+    @staticmethod
+    def _remaining(seq: Sequence, num_computed: int) -> int:
+        """Tokens left to compute before the sequence's next sample; a forked beam leaves its last token for
+        the step its whole group decodes together."""
+        return seq.num_tokens - num_computed - (1 if seq.in_beam_search else 0)
 
     def _uses_prefix_cache(self, seq: Sequence) -> bool:
         return self.config.enable_prefix_caching and not seq.params.prompt_logprobs
@@ -182,26 +231,54 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence) -> int:
         """This step's tokens for `seq`: 1 in decode, else the next fixed-size prefill chunk."""
-        return min(seq.num_tokens - seq.num_computed_tokens, self.config.prefill_chunk_size)
+        if not seq.is_prefill:
+            return 1
+        return min(self._remaining(seq, seq.num_computed_tokens), self.config.prefill_chunk_size)
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give `seq` blocks for num_computed_tokens + num_new_tokens tokens; False (nothing taken) if short."""
-        needed = num_blocks_needed(seq.num_computed_tokens + num_new_tokens, self.allocator.block_size)
-        missing = needed - len(seq.block_table)
-        if missing <= 0:
+        """Give `seq` blocks for num_computed_tokens + num_new_tokens tokens; False (nothing taken) if short.
+
+        Copy-on-write: when the block the first new token goes into is shared (a forked beam's partial
+        block), seq takes a fresh block, queued to receive the shared one's contents before the forward.
+        Only that block can be shared: a fork shares exactly its parent's computed blocks.
+        """
+        block_size = self.allocator.block_size
+        missing = max(num_blocks_needed(seq.num_computed_tokens + num_new_tokens, block_size) - len(seq.block_table), 0)
+        first = seq.num_computed_tokens // block_size
+        shared = first < len(seq.block_table) and self.allocator.ref_count(seq.block_table[first]) > 1
+        if not missing and not shared:
             return True
-        blocks = self.allocator.allocate(missing)
+        blocks = self.allocator.allocate(missing + shared)
         if blocks is None:
             return False
+        if shared:
+            src, dst = seq.block_table[first], blocks.pop()
+            self.allocator.free([src])
+            seq.block_table[first] = dst
+            self._copies.append((src, dst))
         seq.block_table.extend(blocks)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def _preempt(self, seq: Sequence) -> list[Sequence]:
+        """Preempt `seq` by recompute (with its whole beam group); returns the preempted sequences."""
+        group = seq.beam_group.beams if seq.in_beam_search else [seq]
+        for member in reversed(group):   # back to the head of the queue, in the group's order
+            self.running.remove(member)
+            self._release(member)
+            member.num_computed_tokens = 0
+            member.status = SequenceStatus.WAITING
+            self.waiting.appendleft(member)
+        return list(group)
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A new running beam sharing all of `parent`'s blocks (reference counts +1) and copying its tokens,
+        log probs and grammar state; it runs right after parent. The caller appends its own next token."""
+        child = replace(parent, output_token_ids=list(parent.output_token_ids), block_table=list(parent.block_table),
+                        block_hashes=list(parent.block_hashes), output_logprobs=list(parent.output_logprobs),
+                        grammar=parent.grammar.fork() if parent.grammar is not None else None)
+        self.allocator.share(child.block_table)
+        self.running.insert(next(i for i, s in enumerate(self.running) if s is parent) + 1, child)
+        return child
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
@@ -225,3 +302,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _seats(seq: Sequence) -> int:
+    """max_num_seqs seats a sequence takes: a beam request's prompt holds them for all its future beams."""
+    if seq.beam_group is not None and not seq.beam_group.started:
+        return seq.params.num_beams
+    return 1

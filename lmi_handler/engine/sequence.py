@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -35,6 +36,31 @@ class FinishReason(str, enum.Enum):
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
     ERROR = "error"
+
+
+class GrammarKind(str, enum.Enum):
+    """What a structured-output constraint is written in (engine/grammar.py compiles each)."""
+
+    JSON_SCHEMA = "json_schema"   # value: the schema as JSON text
+    JSON_OBJECT = "json_object"   # any JSON object; value ""
+    REGEX = "regex"               # value: the pattern, matched in full
+    CHOICE = "choice"             # choices: the allowed outputs, exactly
+    GRAMMAR = "grammar"           # value: a Lark grammar, or GBNF/EBNF (rules written with ::=)
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """One request's output constraint, as the protocol layer hands it over (hashable: compiles are cached by it).
+
+    The engine masks every token the grammar cannot accept next; the sequence ends when the grammar
+    does (the model must then pick eos or a stop token). `max_whitespace` bounds each run of
+    whitespace between JSON tokens (JSON kinds), so JSON mode cannot spin on spaces until max_new_tokens.
+    """
+
+    kind: GrammarKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
+    max_whitespace: int = 8
 
 
 @dataclass(frozen=True)
@@ -65,6 +91,22 @@ class SamplingParams:
     skip_special_tokens: bool = True
     top_n_tokens: int = 0               # alternatives returned per generated token
     prompt_logprobs: bool = False       # LMI decoder_input_details
+    prompt_top_n_tokens: int = 0        # vLLM prompt_logprobs=k: alternatives per prompt token (needs prompt_logprobs)
+    # logits controls (engine/logits_controls.py); token ids must be < the model's vocab size
+    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI/vLLM: (token id, added to its logit), ids unique
+    min_tokens: int = 0                 # vLLM: eos and stop_token_ids banned (and stop strings unmatched) before this
+    bad_words: tuple[tuple[int, ...], ...] = ()      # vLLM bad_words / TRT-LLM bad_sequences, as token ids: the
+    # last id is banned whenever the ids before it end the context (prompt + output; one id = always banned)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM: only these ids may be generated
+    structured_output: StructuredOutputSpec | None = None
+    # beam search (engine/beam_search.py; transformers' semantics): num_beams > 1 turns it on
+    num_beams: int = 1
+    length_penalty: float = 1.0         # finished score = sum of log probs / generated_len ** length_penalty
+    early_stopping: bool | str = False  # True, False (transformers' heuristic) or "never"
+
+    @property
+    def uses_beam_search(self) -> bool:
+        return self.num_beams > 1
 
 
 @dataclass
@@ -86,9 +128,12 @@ class TokenOutput:
     top_tokens: list[tuple[int, float]] | None = None  # (id, log_prob), best first
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """A request's running state. The engine mutates it; the model runner and scheduler read it.
+
+    Compared by identity (eq=False): a beam forked from another is field-for-field equal to it at first,
+    and the queues' `in` / `remove` must never mistake one for the other.
 
     Token positions: all_token_ids = prompt_token_ids + output_token_ids.
     `num_computed_tokens` counts tokens whose K/V are in the cache; the sequence is in
@@ -114,7 +159,12 @@ class Sequence:
     # filled by the engine's output path
     output_logprobs: list[float] = field(default_factory=list)
     prompt_token_logprobs: list[float | None] | None = None  # first is None (no context)
+    prompt_top_tokens: list[list[tuple[int, float]] | None] | None = None  # prompt_top_n_tokens; first None
     first_token_time: float | None = None          # seconds, for TTFT
+    # structured output (engine/grammar.py): the compile being waited on, then this sequence's matcher
+    grammar_ticket: Any = None                      # CompileTicket while the grammar compiles
+    grammar: Any = None                             # GrammarState once compiled
+    beam_group: Any = None                          # BeamGroup of a beam-search request (engine/beam_search.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,6 +190,27 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed_tokens > 1
 
+    @property
+    def in_beam_search(self) -> bool:
+        """A beam of a search that has forked: its beams are scheduled together, one decode token each."""
+        return self.beam_group is not None and self.beam_group.started
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its grammar is still compiling: the scheduler leaves it waiting, holding no KV blocks."""
+        return self.grammar_ticket is not None and self.grammar is None
+
+
+@dataclass
+class BeamOutput:
+    """One finished beam of a beam-search request (engine/beam_search.py), best first in RequestOutput.beams."""
+
+    text: str
+    tokens: list[TokenOutput]       # texts concatenate to `text`; log_prob is the processed log prob
+    score: float                    # sum of log probs / len(tokens) ** length_penalty (transformers)
+    cumulative_logprob: float       # sum of the tokens' log probs
+    finish_reason: FinishReason
+
 
 @dataclass
 class RequestOutput:
@@ -159,3 +230,9 @@ class RequestOutput:
     num_generated_tokens: int = 0
     prompt_tokens: list[TokenOutput] | None = None   # decoder_input_details, on the first output
     error: str | None = None
+    # the request ended before any token because what it asked for cannot be done (its grammar does not
+    # compile, or not in time): a client error (4xx naming the constraint's field), not a generation failure
+    invalid_request: bool = False
+    # beam search: every finished beam, best first (the best is also new_tokens / generated_text); a beam
+    # request reports only once, when the search ends
+    beams: list[BeamOutput] | None = None

@@ -16,11 +16,13 @@ STOP_NONE = 0      # go on
 STOP_EOS = 1       # a model eos id (LMI finish_reason eos_token)
 STOP_LENGTH = 2    # max_new_tokens reached (LMI finish_reason length)
 STOP_TOKEN = 3     # a user stop_token_ids entry (LMI finish_reason stop_sequence)
+STOP_ERROR = 4     # host side only: the grammar rejected the token (seq.error says why)
 
 FINISH_REASONS: dict[int, FinishReason] = {
     STOP_EOS: FinishReason.EOS_TOKEN,
     STOP_LENGTH: FinishReason.LENGTH,
     STOP_TOKEN: FinishReason.STOP_SEQUENCE,
+    STOP_ERROR: FinishReason.ERROR,
 }
 
 
@@ -32,7 +34,7 @@ def build_stop_ids(seqs: list[Sequence], eos_token_ids: tuple[int, ...],
     (vLLM: stop_token_ids are honoured even with ignore_eos). An id that is both an eos id and a user
     stop id counts as eos. Returns (stop_ids (B, S) int64 padded with -1, is_eos (B, S) bool), S >= 1.
     """
-    rows = [_row_stop_ids(s, eos_token_ids) for s in seqs]
+    rows = [row_stop_ids(s, eos_token_ids) for s in seqs]
     width = max(1, max((len(r) for r in rows), default=0))
     rows = [row + [(-1, False)] * (width - len(row)) for row in rows]   # pad on the host, one tensor each
     stop_ids = torch.tensor([[tok for tok, _ in row] for row in rows], dtype=torch.int64).reshape(len(seqs), width)
@@ -40,7 +42,7 @@ def build_stop_ids(seqs: list[Sequence], eos_token_ids: tuple[int, ...],
     return stop_ids.to(device), is_eos.to(device)
 
 
-def _row_stop_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[tuple[int, bool]]:
+def row_stop_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[tuple[int, bool]]:
     """[(token id, is eos)] for one sequence, eos ids first, no duplicates."""
     eos = () if seq.params.ignore_eos else tuple(dict.fromkeys(eos_token_ids))
     user = [t for t in dict.fromkeys(seq.params.stop_token_ids) if t not in eos]
@@ -115,9 +117,11 @@ class StopStringMatcher:
         """Released text so far; final as soon as a stop string matched or after release(final=True)."""
         return self._released + (self._pending_text if self.matched else "")
 
-    def add(self, text: str) -> bool:
+    def add(self, text: str, search: bool = True) -> bool:
         """Append one generated token's text (may be ""). Returns True when a stop string matched.
 
+        search=False appends without looking for a match ending in this text (vLLM min_tokens: no stop
+        string ends before min_tokens tokens); a later search still finds one that started there.
         After a match the output is final: later add() calls only count tokens (their text is "").
         """
         if self.matched:
@@ -126,6 +130,8 @@ class StopStringMatcher:
         search_from = max(0, len(self._pending_text) - self._max_stop_len + 1)
         self._pending.append(text)
         self._pending_text += text
+        if not search:
+            return False
         cut = self._find_stop(search_from)
         if cut is None:
             return False

@@ -138,29 +138,58 @@ class _OpenAIFormatter(Formatter):
             return openai.chat_logprobs(tokens, self.plan.decode_token)
         return openai.completion_logprobs(tokens, self.plan.decode_token, text_offset)
 
-    def choice(self, index: int) -> dict:
-        raise NotImplementedError
-
     def document(self) -> dict:
         return openai_body(self.plan, [self])
+
+
+    def beam_choices(self, count: int) -> list[dict]:
+        """A beam search's `count` best beams as choices 0..count-1, best first (vLLM use_beam_search)."""
+        return [self._choice(i, beam.text, beam.finish_reason, beam.tokens)
+                for i, beam in enumerate(self.last.beams[:count])]
+
+    def choice(self, index: int) -> dict:
+        return self._choice(index, self.last.generated_text, self.last.finish_reason, self.tokens)
+
+    def _choice(self, index: int, text: str, reason: FinishReason | None, tokens: list[TokenOutput]) -> dict:
+        raise NotImplementedError
+
+    def prompt_logprobs(self) -> list[dict | None]:
+        """vLLM prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank,
+        decoded_token}} for the token itself and its k best alternatives (rank: 1-based place among the
+        alternatives, null for the token itself when it is not among them)."""
+        entries: list[dict | None] = []
+        for i, token in enumerate(self.prompt_tokens or []):
+            if i == 0:
+                entries.append(None)
+                continue
+            top = token.top_tokens or []
+            ranks = {tid: r + 1 for r, (tid, _) in enumerate(top)}
+            entry = {str(token.id): {"logprob": token.log_prob, "rank": ranks.get(token.id),
+                                     "decoded_token": token.text}}
+            for tid, lp in top:
+                text = self.plan.decode_token(tid) if self.plan.decode_token else ""
+                entry.setdefault(str(tid), {"logprob": lp, "rank": ranks[tid], "decoded_token": text})
+            entries.append(entry)
+        return entries
 
 
 class ChatDocument(_OpenAIFormatter):
     """OpenAI chat.completion; an OpenAI error object on error."""
 
-    def choice(self, index: int) -> dict:
-        out = self.last
-        return openai.chat_choice(index, out.generated_text, out.finish_reason, self._logprobs(self.tokens))
+    def _choice(self, index: int, text: str, reason: FinishReason | None, tokens: list[TokenOutput]) -> dict:
+        return openai.chat_choice(index, text, reason, self._logprobs(tokens))
 
 
 class CompletionDocument(_OpenAIFormatter):
     """OpenAI text_completion; echo = return_full_text (logprob text offsets then start after the prompt)."""
 
-    def choice(self, index: int) -> dict:
-        out = self.last
+    def _choice(self, index: int, text: str, reason: FinishReason | None, tokens: list[TokenOutput]) -> dict:
         offset = len(self.prompt.text) if self.plan.return_full_text else 0
-        return openai.completion_choice(index, self.generated_text(out), out.finish_reason,
-                                        self._logprobs(self.tokens, offset))
+        choice = openai.completion_choice(index, (self.prompt.text if self.plan.return_full_text else "") + text,
+                                          reason, self._logprobs(tokens, offset))
+        if self.plan.prompt_logprobs:        # vLLM: completions carry them per choice
+            choice["prompt_logprobs"] = self.prompt_logprobs()
+        return choice
 
 
 def openai_body(plan: RequestPlan, formatters: Sequence[_OpenAIFormatter]) -> dict:
@@ -170,11 +199,20 @@ def openai_body(plan: RequestPlan, formatters: Sequence[_OpenAIFormatter]) -> di
     failed = [f for f in formatters if f.failed]
     if failed:
         return failed[0]._error(failed[0].last)
-    chosen = best_choices([f.score for f in formatters], plan.sequences.num_choices)
     build = openai.chat_completion_response if plan.shape is Shape.CHAT else openai.completion_response
-    return build(**formatters[0]._ids(), choices=[formatters[j].choice(i) for i, j in enumerate(chosen)],
-                 prompt_tokens=formatters[0].last.num_prompt_tokens,
-                 completion_tokens=sum(formatters[j].num_completion_tokens for j in chosen))
+    first = formatters[0]
+    if plan.sequences.combine is Combine.BEAMS:         # one search, its n best beams
+        beams = first.last.beams[:plan.sequences.num_choices]
+        body = build(**first._ids(), choices=first.beam_choices(len(beams)), prompt_tokens=first.last.num_prompt_tokens,
+                     completion_tokens=sum(len(beam.tokens) for beam in beams))
+    else:
+        chosen = best_choices([f.score for f in formatters], plan.sequences.num_choices)
+        body = build(**first._ids(), choices=[formatters[j].choice(i) for i, j in enumerate(chosen)],
+                     prompt_tokens=first.last.num_prompt_tokens,
+                     completion_tokens=sum(formatters[j].num_completion_tokens for j in chosen))
+    if plan.prompt_logprobs and plan.shape is Shape.CHAT:    # vLLM: chat carries them beside the choices
+        body["prompt_logprobs"] = first.prompt_logprobs()
+    return body
 
 
 # ---- streams: each step's objects -----------------------------------------------------------

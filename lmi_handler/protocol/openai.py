@@ -5,11 +5,12 @@ Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); error object
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
+from lmi_handler.protocol.decoding import CONSTRAINT_FIELDS
 from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
 from lmi_handler.protocol.params import INT64_MAX, INT64_MIN, MAX_TOP_N_TOKENS, RULES, GenerationParameters
 
@@ -39,7 +40,7 @@ OPENAI_RULES: dict[str, str] = {
 }
 # OpenAI field -> GenerationParameters field, to name the client's field in errors.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "top_n_tokens": "top_logprobs",
-                "return_full_text": "echo", "truncate": "truncate_prompt_tokens"}
+                "return_full_text": "echo", "truncate": "truncate_prompt_tokens", "do_sample": "use_beam_search"}
 _FINISH_REASONS = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",
                    FinishReason.LENGTH: "length", FinishReason.ERROR: "error"}
 
@@ -52,6 +53,12 @@ def to_openai_finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else _FINISH_REASONS[FinishReason(reason)]
 
 
+# vLLM/OpenAI fields GenerationParameters checks (and names in errors) as the OpenAI body spells them: the
+# logits controls and the structured-output constraints (protocol/decoding.py)
+PASSED_THROUGH = ("logit_bias", "min_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs",
+                  *CONSTRAINT_FIELDS)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = Field(False, description="OpenAI: send a last chunk with usage and no choices")
@@ -62,11 +69,8 @@ class StreamOptions(BaseModel):
 # client never gets an answer that silently dropped a constraint. Neutral values pass (clients such as
 # text-generation's `chat` send `"tools": null`; nulls never reach this check).
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "suffix": ("",), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "use_beam_search": (False,), "prompt_logprobs": (0, False),
-    "min_tokens": (0,), "logits_processors": ([],), "structured_outputs": (), "allowed_token_ids": (),
-    "bad_words": (), "best_of": (1,),      # best_of: chat only (completions implement it)
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "suffix": ("",), "logits_processors": ([],), "best_of": (1,),      # best_of: chat only (completions implement it)
 }
 EMPTY = ({}, [], "")   # neutral for every field above
 
@@ -107,6 +111,14 @@ class _SamplingRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="vLLM: keep only the last k prompt tokens "
                                                "(LMI/TGI `truncate`)")
     user: str | None = None
+    # vLLM beam search: n beams (completions: max(n, best_of)), the n best answered as choices
+    use_beam_search: bool = Field(False, description="vLLM: beam search of width n; the n best beams answer")
+    length_penalty: float | None = Field(None, allow_inf_nan=False, description="vLLM/transformers beam score "
+                                         "exponent")
+    early_stopping: bool | Literal["never"] | None = Field(None, description="vLLM/transformers beam stopping")
+    guided_decoding_backend: str | None = Field(None, description="legacy vLLM: the grammar library; llguidance "
+                                                "here whatever is named (the constraint is the same)")
+    _decoding: dict[str, Any] = PrivateAttr(default_factory=dict)   # PASSED_THROUGH fields as sent
 
     @classmethod
     def parse(cls, data: Any):
@@ -114,6 +126,7 @@ class _SamplingRequest(BaseModel):
         if not isinstance(data, dict):
             raise RequestValidationError.out_of_range("body", data, "a JSON object")
         given = {key: value for key, value in data.items() if value is not None}
+        decoding = {key: given.pop(key) for key in PASSED_THROUGH if key in given}
         _refuse_not_implemented({k: v for k, v in given.items() if k not in cls.model_fields})
         unknown = sorted(set(given) - set(cls.model_fields))
         if unknown:
@@ -122,6 +135,7 @@ class _SamplingRequest(BaseModel):
             request = cls.model_validate(given)
         except ValidationError as exc:
             raise from_pydantic(exc, OPENAI_RULES) from None
+        request._decoding = decoding
         if request.stream_options is not None and not request.stream:     # vLLM refuses it too
             raise RequestValidationError("stream_options", "Invalid parameter `stream_options`: only allowed "
                                          "with stream=true")
@@ -138,10 +152,12 @@ class _SamplingRequest(BaseModel):
             value = getattr(self, name)
             out[name] = value if value is not None else (defaults or {}).get(name)
         if out["temperature"] is None:
-            # vLLM: temperature absent = 1.0 (sampling); DESIGN §4 batch files: absent = greedy
-            out["do_sample"] = not greedy_when_unset
-        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids"):
+            # vLLM: temperature absent = 1.0 (sampling), beam search greedy; DESIGN §4 batch files: absent = greedy
+            out["do_sample"] = not (greedy_when_unset or self.use_beam_search)
+        for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "length_penalty",
+                     "early_stopping"):
             out[name] = getattr(self, name)
+        out.update(self._decoding)
         # n (and best_of) are the OpenAI dialect's rule (sequences.openai_n), not GenerationParameters'
         out.update(stop_sequences=self.stop, ignore_eos=self.ignore_eos, truncate=self.truncate_prompt_tokens,
                    include_stop_str_in_output=self.include_stop_str_in_output,
@@ -201,6 +217,7 @@ class ChatCompletionRequest(_SamplingRequest):
         values = self._sampling_dict(defaults, greedy_when_unset)
         values["max_new_tokens"] = self.max_completion_tokens or self.max_tokens or default_max_new_tokens
         values["top_n_tokens"] = (self.top_logprobs or 0) if self.logprobs else None
+        values["num_beams"] = self.n if self.use_beam_search else 1
         return _parse_generation(values)
 
 
@@ -232,7 +249,8 @@ class CompletionRequest(_SamplingRequest):
         """OpenAI -> LMI parameters (max_completion_tokens, then max_tokens, default 16; echo -> return_full_text)."""
         values = self._sampling_dict(defaults, greedy_when_unset)
         values.update(max_new_tokens=self.max_completion_tokens or self.max_tokens, return_full_text=self.echo,
-                      top_n_tokens=self.logprobs)
+                      top_n_tokens=self.logprobs,
+                      num_beams=max(self.n, self.best_of or 1) if self.use_beam_search else 1)
         return _parse_generation(values)
 
 

@@ -5,13 +5,13 @@ Turns into the engine's trusted SamplingParams; checks needing the model (contex
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from lmi_handler.engine.sequence import INT64_MAX, INT64_MIN, SamplingParams
-from lmi_handler.protocol import sequences
-from lmi_handler.protocol.errors import RequestValidationError, from_pydantic, show_value
+from lmi_handler.engine.sequence import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputSpec
+from lmi_handler.protocol import decoding, sequences
+from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,21 @@ RULES: dict[str, str] = {
     "n": "an integer >= 1",
     "best_of": "an integer >= 1 and >= n",
     "num_beams": "an integer >= 1",
+    "length_penalty": "a finite number (beam search: score = sum of log probs / length ** length_penalty)",
+    "early_stopping": 'true, false or "never"',
+    "min_tokens": "an integer >= 0 and <= max_new_tokens",
+    "bad_words": "a list of non-empty strings",
+    "allowed_token_ids": "a non-empty list of token ids",
+    "logit_bias": "an object mapping token ids to numbers in [-100, 100]",
+    "prompt_logprobs": f"an integer in [0, {MAX_TOP_N_TOKENS}]",
+    "structured_outputs": "an object with one of json, regex, choice, grammar, json_object",
+    "response_format": 'an object {"type": "text" | "json_object" | "json_schema", ...}',
+    "grammar": 'an object {"type": "json" | "json_object" | "regex" | "json_schema", "value"}',
 }
 RULES["stop"] = RULES["stop_sequences"]
 RULES["ignore_eos_token"] = RULES["ignore_eos"]
+RULES["min_length"] = RULES["min_tokens"]
+RULES["bad_sequences"] = RULES["bad_words"]
 
 
 def _finite(**kw: Any) -> Any:
@@ -109,6 +121,33 @@ class GenerationParameters(BaseModel):
     n: int = Field(1, ge=1, description="vLLM/OpenAI: sequences returned, >= 1")
     best_of: int | None = Field(None, ge=1, description="vLLM/TGI: sequences generated, >= n")
     num_beams: int = Field(1, ge=1, description="LMI vLLM: beam width, >= 1 (1 = no beam search)")
+    length_penalty: float = _finite(default=1.0, description="LMI/transformers beam search: a finished beam "
+                                    "scores sum(log probs) / length ** length_penalty")
+    early_stopping: bool | Literal["never"] = Field(False, description="LMI/transformers beam search: true "
+                                                    "stops at num_beams finished beams; false / \"never\" "
+                                                    "go on while a running beam could still win")
+    # logits controls (engine/logits_controls.py)
+    min_tokens: int = Field(0, ge=0, validation_alias=AliasChoices("min_tokens", "min_length"),
+                            description="vLLM (TensorRT-LLM `min_length`): eos and stop ids banned before this")
+    bad_words: list[str] | None = Field(None, validation_alias=AliasChoices("bad_words", "bad_sequences"),
+                                        description="vLLM (TensorRT-LLM `bad_sequences`): strings never generated")
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM: only these token ids may be generated")
+    logit_bias: dict[str, float] | None = Field(None, description="OpenAI/vLLM: token id -> bias in [-100, 100] "
+                                                "added to its logit")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS,
+                                        description="vLLM: log probs of the prompt tokens with k alternatives")
+    # structured output (protocol/decoding.py: one constraint per request, whichever field carries it)
+    structured_outputs: Any = Field(None, description="vLLM/LMI: exactly one of json, regex, choice, grammar, "
+                                    "json_object")
+    response_format: Any = Field(None, description="OpenAI/LMI: text, json_object or json_schema")
+    grammar: Any = Field(None, description="TGI: {type: json | json_object | regex | json_schema, value}")
+    guided_json: Any = Field(None, description="legacy vLLM/LMI: a JSON schema")
+    guided_regex: Any = Field(None, description="legacy vLLM/LMI: a regex the whole output matches")
+    guided_choice: Any = Field(None, description="legacy vLLM/LMI: the output is exactly one of these strings")
+    guided_grammar: Any = Field(None, description="legacy vLLM/LMI: a Lark or EBNF grammar")
+    _constraint: tuple[str, StructuredOutputSpec] | None = PrivateAttr(None)
+    _logit_bias: tuple[tuple[int, float], ...] = PrivateAttr(())
+    _sent: frozenset[str] = PrivateAttr(frozenset())      # the keys as the client spelled them (aliases)
 
     @field_validator("top_k")
     @classmethod
@@ -125,11 +164,18 @@ class GenerationParameters(BaseModel):
             raise ValueError("bad stop sequences")
         return stops
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(i < 0 for i in value):
-            raise ValueError("negative token id")
+    def _token_ids(cls, value: list[int] | None, info) -> list[int] | None:
+        if value is not None and (any(i < 0 for i in value) or (info.field_name == "allowed_token_ids" and not value)):
+            raise ValueError("bad token ids")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not w.strip() for w in value):
+            raise ValueError("empty bad word")
         return value
 
     # ---- parsing --------------------------------------------------------------------------
@@ -151,6 +197,7 @@ class GenerationParameters(BaseModel):
             params = cls.model_validate(given)
         except ValidationError as exc:
             raise from_pydantic(exc, RULES, prefix) from None
+        params._sent = frozenset(given)
         params._check_cross_fields(prefix)
         return params
 
@@ -172,6 +219,31 @@ class GenerationParameters(BaseModel):
         if self.best_of is not None and self.best_of < self.n:
             raise RequestValidationError(
                 prefix + "best_of", f"Invalid parameter `{prefix}best_of`: must be >= n ({self.n}), got {self.best_of}")
+        if self.min_tokens > self.max_new_tokens and "max_new_tokens" in self.model_fields_set:  # (chat without
+            # max_tokens gets the rest of the context later: checked only against a length the client sent)
+            name = "min_length" if "min_length" in self._sent else "min_tokens"
+            raise RequestValidationError(prefix + name, f"Invalid parameter `{prefix}{name}`: must be <= "
+                                         f"max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        self._logit_bias = decoding.logit_bias(self.logit_bias)
+        self._constraint = decoding.structured_output(
+            {name: getattr(self, name) for name in decoding.CONSTRAINT_FIELDS if getattr(self, name) is not None})
+        if self.num_beams > 1:
+            self._check_beam_search(prefix)
+
+    def _check_beam_search(self, prefix: str) -> None:
+        """num_beams > 1 is transformers' greedy beam search (engine/beam_search.py): it reports once, at its
+        end, with the best beam; what it cannot honour is refused, naming the field."""
+        if not self.is_greedy():
+            name = "do_sample" if self.do_sample else "temperature"
+            raise RequestValidationError(prefix + name, f"Invalid parameter `{prefix}{name}`: beam search "
+                                         "(num_beams > 1) is deterministic here: send do_sample=false or leave "
+                                         "the sampling parameters out")
+        conflicts = {"n": self.n > 1 or (self.best_of or 1) > 1, "stop_sequences": bool(self.stop_sequences),
+                     "top_n_tokens": self.num_top_tokens > 0}
+        for name, given in conflicts.items():
+            if given:
+                raise RequestValidationError(prefix + name, f"Invalid parameter `{prefix}{name}`: not available "
+                                             f"with num_beams > 1 (beam search; got num_beams={self.num_beams})")
 
     # ---- meaning --------------------------------------------------------------------------
 
@@ -206,10 +278,12 @@ class GenerationParameters(BaseModel):
         """The engine's trusted knobs for this request.
 
         The model's eos ids are not copied into stop_token_ids: the engine checks eos itself so that
-        finish_reason stays `eos_token`. Raises RequestValidationError for num_beams above 1 (no beam search), and for n or
-        best_of above 1 on a greedy request (see _check_single_sequence).
+        finish_reason stays `eos_token`. bad_words stay strings here (service.py turns them into token ids
+        with the model's tokenizer). Raises RequestValidationError for n or best_of above 1 on a greedy
+        request (see sequences.check_sampled).
         """
-        self._check_single_sequence()
+        if self.num_beams == 1:
+            sequences.check_sampled(self.n, self.best_of, self.is_greedy())
         return SamplingParams(
             greedy=self.is_greedy(),
             temperature=self.temperature if self.temperature > 0 else 1.0,
@@ -221,12 +295,15 @@ class GenerationParameters(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            top_n_tokens=self.num_top_tokens, prompt_logprobs=self.decoder_input_details)
+            top_n_tokens=self.num_top_tokens,
+            prompt_logprobs=self.decoder_input_details or self.prompt_logprobs is not None,
+            prompt_top_n_tokens=self.prompt_logprobs or 0,
+            logit_bias=self._logit_bias, min_tokens=self.min_tokens,
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids))) if self.allowed_token_ids else None,
+            structured_output=self.constraint[1] if self.constraint else None,
+            num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
-    def _check_single_sequence(self) -> None:
-        """num_beams > 1 is refused (no beam search yet); n/best_of > 1 need sampling (sequences.check_sampled)."""
-        if self.num_beams > 1:
-            raise RequestValidationError(
-                "num_beams", f"Invalid parameter `num_beams`: beam search is not supported, so num_beams "
-                             f"must be 1, got {show_value(self.num_beams)}")
-        sequences.check_sampled(self.n, self.best_of, self.is_greedy())
+    @property
+    def constraint(self) -> tuple[str, StructuredOutputSpec] | None:
+        """(the field it came in, the spec) of the request's structured-output constraint, or None."""
+        return self._constraint

@@ -86,6 +86,8 @@ class RequestPlan:
     model_name: str = ""
     sse_done: bool = True        # OpenAI streams end with `data: [DONE]`; not under tgi_compat (sse_done_marker)
     created: int = 0
+    constraint_field: str | None = None   # where the structured-output constraint came (a compile error's 400 names it)
+    prompt_logprobs: bool = False         # vLLM prompt_logprobs on the OpenAI shapes
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
     @property

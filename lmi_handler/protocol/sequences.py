@@ -19,6 +19,7 @@ class Combine(str, enum.Enum):
     SINGLE = "single"        # one sequence, answered as itself
     BEST_OF = "best_of"      # TGI: the best summed log prob answers; the others go to details.best_of_sequences
     CHOICES = "choices"      # OpenAI n: one choice per sequence (best_of > n: the n best, vLLM)
+    BEAMS = "beams"          # beam search: one engine request; its n best beams answer (vLLM use_beam_search)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,17 @@ def openai_n(n: int, best_of: int | None, *, stream: bool, max_count: int) -> Se
     if count == 1:
         return SINGLE
     return SequencePlan(count, Combine.CHOICES, num_choices=n)
+
+
+def beam_search(num_beams: int, num_choices: int, *, stream: bool) -> SequencePlan:
+    """A beam search (num_beams > 1) is one engine request whose best `num_choices` beams answer, best first
+    (vLLM use_beam_search: n choices). Streamed, it sends its best beam once the search ends (every token
+    at once: the search decides the beam only at its end), so a stream answers one choice. Raises
+    RequestValidationError("n") for a streamed n > 1."""
+    if stream and num_choices > 1:
+        raise RequestValidationError("n", f"Invalid parameter `n`: a streamed beam search answers its best beam "
+                                     f"only, so n must be 1, got {num_choices}")
+    return SequencePlan(1, Combine.BEAMS, num_choices=min(num_choices, num_beams))
 
 
 def best_choices(scores: Sequence[float], num_choices: int) -> list[int]:

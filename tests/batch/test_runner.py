@@ -118,3 +118,36 @@ def test_the_format_example_lines_run_with_any_model_and_are_answered_by_the_ser
     assert (summary.completed, summary.failed, err) == (5, 0, {})
     assert {record["response"]["body"]["model"] for record in out.values()} == {runner.service.model_name}
     assert content(out["m-chat"]) == content(out["served"]) == content(out["no-model"])   # greedy, same prompt
+
+
+def test_constrained_and_beam_lines_are_enforced_and_a_bad_constraint_fails_alone(runner, tmp_path):
+    """A batch file's bodies are OpenAI bodies: response_format, structured_outputs, guided_* and
+    use_beam_search act there as on the routes; a bad regex fails its line alone with the route's 400."""
+    import json
+    import re
+
+    import jsonschema
+
+    from tests.helpers import JSON_SCHEMAS, SCHEMA_SUBJECTS
+
+    lines = [batch_line(f"json-{i}", {"messages": [{"role": "user", "content": f"Describe {SCHEMA_SUBJECTS[i]} as JSON."}],
+                                      "max_tokens": 160, "response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "s", "schema": schema}}})
+             for i, schema in enumerate(JSON_SCHEMAS)]
+    lines += [batch_line("choice", {"messages": [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+                                    "max_tokens": 8, "guided_choice": ["yes", "no"]}),
+              batch_line("regex", {"prompt": "Apollo 11 landed on ", "max_tokens": 16,
+                                   "structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}}, COMPLETIONS),
+              batch_line("beams", {"prompt": "The capital of France is", "max_tokens": 8, "n": 2,
+                                   "use_beam_search": True}, COMPLETIONS),
+              batch_line("bad", {"prompt": "Hi", "max_tokens": 4, "guided_regex": "(unclosed"}, COMPLETIONS)]
+    _, out, err = run(runner, tmp_path, lines)
+    for i, schema in enumerate(JSON_SCHEMAS):
+        record = out[f"json-{i}"]
+        if record["response"]["body"]["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(content(record)), schema)
+    assert content(out["choice"]) in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", content(out["regex"]))
+    assert len(out["beams"]["response"]["body"]["choices"]) == 2
+    assert set(err) == {"bad"} and err["bad"]["response"]["status_code"] == 400
+    assert "guided_regex" in json.dumps(err["bad"]["response"]["body"])

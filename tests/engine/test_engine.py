@@ -41,7 +41,7 @@ def test_preempted_sequence_resumes_with_the_same_tokens(tiny_model_dir, tiny_to
 
     def spy(seq):
         preempted.append(seq.request_id)
-        original(seq)
+        return original(seq)
 
     tight.scheduler._preempt = spy
     squeezed, _ = run(tight, PROMPTS, [params] * 3)
@@ -109,6 +109,27 @@ def test_prompt_log_probs_match_hf_across_chunks(tiny_model_dir, tiny_tokenizer)
         logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
     expected = [logp[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
     assert [t.log_prob for t in prompt_tokens[1:]] == pytest.approx(expected, abs=1e-4)
+
+
+def test_prompt_top_alternatives_match_hf_across_chunks_beside_a_request_without_them(tiny_model_dir,
+                                                                                      tiny_tokenizer):
+    """vLLM prompt_logprobs=k: each prompt token after the first carries its k best alternatives."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_batched_tokens=8)
+    _, results = run(engine, [PROMPTS[0], PROMPTS[2]],
+                     [SamplingParams(max_new_tokens=2, prompt_logprobs=True, prompt_top_n_tokens=3),
+                      SamplingParams(max_new_tokens=2, prompt_logprobs=True, prompt_top_n_tokens=1)])
+    for rid, prompt, k in (("r0", PROMPTS[0], 3), ("r1", PROMPTS[2], 1)):
+        prompt_tokens = next(out.prompt_tokens for out in results[rid] if out.prompt_tokens)
+        assert prompt_tokens[0].top_tokens is None
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for p, token in enumerate(prompt_tokens[1:]):
+            top = torch.topk(logp[p], k)
+            assert [t for t, _ in token.top_tokens] == top.indices.tolist()
+            assert [lp for _, lp in token.top_tokens] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tiny_tokenizer):
@@ -202,7 +223,7 @@ def count_preemptions(engine: Engine) -> list[str]:
 
     def spy(seq):
         preempted.append(seq.request_id)
-        original(seq)
+        return original(seq)
 
     engine.scheduler._preempt = spy
     return preempted

@@ -107,7 +107,7 @@ def test_prompt_log_probs_cover_every_prompt_token_across_two_chunks(tiny_tokeni
         seq.num_computed_tokens = start
         chunks, targets = plan_prompt_logprobs(sched, torch.device("cpu"))          # before the forward
         seq.num_computed_tokens = end                                                # the step ran
-        values = gather_prompt_logprobs(chunks, targets, ModelOutput(logits[end - 1:end], {0: logits[start:end]}))
+        values, _ = gather_prompt_logprobs(chunks, targets, ModelOutput(logits[end - 1:end], {0: logits[start:end]}))
         due = [seq] if end == len(prompt) else []
         tokens = [9] if due else []
         sampled = SamplerOutput(torch.tensor(tokens), torch.zeros(len(tokens)), None, None) if due else None

@@ -11,6 +11,7 @@ from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence
 from lmi_handler.engine.stopping import (
     FINISH_REASONS,
     STOP_EOS,
+    STOP_ERROR,
     STOP_LENGTH,
     STOP_NONE,
     STOP_TOKEN,
@@ -69,7 +70,7 @@ def test_token_stop_reasons_is_batched_and_reports_eos_without_is_eos():
 
 def test_reason_codes_map_to_lmi_finish_reasons():
     assert FINISH_REASONS == {STOP_EOS: FinishReason.EOS_TOKEN, STOP_LENGTH: FinishReason.LENGTH,
-                              STOP_TOKEN: FinishReason.STOP_SEQUENCE}
+                              STOP_TOKEN: FinishReason.STOP_SEQUENCE, STOP_ERROR: FinishReason.ERROR}
 
 
 # --- stop strings --------------------------------------------------------------------------------

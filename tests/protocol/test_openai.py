@@ -169,9 +169,8 @@ def test_n_and_best_of_stay_the_openai_rule_not_generation_parameters():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("logit_bias", {"50256": -100}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
-    ("guided_choice", ["a", "b"]), ("use_beam_search", True), ("prompt_logprobs", 1), ("min_tokens", 4),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("suffix", "tail"), ("logits_processors", ["p"]),
 ])
 def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_refused_not_ignored(field, value):
     for parse in (lambda: chat(**{field: value}),
@@ -195,10 +194,52 @@ def test_empty_values_of_unimplemented_fields_are_neutral():
     with pytest.raises(RequestValidationError) as info:
         chat(best_of=2)                     # chat has no best_of here (completions implement it)
     assert info.value.field == "best_of"
-    for field, value in (("structured_outputs", {"json": {}}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"])):
-        with pytest.raises(RequestValidationError) as info:
-            chat(**{field: value})
-        assert info.value.field == field
+
+
+
+@pytest.mark.parametrize(("field", "value", "check"), [
+    ("logit_bias", {"50": -100, "7": 2.5}, lambda p: p.logit_bias == ((7, 2.5), (50, -100.0))),
+    ("response_format", {"type": "json_object"}, lambda p: p.structured_output.kind.value == "json_object"),
+    ("guided_json", {"type": "object"}, lambda p: p.structured_output.kind.value == "json_schema"),
+    ("guided_choice", ["a", "b"], lambda p: p.structured_output.choices == ("a", "b")),
+    ("guided_regex", "[0-9]+", lambda p: p.structured_output.value == "[0-9]+"),
+    ("structured_outputs", {"json": {}}, lambda p: p.structured_output.value == "{}"),
+    ("prompt_logprobs", 2, lambda p: p.prompt_logprobs and p.prompt_top_n_tokens == 2),
+    ("min_tokens", 4, lambda p: p.min_tokens == 4), ("allowed_token_ids", [2, 1, 2], lambda p: p.allowed_token_ids == (1, 2)),
+])
+def test_the_decoding_controls_are_accepted_and_reach_the_engine_on_both_routes(field, value, check):
+    for request in (chat(**{field: value}, max_tokens=8),
+                    CompletionRequest.parse({"model": "smol", "prompt": "Hi", field: value})):
+        assert check(request.to_generation_parameters().to_sampling_params())
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"3": 101}}, "logit_bias"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"), ({"guided_choice": "yes"}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"guided_grammar": "start: (("}, "guided_grammar"), ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"min_tokens": -1}, "min_tokens"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["  "]}, "bad_words"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0.8}, "temperature"),
+    ({"use_beam_search": True, "n": 2, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_decoding_controls_answer_400_naming_the_field(body, field):
+    with pytest.raises(RequestValidationError) as info:
+        chat(**body, max_tokens=8).to_generation_parameters()
+    assert info.value.status_code == 400 and f"`{field}`" in info.value.message
+
+
+def test_use_beam_search_runs_n_beams_greedily_and_completions_take_best_of_as_the_width():
+    params = chat(use_beam_search=True, n=3, length_penalty=0.5, max_tokens=8).to_generation_parameters()
+    assert (params.num_beams, params.length_penalty, params.is_greedy()) == (3, 0.5, True)
+    request = CompletionRequest.parse({"prompt": "x", "use_beam_search": True, "n": 2, "best_of": 4})
+    assert request.to_generation_parameters().num_beams == 4
 
 
 def test_completions_take_max_completion_tokens_over_max_tokens_as_batch_lines_do():

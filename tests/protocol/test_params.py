@@ -166,13 +166,28 @@ def test_logprobs_is_used_when_top_n_tokens_is_absent():
 
 
 @pytest.mark.parametrize("given, field", [({"n": 2}, "n"), ({"best_of": 2}, "best_of"),
-                                          ({"n": 2, "best_of": 3}, "best_of"), ({"num_beams": 2}, "num_beams"),
-                                          ({"num_beams": 2, "do_sample": True}, "num_beams")])
-def test_beams_and_greedy_multi_sequence_requests_are_rejected_before_inference(given, field):
+                                          ({"n": 2, "best_of": 3}, "best_of")])
+def test_greedy_multi_sequence_requests_are_rejected_before_inference(given, field):
     params = GenerationParameters.parse(given)
     with pytest.raises(RequestValidationError) as info:
         params.to_sampling_params()
     assert info.value.field == field and info.value.status_code == 400 and field in info.value.message
+
+
+@pytest.mark.parametrize("given, field", [({"num_beams": 2, "do_sample": True}, "do_sample"),
+                                          ({"num_beams": 2, "temperature": 0.7}, "temperature"),
+                                          ({"num_beams": 2, "n": 2}, "n"), ({"num_beams": 3, "stop": ["."]}, "stop"),
+                                          ({"num_beams": 2, "top_n_tokens": 2}, "top_n_tokens")])
+def test_what_a_beam_search_cannot_honour_is_refused_naming_the_field(given, field):
+    with pytest.raises(RequestValidationError) as info:
+        GenerationParameters.parse(given)
+    assert info.value.status_code == 400 and f"`{field}`" in info.value.message.replace("stop_sequences", "stop")
+
+
+def test_beam_search_parameters_reach_the_engine():
+    params = GenerationParameters.parse({"num_beams": 4, "length_penalty": 0.5, "early_stopping": "never",
+                                         "max_new_tokens": 24}).to_sampling_params()
+    assert (params.num_beams, params.length_penalty, params.early_stopping, params.greedy) == (4, 0.5, "never", True)
 
 
 @pytest.mark.parametrize("given, count", [({}, 1), ({"n": 2, "do_sample": True}, 2),
@@ -332,9 +347,9 @@ def test_log_prob_is_the_chosen_tokens_log_probability(client):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params, field", [({"num_beams": 2}, "num_beams"), ({"n": 2}, "n"),
+@pytest.mark.parametrize("params, field", [({"num_beams": 2, "do_sample": True}, "do_sample"), ({"n": 2}, "n"),
                                            ({"best_of": 2}, "best_of")])
-def test_beam_search_and_greedy_multi_sequence_requests_get_a_clear_400(client, params, field):
+def test_sampled_beam_search_and_greedy_multi_sequence_requests_get_a_clear_400(client, params, field):
     response = invoke(client, PROMPT, **params)
     assert response.status_code == 400 and field in response.json()["error"]
 

@@ -257,3 +257,112 @@ def test_with_strict_model_name_the_openai_routes_refuse_a_model_they_do_not_ser
     # by default (option.strict_model_name unset) the same body is answered, naming the served model
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200 and response.json()["model"] == "model"
+
+
+# ---- decoding controls through the SDK ------------------------------------------------------------------
+
+def test_response_format_json_schema_outputs_validate_when_they_stop(sdk):
+    """8 prompts over the nested / array / enum / required schemas of tests/helpers.py, sent at once (the
+    engine test runs 32); every answer that stopped parses and validates, and most stop within 160 tokens."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from tests.helpers import JSON_SCHEMAS, SCHEMA_SUBJECTS
+
+    def ask(i: int):
+        schema = JSON_SCHEMAS[i % len(JSON_SCHEMAS)]
+        return schema, sdk.chat.completions.create(
+            model="model", max_tokens=160, temperature=0 if i % 2 == 0 else 0.7, seed=i,
+            messages=[{"role": "user", "content": f"Describe {SCHEMA_SUBJECTS[i]} as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    stopped = 0
+    for schema, answer in answers:
+        choice = answer.choices[0]
+        if choice.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(choice.message.content), schema)
+        else:
+            assert choice.finish_reason == "length"
+    assert stopped >= 6
+
+
+def test_regex_choice_and_json_object_through_extra_body_on_completions(sdk):
+    import json
+    import re
+
+    date = sdk.completions.create(model="model", prompt="Apollo 11 landed on (YYYY-MM-DD): ", max_tokens=16,
+                                  temperature=0, extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}})
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.choices[0].text)
+    label = sdk.completions.create(model="model", prompt="The sentiment of 'I love it' is", max_tokens=8,
+                                   temperature=0.9, seed=3, extra_body={"guided_choice": ["positive", "negative"]})
+    assert label.choices[0].text in ("positive", "negative")
+    anything = sdk.chat.completions.create(model="model", max_tokens=60, temperature=0,
+                                           messages=[{"role": "user", "content": "A JSON object about a cat."}],
+                                           response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "[a-"}}}, "structured_outputs"),
+    ({"extra_body": {"guided_grammar": "start: ((("}}, "guided_grammar"),
+    ({"extra_body": {"guided_json": "{oops"}}, "guided_json"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({"extra_body": {"allowed_token_ids": [10 ** 9]}}, "allowed_token_ids"),
+])
+def test_an_invalid_constraint_or_control_raises_bad_request_naming_it(sdk, extra, field):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="model", max_tokens=8, messages=[{"role": "user", "content": "hi"}], **extra)
+    assert info.value.status_code == 400 and f"`{field}`" in info.value.message
+
+
+def test_logits_controls_change_the_answer_as_asked(sdk, tokenizer):
+    base = dict(model="model", prompt="The capital of France is", max_tokens=6, temperature=0)
+    plain = sdk.completions.create(**base).choices[0].text
+    first = tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned = sdk.completions.create(**base, logit_bias={str(first): -100}).choices[0].text
+    assert tokenizer.encode(banned, add_special_tokens=False)[0] != first
+    forced = sdk.completions.create(**base, logit_bias={"28": 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [tokenizer.decode([28])] * 6
+    word = plain.split()[0]
+    without = sdk.completions.create(**base, extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in without
+    allowed = sdk.completions.create(**base, extra_body={"allowed_token_ids": [28, 29, 30]}, logprobs=0)
+    assert set(allowed.choices[0].logprobs.tokens) <= {tokenizer.decode([t]) for t in (28, 29, 30)}
+    ask = dict(model="model", max_tokens=20, temperature=0,
+               messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    short = sdk.chat.completions.create(**ask, extra_body={"guided_choice": ["yes", "no"]})
+    assert short.usage.completion_tokens < 10 and short.choices[0].finish_reason == "stop"
+    longer = sdk.chat.completions.create(**ask, extra_body={"min_tokens": 10})
+    assert longer.usage.completion_tokens >= 10
+
+
+def test_prompt_logprobs_take_vllms_shape(sdk, tokenizer):
+    answer = sdk.completions.create(model="model", prompt="The capital of France is", max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    entries = answer.choices[0].model_extra["prompt_logprobs"]
+    ids = tokenizer.encode("The capital of France is")
+    assert entries[0] is None and len(entries) == len(ids)
+    for token, entry in zip(ids[1:], entries[1:]):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+    chat = sdk.chat.completions.create(model="model", max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1},
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
+
+
+def test_use_beam_search_through_extra_body_answers_n_choices_on_chat(sdk):
+    answer = sdk.chat.completions.create(model="model", max_tokens=10, n=2, temperature=0,
+                                         messages=[{"role": "user", "content": "Name a colour."}],
+                                         extra_body={"use_beam_search": True, "length_penalty": 1.0})
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert answer.choices[0].message.content != answer.choices[1].message.content
+    assert answer.usage.completion_tokens <= 20

@@ -28,6 +28,7 @@ from tests.server.helpers import (
     metric,
     nested,
     nested_in_field,
+    wait_until,
 )
 
 
@@ -397,3 +398,107 @@ def test_200_concurrent_clients_get_their_solo_answers_and_leave_nothing_behind(
     logged = [json.loads(line[line.index("{"):]) for line in load_server.log_path.read_text().splitlines()
               if '"event": "request_finished"' in line]
     assert len({entry["request_id"] for entry in logged}) >= finished     # one structured line per request
+
+
+# ---- decoding controls on every route ------------------------------------------------------------------
+
+BAD_SPECS = {   # kind -> (a bad value, what the message must say)
+    "json_schema": ({"type": "object", "properties": {"a": {"type": "nope"}}}, "nope"),
+    "regex": ("[0-9", "regex"),
+    "grammar": ("start: (((", "grammar"),
+    "choice": ([""], "choice"),
+}
+
+
+def _bad_spec_requests(kind: str):
+    """(route, body, field) for one bad spec kind on every route its owners accept it."""
+    value, _ = BAD_SPECS[kind]
+    vllm = {"json_schema": "json", "regex": "regex", "grammar": "grammar", "choice": "choice"}[kind]
+    legacy = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
+              "choice": "guided_choice"}[kind]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    out = [("/v1/chat/completions", {**chat, "structured_outputs": {vllm: value}}, f"structured_outputs.{vllm}"
+            if kind == "choice" else "structured_outputs"),
+           ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4, legacy: value}, legacy),
+           ("/invocations", {"inputs": "hi", "parameters": {"structured_outputs": {vllm: value}}},
+            f"structured_outputs.{vllm}" if kind == "choice" else "structured_outputs")]
+    if kind == "json_schema":
+        out.append(("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": value}}}, "response_format"))
+    if kind in ("json_schema", "regex"):
+        grammar = {"type": "json" if kind == "json_schema" else "regex", "value": value}
+        out += [(route, {"inputs": "hi", "parameters": {"max_new_tokens": 4, "grammar": grammar}}, "grammar")
+                for route in ("/generate", "/generate_stream", "/", "/invocations")]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(BAD_SPECS))
+def test_an_invalid_spec_of_each_kind_is_a_400_naming_the_field_on_every_route(client, kind):
+    for route, body, field in _bad_spec_requests(kind):
+        response = client.post(route, json=body)
+        assert response.status_code == 400, (route, response.text)
+        assert f"`{field}`" in response.text and BAD_SPECS[kind][1] in response.text, (route, response.text)
+    assert client.post("/invocations", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+@pytest.mark.slow
+def test_lmi_min_length_and_bad_sequences_act_on_invocations(client):
+    question = "Is the sky blue? Answer yes or no."
+    short = client.post("/invocations", json={"inputs": question, "parameters": {
+        "max_new_tokens": 20, "guided_choice": ["yes", "no"], "details": True}}).json()
+    assert short["details"]["finish_reason"] == "eos_token" and short["details"]["generated_tokens"] < 8
+    longer = client.post("/invocations", json={"inputs": question, "parameters": {
+        "max_new_tokens": 20, "min_length": 12, "details": True}}).json()
+    assert longer["details"]["generated_tokens"] >= 12
+    plain = client.post("/invocations", json={"inputs": "The capital of France is",
+                                              "parameters": {"max_new_tokens": 6}}).json()["generated_text"]
+    word = plain.split()[0]
+    banned = client.post("/invocations", json={"inputs": "The capital of France is", "parameters": {
+        "max_new_tokens": 6, "bad_sequences": [word]}}).json()["generated_text"]
+    assert word not in banned
+
+
+LARGE_SCHEMA = {"type": "object", "properties": {      # llguidance: ~0.8 s to compile here (README)
+    f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 50 + 1}}}[0-9]+x{i}$"} for i in range(3000)},
+    "required": [f"p{i}" for i in range(3000)]}
+
+
+@pytest.mark.slow
+def test_a_long_compile_fails_its_request_alone_while_another_stream_keeps_sending(tmp_path_factory):
+    """option.structured_output_compile_timeout_s=0.2: the large schema's request gets a 400 naming
+    response_format with the reason; a stream running meanwhile sends tokens while it compiles and ends whole."""
+    from tests.server.helpers import start_server
+
+    server = start_server(tmp_path_factory, "compile-limit", structured_output_compile_timeout_s="0.2",
+                          max_rolling_batch_size="4")
+    try:
+        arrivals: list[float] = []
+        done = threading.Event()
+
+        def stream():
+            body = {"inputs": "Tell me a long story about a dragon.", "stream": True,
+                    "parameters": {"max_new_tokens": 120, "ignore_eos": True}}
+            with httpx.stream("POST", server.url + "/invocations", json=body, timeout=300) as response:
+                for line in response.iter_lines():
+                    if line.strip():
+                        arrivals.append(time.monotonic())
+            done.set()
+
+        runner = threading.Thread(target=stream)
+        runner.start()
+        wait_until(lambda: len(arrivals) >= 3, 120)
+        sent = time.monotonic()
+        slow = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+            "model": "m", "messages": [{"role": "user", "content": "fill it"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": LARGE_SCHEMA}}})
+        answered = time.monotonic()
+        runner.join(300)
+        assert slow.status_code == 400 and "`response_format`" in slow.text and "did not compile within" in slow.text
+        assert done.is_set() and len(arrivals) == 120      # one line per token, none lost
+        assert any(sent < t < answered for t in arrivals), "the stream paused while the grammar compiled"
+        again = httpx.post(server.url + "/invocations", timeout=300,
+                           json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+        assert again.status_code == 200
+    finally:
+        server.__exit__(None, None, None)

@@ -4,6 +4,7 @@ real TGI client (its own venv) and huggingface_hub's InferenceClient.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import httpx
@@ -114,3 +115,21 @@ def test_tgi_info_and_health(app):
     info = app.get("/info").json()
     assert info["model_id"] == "smol" and info["max_total_tokens"] > info["max_input_tokens"] > 0
     assert app.get("/health").status_code == 200
+
+
+def test_the_tgi_clients_grammar_constrains_generate_and_generate_stream_and_a_bad_one_is_a_400(rolling_server):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    script = REPO / "tests" / "server" / "clients" / "tgi_grammar.py"
+    run = subprocess.run([str(TGI_PYTHON), str(script), rolling_server.url, json.dumps(schema)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert got["json_finish"] == "eos_token"
+    jsonschema.validate(json.loads(got["json"]), schema)
+    assert got["stream"] == got["stream_final"] == got["json"]
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", got["date"])
+    assert "grammar" in got["bad_request"] and "unclosed" in got["bad_request"]

@@ -1,0 +1,231 @@
+"""Structured output: grammar specs compiled by llguidance off the engine loop, one matcher per constrained sequence.
+
+Owns GrammarCompiler (worker threads, the compile cache keyed by spec, compile deadlines) and GrammarState (a
+sequence's matcher: its bitmask row each step, the sampled token fed back, a fork for beams). Leaves applying
+the masks to logits_controls.py and ending sequences to the engine's stop path.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from lmi_handler.engine.logits_controls import bitmask_words
+from lmi_handler.engine.sequence import GrammarKind, Sequence, StructuredOutputSpec
+
+CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
+TIMEOUT_MESSAGE = "the grammar did not compile within option.structured_output_compile_timeout_s"
+
+
+class GrammarError(ValueError):
+    """A structured-output spec that cannot be enforced: malformed, unsupported, or too large. The message
+    says why; the protocol layer names its field."""
+
+
+def grammar_source(spec: StructuredOutputSpec) -> str:
+    """The llguidance grammar for a spec. JSON kinds allow at most spec.max_whitespace whitespace characters
+    between tokens (none after the value); choices match exactly one of the strings.
+
+    Raises GrammarError when the value is not even well-formed (JSON text that does not parse, no choices);
+    everything else (unsupported keywords, bad regex syntax) is found by check_spec or the compile.
+    """
+    import llguidance
+
+    options = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{spec.max_whitespace}}}"}
+    if spec.kind is GrammarKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(spec.value)
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if spec.kind is GrammarKind.JSON_OBJECT:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+    if spec.kind is GrammarKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind is GrammarKind.CHOICE:
+        if not spec.choices:
+            raise GrammarError("a choice constraint needs at least one choice")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choices))
+    return llguidance.LLMatcher.grammar_from_lark(_as_lark(spec.value))
+
+
+def _as_lark(text: str) -> str:
+    """A Lark grammar as it is; GBNF / EBNF (rules written `name ::= ...`, vLLM/xgrammar style) converted."""
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors for bad input
+        raise GrammarError(f"the EBNF grammar does not parse: {exc}") from None
+
+
+def check_spec(spec: StructuredOutputSpec) -> None:
+    """Validate a spec without the tokenizer (fast: no token-level compile), for a 400 before the request
+    enters the batch. Raises GrammarError with llguidance's reason (bad regex, unknown JSON schema type or
+    format, a Lark syntax error, ...)."""
+    import llguidance
+
+    message = llguidance.LLMatcher.validate_grammar(grammar_source(spec))
+    if message:
+        raise GrammarError(_first_lines(message))
+
+
+def _first_lines(message: str, limit: int = 400) -> str:
+    text = message.strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+@dataclass
+class CompileTicket:
+    """A request's wait for its grammar: the shared compile, and when this request stops waiting."""
+
+    spec: StructuredOutputSpec
+    future: Future
+    deadline: float            # time.monotonic() seconds
+
+    def outcome(self, now: float, end_ids: tuple[int, ...]) -> "GrammarState | str | None":
+        """The sequence's matcher once compiled (`end_ids`: its eos and stop ids), an error message if the
+        compile failed or ran past the deadline, else None (still compiling)."""
+        if self.future.done():
+            exc = self.future.exception()
+            if exc is not None:
+                return f"structured output: {exc}"
+            return GrammarState(self.future.result().deep_copy(), end_ids)
+        if now >= self.deadline:
+            return f"structured output: {TIMEOUT_MESSAGE}"
+        return None
+
+
+class GrammarCompiler:
+    """Compiles specs to llguidance matchers on worker threads; compiles are cached by spec.
+
+    llguidance drops the GIL while it builds a grammar, so the engine loop keeps stepping while a large
+    schema compiles. The tokenizer table (~1 s for a 49k vocabulary) is built on the first compile, on a
+    worker. `vocab_size` is the logits width: ids past the tokenizer's vocabulary are never allowed.
+    A compile past its deadline fails only the requests waiting on it; the compile itself runs on (llguidance's
+    resource limits bound it) and its result serves later requests with the same spec.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], compile_timeout_s: float,
+                 max_workers: int = 2):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.compile_timeout_s = compile_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._lltok = None
+        self._lltok_lock = threading.Lock()
+        self._executor = None
+
+    def submit(self, spec: StructuredOutputSpec) -> CompileTicket:
+        """Start (or join) the compile of `spec`; returns at once. Thread-safe."""
+        with self._cache_lock:
+            future = self._cache.get(spec)
+            if future is None:
+                future = self._cache[spec] = self._pool.submit(self._compile, spec)
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(spec)
+        return CompileTicket(spec, future, time.monotonic() + self.compile_timeout_s)
+
+    def validate(self, spec: StructuredOutputSpec) -> None:
+        """Compile `spec` now (or wait for its compile), for a 400 before the request is queued; the result is
+        cached, so the request's own compile is then immediate. Blocks the caller up to compile_timeout_s:
+        call it where waiting is fine (a request thread), never on the engine loop, which has add_request's
+        asynchronous path instead. Raises GrammarError (malformed, unsupported, or past the time limit)."""
+        ticket = self.submit(spec)
+        try:
+            ticket.future.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            raise GrammarError(TIMEOUT_MESSAGE) from None
+
+    def wait_any(self, tickets: list[CompileTicket], timeout_s: float) -> None:
+        """Block up to timeout_s seconds until one of the compiles ends (the engine has nothing else to run)."""
+        for ticket in tickets[:1]:
+            try:
+                ticket.future.result(timeout=max(0.0, min(timeout_s, ticket.deadline - time.monotonic())))
+            except (FutureTimeout, Exception):  # noqa: BLE001 - outcome() reports it
+                pass
+
+    def tokenizer_info(self):
+        """llguidance's tokenizer table, built once (thread-safe)."""
+        with self._lltok_lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                # the grammar's end token is the model's eos (what ends a sequence here), not the tokenizer's
+                eos = self.eos_token_ids[0] if self.eos_token_ids else self.tokenizer.eos_token_id
+                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+            return self._lltok
+
+    def _compile(self, spec: StructuredOutputSpec):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer_info(), grammar_source(spec), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_first_lines(matcher.get_error()))
+        return matcher
+
+    def fill_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
+        """(len(seqs), W) int32 on CPU: row i allows what seqs[i]'s grammar accepts next. Where the grammar may
+        end, the model's eos ids and the row's stop_token_ids are allowed too (they end the sequence)."""
+        import llguidance
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        words = bitmask_words(self.vocab_size)
+        bitmask = torch.zeros(len(seqs), words, dtype=torch.int32)
+        # llguidance writes row i at data_ptr + i * 4 * words, on its own threads (what its torch helper does,
+        # without importing that helper's torch.compile kernels)
+        self._executor.unsafe_compute_mask_ptr([(s.grammar.matcher, i) for i, s in enumerate(seqs)],
+                                               bitmask.data_ptr(), 4 * words, len(seqs))
+        eos = self.tokenizer_info().eos_token
+        for i, seq in enumerate(seqs):   # only rows whose grammar may end here: set their other end ids
+            if _has_bit(bitmask[i], eos):
+                for token in self.eos_token_ids + seq.params.stop_token_ids:
+                    _set_bit(bitmask[i], token)
+        return bitmask
+
+
+def _has_bit(row: torch.Tensor, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _set_bit(row: torch.Tensor, token: int) -> None:
+    word = int(row[token // 32]) | (1 << (token % 32))
+    row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+class GrammarState:
+    """One sequence's matcher and its end ids (the model's eos ids and the request's stop_token_ids).
+    `advance` feeds it the sampled token; `fork` copies it for a new beam."""
+
+    def __init__(self, matcher, end_ids: tuple[int, ...]):
+        self.matcher = matcher
+        self.end_ids = frozenset(end_ids)
+
+    def advance(self, token_id: int) -> tuple[bool, str | None]:
+        """Feed the token just sampled. Returns (ended, error): ended when the token is an end id (eos or
+        a stop id, which the mask allows only where the grammar may end: the sequence ends there, even under
+        ignore_eos); error is a message when the grammar rejected the token (the sequence then fails). A grammar
+        with nothing left to add allows only the end ids, so the next token ends it."""
+        if token_id in self.end_ids:
+            return True, None
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            return False, f"structured output: the grammar rejected token {token_id}: " \
+                          f"{_first_lines(self.matcher.get_error(), 200)}"
+        return False, None
+
+    def fork(self) -> "GrammarState":
+        return GrammarState(self.matcher.deep_copy(), tuple(self.end_ids))

@@ -38,6 +38,8 @@ from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence,
 
 logger = logging.getLogger(__name__)
 
+PROBE_ID_PREFIX = "health-probe-"   # rule 5's own one-token sequences (the fault injector never picks them)
+
 
 class SequenceFault(RuntimeError):
     """An error inside a step that knows which sequences it hit (engine request ids)."""
@@ -138,7 +140,7 @@ class StepGuard:
         None also when the probe could not be scheduled (no free KV block): inconclusive counts as alive.
         """
         engine = self.engine
-        probe_id = f"health-probe-{uuid.uuid4().hex}"
+        probe_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
         with self._parked(list(engine.scheduler.running)):
             try:
                 engine.add_request(probe_id, [engine.eos_token_ids[0]], SamplingParams(max_new_tokens=1))
@@ -332,6 +334,8 @@ class FaultInjector:
     def _schedule(self):
         out = self.schedule()
         for seq in out.seqs:
+            if seq.request_id.startswith(PROBE_ID_PREFIX):   # the guard's probe is nobody's request
+                continue
             for rule in self.rules:
                 if self.broken_by is None and rule.hits(seq, self._prompt_text(seq)):
                     if rule.breaks_engine:

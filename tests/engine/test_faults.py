@@ -199,6 +199,7 @@ def test_out_of_memory_and_a_fault_on_the_only_sequence_stay_per_request_and_the
 
     health = EngineHealth()
     guard = StepGuard(engine, health)
+    FaultInjector(engine, FaultRule.parse_all("prefill@" + tokenizer.decode([engine.eos_token_ids[0]])))
     engine.add_request("lonely", PROMPTS[1], PARAMS)        # fails alone: the probe says it is not the engine
     tokens, failed = drive(guard)
     assert list(failed) == ["lonely"] and health.alive

@@ -1,7 +1,8 @@
 """The typed error every protocol parser raises for bad client input, and the error objects of both dialects.
 
-Owns the error shapes (LMI {"error", "code"}, OpenAI {"error": {...}}) and the 424 status; the server and
-handler pick the status, the encoder turns the objects into bytes.
+Owns the error shapes (LMI {"error", "code"}, OpenAI {"error": {...}}), the 424 status, and keeping every
+error text encodable (safe_text); the server and handler pick the status, the encoder turns the objects
+into bytes.
 """
 from __future__ import annotations
 
@@ -15,17 +16,25 @@ GENERATION_ERROR_CODE = 424
 ErrorType = Literal["invalid_request_error", "server_error"]
 
 
+def safe_text(text: str) -> str:
+    """`text` with what UTF-8 cannot carry (lone surrogates, which JSON's "\\ud800" escapes let a client
+    send) written as Python escapes ("\\ud800"); all else unchanged. Every error text that may echo a
+    client's value passes here, so an error body is always encodable, whatever the request held."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestValidationError(ValueError):
     """Bad client input, found before inference: names the field, the bad value and the allowed range.
 
     `field` is the name as the client spelled it (an alias such as `stop` stays `stop`).
     `status_code` is the HTTP status the server answers with (400 unless a rule says otherwise,
-    e.g. 413 for an over-long input).
+    e.g. 413 for an over-long input). Both texts go through safe_text: they may echo the client's bytes.
     """
 
     def __init__(self, field: str, message: str, status_code: int = 400):
+        message = safe_text(message)
         super().__init__(message)
-        self.field = field
+        self.field = safe_text(field)
         self.message = message
         self.status_code = status_code
 
@@ -37,14 +46,15 @@ class RequestValidationError(ValueError):
 
 def lmi_error(message: str, code: int) -> dict[str, Any]:
     """LMI schema error object {"error": message, "code": code} (DESIGN §3: validation errors, failed items)."""
-    return {"error": message, "code": code}
+    return {"error": safe_text(message), "code": code}
 
 
 def openai_error(message: str, code: int, param: str | None = None,
                  error_type: ErrorType | None = None) -> dict[str, Any]:
     """OpenAI error object {"error": {message, type, param, code}}; code is the HTTP status (as vLLM)."""
     kind = error_type or ("invalid_request_error" if code < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": safe_text(message), "type": kind, "param": None if param is None else safe_text(param),
+                      "code": code}}
 
 
 def error_object(message: str, code: int, *, openai: bool, param: str | None = None) -> dict[str, Any]:
@@ -75,8 +85,11 @@ def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "")
 
 
 def _show(value: Any) -> str:
-    """The bad value as the client would recognise it (JSON-ish, cut to 80 characters)."""
-    text = repr(value)
+    """The bad value as the client would recognise it (JSON-ish, cut to 80 characters; always encodable)."""
+    try:
+        text = safe_text(repr(value))
+    except ValueError:          # an int past Python's 4300-digit str() limit
+        text = f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif value is None:

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
 from lmi_handler.protocol import openai
 from lmi_handler.protocol.encoder import DONE
-from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, openai_error
+from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, openai_error, safe_text
 from lmi_handler.protocol.invocations import build_details, token_to_dict, top_tokens_to_dicts
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan, Shape
 from lmi_handler.protocol.sequences import Combine, Member, best_choices, combine_best_of
@@ -29,7 +29,7 @@ def _error_message(out: RequestOutput) -> str:
 
 def tgi_error(message: str) -> dict:
     """TGI's error object (its clients read `error`, and `error_type` to pick the exception)."""
-    return {"error": message, "error_type": "generation"}
+    return {"error": safe_text(message), "error_type": "generation"}
 
 
 class Formatter:
@@ -430,4 +430,4 @@ def stream_failure(message: str, code: int, plan: RequestPlan) -> list[Any]:
     if plan.shape is Shape.TGI:
         return [tgi_error(message)]
     return [{"token": token_to_dict(SENTINEL_TOKEN), "details": {"finish_reason": FinishReason.ERROR.value},
-             "error": message, "code": code}]
+             "error": safe_text(message), "code": code}]

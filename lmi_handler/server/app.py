@@ -205,7 +205,8 @@ async def _serve(front_end: FrontEnd, request: Request, route: str, tracker: Req
         accepted = front_end.submit(client)
     finally:
         front_end.unreserve()
-    if not accepted:
+    if not accepted:              # the batch filled between reserve() and submit(): refused, and not live
+        front_end.forget(client)
         return _queue_full(front_end, openai_route)
     if tracker is not None:       # counted once accepted: a 503 refusal is no finished request
         tracker.arrived(client.request_id, route)

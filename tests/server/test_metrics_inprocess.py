@@ -107,9 +107,20 @@ def test_metrics_agree_with_the_answers_and_gauges_return_to_zero(app):
     text = app.get("/metrics").text
     assert 'lmi_http_requests_total{code="400",route="/invocations"}' in text
     for gauge in ("lmi_requests_running", "lmi_requests_waiting", "lmi_front_end_queue_depth",
-                  "lmi_kv_cache_blocks_used", "lmi_kv_cache_usage_ratio"):
+                  "lmi_front_end_live_requests", "lmi_kv_cache_blocks_used", "lmi_kv_cache_usage_ratio"):
         assert sample(app, gauge) == 0, gauge
     assert sample(app, "lmi_kv_cache_blocks_total") > 0
+
+
+def test_a_burst_past_the_queue_leaves_no_request_live_once_answered():
+    """A request refused between reserve() and submit() (the batch filled meanwhile) once stayed in the front
+    end's live table for good: its body and plan leaked, and draining waited for it (issue 15's soak)."""
+    with fresh_server(max_rolling_batch_size="1", job_queue_size="1", num_threads="1") as server:
+        body = {"inputs": "The sky is", "parameters": {"max_new_tokens": 2}}
+        replies = server.gather(*(server.client.post("/invocations", json=body) for _ in range(24)))
+        assert {r.status_code for r in replies} == {200, 503}
+        assert server.app.state.front_end.num_live == 0
+        assert sample(server, "lmi_front_end_live_requests") == 0
 
 
 def test_a_dead_engine_loop_is_unhealthy_and_requests_fail_fast(app):

@@ -124,7 +124,10 @@ async def soak_traffic(args, url: str, model: str, cases, solo, results: list[mi
     end = time.monotonic() + args.minutes * 60
     hard_end = end + HARD_EXTRA_S
     done = {"burst": False, "batch": False}
-    limits = httpx.Limits(max_connections=args.concurrency + args.batch_size + args.queue + 16)
+    # Idle connections are dropped after 2 s, well before the server's keep-alive of 5 s (uvicorn's): at
+    # httpx's default, also 5 s, a connection reused just as the server closes it is reset (a client race,
+    # seen in early storms), which would read as the server's defect.
+    limits = httpx.Limits(max_connections=args.concurrency + args.batch_size + args.queue + 16, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout_s, limits=limits) as client:
         traffic = mix.Traffic(client, model, cases, solo, rng, args.request_timeout_s)
         opening = [("plain", route) for route in mix.ROUTES] + [(action, None) for action in ACTIONS] + [("fault", None)]
@@ -217,7 +220,9 @@ async def _storm(args, server: ServerProcess, tmp: Path, sample: bool = False) -
     """`args.clients` requests at once: client i on STORM_ROUTES[i % 3], every 100th one faulted."""
     model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     cases = mix.make_cases(args.num_prompts)
-    limits = httpx.Limits(max_connections=args.clients + 16, max_keepalive_connections=args.clients + 16)
+    # one connection per client, as from 1,000 different clients: none reuses a connection another client's
+    # quick 503 left idle (with pooling, a few were reused just as the server's 5 s keep-alive closed them)
+    limits = httpx.Limits(max_connections=args.clients + 16, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=server.url, timeout=args.request_timeout_s, limits=limits) as client:
         solo = await mix.solo_answers(client, model, cases)
         sampler = Sampler(server.proc.pid, server.url, tmp / "batches", 1.0).start() if sample else None

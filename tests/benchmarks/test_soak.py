@@ -4,19 +4,15 @@ samples and the plot are written. Growth figures are reported, never asserted (t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.helpers import REPO, run_benchmark
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 from soak_report import SERIES, growth  # noqa: E402
 from soak_traffic import ROUTES, Answer, judge, parse_stream  # noqa: E402
-
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def test_answers_are_judged_by_action_and_anything_else_is_a_defect():
@@ -49,9 +45,7 @@ def test_growth_compares_the_first_and_last_tenth_after_warm_up():
 
 @pytest.mark.slow
 def test_soak_smoke_runs_every_route_and_action_and_ends_clean(model_dir, tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--smoke", "--out-dir", str(tmp_path)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1500)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run = run_benchmark("soak.py", "--smoke", "--out-dir", str(tmp_path), timeout_s=1500)
     (path,) = tmp_path.glob("soak-*.json")
     report = json.loads(path.read_text())
     assert report["bad"] == 0 and report["after_idle"] == {"kv_blocks_used": 0, "live_requests": 0}

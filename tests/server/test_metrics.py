@@ -23,12 +23,12 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     allocator = BlockAllocator(num_blocks=8, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), allocator)
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator)
-    front_end = SimpleNamespace(pending=SimpleNamespace(qsize=lambda: 3))
+    front_end = SimpleNamespace(pending=SimpleNamespace(qsize=lambda: 3), num_live=5)
     metrics = Metrics(lambda: engine, lambda: front_end)
     assert sample(metrics, "lmi_requests_waiting") == 0
     scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
     assert sample(metrics, "lmi_requests_waiting") == 1
-    assert sample(metrics, "lmi_front_end_queue_depth") == 3
+    assert sample(metrics, "lmi_front_end_queue_depth") == 3 and sample(metrics, "lmi_front_end_live_requests") == 5
     allocator.allocate(2)
     assert sample(metrics, "lmi_kv_cache_blocks_used") == 2 and sample(metrics, "lmi_kv_cache_blocks_total") == 8
     assert sample(metrics, "lmi_kv_cache_usage_ratio") == 0.25

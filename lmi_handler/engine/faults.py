@@ -1,8 +1,8 @@
 """Faults inside an engine step: isolate them to the sequences they hit, tell a dead engine, inject them for tests.
 
-Owns StepGuard (one engine step; a failure ends only the sequences it can be pinned to), the engine's
-health (EngineHealth / EngineDead: can it still generate at all?) and the fault-injection switch
-(`option.fault_injection`). The engine itself is unchanged: the guard drives Engine.step / Engine.abort
+Owns StepGuard (one engine step; a failure ends only the sequences it can be pinned to, and it decides
+whether the engine can still generate at all: the state is engine/health.py's) and the fault-injection
+switch (`option.fault_injection`). The engine itself is unchanged: the guard drives Engine.step / Engine.abort
 and parks sequences by moving them out of the scheduler's queues. What a dead engine means to clients
 (503s, exiting for the supervisor) is the front end's.
 
@@ -200,6 +200,8 @@ class StepGuard:
 
         A fatal error (rule 4) ends the isolation: the engine is dead (raises EngineDead)."""
         with self._parked(parked):
+            if not self.engine.scheduler.running:   # nothing left to step: proves nothing (rule 5 counts steps)
+                return []
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - the caller decides who failed

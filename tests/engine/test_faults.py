@@ -137,6 +137,20 @@ def test_an_engine_broken_for_good_is_marked_dead_every_sequence_dropped_and_eve
     assert engine.seqs["late"].num_computed_tokens == 0
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["one_request", "three_joining_together"])
+def test_an_engine_that_breaks_as_requests_join_is_found_dead_in_that_very_step(tiny_model_dir, tokenizer, alone):
+    """Every sequence of the step is a new admission: stepping without them is an empty step, which proves
+    nothing; each would fail alone forever if that counted as a working step."""
+    engine = make_engine(tiny_model_dir, tokenizer)
+    FaultInjector(engine, FaultRule.parse_all("broken:prefill@id=r0"))
+    guard = StepGuard(engine)
+    for i, prompt in enumerate(PROMPTS[:1] if alone else PROMPTS):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+    with pytest.raises(EngineDead, match="probe"):
+        guard.step()
+    assert not engine.seqs and engine.allocator.num_used_blocks == 0
+
+
 def test_a_cuda_error_marks_the_engine_dead_at_once_without_isolating(tiny_model_dir, tokenizer):
     engine = make_engine(tiny_model_dir, tokenizer)
     FaultInjector(engine, FaultRule.parse_all("cuda:prefill@id=r2"))

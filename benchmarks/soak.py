@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_traffic as mix  # noqa: E402
 from soak_report import Sampler, describe_growth, gauges, growth, plot  # noqa: E402
 
-from lmi_handler.server.process import ServerProcess  # noqa: E402  (the server machinery's one import here)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the server subprocess harness is the tests'
+from tests.helpers import ServerProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ACTIONS = {"plain": 0.78, "n": 0.05, "disconnect": 0.04, "cancel": 0.04, "deadline": 0.08, "fault": 0.01}

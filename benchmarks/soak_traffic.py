@@ -23,7 +23,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List thr
 # prefill (the error comes before any output) or at the step computing output token 3 (mid-stream).
 FAULT_PREFILL, FAULT_DECODE = "Zebra-prefill-fault", "Zebra-decode-fault"
 FAULT_RULES = f"prefill@{FAULT_PREFILL};decode:2@{FAULT_DECODE}"
-GENERATION_ERROR, TIMEOUT, CANCELLED, BUSY = 424, 504, 409, 503   # the server's statuses (server/frontend.py)
+GENERATION_ERROR, TIMEOUT, CANCELLED, BUSY = 424, 504, 409, 503   # the server's statuses (frontend/)
 
 # Verdicts. Every other outcome is a defect: the run reports it and exits non-zero.
 GOOD = {"ok", "refused", "faulted", "deadline", "cancelled", "disconnected", "finished_first", "batch_ok"}

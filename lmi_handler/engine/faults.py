@@ -76,7 +76,7 @@ class StepGuard:
         except EngineDead:
             self._drop_all()
             raise
-        except Exception as exc:  # noqa: BLE001 - isolation itself failed: dead if fatal, else the caller's
+        except Exception as exc:  # isolation itself failed: dead if fatal, else the caller's
             reason = fatal_reason(exc)
             if reason is None:
                 raise
@@ -96,7 +96,7 @@ class StepGuard:
             if hit:
                 return [], self._fail(hit, failure_message(fault))
             return self._isolate_or_die(fault, running_before, computed)
-        except Exception as exc:  # noqa: BLE001 - any bug in a step is isolated; only a dead engine is fatal
+        except Exception as exc:  # any bug in a step is isolated; only a dead engine is fatal
             logger.exception("engine step failed; isolating the sequences it hit")
             self._restore(computed)
             return self._isolate_or_die(exc, running_before, computed)
@@ -160,7 +160,7 @@ class StepGuard:
     def _drop_all(self) -> None:
         try:
             self.engine.abort_all()
-        except Exception:  # noqa: BLE001 - bookkeeping on a dead engine; the death is what matters
+        except Exception:  # bookkeeping on a dead engine; the death is what matters
             logger.exception("dropping the sequences of a dead engine failed")
 
     # ---- isolation -----------------------------------------------------------------------------

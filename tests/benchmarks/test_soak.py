@@ -11,8 +11,8 @@ import pytest
 from tests.benchmarks.helpers import REPO, run_benchmark
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from soak_report import SERIES, growth  # noqa: E402
-from soak_traffic import ROUTES, Answer, judge, parse_stream  # noqa: E402
+from soak_report import SERIES, growth
+from soak_traffic import ROUTES, Answer, judge, parse_stream
 
 
 def test_answers_are_judged_by_action_and_anything_else_is_a_defect():

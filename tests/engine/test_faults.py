@@ -8,8 +8,9 @@ import torch
 from lmi_handler.engine.engine import RequestRejected
 from lmi_handler.engine.faults import FaultInjector, FaultRule, InjectedFault, StepGuard
 from lmi_handler.engine.health import EngineDead, EngineHealth
-from lmi_handler.engine.sequence import SamplingParams
-from tests.engine.test_engine import PROMPTS, make_engine
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
+from tests.engine.helpers import make_engine
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -252,3 +253,22 @@ def test_after_a_whole_batch_failure_check_failure_tells_a_dead_engine_from_a_ba
     with pytest.raises(EngineDead, match="probe"):
         guard.check_failure(failure.value)
     assert not guard.health.alive
+
+
+def seq(request_id: str, prompt_len: int, computed: int, outputs: int) -> Sequence:
+    s = Sequence(request_id, list(range(prompt_len)), SamplingParams())
+    s.num_computed_tokens, s.output_token_ids = computed, list(range(outputs))
+    return s
+
+
+def test_fault_rules_pick_the_sequence_by_prompt_text_or_id_and_the_stage():
+    decode4, prefill, by_id = FaultRule.parse_all("decode:4@Water is; prefill@id=r7;pinned:decode:1@id=r9")
+    assert (decode4.stage, decode4.decode_step, decode4.marker) == ("decode", 4, "Water is")
+    assert prefill.request_id == "r7" and by_id.pinned
+    assert decode4.hits(seq("a", 3, 6, 4), "Water is wet") and not decode4.hits(seq("a", 3, 5, 3), "Water is")
+    assert not decode4.hits(seq("a", 3, 6, 4), "The sky is")
+    assert prefill.hits(seq("r7", 10, 4, 0), "") and prefill.hits(seq("r7#1", 10, 0, 0), "")
+    assert not prefill.hits(seq("r7", 10, 10, 1), "") and not prefill.hits(seq("r70", 10, 0, 0), "")
+    for bad in ("decode@x", "decode:0@x", "prefill:2@x", "boom@x", "decode:4", "decode:4@"):
+        with pytest.raises(ValueError, match="fault_injection"):
+            FaultRule.parse(bad)

@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, default=0, help="option.num_threads (0: PyTorch's default)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="a request slower is 'hung'")
     parser.add_argument("--seed", type=int, default=0, help="the traffic's random choices")
+    parser.add_argument("--api-key", default=None, help="start the server with this API key (LMI_API_KEY) and "
+                        "send it on every request; default: the server runs open")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     for name in ("minutes", "max_requests", "concurrency", "batch_size", "queue", "num_prompts", "sample_s",
@@ -77,13 +79,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_server(args, batch_dir: Path, log: Path, batch_size: int, queue: int) -> ServerProcess:
     options = {"max_rolling_batch_size": str(batch_size), "job_queue_size": str(queue), "batch_dir": str(batch_dir),
                "fault_injection": mix.FAULT_RULES, "num_threads": str(args.num_threads)}
-    server = ServerProcess(options, log, REPO / "serving.properties", env={"TOKENIZERS_PARALLELISM": "false"})
+    env = {"TOKENIZERS_PARALLELISM": "false", **({"LMI_API_KEY": args.api_key} if args.api_key else {})}
+    server = ServerProcess(options, log, REPO / "serving.properties", env=env)
     try:
         server.ready_s = round(server.wait_ready(timeout_s=900), 1)    # a first start may compile the C++ kernels
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def auth_headers(args) -> dict[str, str]:
+    """What every request sends: the API key, when the run has one."""
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 def raise_fd_limit(needed: int) -> None:
@@ -129,7 +137,8 @@ async def soak_traffic(args, url: str, model: str, cases, solo, results: list[mi
     # httpx's default, also 5 s, a connection reused just as the server closes it is reset (a client race,
     # seen in early storms), which would read as the server's defect.
     limits = httpx.Limits(max_connections=args.concurrency + args.batch_size + args.queue + 16, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout_s, limits=limits,
+                                 headers=auth_headers(args)) as client:
         traffic = mix.Traffic(client, model, cases, solo, rng, args.request_timeout_s)
         opening = [("plain", route) for route in mix.ROUTES] + [(action, None) for action in ACTIONS] + [("fault", None)]
 
@@ -175,10 +184,11 @@ def run_soak(args, stamp: str, tmp: Path) -> dict:
 
 
 async def _soak(args, server: ServerProcess, tmp: Path, stamp: str) -> dict:
-    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = httpx.get(server.url + "/v1/models", timeout=10, headers=auth_headers(args)).json()["data"][0]["id"]
     cases = mix.make_cases(args.num_prompts)
     solo_start = time.monotonic()
-    async with httpx.AsyncClient(base_url=server.url, timeout=args.request_timeout_s) as client:
+    async with httpx.AsyncClient(base_url=server.url, timeout=args.request_timeout_s,
+                                 headers=auth_headers(args)) as client:
         solo = await mix.solo_answers(client, model, cases)
     solo_s = round(time.monotonic() - solo_start, 1)
     results: list[mix.Result] = []
@@ -219,12 +229,13 @@ def run_storm(args, stamp: str, tmp: Path) -> dict:
 
 async def _storm(args, server: ServerProcess, tmp: Path, sample: bool = False) -> dict:
     """`args.clients` requests at once: client i on STORM_ROUTES[i % 3], every 100th one faulted."""
-    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = httpx.get(server.url + "/v1/models", timeout=10, headers=auth_headers(args)).json()["data"][0]["id"]
     cases = mix.make_cases(args.num_prompts)
     # one connection per client, as from 1,000 different clients: none reuses a connection another client's
     # quick 503 left idle (with pooling, a few were reused just as the server's 5 s keep-alive closed them)
     limits = httpx.Limits(max_connections=args.clients + 16, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=server.url, timeout=args.request_timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=server.url, timeout=args.request_timeout_s, limits=limits,
+                                 headers=auth_headers(args)) as client:
         solo = await mix.solo_answers(client, model, cases)
         sampler = Sampler(server.proc.pid, server.url, tmp / "batches", 1.0).start() if sample else None
         gate = asyncio.Event()
@@ -295,7 +306,7 @@ def server_crashes(log_text: str) -> list[str]:
 
 def passed(report: dict) -> bool:
     ok = (report["bad"] == 0 and all(value == 0 for value in report["after_idle"].values())
-          and not report.get("server_crashes"))
+          and not report.get("server_crashes") and not report.get("api_key_in_server_log"))
     return ok and passed(report["storm"]) if "storm" in report else ok
 
 
@@ -309,9 +320,11 @@ def main(argv: list[str] | None = None) -> int:
             raise_fd_limit(4 * args.clients + 256)
         report = run_storm(args, stamp, tmp) if args.storm else run_soak(args, stamp, tmp)
         report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        report["config"]["api_key"] = "<set>" if args.api_key else None     # never the key itself
         log = next(iter(sorted(tmp.glob("*-server.log"))))
         text = log.read_text(errors="replace")
         report["server_crashes"] = server_crashes(text)
+        report["api_key_in_server_log"] = bool(args.api_key) and args.api_key in text
         report["server_log_tail"] = text[-4000:]
         if not passed(report):      # keep the whole log beside the results
             log_copy = args.out_dir / f"{report['mode']}-{stamp}-server.log"

@@ -11,10 +11,16 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 import javaproperties
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+# Settings keys an environment variable of their own gives when the properties do not (OPTION_* work for every key)
+ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES", "api_key": "LMI_API_KEY"}
+# Keys whose values are never echoed (a bad value's error message names the key only)
+SECRET_KEYS = ("api_key",)
 
 
 class ConfigError(ValueError):
@@ -39,7 +45,13 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     """Context limit in tokens; default: the model's max_position_embeddings."""
     dtype: str = "auto"
-    """auto | fp32 | fp16 | bf16 (auto: fp32 on CPU, bf16 on CUDA)."""
+    """auto | fp32 | fp16 | bf16 (also float32, float16, bfloat16). auto follows the checkpoint: on CPU a
+    bf16/fp16 checkpoint runs in bf16 where the CPU has native bf16 dot products (AVX512_BF16 / AMX), else
+    fp32; fp16 runs as bf16 on CPU; on CUDA auto is the checkpoint's fp16/bf16, else bf16
+    (engine/precision.py)."""
+    quantize: Literal["int8"] | None = None
+    """Weight-only quantization at load: int8 = per-output-channel symmetric int8 weights, dequantized in
+    the C++ CPU kernels (activations stay in `dtype`); CPU only. Unset or `none`: the checkpoint's weights."""
     device_id: int = -1
     """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
     tensor_parallel_degree: int = Field(1, ge=1, le=1)
@@ -50,8 +62,10 @@ class Settings(BaseModel):
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
-    compile: bool = False
-    """torch.compile (inductor) for the model's forward; off by default (see model_runner.compiled_forward)."""
+    huge_pages: bool = True
+    """CPU float32: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
+    (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0
+    when the properties do not set it (read in from_properties, the only place that reads it)."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True
@@ -63,18 +77,24 @@ class Settings(BaseModel):
     """KV-cache size in bytes (all layers, K and V)."""
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
     """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
+    enable_streaming: bool = False
+    """LMI schema: every /invocations answer streams. Dynamic batch: a request's list of inputs answers
+    `application/jsonlines` lines of {"outputs": [new text per input]}, token by token; rolling batch: LMI
+    text and chat stream as with stream=true. Other routes keep their own rule."""
     tgi_compat: bool = False
-    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; any `model`
-    name is accepted on the OpenAI routes (as TGI)."""
+    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; OpenAI streams
+    end without `data: [DONE]` (TGI's client cannot parse it)."""
     served_model_name: str | None = None
     """Names the model answers to, comma-separated (vLLM's --served-model-name): the first is the one
-    responses carry, every one is accepted in `model` and /predictions/{name}. Unset: the model directory's name."""
+    responses carry, every one is valid in /predictions/{name}. Unset: the model directory's name."""
+    strict_model_name: bool = False
+    """The OpenAI routes answer 404 for a `model` that is not a served name, as vLLM does. Unset (false): any
+    `model` is answered by the loaded model, as TGI and LMI do (Hugging Face's InferenceClient sends "tgi").
+    Batch lines always take any `model` (the batch input format: the loaded model answers)."""
     batch_size: int = Field(4, ge=1, le=1024)
     """Dynamic batch: most requests per handle() call (top-level serving.properties key)."""
     max_batch_delay: int = Field(100, ge=0, le=60_000)
     """Dynamic batch: milliseconds to wait for a batch to fill."""
-    predict_timeout: int = Field(120, ge=1)
-    """Seconds one handle() call may take before the front end gives up on it."""
     batch_dir: str = "batches"
     """Where /v1/files and /v1/batches keep their SQLite state and files; relative paths start at model_dir
     (the directory of serving.properties)."""
@@ -86,8 +106,24 @@ class Settings(BaseModel):
     request_timeout_s: float | None = Field(None, gt=0)
     """Seconds a request may spend in the server (waiting + running) before it ends with finish_reason error;
     unset = no deadline. The `X-Request-Timeout` header overrides it per request."""
+    batch_max_total_bytes: int | None = Field(None, ge=1)
+    """Quota in bytes for everything under batch_dir (uploads, result files, the SQLite state); an upload
+    that would pass it answers 413 naming the limit, a job whose results would pass it fails naming it.
+    Unset: no quota (the disk's own size is the limit)."""
     shutdown_grace_s: float = Field(30.0, ge=0)
     """SIGTERM: seconds to finish the accepted requests before the server exits anyway."""
+    engine_dead_exit_s: float = Field(5.0, ge=0)
+    """Seconds between the engine found dead (engine/health.py: a sticky CUDA error, a lost tensor-parallel
+    rank, every step failing even alone) and the bundled server's process exiting with status 3, so that its
+    supervisor restarts it (vLLM shuts down the same way). Meanwhile /ping and /health answer 503 and new
+    requests 503. 0 keeps the process up, unhealthy, for debugging. DJL's container: handle() raises instead."""
+    api_key: SecretStr | None = None
+    """API keys, comma-separated: every route but /ping, /health (and /metrics, see metrics_require_key) then
+    requires `Authorization: Bearer <key>` and answers 401 without one (vLLM's --api-key). Also the
+    environment variable LMI_API_KEY when the properties do not set it (vLLM: VLLM_API_KEY), the place for a
+    secret. Unset: every route is open, and the server says so at start-up. Never logged."""
+    metrics_require_key: bool = False
+    """With an API key set: /metrics requires it too. Default false: Prometheus scrapes without one."""
     fault_injection: str | None = None
     """Tests only: a rule making the engine step fail for chosen sequences (see engine/faults.py)."""
 
@@ -98,10 +134,27 @@ class Settings(BaseModel):
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
         return DTYPES[value.lower()]
 
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _no_quantize(cls, value):
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
     @field_validator("rolling_batch")
     @classmethod
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
+
+    @field_validator("api_key")
+    @classmethod
+    def _some_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not _split_keys(value.get_secret_value()):
+            raise ValueError("api_key holds no key (comma-separated keys, none empty); unset it to serve openly")
+        return value
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (option.api_key / LMI_API_KEY split at commas); () = every route open."""
+        return () if self.api_key is None else _split_keys(self.api_key.get_secret_value())
 
     @property
     def is_rolling(self) -> bool:
@@ -130,19 +183,32 @@ class Settings(BaseModel):
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
-                            batch_invariant=self.batch_invariant, compile=self.compile,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
+                            enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize)
 
     @classmethod
-    def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
-        """Validate handle()'s init properties (or a serving.properties dict). Raises ConfigError."""
+    def from_properties(cls, properties: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "Settings":
+        """Validate handle()'s init properties (or a serving.properties dict). Raises ConfigError.
+
+        `environ` (default os.environ) gives the environment switches the properties do not set:
+        LMI_HUGE_PAGES (huge_pages), LMI_API_KEY (api_key).
+        """
         data = {key.lower(): value for key, value in properties.items() if value is not None}
+        environ = os.environ if environ is None else environ
+        for key, name in ENVIRONMENT_SWITCHES.items():
+            if key not in data and environ.get(name) is not None:
+                data[key] = environ[name]
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             key = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"option.{key}={first.get('input')!r}: {first['msg']}") from None
+            shown = "<secret>" if key in SECRET_KEYS else repr(first.get("input"))
+            raise ConfigError(f"option.{key}={shown}: {first['msg']}") from None
+
+
+def _split_keys(text: str) -> tuple[str, ...]:
+    return tuple(key.strip() for key in text.split(",") if key.strip())
 
 
 @dataclass(frozen=True)
@@ -160,7 +226,8 @@ class EngineConfig:
     num_threads: int = 0
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
-    compile: bool = False
+    huge_pages: bool = True
+    quantize: str | None = None
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

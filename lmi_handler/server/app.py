@@ -1,7 +1,7 @@
 """The bundled HTTP front end (FastAPI): one app per loaded model, its state on `app.state`.
 
 Owns the wiring (settings parsed once, the Handler and the front-end loop that drives it, the Batch API,
-metrics) and DJL's own routes: /ping, /invocations, /predictions/{model}, /models and /metrics. OpenAI's
+metrics, API keys) and DJL's own routes: /ping, /invocations, /predictions/{model}, /models and /metrics. OpenAI's
 routes are openai.py's, TGI's tgi.py's, serving a generation request serving.py's.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lmi_handler.config import Settings
 from lmi_handler.frontend.loops import make_front_end
 from lmi_handler.handler import Handler
 from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
+from lmi_handler.server.auth import RequireApiKey, log_access_rule, open_paths
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
 from lmi_handler.server.ops import RequestIds, add_cancel_route
@@ -43,6 +44,8 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     app.state.front_end = make_front_end(handler.handle, settings, properties)
     app.state.batch_api = BatchApi(settings, app.state.front_end)
 
+    if settings.api_keys:      # innermost: a 401 is still counted (route "unmatched") and carries x-request-id
+        app.add_middleware(RequireApiKey, keys=settings.api_keys, open_paths=open_paths(settings.metrics_require_key))
     app.add_middleware(CountRequests, counter=metrics.requests)
     app.include_router(app.state.batch_api.router)
     app.add_middleware(RequestIds)
@@ -57,6 +60,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     state = app.state
+    log_access_rule(state.settings.api_keys, open_paths(state.settings.metrics_require_key))
     state.front_end.start()
     await asyncio.get_running_loop().run_in_executor(None, state.front_end.ready.wait)
     if state.front_end.init_error is not None:

@@ -45,9 +45,12 @@ def test_growth_compares_the_first_and_last_tenth_after_warm_up():
 
 @pytest.mark.slow
 def test_soak_smoke_runs_every_route_and_action_and_ends_clean(model_dir, tmp_path):
-    run = run_benchmark("soak.py", "--smoke", "--out-dir", str(tmp_path), timeout_s=1500)
+    key = "soak-smoke-key-3f9a"          # every request, the batch job's included, must send it
+    run = run_benchmark("soak.py", "--smoke", "--api-key", key, "--out-dir", str(tmp_path), timeout_s=1500)
     (path,) = tmp_path.glob("soak-*.json")
     report = json.loads(path.read_text())
+    assert report["config"]["api_key"] == "<set>" and key not in path.read_text()
+    assert report["api_key_in_server_log"] is False
     assert report["bad"] == 0 and report["after_idle"] == {"kv_blocks_used": 0, "live_requests": 0}
     for route in ROUTES:     # each route's answer was checked against its solo answer at least once
         assert report["by_route"][route.name].get("ok", 0) >= 1, route.name

@@ -21,7 +21,7 @@ from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
 from lmi_handler.server.auth import RequireApiKey, log_access_rule, open_paths
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
-from lmi_handler.server.ops import RequestIds, add_cancel_route
+from lmi_handler.server.ops import RequestIds, add_cancel_route, exit_when_dead
 from lmi_handler.server.serving import add_generation_routes, answer_framework_errors, error_response, serve
 from lmi_handler.server.tgi import add_tgi_routes
 
@@ -67,6 +67,8 @@ async def _lifespan(app: FastAPI):
         raise RuntimeError(f"model initialization failed: {state.front_end.init_error}")
     state.service = state.handler.service
     await state.batch_api.start(state.service)
+    if state.settings.engine_dead_exit_s > 0:
+        exit_when_dead(state.front_end, state.settings.engine_dead_exit_s)
     yield
     await state.batch_api.stop()
     state.front_end.stop()
@@ -82,12 +84,15 @@ def _add_djl_routes(app: FastAPI) -> None:
 
     @app.get("/ping")
     async def ping() -> JSONResponse:
-        """Unhealthy (503) while the engine loop is down, and while draining after SIGTERM (so a load
-        balancer stops routing here while accepted requests finish); a full queue is not unhealthy."""
-        if state.front_end.draining:
+        """Unhealthy (503, with the reason) once the engine is dead or its loop is down, and while draining
+        after SIGTERM (so a load balancer stops routing here while accepted requests finish); a full queue
+        and client errors are not unhealthy."""
+        front_end = state.front_end
+        if front_end.alive and front_end.draining:
             return JSONResponse({"status": "Draining"}, status_code=503)
-        healthy = state.front_end.alive
-        return JSONResponse({"status": "Healthy" if healthy else "Unhealthy"}, status_code=200 if healthy else 503)
+        if front_end.alive:
+            return JSONResponse({"status": "Healthy"})
+        return JSONResponse({"status": "Unhealthy", "reason": front_end.failure}, status_code=503)
 
     add_generation_routes(app, ROUTE_INVOCATIONS)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import httpx
+import pytest
 from hypothesis import strategies as st
 
 from lmi_handler.config import read_serving_properties
@@ -97,6 +99,21 @@ def fresh_server(**options: str) -> Iterator[InProcessServer]:
         yield server
     finally:
         server.close()
+
+
+TGI_PYTHON = REPO / ".venv-tgi" / "bin" / "python"
+
+
+def run_tgi_client(url: str, prompt: str, max_new_tokens: int, api_key: str | None = None) -> dict:
+    """The real TGI client (text-generation, its own venv: it pins huggingface-hub<1.0) against `url`:
+    clients/tgi_client.py's JSON document of what it got back; `api_key` goes in the client's headers."""
+    if not TGI_PYTHON.is_file():
+        pytest.fail("the TGI client's venv is missing: run `make test` (it creates .venv-tgi)")
+    script = REPO / "tests" / "server" / "clients" / "tgi_client.py"
+    run = subprocess.run([str(TGI_PYTHON), str(script), url, prompt, str(max_new_tokens), *filter(None, [api_key])],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
 
 
 def start_server(tmp_path_factory, name: str, env: dict[str, str] | None = None, **options: str) -> ServerProcess:

@@ -142,7 +142,7 @@ def _drop_buffer(file) -> None:
 
 def _read_repaired(path: Path) -> list[dict[str, Any]]:
     """The records of a result file; a last line without its newline (torn by a kill) is cut off the file."""
-    if not path.exists():
+    if not path.is_file():         # nothing yet (or not a regular file, e.g. a device: nothing to resume)
         return []
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1

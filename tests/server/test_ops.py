@@ -236,8 +236,10 @@ def test_a_dead_engine_turns_ping_503_ends_every_stream_refuses_new_requests_and
         with httpx.Client(base_url=server.url, timeout=60) as http:
             bad = http.post("/invocations", json={"inputs": "Hi", "parameters": {"top_k": -5}})
             assert bad.status_code == 400 and http.get("/ping").status_code == 200
-            flights = [in_thread(send, server.url, path, body, stream=True) for path, body in STREAMS]
-            wait_until(lambda: metric(http, "lmi_requests_running") == 3, 60, poll_s=0.05)
+            flights = []
+            for count, (path, body) in enumerate(STREAMS, start=1):   # one by one: the queue holds only one
+                flights.append(in_thread(send, server.url, path, body, stream=True))
+                wait_until(lambda n=count: metric(http, "lmi_requests_running") == n, 60, poll_s=0.05)
             wait_until(lambda: metric(http, "lmi_generation_tokens_total") >= 6, 60, poll_s=0.05)
             burst = send_all(server.url, [{"path": "/invocations", "body": {"inputs": "Hi", "parameters": {
                 "max_new_tokens": 2}}} for _ in range(10)])

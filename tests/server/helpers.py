@@ -61,7 +61,8 @@ class InProcessServer:
 
     def __init__(self, **options: str):
         properties = read_serving_properties(REPO / "serving.properties", environ={})
-        self.app = create_app({**properties, "max_rolling_batch_size": "4", **options})
+        # engine_dead_exit_s 0: an engine dying in-process must fail its test, never end the test run (os._exit)
+        self.app = create_app({**properties, "max_rolling_batch_size": "4", "engine_dead_exit_s": "0", **options})
         self.loop = asyncio.new_event_loop()
         self.lifespan = self.app.router.lifespan_context(self.app)
         self.loop.run_until_complete(self.lifespan.__aenter__())

@@ -91,9 +91,11 @@ def test_metrics_requires_the_key_only_with_metrics_require_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def keyed_server(model_dir, tmp_path_factory):
-    """Keys from the environment (LMI_API_KEY, as a secret would come), not from the properties."""
+    """Keys from the environment (LMI_API_KEY, as a secret would come), not from the properties; tgi_compat, as
+    TGI's client needs for its chat stream (no [DONE])."""
     batch_dir = tmp_path_factory.mktemp("keyed-batches")
-    server = start_server(tmp_path_factory, "keyed", env={"LMI_API_KEY": ",".join(KEYS)}, batch_dir=str(batch_dir))
+    server = start_server(tmp_path_factory, "keyed", env={"LMI_API_KEY": ",".join(KEYS)}, batch_dir=str(batch_dir),
+                          tgi_compat="true")
     yield server
     server.stop()
 
@@ -103,9 +105,10 @@ def test_with_the_key_every_client_works_as_before_and_without_it_gets_401(keyed
     url = keyed_server.url
     assert httpx.get(url + "/ping").status_code == 200 and httpx.get(url + "/health").status_code == 200
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}
-    expected = httpx.post(url + "/invocations", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"},
+    expected = httpx.post(url + "/generate", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"},
                           timeout=300).json()["generated_text"]
-    check_401("/invocations", httpx.post(url + "/invocations", json=body, timeout=60))
+    for path in ("/invocations", "/generate"):
+        check_401(path, httpx.post(url + path, json=body, timeout=60))
     sdk = openai.OpenAI(base_url=url + "/v1", api_key=KEYS[1], timeout=300)
     answer = sdk.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
     assert answer.choices[0].text == expected

@@ -25,7 +25,7 @@ from lmi_handler.batch.lines import Record, answer_record, lines_to_run, plan_li
 from lmi_handler.batch.results import ResultFiles
 from lmi_handler.batch.store import BatchStore, now_s
 from lmi_handler.frontend.loops import FrontEnd
-from lmi_handler.frontend.requests import ClientRequest
+from lmi_handler.frontend.requests import ENGINE_DEAD_CODE, ClientRequest
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, check_lines, read_batch
 from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.errors import RequestValidationError, error_body, safe_text
@@ -285,6 +285,8 @@ async def _collect(client: ClientRequest, line: BatchLine) -> Record | None:
             if client.cancelled:   # a cancelled request the front end never admitted gets no answer
                 return None
             continue
+        if chunk.code == ENGINE_DEAD_CODE:   # not the line's fault: no record, it is redone after the restart
+            return None
         if chunk.code is not None:
             body = error_body(Dialect.OPENAI, chunk.error or "inference failed", chunk.code)
             return answer_record(line, client.request_id, body)

@@ -94,8 +94,9 @@ class FrontEnd:
     def has_room(self, reserve: int) -> bool:
         """Room for one more internal request (a batch job's line) without delaying live ones: no HTTP
         client's request waits, and the active batch plus the waiting queue leave `reserve` places free.
-        A racy read (the loop thread moves requests meanwhile): a hint for the batch jobs' pacing."""
-        return self.pending.only_internal() and self.num_active + self.pending.qsize() <= self.max_batch_size - reserve
+        A racy read (the loop thread moves requests meanwhile): a hint for the batch jobs' pacing. Never
+        while the front end cannot answer (a dead engine): the jobs wait, and resume after the restart."""
+        return self.failure is None and self.pending.only_internal() and self.num_active + self.pending.qsize() <= self.max_batch_size - reserve
 
     def reserve(self) -> bool:
         """Event loop: hold a place for a request about to be planned; False (refuse it) when the places

@@ -216,3 +216,26 @@ def test_a_full_disk_while_a_job_writes_fails_that_job_naming_enospc_and_the_ser
     assert error.code == "storage_error" and "No space left on device (ENOSPC)" in error.message
     assert poll(sdk, ahead.id)[0].status == "cancelled"
     check_store_readable(quota_server, doomed.id)
+
+
+def test_a_job_running_when_the_engine_dies_loses_no_line_and_completes_after_the_restart(model_dir, tmp_path_factory):
+    """Lines the dead engine could not answer get no record (not the lines' fault): the job stays in_progress,
+    the process exits for its supervisor, and the restarted server runs just those lines."""
+    batch_dir = tmp_path_factory.mktemp("dies")
+    lines = short_lines("line", 60, 6)
+    with start(tmp_path_factory, batch_dir, "dies", fault_injection="broken:prefill@Zebras",
+               engine_dead_exit_s="1") as first:
+        sdk = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0)
+        created = sdk.batches.create(input_file_id=upload(sdk, lines).id, endpoint=COMPLETIONS,
+                                     completion_window="24h")
+        while sdk.batches.retrieve(created.id).request_counts.completed < 5:
+            time.sleep(0.1)
+        dying = httpx.post(first.url + "/invocations", json={"inputs": "Zebras run"}, timeout=60)
+        assert dying.status_code == 503
+        assert first.proc.wait(timeout=30) == 3
+    with start(tmp_path_factory, batch_dir, "restarted") as second:
+        sdk = openai.OpenAI(base_url=second.url + "/v1", api_key="unused", max_retries=0)
+        batch, _, _ = poll(sdk, created.id, 300)
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 60, 0)
+        assert sorted(r["custom_id"] for r in records(sdk, batch.output_file_id)) == sorted(
+            line["custom_id"] for line in lines)

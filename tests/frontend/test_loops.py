@@ -228,6 +228,7 @@ def test_a_handle_raising_engine_dead_fails_every_request_with_503_and_the_front
     front_end.submit(second)
     wait_for(lambda: not front_end.alive)
     assert "every step fails" in front_end.failure and front_end.thread.is_alive()
+    assert not front_end.has_room(reserve=0)        # batch jobs wait (and resume after the restart)
     front_end.submit(late)                        # queued after the death (the race past `alive`)
     wait_for(lambda: loop.run_until_complete(asyncio.sleep(0.01)) is None and late.chunks.qsize() == 1)
     for client in (first, second, late):

@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 
+from lmi_handler.frontend.loops import RollingFrontEnd
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.server.ops import request_id_of, request_timeout
+from lmi_handler.server.ops import ENGINE_DEAD_EXIT_CODE, exit_when_dead, request_id_of, request_timeout
 from tests.server.helpers import Reply, idle, metric, send, send_all, start_server, wait_until
 
 
@@ -31,6 +32,36 @@ def test_request_ids_are_the_clients_when_well_formed_else_generated():
         made = request_id_of({"x-request-id": bad})
         assert len(made) == 32 and made != bad
     assert request_id_of({}) != request_id_of({})
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the loop thread's death
+def test_the_process_exits_with_status_3_when_the_engine_loop_dies_and_not_when_it_is_stopped():
+    """exit_when_dead's own rule, fast: a loop thread that ended by itself is a failure (the process must go,
+    after exit_s); a front end stopped on purpose (shutdown) is not. os._exit is replaced: it would end pytest."""
+
+    class LoopDies(Exception):
+        pass
+
+    def handle(inputs):           # the initialization call only
+        return None
+
+    def dies():                   # loop_once raising past the loop's own guard: the thread ends
+        raise LoopDies("the loop itself broke")
+
+    exits: list[int] = []
+    dying = RollingFrontEnd(handle, {}, max_batch_size=2)
+    dying.loop_once = dies
+    dying.start()
+    watcher = exit_when_dead(dying, exit_s=0.1, poll_s=0.01, exit_process=exits.append)
+    watcher.join(timeout=10)
+    assert exits == [ENGINE_DEAD_EXIT_CODE] == [3] and dying.failure == "the engine loop has stopped"
+    stopped = RollingFrontEnd(handle, {}, max_batch_size=2)
+    stopped.start()
+    stopped.ready.wait(5)
+    watcher = exit_when_dead(stopped, exit_s=0.1, poll_s=0.01, exit_process=exits.append)
+    stopped.stop()
+    watcher.join(timeout=10)
+    assert not watcher.is_alive() and exits == [3]
 
 
 LONG = {"inputs": "Tell me a very long story.", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}

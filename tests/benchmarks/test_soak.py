@@ -44,6 +44,7 @@ def test_growth_compares_the_first_and_last_tenth_after_warm_up():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)      # as run_benchmark's own bound: a server start, a 40 s soak, a storm and a batch job
 def test_soak_smoke_runs_every_route_and_action_and_ends_clean(model_dir, tmp_path):
     key = "soak-smoke-key-3f9a"          # every request, the batch job's included, must send it
     run = run_benchmark("soak.py", "--smoke", "--api-key", key, "--out-dir", str(tmp_path), timeout_s=1500)

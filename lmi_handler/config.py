@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 import javaproperties
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
 # Settings keys an environment variable of their own gives when the properties do not (OPTION_* work for every key)
-ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES"}
+ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES", "api_key": "LMI_API_KEY"}
+# Keys whose values are never echoed (a bad value's error message names the key only)
+SECRET_KEYS = ("api_key",)
 
 
 class ConfigError(ValueError):
@@ -107,8 +109,24 @@ class Settings(BaseModel):
     request_timeout_s: float | None = Field(None, gt=0)
     """Seconds a request may spend in the server (waiting + running) before it ends with finish_reason error;
     unset = no deadline. The `X-Request-Timeout` header overrides it per request."""
+    batch_max_total_bytes: int | None = Field(None, ge=1)
+    """Quota in bytes for everything under batch_dir (uploads, result files, the SQLite state); an upload
+    that would pass it answers 413 naming the limit, a job whose results would pass it fails naming it.
+    Unset: no quota (the disk's own size is the limit)."""
     shutdown_grace_s: float = Field(30.0, ge=0)
     """SIGTERM: seconds to finish the accepted requests before the server exits anyway."""
+    engine_dead_exit_s: float = Field(5.0, ge=0)
+    """Seconds between the engine found dead (engine/health.py: a sticky CUDA error, a lost tensor-parallel
+    rank, every step failing even alone) and the bundled server's process exiting with status 3, so that its
+    supervisor restarts it (vLLM shuts down the same way). Meanwhile /ping and /health answer 503 and new
+    requests 503. 0 keeps the process up, unhealthy, for debugging. DJL's container: handle() raises instead."""
+    api_key: SecretStr | None = None
+    """API keys, comma-separated: every route but /ping, /health (and /metrics, see metrics_require_key) then
+    requires `Authorization: Bearer <key>` and answers 401 without one (vLLM's --api-key). Also the
+    environment variable LMI_API_KEY when the properties do not set it (vLLM: VLLM_API_KEY), the place for a
+    secret. Unset: every route is open, and the server says so at start-up. Never logged."""
+    metrics_require_key: bool = False
+    """With an API key set: /metrics requires it too. Default false: Prometheus scrapes without one."""
     fault_injection: str | None = None
     """Tests only: a rule making the engine step fail for chosen sequences (see engine/faults.py)."""
 
@@ -128,6 +146,18 @@ class Settings(BaseModel):
     @classmethod
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
+
+    @field_validator("api_key")
+    @classmethod
+    def _some_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not _split_keys(value.get_secret_value()):
+            raise ValueError("api_key holds no key (comma-separated keys, none empty); unset it to serve openly")
+        return value
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (option.api_key / LMI_API_KEY split at commas); () = every route open."""
+        return () if self.api_key is None else _split_keys(self.api_key.get_secret_value())
 
     @property
     def is_rolling(self) -> bool:
@@ -165,7 +195,7 @@ class Settings(BaseModel):
         """Validate handle()'s init properties (or a serving.properties dict). Raises ConfigError.
 
         `environ` (default os.environ) gives the environment switches the properties do not set:
-        LMI_HUGE_PAGES (huge_pages).
+        LMI_HUGE_PAGES (huge_pages), LMI_API_KEY (api_key).
         """
         data = {key.lower(): value for key, value in properties.items() if value is not None}
         environ = os.environ if environ is None else environ
@@ -177,7 +207,12 @@ class Settings(BaseModel):
         except ValidationError as exc:
             first = exc.errors()[0]
             key = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"option.{key}={first.get('input')!r}: {first['msg']}") from None
+            shown = "<secret>" if key in SECRET_KEYS else repr(first.get("input"))
+            raise ConfigError(f"option.{key}={shown}: {first['msg']}") from None
+
+
+def _split_keys(text: str) -> tuple[str, ...]:
+    return tuple(key.strip() for key in text.split(",") if key.strip())
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
 from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
+from lmi_handler.engine.health import EngineDead, EngineHealth
 from lmi_handler.engine.sequence import RequestOutput
 from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
@@ -134,13 +135,10 @@ StepObserver = Callable[[list[ActiveRequest], dict], None]
 class RollingBatch:
     """The rolling-batch side of handle(): one call = one engine step for the whole active batch."""
 
-    def __init__(self, service: Service, observers: list[StepObserver] | None = None):
+    def __init__(self, service: Service, guard: StepGuard, observers: list[StepObserver] | None = None):
         self.service = service
         self.active: list[ActiveRequest] = []
-        self.guard = StepGuard(service.engine)
-        fault_injection = service.settings.fault_injection
-        if fault_injection:  # option.fault_injection (engine/faults.py): chosen sequences fail inside the step
-            FaultInjector(service.engine, FaultRule.parse_all(fault_injection))
+        self.guard = guard
         # Called after each step with (active requests, their done/cancelled/error marks set; outputs by
         # sequence id): the bundled server's metrics (server/metrics.py RequestTracker.on_step).
         self.observers = list(observers or ())
@@ -162,7 +160,11 @@ class RollingBatch:
                 self._cancel(request)
         for item in items[len(self.active):]:
             self.active.append(self._admit(item))
-        outputs = self._run_engine()
+        try:
+            outputs = self._run_engine()
+        except EngineDead:      # the guard dropped every sequence; the caller fails every request of this call
+            self.active = []
+            raise
         answer = Output()
         for index, request in enumerate(self.active):
             self._answer(answer, index, request, outputs)
@@ -189,12 +191,15 @@ class RollingBatch:
         return ActiveRequest(request_id, plan, request_members, handover=_handover(item))
 
     def _run_engine(self) -> dict:
-        """One engine step; a fault ends only the requests whose sequences it hit (engine/faults.py)."""
+        """One engine step; a fault ends only the requests whose sequences it hit (engine/faults.py).
+        Raises EngineDead when the engine can no longer generate at all (engine/health.py)."""
         engine = self.service.engine
         if not engine.has_unfinished:
             return {}
         try:
             outputs, failed = self.guard.step()
+        except EngineDead:
+            raise
         except Exception:  # isolation itself broke: fail this batch, keep serving
             logger.exception("engine step failed and could not be isolated; failing the active batch")
             for request in self.active:
@@ -244,8 +249,9 @@ class RollingBatch:
 class DynamicBatch:
     """The dynamic-batch side of handle(): a call holds `batch_size` new requests, answered in full."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: Service, guard: StepGuard):
         self.service = service
+        self.guard = guard       # dynamic batches run engine.generate whole: the guard only judges a failure
 
     def run(self, inputs: Input) -> Output:
         items = inputs.get_batches()
@@ -258,9 +264,10 @@ class DynamicBatch:
                     for q, prompt_members in zip(p.prompts, members_of[p.request_id]) for m in prompt_members]
         try:
             results = self.service.engine.generate(requests)
-        except Exception:
+        except Exception as exc:
             logger.exception("dynamic batch failed")
             self.service.engine.abort_all()
+            self.guard.check_failure(exc)     # raises EngineDead if the engine itself is dead
             results, plans = {}, ["internal error during generation" if isinstance(p, RequestPlan) else p
                                   for p in plans]
         answer = Output()
@@ -297,6 +304,11 @@ class DynamicBatch:
                 texts = {out.request_id: "".join(t.text for t in out.new_tokens) for out in outputs}
                 if any(texts.values()):
                     yield encode([outputs_line([texts.get(rid, "") for rid in order])], plan.wire)
+        except Exception as exc:
+            if not isinstance(exc, EngineDead):
+                steps.close()                     # its sequences leave the engine before the probe runs
+                self.guard.check_failure(exc)     # raises EngineDead if the engine itself is dead
+            raise
         finally:
             steps.close()  # a consumer that stops early aborts the sequences still running
 
@@ -308,23 +320,30 @@ class DynamicBatch:
 
 
 class Handler:
-    """What handle() keeps between calls: the Service (made on the first call), and the rolling or the
-    dynamic side. `settings`: already parsed by the caller (the bundled server parses them once); None:
-    parsed from the first call's properties, as in the container. `observers` get every rolling step."""
+    """What handle() keeps between calls: the Service (made on the first call), the engine's health, and the
+    rolling or the dynamic side. `settings`: already parsed by the caller (the bundled server parses them
+    once); None: parsed from the first call's properties, as in the container. `observers` get every rolling
+    step."""
 
     def __init__(self, settings: Settings | None = None, observers: list[StepObserver] | None = None):
         self.settings = settings
         self.observers = list(observers or ())
         self.service: Service | None = None
+        self.health = EngineHealth()      # one for both sides: dead is dead, whichever batch found it
         self.rolling: RollingBatch | None = None
         self.dynamic: DynamicBatch | None = None
 
     def handle(self, inputs: Input) -> Output | None:
-        """DJL entry point (DESIGN §2): the first call carries the properties; an empty call returns None."""
+        """DJL entry point (DESIGN §2): the first call carries the properties; an empty call returns None.
+
+        Raises EngineDead from the call in which the engine is found dead (engine/health.py) and on every
+        call after it, so DJL's worker recovery (or the bundled front end) fails the requests and restarts.
+        """
         if self.service is None:
             self._initialize(inputs.get_properties())
         if inputs.is_empty():
             return None
+        self.health.check()
         if self.settings.is_rolling:
             return self.rolling.step(inputs)
         return self.dynamic.run(inputs)
@@ -333,8 +352,11 @@ class Handler:
         if self.settings is None:
             self.settings = Settings.from_properties(dict(properties))
         self.service = Service(self.settings)
-        self.rolling = RollingBatch(self.service, self.observers)
-        self.dynamic = DynamicBatch(self.service)
+        if self.settings.fault_injection:  # option.fault_injection (engine/faults.py): tests only
+            FaultInjector(self.service.engine, FaultRule.parse_all(self.settings.fault_injection))
+        guard = StepGuard(self.service.engine, self.health)
+        self.rolling = RollingBatch(self.service, guard, self.observers)
+        self.dynamic = DynamicBatch(self.service, guard)
 
 
 _CONTAINER = Handler()   # the DJL container's worker: one model per process

@@ -7,6 +7,7 @@ import pytest
 
 from lmi_handler import handler
 from lmi_handler.djl import OwnInput, PairList, binary_decode
+from lmi_handler.engine.health import EngineDead
 from tests.helpers import SMALL_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.slow
@@ -159,3 +160,62 @@ def test_the_module_entry_point_is_the_containers_one_handler(model_dir):
         (entry,) = decode(handler.handle(rolling_call([("solo", None)])), 1)
     assert entry["last"] == "true" and json.loads(entry["data"])["generated_text"]
     assert handler.handle(OwnInput(props)) is None           # an empty call again: no second model
+
+
+# ---- a dead engine (engine/health.py): handle() raises, so DJL's worker recovery runs --------------------
+
+BREAKS_ENGINE = "broken:prefill@Zebras"     # engine/faults.py: from the step prefilling "Zebras", every step fails
+
+
+def test_rolling_handle_raises_once_the_engine_is_dead_and_on_every_call_after(model_dir):
+    worker = init_handler(model_dir, fault_injection=BREAKS_ENGINE)
+    decode(worker.handle(rolling_call([("a", body("The sky is", max_new_tokens=50))])), 1)
+    decode(worker.handle(rolling_call([("a", None)])), 1)              # a is decoding
+    with pytest.raises(EngineDead, match="probe") as dead:
+        worker.handle(rolling_call([("a", None), ("z", body("Zebras run", max_new_tokens=4))]))
+    assert not worker.health.alive and dead.value.reason == worker.health.dead.reason
+    engine = worker.service.engine
+    assert not engine.seqs and engine.allocator.num_used_blocks == 0   # every sequence dropped, blocks freed
+    for call in (rolling_call([("late", body("Hello", max_new_tokens=2))]),
+                 rolling_call([("late", body("Hello", max_new_tokens=2))], reset=True)):
+        with pytest.raises(EngineDead):
+            worker.handle(call)
+    assert not engine.seqs
+
+
+def test_a_request_error_and_a_per_request_fault_leave_the_engine_alive(model_dir):
+    """A bad request (DJL answers its item 424) and a fault that stays with its sequence are not a dead engine."""
+    worker = init_handler(model_dir, fault_injection="prefill@Unlucky")
+    bad, faulted = decode(worker.handle(rolling_call([("bad", body("Hi", top_k=-5)),
+                                                      ("f", body("Unlucky day", max_new_tokens=3))])), 2)
+    assert bad["code"] == faulted["code"] == "424" and "top_k" in bad["error"]
+    (ok,) = decode(worker.handle(rolling_call([("ok", body("Hi", stream=False, max_new_tokens=1))])), 1)
+    assert ok["last"] == "true" and json.loads(ok["data"])["generated_text"] and worker.health.alive
+
+
+def test_dynamic_handle_raises_once_the_engine_is_dead(model_dir):
+    worker = init_handler(model_dir, rolling_batch="disable", fault_injection=BREAKS_ENGINE)
+
+    def call(*inputs: str) -> OwnInput:
+        content = PairList()
+        for i, text in enumerate(inputs):
+            content.add(f"batch_{i:03d}.data", json.dumps({"inputs": text, "parameters": {"max_new_tokens": 2}}).encode())
+        return OwnInput({"batch_size": str(len(inputs))}, content)
+
+    output = worker.handle(call("The sky is", "Grass is"))
+    assert [json.loads(output.content.value_at(i))[0]["generated_text"] for i in range(2)] != ["", ""]
+    with pytest.raises(EngineDead, match="probe"):
+        worker.handle(call("Water is", "Zebras run"))
+    assert not worker.health.alive and not worker.service.engine.seqs
+    with pytest.raises(EngineDead):
+        worker.handle(call("Hello"))
+
+
+def test_a_dynamic_stream_that_finds_the_engine_dead_raises_from_its_stream(model_dir):
+    worker = init_handler(model_dir, rolling_batch="disable", fault_injection=BREAKS_ENGINE)
+    output = worker.handle(OwnInput({"Content-Type": "application/json"}, PairList([("data", json.dumps(
+        {"inputs": ["Zebras run"], "stream": True, "parameters": {"max_new_tokens": 2}}).encode())])))
+    stream, _ = output.stream_content
+    with pytest.raises(EngineDead, match="probe"):
+        list(stream)
+    assert not worker.health.alive and not worker.service.engine.seqs

@@ -14,6 +14,7 @@ free place at the next step.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +25,10 @@ from lmi_handler.batch.lines import Record, answer_record, lines_to_run, plan_li
 from lmi_handler.batch.results import ResultFiles
 from lmi_handler.batch.store import BatchStore, now_s
 from lmi_handler.frontend.loops import FrontEnd
-from lmi_handler.frontend.requests import ClientRequest
+from lmi_handler.frontend.requests import ENGINE_DEAD_CODE, ClientRequest
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, check_lines, read_batch
 from lmi_handler.protocol.dialects import Dialect
-from lmi_handler.protocol.errors import RequestValidationError, error_body
+from lmi_handler.protocol.errors import RequestValidationError, error_body, safe_text
 from lmi_handler.service import Service
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ IDLE_S = 1.0           # how often an idle worker looks for expired jobs
 
 
 class JobStopped(Exception):
-    """The job was cancelled or expired while it ran."""
+    """The job was cancelled, expired or failed while it ran."""
 
 
 class BatchJobs:
@@ -90,9 +91,16 @@ class BatchJobs:
                 raise
             except Exception as exc:  # a bug must not stop every later job: this one fails
                 logger.exception("batch %s failed", row["id"])
-                self.store.update(row["id"], status="failed",
-                                  errors=[{"code": "internal_error", "message": str(exc), "param": None,
-                                           "line": None}])
+                self._fail(row["id"], "internal_error", str(exc))
+
+    def _fail(self, batch_id: str, code: str, message: str) -> None:
+        """Mark the job failed with one error. If even that cannot be written (the disk is full for SQLite
+        too), the job stays as it was and is redone at the next start; the worker goes on either way."""
+        try:
+            self.store.update(batch_id, status="failed", errors=[_file_error(code, message, None)])
+        except Exception:  # the state stays consistent: SQLite rolls the update back
+            logger.exception("batch %s: could not record its failure (%s); it resumes at the next start",
+                             batch_id, message)
 
     # ---- one job -------------------------------------------------------------------------------
 
@@ -106,6 +114,8 @@ class BatchJobs:
                 await self._process(batch_id, defaults)
             except JobStopped:
                 pass
+            except OSError as exc:      # the result files could not be opened (a full disk, the quota)
+                self._fail_storage(batch_id, exc)
         self._finish(batch_id)
 
     async def _validate(self, row, defaults: BatchDefaults) -> bool:
@@ -175,7 +185,7 @@ class BatchJobs:
 
     def _check_stopped(self, batch_id: str) -> None:
         row = self.store.row(batch_id)
-        if row["status"] == "cancelling":
+        if row["status"] in ("cancelling", "failed"):
             raise JobStopped
         if row["expires_at"] is not None and now_s() >= row["expires_at"]:
             self.store.update(batch_id, status="expired")
@@ -191,7 +201,10 @@ class BatchJobs:
         finally:
             self.inflight.pop(request_id, None)
         if record is not None:
-            self._write(batch_id, results, record)
+            try:
+                self._write(batch_id, results, record)
+            except JobStopped:       # the results could not be written: the job has failed, _process stops
+                pass
 
     async def _answer(self, line: BatchLine, client: ClientRequest) -> Record | None:
         """The line's record: its plan first (the same as offline, Kind.BATCH_LINE; a refused line never
@@ -211,8 +224,23 @@ class BatchJobs:
         return await _collect(client, line)
 
     def _write(self, batch_id: str, results: ResultFiles, record: dict) -> None:
-        results.write(record)
+        """Append a record; a storage failure (a full disk: ENOSPC, the quota: EDQUOT) fails the whole job,
+        naming the cause, and raises JobStopped. The records already written stay in its work directory."""
+        try:
+            self.store.check_room(results.size_of(record))
+            results.write(record)
+        except OSError as exc:
+            self._fail_storage(batch_id, exc)
+            raise JobStopped from exc
         self._count(batch_id, results)
+
+    def _fail_storage(self, batch_id: str, exc: OSError) -> None:
+        if self.store.row(batch_id)["status"] == "failed":
+            return
+        cause = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+        logger.error("batch %s failed: its results could not be written: %s", batch_id, exc)
+        self._fail(batch_id, "storage_error", f"writing the batch's results failed: {exc.strerror or exc}"
+                   + (f" ({cause})" if cause else "") + f" under option.batch_dir {self.store.root}")
 
     def _count(self, batch_id: str, results: ResultFiles) -> None:
         self.store.update(batch_id, completed=results.num_completed, failed=results.num_failed)
@@ -243,7 +271,8 @@ def _read_plan(path: Path, defaults: BatchDefaults, endpoint: str):
 
 
 def _file_error(code: str, message: str, param: str | None, line: int | None = None) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": param, "line": line}
+    """An entry of a failed Batch's errors; the message may quote a custom_id (safe_text: always encodable)."""
+    return {"code": code, "message": safe_text(message), "param": param, "line": line}
 
 
 async def _collect(client: ClientRequest, line: BatchLine) -> Record | None:
@@ -256,6 +285,8 @@ async def _collect(client: ClientRequest, line: BatchLine) -> Record | None:
             if client.cancelled:   # a cancelled request the front end never admitted gets no answer
                 return None
             continue
+        if chunk.code == ENGINE_DEAD_CODE:   # not the line's fault: no record, it is redone after the restart
+            return None
         if chunk.code is not None:
             body = error_body(Dialect.OPENAI, chunk.error or "inference failed", chunk.code)
             return answer_record(line, client.request_id, body)

@@ -79,12 +79,15 @@ class ResultFiles:
     def __init__(self, output_path: Path, errors_path: Path | None = None):
         self.paths = [Path(output_path)] + ([Path(errors_path)] if errors_path else [])
         self.done: set[str] = set()
+        self.failure: OSError | None = None
         self.num_completed = 0
         self.num_failed = 0
         for path in dict.fromkeys(self.paths):
             for record in _read_repaired(path):
                 self._count(record)
-        self.files = [open(path, "a", encoding="utf-8") for path in self.paths]
+        # backslashreplace: a lone surrogate (a custom_id sent as the JSON escape "\\ud800") is written as that
+        # same escape, so the record stays valid JSON that reads back to the same string
+        self.files = [open(path, "a", encoding="utf-8", errors="backslashreplace") for path in self.paths]
 
     def _count(self, record: dict[str, Any]) -> None:
         self.done.add(record_key(record))
@@ -94,11 +97,24 @@ class ResultFiles:
             self.num_failed += 1
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record to the output (success) or error file, flushed to the OS before returning."""
+        """Append one record to the output (success) or error file, flushed to the OS before returning.
+        Raises OSError when the file cannot take it (ENOSPC: a full disk); nothing is counted then."""
+        if self.failure is not None:       # a file failed before: nothing more is written to either
+            raise self.failure
         file = self.files[0] if is_success(record) or len(self.files) == 1 else self.files[1]
-        file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        file.flush()
+        try:
+            file.write(_line(record))
+            file.flush()
+        except OSError as exc:
+            self.failure = exc
+            _drop_buffer(file)
+            raise
         self._count(record)
+
+    @staticmethod
+    def size_of(record: dict[str, Any]) -> int:
+        """Bytes `record` takes in its file (for a quota check before writing it)."""
+        return len(_line(record).encode("utf-8", "backslashreplace"))
 
     def close(self) -> None:
         for file in self.files:
@@ -111,9 +127,22 @@ class ResultFiles:
         self.close()
 
 
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+def _drop_buffer(file) -> None:
+    """After a failed write: forget what the text file still buffers, so closing it raises nothing more and
+    no half record reaches the disk later (the torn-line repair cuts whatever part of it did)."""
+    try:
+        file.close()
+    except OSError:
+        pass
+
+
 def _read_repaired(path: Path) -> list[dict[str, Any]]:
     """The records of a result file; a last line without its newline (torn by a kill) is cut off the file."""
-    if not path.exists():
+    if not path.is_file():         # nothing yet (or not a regular file, e.g. a device: nothing to resume)
         return []
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1

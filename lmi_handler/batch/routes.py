@@ -1,24 +1,27 @@
 """HTTP routes of the Batch API: /v1/files and /v1/batches (an APIRouter the app mounts).
 
-Owns request checks and OpenAI error answers (unknown id 404, bad body 400, too large 413);
-rows and objects are store.py's, running jobs jobs.py's.
+Owns request checks and OpenAI error answers (unknown id 404, bad body 400, too large or past the quota 413,
+an upload that is not UTF-8 text 400); rows and objects are store.py's, running jobs jobs.py's.
 """
 from __future__ import annotations
 
+import codecs
 import json
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from lmi_handler.batch.jobs import BatchJobs
-from lmi_handler.batch.store import WINDOW_S
+from lmi_handler.batch.store import WINDOW_S, QuotaExceeded
 from lmi_handler.protocol.batch_lines import ROUTES, BatchDefaults
 from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.errors import RequestValidationError, error_body
 
 MAX_METADATA_KEYS = 16   # OpenAI: 16 pairs, keys up to 64 characters, values up to 512
 FILE_PURPOSES = ("batch",)
+LISTED_PURPOSES = ("batch", "batch_output")   # what GET /v1/files?purpose= can filter by
+NEWLINE = "\n"
 
 
 class ApiError(Exception):
@@ -72,6 +75,8 @@ def batch_router(jobs: BatchJobs, max_file_bytes: int) -> APIRouter:
 
     @router.get("/v1/files")
     async def list_files(purpose: str | None = None):
+        if purpose is not None and purpose not in LISTED_PURPOSES:
+            return ApiError(400, f"purpose must be one of {list(LISTED_PURPOSES)}", "purpose").response()
         data = store.list_files(purpose)
         return {"object": "list", "data": data, "has_more": False,
                 "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
@@ -143,7 +148,46 @@ def _store_upload(store, form, max_file_bytes: int) -> dict:
         raise ApiError(400, "the form needs a `file` part (the JSONL input)", "file")
     if upload.size is not None and upload.size > max_file_bytes:
         raise ApiError(413, f"the file is {upload.size} bytes, over the upload limit of {max_file_bytes}", "file")
+    _check_text(upload.file)
+    try:
+        store.check_room(_size_of(upload.file))
+    except QuotaExceeded as exc:
+        raise ApiError(413, f"the upload would pass the storage quota: {exc.strerror}; delete files "
+                       "(DELETE /v1/files/{file_id}) to make room", "file") from None
     return store.add_file(upload.filename or "upload.jsonl", purpose, upload.file)
+
+
+def _size_of(file: BinaryIO) -> int:
+    file.seek(0, 2)
+    size = file.tell()
+    file.seek(0)
+    return size
+
+
+def _check_text(file: BinaryIO, chunk_bytes: int = 1 << 20) -> None:
+    """A batch input is JSONL text: UTF-8 with no NUL byte (OpenAI refuses other files at upload). Raises
+    ApiError 400 naming the line and byte of the first bad byte; the file is rewound either way."""
+    decoder, offset, line = codecs.getincrementaldecoder("utf-8")(), 0, 1
+    try:
+        while chunk := file.read(chunk_bytes):
+            try:
+                text = decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                bad_line, bad = line + chunk[:exc.start].count(b"\n"), offset + exc.start
+                raise ApiError(400, f"the file is not UTF-8 text (line {bad_line}, byte {bad}): a batch input is "
+                               "a JSONL text file", "file") from None
+            if "\x00" in text:
+                at = text.index("\x00")
+                raise ApiError(400, f"the file holds a NUL byte (line {line + text[:at].count(NEWLINE)}): it is "
+                               "binary, and a batch input is a JSONL text file", "file")
+            offset += len(chunk)
+            line += chunk.count(b"\n")
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ApiError(400, f"the file is not UTF-8 text (it ends inside a character, line {line}): a batch "
+                       "input is a JSONL text file", "file") from None
+    finally:
+        file.seek(0)
 
 
 def _create_fields(body: bytes) -> dict[str, Any]:
@@ -166,7 +210,7 @@ def _create_fields(body: bytes) -> dict[str, Any]:
     metadata = data.get("metadata")
     if metadata is not None and not _good_metadata(metadata):
         raise ApiError(400, f"metadata must be an object of at most {MAX_METADATA_KEYS} string pairs (keys up "
-                       "to 64 characters, values up to 512)", "metadata")
+                       "to 64 characters, values up to 512, valid Unicode)", "metadata")
     try:
         defaults = BatchDefaults.parse({name: data.get(name) for name in BatchDefaults.model_fields})
     except RequestValidationError as exc:
@@ -179,4 +223,13 @@ def _create_fields(body: bytes) -> dict[str, Any]:
 def _good_metadata(metadata: Any) -> bool:
     return (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS
             and all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                    for k, v in metadata.items()))
+                    and _utf8(k) and _utf8(v) for k, v in metadata.items()))
+
+
+def _utf8(text: str) -> bool:
+    """False for a string UTF-8 cannot carry (a lone surrogate, which a JSON "\\ud800" escape can send)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

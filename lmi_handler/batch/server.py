@@ -24,12 +24,12 @@ class BatchApi:
 
     def __init__(self, settings: Settings, front_end: FrontEnd):
         try:
-            self.store = BatchStore(settings.batch_path)
+            self.store = BatchStore(settings.batch_path, settings.batch_max_total_bytes)
         except OSError as exc:  # e.g. a read-only model directory: jobs still work, but not across restarts
             fallback = Path(tempfile.mkdtemp(prefix="lmi-batches-"))
             logger.warning("option.batch_dir %s is not usable (%s); batch state goes to %s, which a restart "
                            "does not keep", settings.batch_path, exc, fallback)
-            self.store = BatchStore(fallback)
+            self.store = BatchStore(fallback, settings.batch_max_total_bytes)
         self.jobs = BatchJobs(self.store, front_end)
         self.router = batch_router(self.jobs, settings.batch_max_file_bytes)
 

@@ -5,8 +5,11 @@ running jobs is jobs.py's, HTTP routes.py's.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import os
+import re
 import shutil
 import sqlite3
 import time
@@ -33,6 +36,21 @@ CREATE TABLE IF NOT EXISTS batches (
 """
 
 
+# Ids are uuid4 (122 random bits): unguessable, so knowing one id tells nothing of another. Anything else is
+# no id of ours and is answered 404 before SQLite sees it (a lone surrogate could not even be encoded there).
+FILE_ID = re.compile(r"file-[0-9a-f]{32}")
+BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
+
+
+class QuotaExceeded(OSError):
+    """Writing would take batch_dir past option.batch_max_total_bytes (errno EDQUOT, as a disk quota would)."""
+
+    def __init__(self, needed: int, used: int, limit: int):
+        super().__init__(errno.EDQUOT, f"batch_dir would hold {used + needed} bytes, past option.batch_max_total_bytes "
+                         f"= {limit} ({used} in use, {needed} more asked)")
+        self.limit = limit
+
+
 def now_s() -> int:
     """Unix seconds (the Batch API's timestamps are integers)."""
     return int(time.time())
@@ -42,8 +60,9 @@ class BatchStore:
     """One directory: `state.sqlite3`, `files/<file id>` (uploads and results) and `work/<batch id>/`
     (results being written while a job runs). Used from the server's event loop thread only."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, max_total_bytes: int | None = None):
         self.root = Path(root)
+        self.max_total_bytes = max_total_bytes     # option.batch_max_total_bytes; None = no quota
         (self.root / "files").mkdir(parents=True, exist_ok=True)
         (self.root / "work").mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.root / "state.sqlite3", isolation_level=None, check_same_thread=False)
@@ -62,6 +81,26 @@ class BatchStore:
                 return False
             self._lock_file = file
         return True
+
+    # ---- the quota -----------------------------------------------------------------------------
+
+    def used_bytes(self) -> int:
+        """Bytes of every file under the root (uploads, results, work in progress, the SQLite state)."""
+        total = 0
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                try:
+                    total += os.lstat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:      # deleted meanwhile
+                    pass
+        return total
+
+    def check_room(self, needed: int) -> None:
+        """Raise QuotaExceeded if `needed` more bytes would take the root past its quota."""
+        if self.max_total_bytes is not None:
+            used = self.used_bytes()
+            if used + needed > self.max_total_bytes:
+                raise QuotaExceeded(needed, used, self.max_total_bytes)
 
     # ---- files ---------------------------------------------------------------------------------
 
@@ -82,6 +121,8 @@ class BatchStore:
         return self.get_file(file_id)
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
+        if not FILE_ID.fullmatch(file_id):
+            return None
         row = self.db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         return None if row is None else file_object(row)
 
@@ -91,6 +132,8 @@ class BatchStore:
         return [file_object(row) for row in rows]
 
     def delete_file(self, file_id: str) -> bool:
+        if not FILE_ID.fullmatch(file_id):
+            return False
         if self.db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 0:
             return False
         self.file_path(file_id).unlink(missing_ok=True)
@@ -115,6 +158,8 @@ class BatchStore:
         return self.get_batch(batch_id)
 
     def row(self, batch_id: str) -> sqlite3.Row | None:
+        if not BATCH_ID.fullmatch(batch_id):
+            return None
         return self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
@@ -123,7 +168,8 @@ class BatchStore:
 
     def list_batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Newest first, starting after the batch `after` (a cursor); (page, has_more)."""
-        cursor = self.db.execute("SELECT rowid FROM batches WHERE id = ?", (after,)).fetchone() if after else None
+        cursor = self.db.execute("SELECT rowid FROM batches WHERE id = ?", (after,)).fetchone() \
+            if after and BATCH_ID.fullmatch(after) else None
         start = cursor[0] if cursor is not None else 1 << 62
         rows = self.db.execute("SELECT * FROM batches WHERE rowid < ? ORDER BY rowid DESC LIMIT ?",
                                (start, limit + 1)).fetchall()

@@ -13,8 +13,9 @@ from typing import Callable
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
+from lmi_handler.engine.health import EngineDead
 from lmi_handler.engine.sequence import random_seed
-from lmi_handler.frontend.requests import CANCELLED_CODE, Chunk, ClientRequest, WaitingQueue
+from lmi_handler.frontend.requests import CANCELLED_CODE, ENGINE_DEAD_CODE, Chunk, ClientRequest, WaitingQueue
 from lmi_handler.handler import CANCEL_PROPERTY, HANDOVER_KEY, ROUTE_PROPERTY, Handover
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE
 
@@ -49,6 +50,7 @@ class FrontEnd:
         self.stopped = threading.Event()
         self.ready = threading.Event()
         self.init_error: BaseException | None = None
+        self.engine_dead: EngineDead | None = None     # set once handle() raised EngineDead; never cleared
         self.request_timeout_s: float | None = None   # option.request_timeout_s (the app sets each deadline)
         self.draining = False            # SIGTERM: new requests are refused, accepted ones finish
         self.live: dict[str, list[ClientRequest]] = {}   # public id -> its HTTP requests still answering
@@ -64,8 +66,15 @@ class FrontEnd:
         self.thread.join(timeout=10)
 
     def submit(self, request: ClientRequest) -> bool:
-        """Queue an accepted request; False when the waiting queue is full (the app answers 503)."""
-        return self.pending.put(request)
+        """Queue an accepted request; False when the waiting queue is full (the app answers 503).
+
+        A refused request is forgotten at once: the queue can fill between reserve() and submit(), and a
+        request left in the live table would stay there for good (its body and plan held, SIGTERM's drain
+        waiting on it for the whole grace; found by issue 15's storm)."""
+        if self.pending.put(request):
+            return True
+        self.forget(request)
+        return False
 
     @property
     def max_batch_size(self) -> int:
@@ -85,8 +94,9 @@ class FrontEnd:
     def has_room(self, reserve: int) -> bool:
         """Room for one more internal request (a batch job's line) without delaying live ones: no HTTP
         client's request waits, and the active batch plus the waiting queue leave `reserve` places free.
-        A racy read (the loop thread moves requests meanwhile): a hint for the batch jobs' pacing."""
-        return self.pending.only_internal() and self.num_active + self.pending.qsize() <= self.max_batch_size - reserve
+        A racy read (the loop thread moves requests meanwhile): a hint for the batch jobs' pacing. Never
+        while the front end cannot answer (a dead engine): the jobs wait, and resume after the restart."""
+        return self.failure is None and self.pending.only_internal() and self.num_active + self.pending.qsize() <= self.max_batch_size - reserve
 
     def reserve(self) -> bool:
         """Event loop: hold a place for a request about to be planned; False (refuse it) when the places
@@ -140,8 +150,36 @@ class FrontEnd:
         return bool(clients)
 
     @property
+    def failure(self) -> str | None:
+        """Why this front end can no longer answer requests (the model failed to load, the engine is dead, the
+        loop thread is gone), None while it can. Draining is not a failure."""
+        if self.init_error is not None:
+            return f"model initialization failed: {self.init_error}"
+        if self.engine_dead is not None:
+            return str(self.engine_dead)
+        if self.ready.is_set() and not self.thread.is_alive():
+            return "the engine loop has stopped"
+        return None
+
+    @property
     def alive(self) -> bool:
-        return self.ready.is_set() and self.thread.is_alive() and self.init_error is None
+        """Loaded, and able to answer (/ping's 200): see `failure`."""
+        return self.ready.is_set() and self.failure is None
+
+    def _engine_died(self, dead: EngineDead, clients: list[ClientRequest]) -> None:
+        """The handler raised EngineDead: every request in `clients` (those of the call), and every one still
+        waiting or queued later, ends with a 503 naming the reason (a stream with its error line)."""
+        if self.engine_dead is None:
+            logger.critical("the engine is dead: failing every request from now on (%s)", dead.reason)
+        self.engine_dead = dead
+        for client in clients:
+            client.push(Chunk("", True, ENGINE_DEAD_CODE, str(dead)))
+
+    def _refuse_waiting(self) -> None:
+        """After the engine died: answer whatever reaches the queue (the race past alive's check) with 503."""
+        client = self.pending.get(timeout=0.5)
+        if client is not None:
+            client.push(Chunk("", True, ENGINE_DEAD_CODE, str(self.engine_dead)))
 
     def _run(self) -> None:
         try:  # the initialization call: properties only, empty content (DESIGN §2)
@@ -153,7 +191,10 @@ class FrontEnd:
             return
         self.ready.set()
         while not self.stopped.is_set():
-            self.loop_once()
+            if self.engine_dead is None:
+                self.loop_once()
+            else:
+                self._refuse_waiting()
 
     def loop_once(self) -> None:
         raise NotImplementedError
@@ -199,6 +240,10 @@ class RollingFrontEnd(FrontEnd):
         try:
             output = self.handle(call)
             entries = self._read_entries(output)
+        except EngineDead as dead:
+            self._engine_died(dead, self.active)
+            self.active = []
+            return
         except Exception as exc:  # the loop must survive anything
             logger.exception("rolling batch step failed")
             self._fail_all(f"inference failed: {exc}")
@@ -288,6 +333,9 @@ class DynamicFrontEnd(FrontEnd):
             streamed = output is not None and output.stream_content is not None
             if output is None or output.code != 200 or (output.content.size() != len(batch) and not streamed):
                 raise RuntimeError("handler answered a malformed batch")
+        except EngineDead as dead:
+            self._engine_died(dead, batch)
+            return
         except Exception as exc:  # the loop must survive anything
             logger.exception("dynamic batch failed")
             for client in batch:
@@ -324,8 +372,7 @@ class DynamicFrontEnd(FrontEnd):
         now = time.monotonic()
         return [c for c in batch if not c.end_if_due(now)]
 
-    @staticmethod
-    def _pump(client: ClientRequest, pieces) -> None:
+    def _pump(self, client: ClientRequest, pieces) -> None:
         """Send a streamed answer piece by piece; a client that went away closes the stream early."""
         try:
             for piece in pieces:
@@ -333,6 +380,8 @@ class DynamicFrontEnd(FrontEnd):
                     return
                 client.push(Chunk(piece, False))
             client.push(Chunk("", True))
+        except EngineDead as dead:
+            self._engine_died(dead, [client])
         except Exception as exc:  # the loop must survive anything
             logger.exception("dynamic stream failed")
             client.push(Chunk("", True, GENERATION_ERROR_CODE, f"inference failed: {exc}"))

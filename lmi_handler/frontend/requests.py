@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # was sent yet; a stream already under way ends with its error line (finish_reason "error") instead.
 TIMEOUT_CODE = 504     # its deadline passed (option.request_timeout_s or the X-Request-Timeout header)
 CANCELLED_CODE = 409   # POST /v1/requests/{id}/cancel
+ENGINE_DEAD_CODE = 503  # the engine can no longer generate (engine/health.py): the process is about to restart
 
 
 @dataclass

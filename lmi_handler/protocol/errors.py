@@ -1,8 +1,9 @@
 """The typed error every protocol parser raises for bad client input, and each dialect's error object.
 
 Owns the error shapes (LMI {"error", "code"}, OpenAI {"error": {...}}, TGI {"error", "error_type"}) behind
-one `error_body(dialect, ...)` that the app, the handler and the batch jobs all call, and the 424 status;
-which dialect a request speaks is dialects.py's, the bytes are the encoder's.
+one `error_body(dialect, ...)` that the app, the handler and the batch jobs all call, the 424 status, and
+keeping every error text encodable (safe_text); which dialect a request speaks is dialects.py's, the bytes
+are the encoder's.
 """
 from __future__ import annotations
 
@@ -18,17 +19,25 @@ GENERATION_ERROR_CODE = 424
 ErrorType = Literal["invalid_request_error", "server_error"]
 
 
+def safe_text(text: str) -> str:
+    """`text` with what UTF-8 cannot carry (lone surrogates, which JSON's "\\ud800" escapes let a client
+    send) written as Python escapes ("\\ud800"); all else unchanged. Every error text that may echo a
+    client's value passes here, so an error body is always encodable, whatever the request held."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestValidationError(ValueError):
     """Bad client input, found before inference: names the field, the bad value and the allowed range.
 
     `field` is the name as the client spelled it (an alias such as `stop` stays `stop`).
     `status_code` is the HTTP status the server answers with (400 unless a rule says otherwise,
-    e.g. 413 for an over-long input).
+    e.g. 413 for an over-long input). Both texts go through safe_text: they may echo the client's bytes.
     """
 
     def __init__(self, field: str, message: str, status_code: int = 400):
+        message = safe_text(message)
         super().__init__(message)
-        self.field = field
+        self.field = safe_text(field)
         self.message = message
         self.status_code = status_code
 
@@ -66,8 +75,9 @@ _ERROR_SHAPES = {Dialect.LMI: _lmi_error, Dialect.OPENAI: _openai_error, Dialect
 
 def error_body(dialect: Dialect, message: str, code: int, param: str | None = None) -> dict[str, Any]:
     """The error object of a request that failed, in its dialect's shape; `code` is the HTTP status it is
-    answered with (or the failed item's, mid-answer), `param` the field at fault (OpenAI's `param`)."""
-    return _ERROR_SHAPES[dialect](message, code, param)
+    answered with (or the failed item's, mid-answer), `param` the field at fault (OpenAI's `param`).
+    Both texts pass safe_text here, the one place every error body is built: they may echo a client's value."""
+    return _ERROR_SHAPES[dialect](safe_text(message), code, None if param is None else safe_text(param))
 
 
 def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "") -> RequestValidationError:
@@ -89,8 +99,11 @@ def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "")
 
 
 def show_value(value: Any) -> str:
-    """The bad value as the client would recognise it (JSON-ish, cut to 80 characters)."""
-    text = repr(value)
+    """The bad value as the client would recognise it (JSON-ish, cut to 80 characters; always encodable)."""
+    try:
+        text = safe_text(repr(value))
+    except ValueError:          # an int past Python's 4300-digit str() limit
+        text = f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif value is None:

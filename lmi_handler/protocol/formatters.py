@@ -460,4 +460,4 @@ def stream_failure(message: str, code: int, plan: RequestPlan) -> list[Any]:
     if plan.dialect is Dialect.TGI:
         return [error_body(plan.dialect, message, code)]
     return [{"token": token_to_dict(SENTINEL_TOKEN), "details": {"finish_reason": FinishReason.ERROR.value},
-             "error": message, "code": code}]
+             **error_body(Dialect.LMI, message, code)}]

@@ -1,7 +1,7 @@
 """The bundled HTTP front end (FastAPI): one app per loaded model, its state on `app.state`.
 
 Owns the wiring (settings parsed once, the Handler and the front-end loop that drives it, the Batch API,
-metrics) and DJL's own routes: /ping, /invocations, /predictions/{model}, /models and /metrics. OpenAI's
+metrics, API keys) and DJL's own routes: /ping, /invocations, /predictions/{model}, /models and /metrics. OpenAI's
 routes are openai.py's, TGI's tgi.py's, serving a generation request serving.py's.
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from lmi_handler.config import Settings
 from lmi_handler.frontend.loops import make_front_end
 from lmi_handler.handler import Handler
 from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
+from lmi_handler.server.auth import RequireApiKey, log_access_rule, open_paths
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
-from lmi_handler.server.ops import RequestIds, add_cancel_route
+from lmi_handler.server.ops import RequestIds, add_cancel_route, exit_when_dead
 from lmi_handler.server.serving import add_generation_routes, answer_framework_errors, error_response, serve
 from lmi_handler.server.tgi import add_tgi_routes
 
@@ -43,6 +44,8 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     app.state.front_end = make_front_end(handler.handle, settings, properties)
     app.state.batch_api = BatchApi(settings, app.state.front_end)
 
+    if settings.api_keys:      # innermost: a 401 is still counted (route "unmatched") and carries x-request-id
+        app.add_middleware(RequireApiKey, keys=settings.api_keys, open_paths=open_paths(settings.metrics_require_key))
     app.add_middleware(CountRequests, counter=metrics.requests)
     app.include_router(app.state.batch_api.router)
     app.add_middleware(RequestIds)
@@ -57,12 +60,15 @@ def create_app(properties: dict[str, str]) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     state = app.state
+    log_access_rule(state.settings.api_keys, open_paths(state.settings.metrics_require_key))
     state.front_end.start()
     await asyncio.get_running_loop().run_in_executor(None, state.front_end.ready.wait)
     if state.front_end.init_error is not None:
         raise RuntimeError(f"model initialization failed: {state.front_end.init_error}")
     state.service = state.handler.service
     await state.batch_api.start(state.service)
+    if state.settings.engine_dead_exit_s > 0:
+        exit_when_dead(state.front_end, state.settings.engine_dead_exit_s)
     yield
     await state.batch_api.stop()
     state.front_end.stop()
@@ -78,12 +84,15 @@ def _add_djl_routes(app: FastAPI) -> None:
 
     @app.get("/ping")
     async def ping() -> JSONResponse:
-        """Unhealthy (503) while the engine loop is down, and while draining after SIGTERM (so a load
-        balancer stops routing here while accepted requests finish); a full queue is not unhealthy."""
-        if state.front_end.draining:
+        """Unhealthy (503, with the reason) once the engine is dead or its loop is down, and while draining
+        after SIGTERM (so a load balancer stops routing here while accepted requests finish); a full queue
+        and client errors are not unhealthy."""
+        front_end = state.front_end
+        if front_end.alive and front_end.draining:
             return JSONResponse({"status": "Draining"}, status_code=503)
-        healthy = state.front_end.alive
-        return JSONResponse({"status": "Healthy" if healthy else "Unhealthy"}, status_code=200 if healthy else 503)
+        if front_end.alive:
+            return JSONResponse({"status": "Healthy"})
+        return JSONResponse({"status": "Unhealthy", "reason": front_end.failure}, status_code=503)
 
     add_generation_routes(app, ROUTE_INVOCATIONS)
 

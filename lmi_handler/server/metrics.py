@@ -57,6 +57,8 @@ class EngineCollector(Collector):
                                 front_end.pending.qsize())
         yield GaugeMetricFamily("lmi_front_end_active", "Requests in the front end's active batch",
                                 front_end.num_active)
+        yield GaugeMetricFamily("lmi_front_end_live_requests", "Accepted HTTP requests still being answered "
+                                "(waiting, running or streaming); 0 once idle", front_end.num_live)
         used, total = allocator.num_used_blocks, allocator.num_blocks
         yield GaugeMetricFamily("lmi_kv_cache_blocks_used", "KV-cache blocks in use", used)
         yield GaugeMetricFamily("lmi_kv_cache_blocks_total", "KV-cache blocks in all", total)

@@ -1,15 +1,20 @@
-"""Operating the server: request ids on every response, per-request deadlines, cancel by id, SIGTERM drain.
+"""Operating the server: request ids on every response, per-request deadlines, cancel by id, SIGTERM drain,
+and exiting once the engine is dead.
 
-Owns the `x-request-id` and `X-Request-Timeout` headers, `POST /v1/requests/{id}/cancel` and the uvicorn
-server that drains before it exits; the front end (frontend/) does the ending, serving.py the answering.
+Owns the `x-request-id` and `X-Request-Timeout` headers, `POST /v1/requests/{id}/cancel`, the uvicorn
+server that drains before it exits and the dead-engine exit (option.engine_dead_exit_s); the front end
+(frontend/) does the ending, serving.py the answering.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import threading
 import time
 import uuid
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -127,3 +132,33 @@ def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
     """Run `app` under uvicorn with the SIGTERM drain (app.state.front_end, option.shutdown_grace_s)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     DrainingServer(config, app.state.front_end, app.state.settings.shutdown_grace_s).run()
+
+
+# The process's exit status once the engine is dead: non-zero, so the container's supervisor restarts it, and
+# distinct from a crash (1) and a bad command line (2) in the supervisor's logs.
+ENGINE_DEAD_EXIT_CODE = 3
+
+
+def exit_when_dead(front_end: FrontEnd, exit_s: float, poll_s: float = 0.2,
+                   exit_process: Callable[[int], None] = os._exit) -> threading.Thread:
+    """Watch `front_end` from a daemon thread: once it fails while not stopped (the engine dead, its loop
+    thread gone), wait `exit_s` seconds (in-flight requests get their errors meanwhile, /ping says 503), then
+    end the process with ENGINE_DEAD_EXIT_CODE (os._exit: a dead CUDA context can hang a normal shutdown).
+    vLLM shuts its server down the same way when its engine dies."""
+
+    def watch() -> None:
+        while not front_end.stopped.wait(poll_s):
+            failure = front_end.failure
+            if front_end.ready.is_set() and failure is not None:
+                logger.critical("exiting in %g s with status %d so the supervisor restarts this server: %s",
+                                exit_s, ENGINE_DEAD_EXIT_CODE, failure)
+                time.sleep(exit_s)
+                logging.shutdown()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                exit_process(ENGINE_DEAD_EXIT_CODE)
+                return
+
+    thread = threading.Thread(target=watch, name="engine-dead-exit", daemon=True)
+    thread.start()
+    return thread

@@ -105,7 +105,7 @@ async def serve(request: Request, route: str) -> Response:
 async def _refusal(front_end: FrontEnd, request: Request, dialect: Dialect) -> bytes | Response:
     """The request's body, or the answer refusing it before any parsing (engine down, too large, draining)."""
     if not front_end.alive:   # fail fast: nothing would ever answer a request queued now
-        return error_response(dialect, "the engine is not running (see /ping)", 503)
+        return error_response(dialect, f"the engine is not running (see /ping): {front_end.failure}", 503)
     too_large = error_response(dialect, f"request body is over {MAX_BODY_BYTES} bytes", 413, "body")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         return too_large

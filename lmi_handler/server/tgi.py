@@ -26,9 +26,13 @@ def add_tgi_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        """TGI: 200 with an empty body when the model answers, 503 otherwise."""
-        healthy = state.front_end.alive and not state.front_end.draining
-        return Response(status_code=200 if healthy else 503)
+        """TGI: 200 with an empty body when the model answers; else 503 with TGI's {"error", "error_type":
+        "healthcheck"} body (the error says why: the engine dead, the loop down, or draining)."""
+        front_end = state.front_end
+        if front_end.alive and not front_end.draining:
+            return Response(status_code=200)
+        reason = front_end.failure or "the server is shutting down and takes no new requests"
+        return JSONResponse({"error": reason, "error_type": "healthcheck"}, status_code=503)
 
     @app.get("/info")
     async def info() -> JSONResponse:

@@ -58,11 +58,12 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(batch_cli(*args), env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def start(tmp_path_factory, batch_dir, name: str) -> ServerProcess:
-    """A server on the repo's serving.properties with its batch state in `batch_dir` (use with `with`)."""
+def start(tmp_path_factory, batch_dir, name: str, **options: str) -> ServerProcess:
+    """A server on the repo's serving.properties with its batch state in `batch_dir` and `options` (OPTION_*
+    overrides; use with `with`)."""
     log = tmp_path_factory.mktemp("logs") / f"{name}.log"
     return ServerProcess({"batch_dir": str(batch_dir), "num_threads": "1",
-                          "batch_max_file_bytes": str(MAX_FILE_BYTES)}, log, REPO / "serving.properties")
+                          "batch_max_file_bytes": str(MAX_FILE_BYTES), **options}, log, REPO / "serving.properties")
 
 
 def jsonl(lines: list) -> bytes:

@@ -1,10 +1,12 @@
 """batch/jobs.py on a real server, driven by the `openai` package: lines share the batch with live requests,
-batch-level defaults, cancel, restart, and the same text as the live route and the offline runner.
+batch-level defaults, cancel, restart, the same text as the live route and the offline runner, and storage
+failures (the quota, a full disk) that fail one job and nothing else.
 """
 from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -15,6 +17,7 @@ from tests.batch.helpers import (
     by_custom_id,
     content,
     format_example_lines,
+    jsonl,
     poll,
     read_jsonl,
     records,
@@ -136,3 +139,103 @@ def test_the_format_example_lines_run_with_any_model_through_v1_batches(batch_sd
         served.update(by_custom_id(records(batch_sdk, batch.output_file_id)))
     assert {r["response"]["body"]["model"] for r in served.values()} == {runner.service.model_name}
     assert {cid: content(r) for cid, r in served.items()} == offline
+
+
+# ---- storage: the quota over batch_dir, and a full disk while a job writes --------------------------------
+
+QUOTA = 300_000      # option.batch_max_total_bytes of this server (its upload limit stays MAX_FILE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def quota_server(model_dir, tmp_path_factory):
+    batch_dir = tmp_path_factory.mktemp("quota")
+    with start(tmp_path_factory, batch_dir, "quota", batch_max_total_bytes=str(QUOTA)) as running:
+        running.batch_dir = batch_dir
+        running.sdk = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        yield running
+
+
+def used_bytes(folder) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def short_lines(prefix: str, count: int, max_tokens: int = 4) -> list[dict]:
+    return [batch_line(f"{prefix}{i}", {"prompt": f"Item {i}:", "max_tokens": max_tokens, "ignore_eos": True},
+                       COMPLETIONS) for i in range(count)]
+
+
+def check_store_readable(server, batch_id: str) -> None:
+    """The server answers, its SQLite state reads back whole, and a new job still runs to the end."""
+    sdk = server.sdk
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert batch_id in [b.id for b in sdk.batches.list(limit=100).data] and sdk.files.list().data
+    done, _, _ = poll(sdk, sdk.batches.create(input_file_id=upload(sdk, short_lines("after", 2)).id,
+                                              endpoint=COMPLETIONS, completion_window="24h").id)
+    assert (done.status, done.request_counts.completed) == ("completed", 2)
+
+
+def test_an_upload_past_the_quota_is_413_naming_it_and_a_job_whose_results_pass_it_fails(quota_server):
+    sdk = quota_server.sdk
+    first = sdk.files.create(file=("a.jsonl", jsonl(["{}"] * 50_000)), purpose="batch")   # 150 kB, under 200 kB
+    with pytest.raises(openai.APIStatusError) as refused:
+        sdk.files.create(file=("b.jsonl", jsonl(["{}"] * 50_000)), purpose="batch")
+    assert refused.value.status_code == 413 and refused.value.body["param"] == "file"
+    assert f"batch_max_total_bytes = {QUOTA}" in refused.value.message
+    data = jsonl(short_lines("q", 3))
+    room_after_input = 1_000                       # less than two result records take
+    filler = QUOTA - used_bytes(quota_server.batch_dir) - len(data) - room_after_input
+    padding = sdk.files.create(file=("pad.jsonl", jsonl(["{}"] * (filler // 3))), purpose="batch")
+    created = sdk.batches.create(input_file_id=sdk.files.create(file=("in.jsonl", data), purpose="batch").id,
+                                 endpoint=COMPLETIONS, completion_window="24h")
+    failed, _, _ = poll(sdk, created.id)
+    assert failed.status == "failed" and failed.output_file_id is None
+    (error,) = failed.errors.data
+    assert error.code == "storage_error" and f"batch_max_total_bytes = {QUOTA}" in error.message
+    for file in (padding, first):
+        sdk.files.delete(file.id)
+    check_store_readable(quota_server, created.id)
+
+
+def test_a_full_disk_while_a_job_writes_fails_that_job_naming_enospc_and_the_server_goes_on(quota_server):
+    """ENOSPC for real: the job's output file is a link to /dev/full, whose every write the kernel refuses with
+    ENOSPC. The link is made while the job waits behind another job (one job runs at a time)."""
+    sdk = quota_server.sdk
+    ahead = sdk.batches.create(input_file_id=upload(sdk, short_lines("ahead", 200, 8)).id, endpoint=COMPLETIONS,
+                               completion_window="24h")
+    poll(sdk, ahead.id, until=("in_progress",))
+    doomed = sdk.batches.create(input_file_id=upload(sdk, short_lines("doomed", 3)).id, endpoint=COMPLETIONS,
+                                completion_window="24h")
+    work = quota_server.batch_dir / "work" / doomed.id
+    work.mkdir(parents=True)
+    (work / "output.jsonl").symlink_to("/dev/full")
+    assert sdk.batches.retrieve(doomed.id).status == "validating"          # it has not started writing
+    sdk.batches.cancel(ahead.id)
+    failed, _, _ = poll(sdk, doomed.id)
+    assert failed.status == "failed" and failed.failed_at is not None and failed.output_file_id is None
+    (error,) = failed.errors.data
+    assert error.code == "storage_error" and "No space left on device (ENOSPC)" in error.message
+    assert poll(sdk, ahead.id)[0].status == "cancelled"
+    check_store_readable(quota_server, doomed.id)
+
+
+def test_a_job_running_when_the_engine_dies_loses_no_line_and_completes_after_the_restart(model_dir, tmp_path_factory):
+    """Lines the dead engine could not answer get no record (not the lines' fault): the job stays in_progress,
+    the process exits for its supervisor, and the restarted server runs just those lines."""
+    batch_dir = tmp_path_factory.mktemp("dies")
+    lines = short_lines("line", 60, 6)
+    with start(tmp_path_factory, batch_dir, "dies", fault_injection="broken:prefill@Zebras",
+               engine_dead_exit_s="1") as first:
+        sdk = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0)
+        created = sdk.batches.create(input_file_id=upload(sdk, lines).id, endpoint=COMPLETIONS,
+                                     completion_window="24h")
+        while sdk.batches.retrieve(created.id).request_counts.completed < 5:
+            time.sleep(0.1)
+        dying = httpx.post(first.url + "/invocations", json={"inputs": "Zebras run"}, timeout=60)
+        assert dying.status_code == 503
+        assert first.proc.wait(timeout=30) == 3
+    with start(tmp_path_factory, batch_dir, "restarted") as second:
+        sdk = openai.OpenAI(base_url=second.url + "/v1", api_key="unused", max_retries=0)
+        batch, _, _ = poll(sdk, created.id, 300)
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 60, 0)
+        assert sorted(r["custom_id"] for r in records(sdk, batch.output_file_id)) == sorted(
+            line["custom_id"] for line in lines)

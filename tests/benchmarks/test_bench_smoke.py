@@ -5,21 +5,18 @@ Numbers are never asserted (they depend on the machine); the structure and the t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import report  # noqa: E402
-from workload import Workload, model_flops, write_batch_file  # noqa: E402
+from tests.benchmarks.helpers import ENV, REPO, run_benchmark
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+sys.path.insert(0, str(REPO / "benchmarks"))
+import report
+from workload import Workload, model_flops, write_batch_file
 
 
 def test_batch_file_lines_are_greedy_chat_requests_with_unique_custom_ids(tmp_path):
@@ -89,9 +86,7 @@ def _llamacpp_ready() -> bool:
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--smoke", "--out-dir", str(tmp_path)],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_benchmark("bench.py", "--smoke", "--out-dir", str(tmp_path), timeout_s=1200)
     (json_path,) = tmp_path.glob("bench-smoke-*.json")
     (png_path,) = tmp_path.glob("bench-smoke-*.png")
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

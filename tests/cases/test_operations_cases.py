@@ -115,6 +115,8 @@ def test_c27_overload_on_the_openai_route_gets_error_objects_never_a_failing_200
         assert chat_text_of(r) == solo
     with httpx.Client(base_url=url) as http:
         wait_until(lambda: idle(http), 10)
+        # a request refused between reserve() and submit() once stayed "live" for good (issue 15's soak)
+        wait_until(lambda: metric(http, "lmi_front_end_live_requests") == 0, 10)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from lmi_handler.djl import OwnOutput
+from lmi_handler.engine.health import EngineDead
 from lmi_handler.frontend.loops import DynamicFrontEnd, RollingFrontEnd
-from lmi_handler.frontend.requests import Chunk, ClientRequest
+from lmi_handler.frontend.requests import ENGINE_DEAD_CODE, Chunk, ClientRequest
 from lmi_handler.handler import HANDOVER_KEY, ROUTE_PROPERTY
 from lmi_handler.protocol.encoder import Wire
 from tests.protocol.helpers import make_plan
@@ -44,6 +46,13 @@ def drained(client: ClientRequest) -> list[Chunk]:
     while not client.chunks.empty():
         out.append(client.chunks.get_nowait())
     return out
+
+
+def wait_for(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def run_steps(front_end, steps: int) -> None:
@@ -180,4 +189,50 @@ def test_an_in_process_caller_gets_the_whole_answers_object_with_its_last_chunk(
     loop.run_until_complete(asyncio.sleep(0))
     (chunk,) = drained(client)
     assert chunk.last and client.answer is answer and json.loads(chunk.data) == answer
+    loop.close()
+
+
+def test_a_request_refused_by_a_full_queue_is_forgotten_at_once():
+    """The queue can fill between reserve() and submit(); the refused request once stayed in the live table
+    for good (its body and plan leaked, SIGTERM's drain waited on it; issue 15's storm found it)."""
+    loop = asyncio.new_event_loop()
+    front_end = RollingFrontEnd(ScriptedHandle(), {}, max_batch_size=1, job_queue_size=1)
+    queued, refused = clients(2, loop)
+    for client in (queued, refused):
+        front_end.track(client)
+    assert front_end.submit(queued) and not front_end.submit(refused)
+    assert front_end.num_live == 1 and front_end.is_live("r0") and not front_end.is_live("r1")
+    loop.close()
+
+
+def test_a_handle_raising_engine_dead_fails_every_request_with_503_and_the_front_end_stays_unhealthy():
+    """engine/health.py: the handler raises EngineDead from the call that found the engine dead on. Every
+    request of that call, and every one queued after, ends with a 503 naming the reason; /ping reads `alive`."""
+    loop = asyncio.new_event_loop()
+    handle = ScriptedHandle(last_after=100)
+
+    def dies_on_second_call(inputs):
+        if not inputs.get_batches():             # the initialization call
+            return None
+        if len(handle.calls) == 1:
+            raise EngineDead("every step fails, even with the batch emptied (test)")
+        return handle(inputs)
+
+    front_end = RollingFrontEnd(dies_on_second_call, {}, max_batch_size=4)
+    front_end.start()
+    front_end.ready.wait(5)
+    first, second, late = clients(3, loop)
+    assert front_end.alive and front_end.failure is None
+    front_end.submit(first)
+    wait_for(lambda: len(handle.calls) == 1)
+    front_end.submit(second)
+    wait_for(lambda: not front_end.alive)
+    assert "every step fails" in front_end.failure and front_end.thread.is_alive()
+    assert not front_end.has_room(reserve=0)        # batch jobs wait (and resume after the restart)
+    front_end.submit(late)                        # queued after the death (the race past `alive`)
+    wait_for(lambda: loop.run_until_complete(asyncio.sleep(0.01)) is None and late.chunks.qsize() == 1)
+    for client in (first, second, late):
+        *_, end = drained(client)
+        assert (end.code, end.last) == (ENGINE_DEAD_CODE, True) and "every step fails" in end.error
+    front_end.stop()
     loop.close()

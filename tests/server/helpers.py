@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import httpx
+import pytest
 from hypothesis import strategies as st
 
 from lmi_handler.config import read_serving_properties
@@ -59,7 +61,8 @@ class InProcessServer:
 
     def __init__(self, **options: str):
         properties = read_serving_properties(REPO / "serving.properties", environ={})
-        self.app = create_app({**properties, "max_rolling_batch_size": "4", **options})
+        # engine_dead_exit_s 0: an engine dying in-process must fail its test, never end the test run (os._exit)
+        self.app = create_app({**properties, "max_rolling_batch_size": "4", "engine_dead_exit_s": "0", **options})
         self.loop = asyncio.new_event_loop()
         self.lifespan = self.app.router.lifespan_context(self.app)
         self.loop.run_until_complete(self.lifespan.__aenter__())
@@ -97,6 +100,21 @@ def fresh_server(**options: str) -> Iterator[InProcessServer]:
         yield server
     finally:
         server.close()
+
+
+TGI_PYTHON = REPO / ".venv-tgi" / "bin" / "python"
+
+
+def run_tgi_client(url: str, prompt: str, max_new_tokens: int, api_key: str | None = None) -> dict:
+    """The real TGI client (text-generation, its own venv: it pins huggingface-hub<1.0) against `url`:
+    clients/tgi_client.py's JSON document of what it got back; `api_key` goes in the client's headers."""
+    if not TGI_PYTHON.is_file():
+        pytest.fail("the TGI client's venv is missing: run `make test` (it creates .venv-tgi)")
+    script = REPO / "tests" / "server" / "clients" / "tgi_client.py"
+    run = subprocess.run([str(TGI_PYTHON), str(script), url, prompt, str(max_new_tokens), *filter(None, [api_key])],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
 
 
 def start_server(tmp_path_factory, name: str, env: dict[str, str] | None = None, **options: str) -> ServerProcess:
@@ -331,3 +349,91 @@ def nested_in_field(depth: int, route: str) -> bytes:
     if route == "/v1/completions":
         return ('{"prompt": "Hi", "max_tokens": 1, "stop": ' + deep + "}").encode()
     return ('{"inputs": "Hi", "parameters": {"max_new_tokens": 1, "stop_sequences": ' + deep + "}}").encode()
+
+
+# ---- values JSON and UTF-8 cannot carry back (issue 15) --------------------------------------------
+
+# Lone surrogates: JSON's "\ud800" escapes are legal, but no UTF-8 text holds them; so a message echoing
+# one cannot be sent unless it escapes it. NaN and Infinity: Python's json reads them, standard JSON
+# has no such literals. Numbers past float range, or past Python's 4300-digit int limit. Nesting past
+# the 512 levels the server reads.
+surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+bad_texts = st.one_of(surrogates, st.tuples(st.text(max_size=4), surrogates, st.text(max_size=4)).map("".join),
+                      st.sampled_from(["\ud800", "\udfff", "model\udc80", "\ud83d", "\ude00\ud83d", "Hi\ud800"]))
+RAW_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0" * 400, "9" * 4301, "-" + "7" * 5000,
+               "1e-999", "18446744073709551616", "-9223372036854775809"]
+
+
+class Raw:
+    """JSON text placed as it is (json.dumps cannot write a 5000-digit int or 600 levels cheaply)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+raw_numbers = st.sampled_from(RAW_NUMBERS).map(Raw)
+
+
+@st.composite
+def deep_values(draw) -> Raw:
+    """A value nested 1-700 levels deep (arrays or objects) around a number or text JSON cannot carry."""
+    depth = draw(st.integers(min_value=1, max_value=700))
+    leaf = draw(st.sampled_from(RAW_NUMBERS + ['"\\ud800"', '{"\\udfff": NaN}']))
+    if draw(st.booleans()):
+        return Raw("[" * depth + leaf + "]" * depth)
+    return Raw('{"a": ' * depth + leaf + "}" * depth)
+
+
+poison_leaves = st.one_of(bad_texts, raw_numbers, st.sampled_from([float("nan"), float("inf"), float("-inf"),
+                                                                   1e308, -1e308, 2 ** 64, -(2 ** 63) - 1]))
+poison = st.one_of(deep_values(), st.recursive(
+    poison_leaves, lambda inner: st.lists(inner, min_size=1, max_size=3)
+    | st.dictionaries(st.one_of(bad_texts, st.text(max_size=4)), inner, min_size=1, max_size=3), max_leaves=6))
+
+
+def dump(body) -> bytes:
+    """`body` as JSON bytes (ASCII: lone surrogates become \\uXXXX escapes), NaN/Infinity and Raw text as is."""
+    raws: list[str] = []
+
+    def place(value):
+        if isinstance(value, Raw):
+            raws.append(value.text)
+            return f"@@raw{len(raws) - 1}@@"
+        if isinstance(value, dict):
+            return {key: place(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [place(item) for item in value]
+        return value
+
+    text = json.dumps(place(body), ensure_ascii=True, allow_nan=True)
+    for index, raw in enumerate(raws):
+        text = text.replace(f'"@@raw{index}@@"', raw, 1)
+    return text.encode("ascii")
+
+
+def _containers(body: dict, route: str) -> list[tuple[dict, list[str]]]:
+    """The objects of a valid body a poison may go into, each with the field names that matter there."""
+    found = [(body, OPENAI_FIELDS + ["messages", "prompt"] if route in OPENAI_ROUTES
+              else ["inputs", "parameters", "stream", "messages", "model"])]
+    if isinstance(body.get("parameters"), dict):
+        found.append((body["parameters"], PARAMETER_FIELDS))
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        found.append((messages[0], ["role", "content", "name"]))
+    return found
+
+
+@st.composite
+def unencodable_bodies(draw, route: str) -> bytes:
+    """A valid one-token body of `route` with 1-3 values (or keys) JSON and UTF-8 cannot carry, at any depth:
+    a field (a known one or a new key, itself perhaps a lone surrogate) set to a poison value."""
+    body = base_body(route, stream=draw(st.booleans()))
+    if route == "/invocations" and draw(st.booleans()):          # LMI's chat schema on /invocations
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": body["stream"]}
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        container, names = draw(st.sampled_from(_containers(body, route)))
+        key = draw(st.one_of(st.sampled_from(names), bad_texts))
+        container[key] = draw(poison)
+    if route in LMI_ROUTES and isinstance(body.get("parameters"), dict):   # else a 30-token answer
+        body["parameters"].setdefault("max_new_tokens", 1)
+    return dump(body)

@@ -18,7 +18,8 @@ from lmi_handler.engine.sequence import SamplingParams, Sequence
 from lmi_handler.frontend.loops import RollingFrontEnd
 from lmi_handler.frontend.requests import ClientRequest
 from lmi_handler.server.metrics import CountRequests, Metrics
-from tests.server.helpers import metric
+from tests.helpers import SMALL_KV_CACHE_BYTES
+from tests.server.helpers import fresh_server, metric
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -31,13 +32,15 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator)
     front_end = RollingFrontEnd(lambda inputs: None, {}, max_batch_size=4)      # a real one, not started
     loop = asyncio.new_event_loop()
-    for _ in range(3):
-        front_end.submit(ClientRequest(b"{}", loop))
+    for index in range(3):
+        client = ClientRequest(b"{}", loop, request_id=f"r{index}", public_id=f"r{index}")
+        front_end.track(client)
+        front_end.submit(client)
     metrics = Metrics(lambda: engine, lambda: front_end)
     assert sample(metrics, "lmi_requests_waiting") == 0
     scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
     assert sample(metrics, "lmi_requests_waiting") == 1
-    assert sample(metrics, "lmi_front_end_queue_depth") == 3
+    assert sample(metrics, "lmi_front_end_queue_depth") == 3 and sample(metrics, "lmi_front_end_live_requests") == 3
     allocator.allocate(2)
     assert sample(metrics, "lmi_kv_cache_blocks_used") == 2 and sample(metrics, "lmi_kv_cache_blocks_total") == 8
     assert sample(metrics, "lmi_kv_cache_usage_ratio") == 0.25
@@ -159,6 +162,19 @@ def test_metrics_agree_with_the_answers_and_gauges_return_to_zero(app):
     text = app.get("/metrics").text
     assert 'lmi_http_requests_total{code="400",route="/invocations"}' in text
     for gauge in ("lmi_requests_running", "lmi_requests_waiting", "lmi_front_end_queue_depth",
-                  "lmi_kv_cache_blocks_used", "lmi_kv_cache_usage_ratio"):
+                  "lmi_front_end_live_requests", "lmi_kv_cache_blocks_used", "lmi_kv_cache_usage_ratio"):
         assert app_sample(app, gauge) == 0, gauge
     assert app_sample(app, "lmi_kv_cache_blocks_total") > 0
+
+
+@pytest.mark.slow
+def test_a_burst_past_the_queue_leaves_no_request_live_once_answered():
+    """A request refused between reserve() and submit() (the batch filled meanwhile) once stayed in the front
+    end's live table for good: its body and plan leaked, and draining waited for it (issue 15's soak)."""
+    with fresh_server(max_rolling_batch_size="1", job_queue_size="1", num_threads="1",
+                      kv_cache_bytes=str(SMALL_KV_CACHE_BYTES)) as server:
+        body = {"inputs": "The sky is", "parameters": {"max_new_tokens": 2}}
+        replies = server.gather(*(server.client.post("/invocations", json=body) for _ in range(24)))
+        assert {r.status_code for r in replies} == {200, 503}
+        assert server.app.state.front_end.num_live == 0
+        assert app_sample(server, "lmi_front_end_live_requests") == 0

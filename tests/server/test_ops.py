@@ -11,9 +11,10 @@ import time
 import httpx
 import pytest
 
+from lmi_handler.frontend.loops import RollingFrontEnd
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.server.ops import request_id_of, request_timeout
-from tests.server.helpers import Reply, idle, metric, send, start_server, wait_until
+from lmi_handler.server.ops import ENGINE_DEAD_EXIT_CODE, exit_when_dead, request_id_of, request_timeout
+from tests.server.helpers import Reply, idle, metric, send, send_all, start_server, wait_until
 
 
 def test_the_timeout_header_overrides_the_option_and_bad_values_name_the_header():
@@ -31,6 +32,36 @@ def test_request_ids_are_the_clients_when_well_formed_else_generated():
         made = request_id_of({"x-request-id": bad})
         assert len(made) == 32 and made != bad
     assert request_id_of({}) != request_id_of({})
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the loop thread's death
+def test_the_process_exits_with_status_3_when_the_engine_loop_dies_and_not_when_it_is_stopped():
+    """exit_when_dead's own rule, fast: a loop thread that ended by itself is a failure (the process must go,
+    after exit_s); a front end stopped on purpose (shutdown) is not. os._exit is replaced: it would end pytest."""
+
+    class LoopDies(Exception):
+        pass
+
+    def handle(inputs):           # the initialization call only
+        return None
+
+    def dies():                   # loop_once raising past the loop's own guard: the thread ends
+        raise LoopDies("the loop itself broke")
+
+    exits: list[int] = []
+    dying = RollingFrontEnd(handle, {}, max_batch_size=2)
+    dying.loop_once = dies
+    dying.start()
+    watcher = exit_when_dead(dying, exit_s=0.1, poll_s=0.01, exit_process=exits.append)
+    watcher.join(timeout=10)
+    assert exits == [ENGINE_DEAD_EXIT_CODE] == [3] and dying.failure == "the engine loop has stopped"
+    stopped = RollingFrontEnd(handle, {}, max_batch_size=2)
+    stopped.start()
+    stopped.ready.wait(5)
+    watcher = exit_when_dead(stopped, exit_s=0.1, poll_s=0.01, exit_process=exits.append)
+    stopped.stop()
+    watcher.join(timeout=10)
+    assert not watcher.is_alive() and exits == [3]
 
 
 LONG = {"inputs": "Tell me a very long story.", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
@@ -199,5 +230,93 @@ def test_sigterm_refuses_new_requests_and_drains_every_accepted_one_before_exiti
             assert reply.events[-1]["details"]["finish_reason"] == "length" and len(reply.events) == 24
         assert len({reply.events[-1]["generated_text"] for reply in replies}) == 1
         assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+
+
+# ---- a dead engine: unhealthy at once, every request ended, the process exits for its supervisor ------------
+
+BREAKS_ENGINE = "broken:prefill@Zebras"     # engine/faults.py: from the step prefilling "Zebras", every step fails
+DEAD_EXIT_S = 4.0
+STREAMS = [("/invocations", {"inputs": "Tell me a very long story.", "stream": True,
+                             "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}),
+           ("/generate_stream", {"inputs": "Tell me a very long story.",
+                                 "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}),
+           ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Tell me a long story."}],
+                                     "max_tokens": 2000, "ignore_eos": True, "stream": True})]
+
+
+def stream_error(path: str, event: dict) -> tuple[int | None, str]:
+    """(status, message) of a stream's error line in its dialect's shape (LMI, TGI or OpenAI)."""
+    if path.startswith("/v1/"):
+        return event["error"]["code"], event["error"]["message"]
+    if path == "/generate_stream":
+        assert event["error_type"] == "generation"
+        return 503, event["error"]
+    assert event["details"]["finish_reason"] == "error"
+    return event["code"], event["error"]
+
+
+@pytest.mark.slow
+def test_a_dead_engine_turns_ping_503_ends_every_stream_refuses_new_requests_and_the_process_exits(
+        model_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory, "dead-engine", env={"SERVING_JOB_QUEUE_SIZE": "1"},
+                          max_rolling_batch_size="4", fault_injection=BREAKS_ENGINE,
+                          engine_dead_exit_s=str(DEAD_EXIT_S))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            bad = http.post("/invocations", json={"inputs": "Hi", "parameters": {"top_k": -5}})
+            assert bad.status_code == 400 and http.get("/ping").status_code == 200
+            flights = []
+            for count, (path, body) in enumerate(STREAMS, start=1):   # one by one: the queue holds only one
+                flights.append(in_thread(send, server.url, path, body, stream=True))
+                wait_until(lambda n=count: metric(http, "lmi_requests_running") == n, 60, poll_s=0.05)
+            wait_until(lambda: metric(http, "lmi_generation_tokens_total") >= 6, 60, poll_s=0.05)
+            burst = send_all(server.url, [{"path": "/invocations", "body": {"inputs": "Hi", "parameters": {
+                "max_new_tokens": 2}}} for _ in range(10)])
+            assert {r.status for r in burst} == {200, 503}        # the queue (1) and the free slot took two
+            assert http.get("/ping").status_code == 200 and http.get("/health").status_code == 200
+            breaking = http.post("/invocations", json={"inputs": "Zebras run", "parameters": {"max_new_tokens": 4}})
+            died = time.monotonic()
+            assert breaking.status_code == 503 and "engine is dead" in breaking.json()["error"]
+            wait_until(lambda: http.get("/ping").status_code == 503, 3)
+            ping = http.get("/ping").json()
+            assert ping["status"] == "Unhealthy" and "engine is dead" in ping["reason"]
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["error_type"] == "healthcheck"
+            start = time.monotonic()
+            refused = http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503 and time.monotonic() - start < 2
+            assert refused.json()["error"]["type"] == "server_error" and "engine" in refused.json()["error"]["message"]
+        for (path, _), (thread, box) in zip(STREAMS, flights):
+            thread.join(timeout=10)
+            (reply,) = box
+            assert reply.status == 200 and reply.error is None and len(reply.events) >= 2, (path, reply)
+            code, message = stream_error(path, reply.events[-1])
+            assert code == 503 and "engine is dead" in message, path
+            assert reply.total_s - reply.head_s < 60
+        assert server.proc.wait(timeout=DEAD_EXIT_S + 20) == 3      # ENGINE_DEAD_EXIT_CODE: the supervisor restarts it
+        assert time.monotonic() - died >= DEAD_EXIT_S - 1
+        assert "exiting in 4 s with status 3" in server.log_path.read_text()
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_dynamic_batch_engine_found_dead_answers_503_and_engine_dead_exit_0_keeps_the_process_up(
+        model_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory, "dead-dynamic", rolling_batch="disable", fault_injection=BREAKS_ENGINE,
+                          engine_dead_exit_s="0")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            ok = http.post("/invocations", json={"inputs": "The sky is", "parameters": {"max_new_tokens": 2}})
+            assert ok.status_code == 200 and http.get("/ping").status_code == 200
+            breaking = http.post("/invocations", json={"inputs": "Zebras run", "parameters": {"max_new_tokens": 2}})
+            assert breaking.status_code == 503 and "engine is dead" in breaking.json()["error"]
+            assert http.get("/ping").status_code == 503
+            assert http.post("/generate", json={"inputs": "Hi"}).status_code == 503
+            time.sleep(3)
+            assert server.proc.poll() is None and http.get("/ping").status_code == 503   # 0: kept up, unhealthy
+            assert http.get("/models").json()["models"][0]["status"] == "UNHEALTHY"
     finally:
         server.stop()

@@ -1,7 +1,8 @@
 """server/serving.py: a request's life on the HTTP side. Streams that fail after the 200 (fed real chunks);
 each request tokenized once in the validation thread; bad bodies of every kind (hypothesis, derandomized)
-get a JSON 4xx in the route's shape and the server goes on; framework 404/405 in our shapes; clients that
-go away stop their generation; 200 concurrent clients on loopback.
+get a JSON 4xx in the route's shape and the server goes on; values JSON and UTF-8 cannot carry back get only
+2xx/4xx with an encodable body; framework 404/405 in our shapes; clients that go away stop their generation;
+200 concurrent clients on loopback.
 """
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from lmi_handler.frontend.requests import Chunk, ClientRequest
 from lmi_handler.protocol.encoder import Wire
 from lmi_handler.protocol.plan import Kind
 from lmi_handler.server.serving import _stream
-from tests.helpers import serve
+from tests.helpers import SMALL_KV_CACHE_BYTES, serve
 from tests.protocol.helpers import make_plan
 from tests.server.helpers import (
     OPENAI_ROUTES,
     ROUTES,
     bad_bodies,
+    fresh_server,
     metric,
     nested,
     nested_in_field,
+    unencodable_bodies,
     wait_until,
 )
 
@@ -236,6 +239,100 @@ def test_bad_bodies_against_the_real_server_process(real, route):
     assert real.get("/ping").status_code == 200
     normal = real.post("/invocations", json={"inputs": "The sky is", "parameters": {"max_new_tokens": 2}})
     assert normal.status_code == 200 and json.loads(normal.text)["generated_text"]
+
+
+# ---- values JSON and UTF-8 cannot carry back (issue 15) ------------------------------------------------
+# A `model` that is a lone surrogate once gave a 500 and a reset connection on the OpenAI routes: the error
+# message echoed it, and building that message failed. Lone surrogates anywhere, NaN/Infinity at any depth,
+# numbers past float or int range, nesting past 512 levels: only 2xx or 4xx, every answer UTF-8 and standard
+# JSON (no NaN literals), a 4xx in its route's error shape, never a 5xx or a dropped connection.
+
+CHAT = {"model": "model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+# The two bodies of the issue's fuzz report, and their kin on the other routes.
+REPORTED = [("/v1/chat/completions", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "Hi"}], '
+                                     b'"max_tokens": 1}'),
+            ("/v1/chat/completions", b'{"model": "model", "messages": [{"role": "user", "content": "Hi"}], '
+                                     b'"max_tokens": 1, "stop": {"a": {"b": [NaN, "\\udfff"]}}}'),
+            ("/v1/completions", b'{"model": "x\\udc80y", "prompt": "Hi", "max_tokens": 1}'),
+            ("/v1/chat/completions", b'{"model": "model", "messages": [{"role": "user", "content": "Hi"}], '
+                                     b'"max_tokens": 1, "stream": true, "logit_bias": {"\\ud800": NaN}}'),
+            ("/invocations", b'{"inputs": "Hi", "parameters": {"max_new_tokens": 1, "seed": "\\ud800", '
+                             b'"top_p": {"x": Infinity}}}'),
+            ("/generate", b'{"inputs": "Hi", "parameters": {"max_new_tokens": 1, "truncate": ' + b"9" * 4301 + b"}}"),
+            ("/generate_stream", b'{"inputs": "\\ud83d", "parameters": {"max_new_tokens": 1}}')]
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not standard JSON")
+
+
+def strict_json(text: str):
+    return json.loads(text, parse_constant=_no_constants)
+
+
+def check_encodable(route: str, response: httpx.Response) -> None:
+    """2xx or 4xx only; UTF-8 standard JSON (documents, jsonlines or SSE events); a 4xx in the route's shape."""
+    assert response.status_code < 500, (route, response.status_code, response.text[:300])
+    text = response.content.decode("utf-8")        # strict: a lone surrogate could not have been sent
+    if response.status_code >= 400:
+        error = strict_json(text)["error"]
+        message = error["message"] if route in OPENAI_ROUTES else error
+        assert isinstance(message, str) and message, text[:300]
+        return
+    if response.headers["content-type"].startswith("application/json"):
+        strict_json(text)
+        return
+    for line in text.splitlines():                  # jsonlines, or SSE's `data: {...}` events
+        line = line.removeprefix("data:").strip()
+        if line and line != "[DONE]":
+            strict_json(line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("route", "body"), REPORTED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(REPORTED)])
+def test_the_reported_unencodable_bodies_get_an_encodable_answer(app, route, body):
+    check_encodable(route, post(app, route, body))
+
+
+@pytest.mark.slow
+def test_a_lone_surrogate_model_under_strict_model_names_is_a_404_that_names_it_escaped(model_dir):
+    with fresh_server(strict_model_name="true", num_threads="1", kv_cache_bytes=str(SMALL_KV_CACHE_BYTES)) as strict:
+        response = post(strict, "/v1/chat/completions", REPORTED[0][1])
+    assert response.status_code == 404
+    error = strict_json(response.content.decode("utf-8"))["error"]
+    assert "\\ud800" in error["message"] and error["param"] == "model"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ROUTES)
+def test_values_json_and_utf8_cannot_carry_never_give_a_5xx_or_an_unencodable_answer(app, route):
+    @settings(FUZZ, max_examples=150)
+    @given(body=unencodable_bodies(route))
+    def fuzz(body):
+        check_encodable(route, post(app, route, body))
+
+    fuzz()
+    check_still_serving(app)
+    normal = app.post("/v1/chat/completions", json=CHAT)
+    assert normal.status_code == 200 and normal.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/generate_stream"])
+def test_unencodable_values_against_the_real_server_process(real, route):
+    """Over real sockets: a dropped connection would raise httpx.RemoteProtocolError here."""
+    for reported_route, body in REPORTED:
+        check_encodable(reported_route, real.post(reported_route, content=body,
+                                                  headers={"content-type": "application/json"}))
+
+    @settings(FUZZ, max_examples=40)
+    @given(body=unencodable_bodies(route))
+    def fuzz(body):
+        check_encodable(route, real.post(route, content=body, headers={"content-type": "application/json"}))
+
+    fuzz()
+    assert real.get("/ping").status_code == 200
+    assert real.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
 @pytest.mark.slow

@@ -12,12 +12,9 @@ import pytest
 from huggingface_hub import InferenceClient
 
 from tests.helpers import REPO
-from tests.server.helpers import PROMPT, solo_text
+from tests.server.helpers import PROMPT, TGI_PYTHON, run_tgi_client, solo_text
 
 pytestmark = pytest.mark.slow
-
-
-TGI_PYTHON = REPO / ".venv-tgi" / "bin" / "python"
 
 
 def generate_text(server, prompt: str = PROMPT, max_new_tokens: int = 8) -> str:
@@ -27,13 +24,7 @@ def generate_text(server, prompt: str = PROMPT, max_new_tokens: int = 8) -> str:
 
 
 def test_the_tgi_client_generates_streams_and_chats_unchanged(tgi_server):
-    if not TGI_PYTHON.is_file():
-        pytest.fail("the TGI client's venv is missing: run `make test` (it creates .venv-tgi)")
-    script = REPO / "tests" / "server" / "clients" / "tgi_client.py"
-    run = subprocess.run([str(TGI_PYTHON), str(script), tgi_server.url, PROMPT, "8"], capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout)
+    got = run_tgi_client(tgi_server.url, PROMPT, 8)
     assert got["generated_text"] == generate_text(tgi_server)
     assert got["generated_text"] == "".join(got["token_texts"]) and got["generated_tokens"] == len(got["token_texts"])
     assert got["finish_reason"] == ("length" if got["generated_tokens"] == 8 else "eos_token")

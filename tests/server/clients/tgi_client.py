@@ -1,7 +1,7 @@
 """Run by tests/server/test_tgi.py in .venv-tgi (text-generation 0.7.0 pins huggingface-hub<1.0):
 the real TGI client against a server; prints one JSON document of what it got back.
 
-usage: python tgi_client.py BASE_URL PROMPT MAX_NEW_TOKENS
+usage: python tgi_client.py BASE_URL PROMPT MAX_NEW_TOKENS [API_KEY]   (the key goes in the client's headers)
 """
 import json
 import sys
@@ -10,7 +10,8 @@ from text_generation import Client
 from text_generation.errors import BadRequestError
 
 url, prompt, max_new_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-client = Client(url, timeout=300)
+headers = {"Authorization": f"Bearer {sys.argv[4]}"} if len(sys.argv) > 4 else None
+client = Client(url, headers=headers, timeout=300)
 response = client.generate(prompt, max_new_tokens=max_new_tokens, decoder_input_details=True)
 stream = list(client.generate_stream(prompt, max_new_tokens=max_new_tokens))
 try:

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
 from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
+from lmi_handler.engine.parallel.launch import run_mpi_follower
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_object
 from lmi_handler.protocol.formatters import Answer, StreamAnswer, outputs_line, response_body
@@ -276,6 +277,11 @@ class HandlerState:
 
     def initialize(self, properties) -> None:
         self.settings = Settings.from_properties(dict(properties))
+        engine_config = self.settings.engine_config()
+        if engine_config.parallel.mpi is not None and engine_config.parallel.mpi.rank > 0:
+            # LMI's MPI launch: ranks above 0 get only the init call; they serve rank 0's steps from inside it
+            run_mpi_follower(engine_config)
+            return
         self.service = Service(self.settings)
         self.rolling = RollingBatch(self.service, self.settings.fault_injection)
         self.dynamic = DynamicBatch(self.service)

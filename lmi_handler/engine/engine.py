@@ -14,7 +14,7 @@ import torch
 
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
-from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
+from lmi_handler.engine.model_runner import ModelOutput
 from lmi_handler.engine.output_processor import (
     OutputProcessor,
     PromptChunk,
@@ -22,6 +22,7 @@ from lmi_handler.engine.output_processor import (
     gather_prompt_logprobs,
     plan_prompt_logprobs,
 )
+from lmi_handler.engine.parallel.launch import start_runner
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
@@ -61,9 +62,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device_id)
-        self.runner = ModelRunner(config.model_path, pick_dtype(config.dtype, self.device), self.device,
-                                  block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                  batch_invariant=config.batch_invariant, compile=config.compile)
+        # a ModelRunner, or under tensor parallelism rank 0's executor over the group (engine/parallel/)
+        self.runner = start_runner(config, self.device, pick_dtype(config.dtype, self.device))
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)

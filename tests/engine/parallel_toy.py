@@ -23,8 +23,16 @@ from lmi_handler.engine.model_runner import ModelInput, ModelOutput
 from lmi_handler.engine.parallel.executor import RankContext
 from lmi_handler.engine.parallel.group import TPGroup
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree, shard_of, take
+from tests.engine.conftest import build_tiny_llama
 
 FAULT_TOKEN = 511   # a step holding this token id triggers the spec's fault on its rank
+
+
+def build_toy_checkpoint(path) -> str:
+    """A tiny Llama whose shape takes degrees 2 and 3 (6 heads, 6 KV heads, intermediate 96, vocabulary 600)."""
+    build_tiny_llama(path, tie_word_embeddings=False, intermediate_size=96, num_attention_heads=6,
+                     num_key_value_heads=6, hidden_size=96, vocab_size=600)
+    return str(path)
 
 
 @dataclass(frozen=True)

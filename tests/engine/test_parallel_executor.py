@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from lmi_handler.config import ConfigError
+from lmi_handler.config import ConfigError, MpiLaunch
 from lmi_handler.engine.parallel.executor import RankFailed, start_tensor_parallel, threads_per_rank
-from tests.engine.conftest import build_tiny_llama
-from tests.engine.parallel_toy import FAULT_TOKEN, ToySpec, single_rank, toy_input
+from tests.engine.parallel_toy import FAULT_TOKEN, ToySpec, build_toy_checkpoint, single_rank, toy_input
 
 CPU = torch.device("cpu")
 PROMPTS = [[1, 17, 300, 45, 9], [1, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 499]]
@@ -25,10 +28,7 @@ pytestmark = pytest.mark.slow   # spawns follower processes (each imports torch:
 
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny_tp_toy")
-    build_tiny_llama(path, tie_word_embeddings=False, intermediate_size=96, num_attention_heads=6,
-                     num_key_value_heads=6, hidden_size=96, vocab_size=600)   # 6 heads, vocabulary 600: degrees 2 and 3 fit
-    return str(path)
+    return build_toy_checkpoint(tmp_path_factory.mktemp("tiny_tp_toy"))
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_a_follower_that_dies_mid_step_fails_the_step_at_once(toy_dir, threads):
 def test_a_follower_that_hangs_fails_the_step_after_the_timeout(toy_dir, threads):
     executor = start(ToySpec(toy_dir, fault=(1, "hang")), 2)
     began = time.monotonic()
-    with pytest.raises(RankFailed, match="hung past the step timeout") as failed:
+    with pytest.raises(RankFailed, match="died or hung past the step timeout") as failed:
         executor.execute(toy_input([[1, 2, FAULT_TOKEN]]))
     waited = time.monotonic() - began
     assert failed.value.rank is None and STEP_TIMEOUT_S * 0.9 < waited < STEP_TIMEOUT_S + 5
@@ -146,3 +146,42 @@ def test_a_follower_whose_step_raises_reports_its_error_to_rank_0(toy_dir, threa
 def test_a_follower_that_cannot_load_its_shard_fails_the_start_with_its_error(toy_dir, threads):
     with pytest.raises(RankFailed, match=r"rank 2 failed to start: MemoryError: toy shard of rank 2 does not fit"):
         start(ToySpec(toy_dir, fail_build_rank=2), 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_an_mpi_launch_a_follower_meets_rank_0_at_master_port(toy_dir, threads):
+    """Followers started by mpirun (not spawned here) meet rank 0 at MASTER_ADDR:MASTER_PORT."""
+    port = _free_port()
+    mpi = MpiLaunch(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=port)
+    started: dict = {}
+    rank0 = threading.Thread(target=lambda: started.update(executor=start_tensor_parallel(
+        ToySpec(toy_dir), 2, CPU, STEP_TIMEOUT_S, num_threads=1, mpi=mpi)))
+    rank0.start()
+    while True:     # as under mpirun the follower may come first, but its store client then backs off for long
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    follower = subprocess.Popen([sys.executable, "-c", (
+        "from lmi_handler.engine.parallel.executor import WorkerArgs\n"
+        "from lmi_handler.engine.parallel.group import Rendezvous\n"
+        "from lmi_handler.engine.parallel.worker import run_follower\n"
+        "from tests.engine.parallel_toy import ToySpec\n"
+        f"run_follower(WorkerArgs(1, Rendezvous('127.0.0.1', {port}, 2, {STEP_TIMEOUT_S}, 120.0), "
+        f"ToySpec({toy_dir!r}), 'cpu', 1))\n")])
+    try:
+        rank0.join(timeout=120)
+        executor = started["executor"]
+        assert executor.followers == {}
+        step = toy_input(PROMPTS)
+        torch.testing.assert_close(executor.execute(step).logits, single_rank(ToySpec(toy_dir)).execute(step).logits,
+                                   rtol=1e-5, atol=1e-5)
+        executor.close()
+        assert follower.wait(timeout=60) == 0       # run_follower returned on Shutdown
+    finally:
+        follower.kill()

@@ -193,20 +193,25 @@ class TensorParallelExecutor:
         return self._failure
 
     def _fail(self, exc: BaseException) -> RankFailed:
-        """The RankFailed for a step that raised `exc`: names the dead follower when there is one."""
+        """The RankFailed for a step that raised `exc`: names the follower that died or reported an error
+        when there is one (spawned followers are polled; any follower may leave its error in the store)."""
         if self._failure is None:
             deadline = time.monotonic() + 1.0     # a follower killed mid-step: let its exit be seen
             while time.monotonic() < deadline and self.followers \
                     and all(p.poll() is None for p in self.followers.values()):
                 time.sleep(POLL_S)
             dead = [(r, p) for r, p in self.followers.items() if p.poll() is not None]
+            reported = [(r, e) for r in range(1, self.group.degree) if (e := _reported_error(self.store, r))]
             if dead:
                 rank, proc = dead[0]
                 self._failure = RankFailed(f"{self._exit_message(rank, proc)}; the step failed with: {exc}", rank)
+            elif reported:
+                rank, error = reported[0]
+                self._failure = RankFailed(f"tensor-parallel rank {rank} failed mid-step: {error}", rank)
             else:
                 self._failure = RankFailed(
-                    f"a tensor-parallel step failed on rank 0 (a follower rank hung past the step timeout, or "
-                    f"rank 0 itself failed mid-step; the ranks are out of step): {type(exc).__name__}: {exc}")
+                    f"the tensor-parallel group failed mid-step (a follower rank died or hung past the step "
+                    f"timeout, or rank 0 itself failed; the ranks are out of step): {type(exc).__name__}: {exc}")
             logger.error("tensor parallelism failed: %s", self._failure)
             self._stop_followers()
         return self._failure

@@ -16,6 +16,7 @@ Both bind to 127.0.0.1 (one machine: the same as GLOO_SOCKET_IFNAME=lo with MAST
 from __future__ import annotations
 
 import datetime
+import io
 import pickle
 from dataclasses import dataclass
 
@@ -142,14 +143,41 @@ class TPGroup:
         """Rank 0 sends `obj` (picklable; tensors on CPU) to every rank; every rank returns it.
 
         Followers block here until rank 0 sends (no timeout: see the module docstring). Two gloo
-        broadcasts: the pickle's length, then its bytes.
+        broadcasts: the pickle's length, then its bytes (see `dumps`).
         """
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        payload = dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(payload)], dtype=torch.int64)
         self.control.broadcast([size], options).wait()
         buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
                   else torch.empty(int(size.item()), dtype=torch.uint8))
         self.control.broadcast([buffer], options).wait()
         return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
+
+
+_NUMPY_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
+                 torch.float32, torch.float16}
+
+
+def _tensor_from_numpy(array) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class _StepPickler(pickle.Pickler):
+    """Pickles CPU tensors of numpy's dtypes as numpy arrays: a 64-sequence decode ModelInput (8.7 KB) takes
+    0.08 ms to dump and 0.05 to load this way, against 0.63 and 0.9-1.5 ms through torch's own tensor
+    reduction (measured here, thread CPU time, 1 thread); other tensors keep torch's."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES \
+                and not obj.requires_grad:
+            return _tensor_from_numpy, (obj.numpy(),)
+        return NotImplemented
+
+
+def dumps(obj) -> bytes:
+    """`obj` pickled for the step broadcast (plain pickle.loads reads it back)."""
+    buffer = io.BytesIO()
+    _StepPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()

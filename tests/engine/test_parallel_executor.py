@@ -138,8 +138,9 @@ def test_a_follower_that_hangs_fails_the_step_after_the_timeout(toy_dir, threads
 
 def test_a_follower_whose_step_raises_reports_its_error_to_rank_0(toy_dir, threads):
     executor = start(ToySpec(toy_dir, fault=(1, "raise")), 2)
-    with pytest.raises(RankFailed, match=r"rank 1 .*exited with code 1 after: RuntimeError: toy fault on rank 1"):
-        executor.execute(toy_input([[1, FAULT_TOKEN]]))
+    with pytest.raises(RankFailed, match=r"rank 1 .*RuntimeError: toy fault on rank 1") as failed:
+        executor.execute(toy_input([[1, FAULT_TOKEN]]))     # seen as its exit (code 1), or its report before it
+    assert failed.value.rank == 1
     executor.close()
 
 

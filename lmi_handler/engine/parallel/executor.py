@@ -196,12 +196,13 @@ class TensorParallelExecutor:
         """The RankFailed for a step that raised `exc`: names the follower that died or reported an error
         when there is one (spawned followers are polled; any follower may leave its error in the store)."""
         if self._failure is None:
-            deadline = time.monotonic() + 1.0     # a follower killed mid-step: let its exit be seen
-            while time.monotonic() < deadline and self.followers \
-                    and all(p.poll() is None for p in self.followers.values()):
+            deadline = time.monotonic() + 1.0     # a follower failing mid-step: let its exit or report be seen
+            while True:
+                dead = [(r, p) for r, p in self.followers.items() if p.poll() is not None]
+                reported = [(r, e) for r in range(1, self.group.degree) if (e := _reported_error(self.store, r))]
+                if dead or reported or time.monotonic() > deadline:
+                    break
                 time.sleep(POLL_S)
-            dead = [(r, p) for r, p in self.followers.items() if p.poll() is not None]
-            reported = [(r, e) for r in range(1, self.group.degree) if (e := _reported_error(self.store, r))]
             if dead:
                 rank, proc = dead[0]
                 self._failure = RankFailed(f"{self._exit_message(rank, proc)}; the step failed with: {exc}", rank)
@@ -298,10 +299,12 @@ def start_tensor_parallel(spec: RunnerSpec, degree: int, device: torch.device, t
 
 def spawn_follower(args: WorkerArgs) -> subprocess.Popen:
     """Start rank `args.rank` as `python -c ...` (worker.main) with this process's import path; its
-    arguments go pickled to its stdin. Output goes where this process's goes."""
+    arguments go pickled to its stdin. Output goes where this process's goes. It runs in a session of its
+    own, so a Ctrl-C or SIGTERM to the server's process group leaves it serving while rank 0 drains; it
+    ends with rank 0 (Shutdown at close or exit, its sockets closing, or its parent gone)."""
     bootstrap = (f"import sys; sys.path[:0] = {[p or os.getcwd() for p in sys.path]!r}; "
                  "from lmi_handler.engine.parallel.worker import main; main()")
-    proc = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE, start_new_session=True)
     proc.stdin.write(pickle.dumps(args))
     proc.stdin.close()
     return proc

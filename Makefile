@@ -24,7 +24,7 @@ $(VENV)/.installed: $(BIN)/python setup.py
 install: $(VENV)/.installed
 
 # The TGI client (text-generation 0.7.0) pins huggingface-hub<1.0, older than the main venv's: it gets a venv
-# of its own, used by tests/server/test_clients.py through a small script.
+# of its own, used by tests/server/test_tgi.py through a small script.
 TGI_VENV ?= .venv-tgi
 $(TGI_VENV)/.installed:
 	$(PYTHON) -m venv $(TGI_VENV)
@@ -40,6 +40,7 @@ model: $(VENV)/.installed
 serve: model
 	$(BIN)/lmi-handler serve --host $(HOST) --port $(PORT)
 
+# ruff (pyproject.toml): pyflakes, bugbear, import order, unused code (imports, variables, arguments, noqa)
 LINT := $(BIN)/ruff check .
 PYTEST := $(BIN)/python -m pytest -q
 
@@ -50,18 +51,22 @@ lint: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(PYTEST) -m "not slow"
 
-# what CI runs (.ci/run): lint first, then the fast tests, then the slow ones (real model, real servers)
+# what CI runs (.ci/run): lint first, then the fast tests (in reverse order: no test may lean on another
+# having run first), then the slow ones (real model, real servers)
 test: model tgi-client
 	$(LINT)
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow" --reverse
 	$(PYTEST) -m slow
 
 # The benchmark (benchmarks/README.md): ours offline, batch file, server, HF generate and vLLM's CPU build,
-# one after the other. bench-setup installs vLLM into its own venv (benchmarks/.venv-vllm); when that
-# fails the benchmark says so and runs without it. Extra flags: make bench BENCH_ARGS="--write-readme".
+# one after the other, in each of --dtype (fp32, bf16); llama.cpp as the batch-1 peer. bench-setup installs
+# vLLM (benchmarks/.venv-vllm, with TCMalloc from apt and libiomp5 for its LD_PRELOAD) and llama-cpp-python
+# (benchmarks/.venv-llamacpp, built from source); when one fails the benchmark says so and runs without it.
+# Extra flags: make bench BENCH_ARGS="--write-readme".
 BENCH_ARGS ?=
 bench-setup: $(VENV)/.installed
 	$(BIN)/python benchmarks/vllm_peer.py setup || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
+	$(BIN)/python benchmarks/llamacpp_peer.py setup || echo "llama.cpp set-up failed (benchmarks/.venv-llamacpp/setup.log): make bench goes on without it"
 
 bench: model bench-setup
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

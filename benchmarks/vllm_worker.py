@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from preload import mapped_in  # noqa: E402
 from round_protocol import serve, summarize  # noqa: E402
 from stats import percentiles  # noqa: E402
 from workload import Workload  # noqa: E402
@@ -87,6 +89,19 @@ def generate_round(llm, workload: Workload) -> dict:
             "output_token_ids": token_ids}
 
 
+def preload_seen() -> dict:
+    """LD_PRELOAD as this worker got it, and whether each library is mapped in this process and in its
+    children (vLLM's engine core runs in one), read from /proc/PID/maps."""
+    paths = [Path(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    try:
+        import psutil
+
+        children = [c.pid for c in psutil.Process().children(recursive=True)]
+    except ImportError:
+        children = []
+    return {"ld_preload": os.environ.get("LD_PRELOAD", ""), "mapped": mapped_in(["self", *children], paths)}
+
+
 def run(args) -> dict:
     import torch
     import vllm
@@ -103,6 +118,8 @@ def run(args) -> dict:
                    lambda k: generate_round(llm, workload))
     return {"engine": "vllm", "vllm_version": vllm.__version__, "torch": torch.__version__,
             "torch_num_threads": torch.get_num_threads(), "startup_s": startup_s, "warmup_s": warmup_s,
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"), "preload": preload_seen(),
             **summarize(rounds),
             "batch1": batch1_decode(llm, workload.prompt_token_ids[0], workload.max_new_tokens)}
 
@@ -119,7 +136,7 @@ def check(args) -> int:
     llm = make_llm(args.model, args)
     out = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0]
     print(json.dumps({"ok": len(out.token_ids) == 8, "text": out.text, "token_ids": list(out.token_ids),
-                      "seconds": time.perf_counter() - start}))
+                      "seconds": time.perf_counter() - start, "preload": preload_seen()}))
     return 0 if len(out.token_ids) == 8 else 1
 
 

@@ -1,16 +1,17 @@
 """Benchmark workers that run in the project's venv, one engine per process (so its RSS is its own).
 
     python benchmarks/workers.py hf|peak --workload W.json --out R.json [options]
-    python benchmarks/workers.py ours-offline --workload W.json --control-dir D --out R.json [options]
+    python benchmarks/workers.py ours-offline|ours-batch1 --workload W.json --control-dir D --out R.json [options]
 
-Each writes one JSON result to --out. ours-offline is long-lived: after its warm-up it runs one round
-per "run K" line on stdin and ends on "finish" (round_protocol.py). The orchestrator (bench.py) samples
-their memory; nothing here starts another engine.
+Each writes one JSON result to --out. ours-offline and ours-batch1 are long-lived: after the warm-up they
+run one round (the whole workload; one request alone) per "run K" line on stdin and end on "finish"
+(round_protocol.py). The orchestrator (bench.py) samples their memory; nothing here starts another engine.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -18,7 +19,7 @@ from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_protocol import serve, summarize  # noqa: E402
+from round_protocol import READY, serve, summarize, write_json  # noqa: E402
 from workload import REPO, Workload  # noqa: E402
 
 
@@ -33,10 +34,23 @@ def latency_stats(token_times: dict[str, list[float]], start: float) -> dict:
 
 # ---------------------------------------------------------------- our engine
 
+def unknown_options(options: dict[str, str]) -> list[str]:
+    """The keys of `options` that this engine build's Settings does not define. Settings ignores unknown keys
+    (serving.properties carries other tools' keys too), so an option this build lacks (`quantize` before it
+    exists) would run silently without it: the benchmark refuses those instead."""
+    from lmi_handler.config import Settings
+
+    return sorted(k for k in options if k.lower() not in Settings.model_fields)
+
+
 def our_settings(options: dict[str, str]):
-    """Settings as the server would build them: serving.properties, then the benchmark's options."""
+    """Settings as the server would build them: serving.properties, then the benchmark's options.
+    Raises ValueError naming any option this engine build does not have; ConfigError on a bad value."""
     from lmi_handler.config import Settings, read_serving_properties
 
+    if unknown := unknown_options(options):
+        raise ValueError(f"option.{', option.'.join(unknown)}: not supported by this engine build "
+                         "(lmi_handler.config.Settings has no such field)")
     props = read_serving_properties(REPO / "serving.properties", environ={})
     props.update(options)
     return Settings.from_properties(props)
@@ -72,17 +86,39 @@ def drop_prefix_cache(allocator) -> None:
     assert allocator.num_cached_blocks == 0, "a sequence still holds cached blocks between rounds"
 
 
-def ours_offline(args, workload: Workload) -> dict:
-    """Start and warm up the engine, run the workload once per "run K" command, then batch-1 decode."""
-    import torch
+def batch1_decode(engine, workload: Workload, params, prefix: str) -> dict:
+    """One request (the workload's first prompt) alone: decode tok/s = (tokens - 1) / (last token time -
+    first token time), so the prefill (before the first token) is left out."""
+    one = run_engine(engine, workload.head(1), params, prefix)
+    times = next(iter(one.pop("token_times").values()))
+    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
+    return {"output_tokens": one["output_tokens"], "wall_s": one["wall_s"], "decode_tokens_per_s": decode,
+            "output_token_ids": one["output_token_ids"],
+            "method": "(tokens - 1) / (last token time - first token time), one request alone"}
 
+
+def start_engine(options: dict[str, str]):
+    """Settings from `options`, the Engine, greedy SamplingParams; and the start-up seconds."""
     from lmi_handler.engine.engine import Engine
-    from lmi_handler.engine.sequence import SamplingParams
 
-    settings = our_settings(dict(args.option))
+    settings = our_settings(options)
     start = time.perf_counter()
     engine = Engine(settings.engine_config())
-    startup_s = time.perf_counter() - start
+    return settings, engine, time.perf_counter() - start
+
+
+def engine_facts(settings, engine) -> dict:
+    import torch
+
+    return {"engine": "ours", "settings": settings.model_dump(mode="json"), "device": str(engine.device),
+            "dtype": str(engine.runner.dtype), "torch_num_threads": torch.get_num_threads()}
+
+
+def ours_offline(args, workload: Workload) -> dict:
+    """Start and warm up the engine, run the workload once per "run K" command, then batch-1 decode."""
+    from lmi_handler.engine.sequence import SamplingParams
+
+    settings, engine, startup_s = start_engine(dict(args.option))
     params = SamplingParams(greedy=True, max_new_tokens=workload.max_new_tokens, ignore_eos=True)
     start = time.perf_counter()
     run_engine(engine, workload.warmup(), replace(params, max_new_tokens=2), "warmup-")
@@ -98,15 +134,37 @@ def ours_offline(args, workload: Workload) -> dict:
         return result
 
     rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s}, one_round)
-    one = run_engine(engine, workload.head(1), params, "b1-")
-    b1_times = next(iter(one.pop("token_times").values()))
-    decode = (len(b1_times) - 1) / (b1_times[-1] - b1_times[0]) if len(b1_times) > 1 else None
-    return {"engine": "ours", "settings": settings.model_dump(mode="json"), "device": str(engine.device),
-            "dtype": str(engine.runner.dtype), "torch_num_threads": torch.get_num_threads(),
-            "startup_s": startup_s, "warmup_s": warmup_s, **summarize(rounds),
-            "batch1": {"output_tokens": one["output_tokens"], "wall_s": one["wall_s"],
-                       "decode_tokens_per_s": decode,
-                       "method": "(tokens - 1) / (last token time - first token time), one request alone"}}
+    batch1 = batch1_decode(engine, workload, params, "b1-")
+    batch1.pop("output_token_ids")
+    return {**engine_facts(settings, engine), "startup_s": startup_s, "warmup_s": warmup_s, **summarize(rounds),
+            "batch1": batch1}
+
+
+def ours_batch1(args, workload: Workload) -> dict | None:
+    """Batch-1 decode in rounds (round_protocol.py), beside the batch-1 peer: each "run K" decodes the
+    workload's first prompt alone from an empty prefix cache; a round's output_tokens_per_s is its decode
+    tok/s (batch1_decode). An option the engine refuses at start-up (a ConfigError, an option this build
+    lacks) is written to ready.json as "refused" and the worker ends without a result (returns None)."""
+    from lmi_handler.config import ConfigError
+    from lmi_handler.engine.sequence import SamplingParams
+
+    try:
+        settings, engine, startup_s = start_engine(dict(args.option))
+    except (ConfigError, ValueError) as exc:
+        write_json(args.control_dir / READY, {"refused": f"{type(exc).__name__}: {exc}"})
+        return None
+    params = SamplingParams(greedy=True, max_new_tokens=workload.max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    run_engine(engine, workload.head(1), replace(params, max_new_tokens=4), "warmup-")
+    warmup_s = time.perf_counter() - start
+
+    def one_round(k: int) -> dict:
+        drop_prefix_cache(engine.allocator)
+        result = batch1_decode(engine, workload, params, f"r{k}-")
+        return {**result, "output_tokens_per_s": result["decode_tokens_per_s"]}
+
+    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s}, one_round)
+    return {**engine_facts(settings, engine), "startup_s": startup_s, "warmup_s": warmup_s, **summarize(rounds)}
 
 
 # ---------------------------------------------------------------- transformers generate()
@@ -164,41 +222,26 @@ def hf_generate(args, workload: Workload) -> dict:
             "output_token_ids": outputs}
 
 
-# ---------------------------------------------------------------- peak matmul rate
+# ---------------------------------------------------------------- the machine's ceilings
 
-def peak_matmul(args, workload: Workload) -> dict:
-    """FLOP/s of one big square torch.matmul (best of 5), and of the model's decode-shaped GEMM."""
-    import torch
+def peak(args, workload: Workload) -> dict:
+    """The probes of probes.py: peak matmul FLOP/s in each of --dtypes (the first one's also at the top
+    level, as older results had it), and the memory read bandwidth (or why it could not be measured)."""
+    from probes import peak_matmul, read_bandwidth
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
-
-    def rate(m: int, k: int, n: int, repeat: int) -> float:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        best = float("inf")
-        for _ in range(6):  # the first is a warm-up
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(repeat):
-                torch.matmul(a, b)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - start) / repeat)
-        return 2 * m * k * n / best
-
-    size = args.peak_size or (8192 if device == "cuda" else 2048)
     config = json.loads((Path(workload.model) / "config.json").read_text())
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    return {"device": device, "dtype": str(dtype), "torch_num_threads": torch.get_num_threads(),
-            "square_size": size, "peak_flops_per_s": rate(size, size, size, 3 if device == "cpu" else 20),
-            "decode_shape": [64, hidden, inter], "decode_shape_flops_per_s": rate(64, hidden, inter, 50)}
+    decode_shape = (64, config["hidden_size"], config["intermediate_size"])
+    by_dtype = {d: peak_matmul(d, args.peak_size, args.threads, decode_shape) for d in args.dtypes.split(",")}
+    try:
+        mem = read_bandwidth(args.threads, args.mem_bytes or None, args.mem_repeats, args.out.parent)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        mem = {"skipped": str(exc)}
+    return {**by_dtype[args.dtypes.split(",")[0]], "by_dtype": by_dtype, "mem_read": mem}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("worker", choices=["ours-offline", "hf", "peak"])
+    parser.add_argument("worker", choices=["ours-offline", "ours-batch1", "hf", "peak"])
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--control-dir", type=Path, help="ours-offline: where ready.json and round-K.json go")
@@ -208,17 +251,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="our engine's option.KEY (ours-offline)")
     parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     parser.add_argument("--hf-probe-tokens", type=int, default=32)
-    parser.add_argument("--peak-size", type=int, default=0)
+    parser.add_argument("--peak-size", type=int, default=0, help="peak: square matmul size (0: 2048; CUDA 8192)")
+    parser.add_argument("--dtypes", default="fp32", help="peak: matmul dtypes, comma-separated (fp32, bf16)")
+    parser.add_argument("--mem-bytes", type=int, default=0, help="peak: read-bandwidth buffer (0: probes' default)")
+    parser.add_argument("--mem-repeats", type=int, default=10, help="peak: read-bandwidth passes (best is kept)")
     args = parser.parse_args(argv)
-    if args.worker == "ours-offline" and args.control_dir is None:
-        parser.error("ours-offline needs --control-dir")
+    if args.worker in ("ours-offline", "ours-batch1") and args.control_dir is None:
+        parser.error(f"{args.worker} needs --control-dir")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     workload = Workload.load(args.workload)
-    run = {"ours-offline": ours_offline, "hf": hf_generate, "peak": peak_matmul}[args.worker]
-    args.out.write_text(json.dumps(run(args, workload)))
+    run = {"ours-offline": ours_offline, "ours-batch1": ours_batch1, "hf": hf_generate, "peak": peak}[args.worker]
+    result = run(args, workload)
+    if result is not None:
+        args.out.write_text(json.dumps(result))
     return 0
 
 

@@ -12,10 +12,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-# ../shared beside the checkout (CI, main), or ../../shared for a git worktree one level further down
-PROMPTS = next((p for p in (REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl",
-                            REPO.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl") if p.is_file()),
-               REPO.parent / "shared" / "data" / "mt_bench_questions.jsonl")
+# a copy inside the repository (benchmarks/data/README.md: source and licence), so a clone runs alone
+PROMPTS = BENCH / "data" / "mt_bench_questions.jsonl"
 
 
 @dataclass
@@ -126,3 +124,31 @@ def compute_bound(flops: dict, peak_flops_per_s: float) -> dict:
     seconds = flops["total_flops"] / peak_flops_per_s
     return {"peak_gflops_per_s": peak_flops_per_s / 1e9, "seconds_at_peak": seconds,
             "output_tokens_per_s": flops["output_tokens"] / seconds}
+
+
+# ---------------------------------------------------------------- batch-1 bandwidth ceiling
+
+# bytes per weight of each (dtype, quantization) the benchmark runs; int8 adds a float32 scale per output row
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+
+def weight_bytes_per_token(config: dict, weights: str) -> dict:
+    """Bytes of weights one decode step must read, from an HF Llama config.json: every linear matrix of the
+    layers and lm_head (the tied embedding matrix, read whole to score the vocabulary; the embedding lookup
+    reads one row, left out, as are the norms' vectors), at WEIGHT_BYTES[weights] each, plus for int8 one
+    float32 scale per output row (per-output-channel quantization). The minimum any engine streams per
+    token in that format, so bytes / read bandwidth is the batch-1 ceiling. Raises KeyError on an unknown
+    `weights`."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    # (out rows, in cols) of q, k, v, o, gate, up, down, then lm_head
+    matrices = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden),
+                (hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)] * layers
+    matrices.append((vocab, hidden))
+    params = sum(rows * cols for rows, cols in matrices)
+    rows = sum(r for r, _ in matrices)
+    scale_bytes = 4 * rows if weights == "int8" else 0
+    return {"weights": weights, "params": params, "bytes": params * WEIGHT_BYTES[weights] + scale_bytes,
+            "scale_bytes": scale_bytes}

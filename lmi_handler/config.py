@@ -17,6 +17,10 @@ DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "floa
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
+# Settings keys an environment variable of their own gives when the properties do not (OPTION_* work for every key)
+ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES"}
+
+
 class ConfigError(ValueError):
     """A configuration key has a bad value; the message names the key and the allowed range."""
 
@@ -39,7 +43,13 @@ class Settings(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     """Context limit in tokens; default: the model's max_position_embeddings."""
     dtype: str = "auto"
-    """auto | fp32 | fp16 | bf16 (auto: fp32 on CPU, bf16 on CUDA)."""
+    """auto | fp32 | fp16 | bf16 (also float32, float16, bfloat16). auto follows the checkpoint: on CPU a
+    bf16/fp16 checkpoint runs in bf16 where the CPU has native bf16 dot products (AVX512_BF16 / AMX), else
+    fp32; fp16 runs as bf16 on CPU; on CUDA auto is the checkpoint's fp16/bf16, else bf16
+    (engine/precision.py)."""
+    quantize: Literal["int8"] | None = None
+    """Weight-only quantization at load: int8 = per-output-channel symmetric int8 weights, dequantized in
+    the C++ CPU kernels (activations stay in `dtype`); CPU only. Unset or `none`: the checkpoint's weights."""
     device_id: int = -1
     """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
     tensor_parallel_degree: int | Literal["max"] = 1
@@ -58,8 +68,10 @@ class Settings(BaseModel):
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
-    compile: bool = False
-    """torch.compile (inductor) for the model's forward; off by default (see model_runner.compiled_forward)."""
+    huge_pages: bool = True
+    """CPU float32: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
+    (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0
+    when the properties do not set it (read in from_properties, the only place that reads it)."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True
@@ -71,18 +83,24 @@ class Settings(BaseModel):
     """KV-cache size in bytes (all layers, K and V)."""
     output_formatter: Literal["json", "jsonlines", "sse"] | None = None
     """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
+    enable_streaming: bool = False
+    """LMI schema: every /invocations answer streams. Dynamic batch: a request's list of inputs answers
+    `application/jsonlines` lines of {"outputs": [new text per input]}, token by token; rolling batch: LMI
+    text and chat stream as with stream=true. Other routes keep their own rule."""
     tgi_compat: bool = False
-    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; any `model`
-    name is accepted on the OpenAI routes (as TGI)."""
+    """TGI compatibility: non-streaming answers wrapped in a list; SSE is the streaming default; OpenAI streams
+    end without `data: [DONE]` (TGI's client cannot parse it)."""
     served_model_name: str | None = None
     """Names the model answers to, comma-separated (vLLM's --served-model-name): the first is the one
-    responses carry, every one is accepted in `model` and /predictions/{name}. Unset: the model directory's name."""
+    responses carry, every one is valid in /predictions/{name}. Unset: the model directory's name."""
+    strict_model_name: bool = False
+    """The OpenAI routes answer 404 for a `model` that is not a served name, as vLLM does. Unset (false): any
+    `model` is answered by the loaded model, as TGI and LMI do (Hugging Face's InferenceClient sends "tgi").
+    Batch lines always take any `model` (the batch input format: the loaded model answers)."""
     batch_size: int = Field(4, ge=1, le=1024)
     """Dynamic batch: most requests per handle() call (top-level serving.properties key)."""
     max_batch_delay: int = Field(100, ge=0, le=60_000)
     """Dynamic batch: milliseconds to wait for a batch to fill."""
-    predict_timeout: int = Field(120, ge=1)
-    """Seconds one handle() call may take before the front end gives up on it."""
     batch_dir: str = "batches"
     """Where /v1/files and /v1/batches keep their SQLite state and files; relative paths start at model_dir
     (the directory of serving.properties)."""
@@ -123,6 +141,11 @@ class Settings(BaseModel):
                              "not implemented; shard the model with tensor_parallel_degree)")
         return 1
 
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _no_quantize(cls, value):
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
     @field_validator("rolling_batch")
     @classmethod
     def _lower(cls, value: str) -> str:
@@ -155,15 +178,23 @@ class Settings(BaseModel):
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
-                            batch_invariant=self.batch_invariant, compile=self.compile,
-                            enable_prefix_caching=self.enable_prefix_caching,
+                            batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
+                            enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
                             parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
                                                     read_mpi_launch()))
 
     @classmethod
-    def from_properties(cls, properties: Mapping[str, str]) -> "Settings":
-        """Validate handle()'s init properties (or a serving.properties dict). Raises ConfigError."""
+    def from_properties(cls, properties: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "Settings":
+        """Validate handle()'s init properties (or a serving.properties dict). Raises ConfigError.
+
+        `environ` (default os.environ) gives the environment switches the properties do not set:
+        LMI_HUGE_PAGES (huge_pages).
+        """
         data = {key.lower(): value for key, value in properties.items() if value is not None}
+        environ = os.environ if environ is None else environ
+        for key, name in ENVIRONMENT_SWITCHES.items():
+            if key not in data and environ.get(name) is not None:
+                data[key] = environ[name]
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -226,7 +257,8 @@ class EngineConfig:
     num_threads: int = 0
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
-    compile: bool = False
+    huge_pages: bool = True
+    quantize: str | None = None
     parallel: ParallelConfig = ParallelConfig()
 
 

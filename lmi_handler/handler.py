@@ -2,22 +2,25 @@
 
 Owns the DJL step protocol of DESIGN §2 (batch_NNN keys, one binary-encoded entry per item,
 order kept); the request plan is service.py's, objects are protocol/'s, generation the engine's.
+A Handler holds what handle() keeps between calls: the container's is this module's `handle`; the
+bundled server makes its own (server/app.py), so two apps in one process never share a model.
 """
 from __future__ import annotations
 
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
 from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
 from lmi_handler.engine.parallel.launch import run_mpi_follower
+from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
-from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_object
+from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_body
 from lmi_handler.protocol.formatters import Answer, StreamAnswer, outputs_line, response_body
-from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, RequestPlan
+from lmi_handler.protocol.plan import RequestPlan
 from lmi_handler.protocol.sequences import Member
 from lmi_handler.service import Service
 
@@ -27,18 +30,33 @@ ROUTE_PROPERTY = "X-Lmi-Route"  # the HTTP path, passed per item like the front 
 # Ours, not DJL's: the bundled front end marks a running item whose client went away, so its
 # sequences stop at once instead of generating to the end for nobody.
 CANCEL_PROPERTY = "X-Lmi-Cancel"
-# Ours, in-process only: the bundled front end hands over the RequestPlan it built from the same bytes
-# (to answer 4xx early), as a content entry beside `data`; DJL's front end never sends it, so the
-# handler then plans from `data` itself. Either way a request is parsed and tokenized once.
-PLAN_KEY = "X-Lmi-Plan"
+# Ours, in-process only: the bundled front end hands over a Handover (the RequestPlan it built from the
+# same bytes, to answer 4xx early) as a content entry beside `data`; DJL's front end never sends it, so
+# the handler then plans from `data` itself. Either way a request is parsed and tokenized once.
+HANDOVER_KEY = "X-Lmi-Handover"
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What the bundled front end hands over with an item, in-process: its plan, and where the whole
+    answer's object goes once it exists (`answered(body)`, before the last entry is returned), so an
+    in-process caller (the batch jobs) never parses the JSON text the entry carries."""
+
+    plan: RequestPlan
+    answered: Callable[[Any], None]
+
+
+def _handover(item: Input) -> Handover | None:
+    handed = item.content.get(HANDOVER_KEY)
+    return handed if isinstance(handed, Handover) else None
 
 
 def plan_item(service: Service, item: Input, request_id: str) -> RequestPlan:
     """The item's plan: the one the front end handed over, else parsed from its body by its route
     (/invocations, an OpenAI route, /generate) and content type. Raises RequestValidationError."""
-    handed = item.content.get(PLAN_KEY)
-    if isinstance(handed, RequestPlan):
-        return handed
+    handed = _handover(item)
+    if handed is not None:
+        return handed.plan
     return service.plan(item.get_as_bytes("data"), route=item.get_property(ROUTE_PROPERTY),
                         content_type=item.get_property("Content-Type"), request_id=request_id)
 
@@ -53,6 +71,7 @@ class ActiveRequest:
     error: str | None = None          # set when the request failed; answered once with last=true
     done: bool = False
     cancelled: bool = False           # the client went away: answered once with last=true, no data
+    handover: Handover | None = None  # in-process: where the whole answer's object goes too
     stream: StreamAnswer | None = field(default=None, init=False)  # a streamed answer's formatter
     answer: Answer | None = field(default=None, init=False)          # a whole answer's collector
 
@@ -75,7 +94,10 @@ class ActiveRequest:
                 self.answer.add(outputs[member.request_id])
         if not self.answer.done:
             return "", False
-        return encode([self.answer.body()], Wire.JSON), True
+        body = self.answer.body()
+        if self.handover is not None:
+            self.handover.answered(body)
+        return encode([body], Wire.JSON), True
 
 
 def _truthy(value: str | None) -> bool:
@@ -91,31 +113,22 @@ def _item_seed(item: Input) -> int | None:
         return None
 
 
-def add_members(engine, prompt_token_ids, request_members: list[Member]) -> None:
-    """Queue every sequence of a prompt; if one is refused, the ones already queued are dropped."""
-    added: list[str] = []
-    try:
-        for member in request_members:
-            engine.add_request(member.request_id, list(prompt_token_ids), member.params)
-            added.append(member.request_id)
-    except Exception:
-        for request_id in added:
-            engine.abort(request_id)
-        raise
+StepObserver = Callable[[list[ActiveRequest], dict], None]
 
 
 class RollingBatch:
     """The rolling-batch side of handle(): one call = one engine step for the whole active batch."""
 
-    def __init__(self, service: Service, fault_injection: str | None = None):
+    def __init__(self, service: Service, observers: list[StepObserver] | None = None):
         self.service = service
         self.active: list[ActiveRequest] = []
         self.guard = StepGuard(service.engine)
-        if fault_injection:  # tests only (engine/faults.py): chosen sequences fail inside the step
+        fault_injection = service.settings.fault_injection
+        if fault_injection:  # option.fault_injection (engine/faults.py): chosen sequences fail inside the step
             FaultInjector(service.engine, FaultRule.parse_all(fault_injection))
         # Called after each step with (active requests, their done/cancelled/error marks set; outputs by
         # sequence id): the bundled server's metrics (server/metrics.py RequestTracker.on_step).
-        self.observers: list[Callable[[list[ActiveRequest], dict], None]] = []
+        self.observers = list(observers or ())
 
     def reset(self) -> None:
         """reset_rollingbatch: drop all state first; every item of this call is new."""
@@ -154,11 +167,11 @@ class RollingBatch:
         try:
             plan = plan_item(self.service, item, request_id)
             (request_members,) = plan.members(_item_seed(item))     # rolling batch: one prompt
-            add_members(self.service.engine, plan.prompts[0].token_ids, request_members)
-        except Exception as exc:  # any failure stays with this request (DESIGN §2)
+            self.service.add_members(plan.prompts[0].token_ids, request_members)
+        except Exception as exc:  # noqa: BLE001 - any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
             return ActiveRequest(request_id, error=str(exc))
-        return ActiveRequest(request_id, plan, request_members)
+        return ActiveRequest(request_id, plan, request_members, handover=_handover(item))
 
     def _run_engine(self) -> dict:
         """One engine step; a fault ends only the requests whose sequences it hit (engine/faults.py)."""
@@ -231,11 +244,13 @@ class DynamicBatch:
         answer = Output()
         for index, (item, plan) in enumerate(zip(items, plans)):
             if isinstance(plan, str):
-                openai = item.get_property(ROUTE_PROPERTY) in (ROUTE_CHAT, ROUTE_COMPLETIONS)
-                body = error_object(plan, GENERATION_ERROR_CODE, openai=openai)
+                body = error_body(dialect_of(item.get_property(ROUTE_PROPERTY)), plan, GENERATION_ERROR_CODE)
                 answer.add_property(f"batch_{index}_code", str(GENERATION_ERROR_CODE))
             else:
                 body = response_body(plan, members_of[plan.request_id], results)
+                handed = _handover(item)
+                if handed is not None:
+                    handed.answered(body)
             answer.add(encode_bytes(body), key="data", batch_index=index)
             answer.add_property(f"batch_{index}_Content-Type", "application/json")
         answer.add_property("content-type", "application/json")
@@ -262,45 +277,51 @@ class DynamicBatch:
     def _plan(self, item: Input) -> RequestPlan | str:
         try:
             return plan_item(self.service, item, item.get_property("requestId") or uuid.uuid4().hex)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a plan that fails answers its item with 424 (DESIGN §2)
             return str(exc)
 
 
-@dataclass
-class HandlerState:
-    """What handle() keeps between calls (a holder object, so nothing rebinds a module global)."""
+class Handler:
+    """What handle() keeps between calls: the Service (made on the first call), and the rolling or the
+    dynamic side. `settings`: already parsed by the caller (the bundled server parses them once); None:
+    parsed from the first call's properties, as in the container. `observers` get every rolling step."""
 
-    service: Service | None = None
-    rolling: RollingBatch | None = None
-    dynamic: DynamicBatch | None = None
-    settings: Settings | None = field(default=None)
+    def __init__(self, settings: Settings | None = None, observers: list[StepObserver] | None = None):
+        self.settings = settings
+        self.observers = list(observers or ())
+        self.service: Service | None = None
+        self.rolling: RollingBatch | None = None
+        self.dynamic: DynamicBatch | None = None
 
-    def initialize(self, properties) -> None:
-        self.settings = Settings.from_properties(dict(properties))
+    def handle(self, inputs: Input) -> Output | None:
+        """DJL entry point (DESIGN §2): the first call carries the properties; an empty call returns None.
+        On an MPI rank above 0 the first call serves rank 0's steps until rank 0 shuts down, then returns None."""
+        if self.service is None and not self._initialize(inputs.get_properties()):
+            return None
+        if inputs.is_empty():
+            return None
+        if self.settings.is_rolling:
+            return self.rolling.step(inputs)
+        return self.dynamic.run(inputs)
+
+    def _initialize(self, properties) -> bool:
+        """Build the Service; False on an MPI follower rank, whose init call was the follower loop."""
+        if self.settings is None:
+            self.settings = Settings.from_properties(dict(properties))
         engine_config = self.settings.engine_config()
         if engine_config.parallel.mpi is not None and engine_config.parallel.mpi.rank > 0:
             # LMI's MPI launch: ranks above 0 get only the init call; they serve rank 0's steps from inside it
             run_mpi_follower(engine_config)
-            return
+            return False
         self.service = Service(self.settings)
-        self.rolling = RollingBatch(self.service, self.settings.fault_injection)
+        self.rolling = RollingBatch(self.service, self.observers)
         self.dynamic = DynamicBatch(self.service)
+        return True
 
 
-_STATE = HandlerState()
+_CONTAINER = Handler()   # the DJL container's worker: one model per process
 
 
 def handle(inputs: Input) -> Output | None:
-    """DJL entry point (DESIGN §2): the first call carries the properties; an empty call returns None."""
-    if _STATE.service is None:
-        _STATE.initialize(inputs.get_properties())
-    if inputs.is_empty():
-        return None
-    if _STATE.settings.is_rolling:
-        return _STATE.rolling.step(inputs)
-    return _STATE.dynamic.run(inputs)
-
-
-def get_state() -> HandlerState:
-    """The handler's state, for the bundled front end (it plans requests with the same Service)."""
-    return _STATE
+    """DJL entry point (DESIGN §2; `option.entryPoint=lmi_handler.handler`): the container's Handler."""
+    return _CONTAINER.handle(inputs)

@@ -12,13 +12,16 @@ import uuid
 from typing import Any
 
 from lmi_handler.config import Settings
-from lmi_handler.engine.engine import Engine, RequestRejected
+from lmi_handler.engine.engine import Engine, RequestTooLong
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
+from lmi_handler.protocol.dialects import Dialect, dialect_of
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.invocations import InvocationRequest
+from lmi_handler.protocol.openai import CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan
+from lmi_handler.protocol.sequences import Member
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class Service:
     def plan(self, body: bytes | str | dict, route: str | None = None, content_type: str | None = None,
              request_id: str | None = None) -> RequestPlan:
         """Parse, tokenize and check a request of any route once. Raises RequestValidationError
-        (status 400, 404 for an OpenAI `model` not served, 413 ...) naming the field."""
+        (status 400, 404 for a `model` not served under option.strict_model_name, 413 ...) naming the field."""
         request = InvocationRequest.parse(body, content_type=content_type, route=route)
         return self.plan_request(request, request_id or uuid.uuid4().hex)
 
@@ -62,10 +65,11 @@ class Service:
         kind = kind or rules.kind_of(request.route, request.chat is not None, settings.is_rolling)
         self._check_batching(request, kind)
         prompts = self._prompts(request, request_id, kind)
-        why_streaming = rules.streaming_reason(kind, bool(request.stream), settings.output_formatter)
-        stream = why_streaming is not None and (settings.is_rolling or bool(request.stream))
-        count = self._sequences(request, why_streaming if stream else None)
-        self._check_model(request, kind)
+        why_streaming = rules.streaming_reason(kind, bool(request.stream), settings.output_formatter,
+                                               rolling=settings.is_rolling, enable_streaming=settings.enable_streaming)
+        stream = why_streaming is not None
+        count = self._sequences(request, why_streaming)
+        model_name = self.answering_model(request.model, kind)
         params = request.parameters
         openai = request.chat or request.completion
         return RequestPlan(
@@ -76,7 +80,7 @@ class Service:
             decoder_input_details=params.decoder_input_details, return_full_text=params.return_full_text,
             tgi_names=rules.tgi_names(kind, settings.tgi_compat),
             logprobs=bool(openai and openai.logprobs is not None and openai.logprobs is not False),
-            include_usage=bool(openai and openai.include_usage), model_name=self.model_name,
+            include_usage=bool(openai and openai.include_usage), model_name=model_name,
             sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token)
 
@@ -85,28 +89,36 @@ class Service:
             raise RequestValidationError("stream", "Invalid parameter `stream`: in dynamic batch only /invocations "
                                          "with `inputs` streams (as {\"outputs\": [...]} lines); chat and the "
                                          "OpenAI routes need the rolling batch")
-        if request.is_openai and isinstance(request.inputs, list):
+        if dialect_of(request.route) is Dialect.OPENAI and isinstance(request.inputs, list):
             raise RequestValidationError("prompt", "Invalid parameter `prompt`: one prompt per request is supported "
                                          f"here, got a list of {len(request.inputs)}")
         if kind is not Kind.DYNAMIC_LIST and isinstance(request.inputs, list):
             raise RequestValidationError("inputs", "inputs must be one string in rolling batch "
                                          "(a list of strings needs option.rolling_batch=disable)")
 
-    def _check_model(self, request: InvocationRequest, kind: Kind) -> None:
-        """OpenAI routes answer 404 for a `model` not served here (vLLM); under tgi_compat any name is the
-        model (TGI: its clients send "tgi" or "dummy")."""
-        if kind not in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION) or self.settings.tgi_compat:
-            return
-        if request.openai_model not in (None, *self.served_names):
-            raise RequestValidationError("model", f"The model `{request.openai_model}` does not exist (this server "
-                                         f"serves {', '.join(map(repr, self.served_names))})", status_code=404)
+    def serves(self, name: str) -> bool:
+        """`name` is one of option.served_model_name's (DJL's /predictions/{name} routes by it)."""
+        return name in self.served_names
+
+    def answering_model(self, requested: str | None, kind: Kind) -> str:
+        """The served-model rule, decided here only: the name a request's answer carries (the first served
+        name), whatever `model` it sent. Batch lines take any `model` (the OpenAI batch input format: the
+        loaded model answers); so do the live routes by default, as TGI and LMI do (Hugging Face's
+        InferenceClient sends "tgi"). With option.strict_model_name=true the OpenAI routes answer 404 for a
+        name not served, as vLLM does. Raises RequestValidationError (404)."""
+        strict = self.settings.strict_model_name and kind in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION)
+        if strict and requested is not None and not self.serves(requested):
+            raise RequestValidationError("model", f"The model `{requested}` does not exist (this server serves "
+                                         f"{', '.join(map(repr, self.served_names))})", status_code=404)
+        return self.model_name
 
     def _sequences(self, request: InvocationRequest, why_streaming: str | None) -> sequences.SequencePlan:
         """n / best_of by the dialect's rule (protocol/sequences.py)."""
         params = request.parameters
         openai = request.chat or request.completion
         if openai is not None:      # OpenAI routes, batch lines and LMI chat: OpenAI's n (and legacy best_of)
-            return sequences.openai_n(openai.n, getattr(openai, "best_of", None), stream=why_streaming is not None,
+            best_of = openai.best_of if isinstance(openai, CompletionRequest) else None
+            return sequences.openai_n(openai.n, best_of, stream=why_streaming is not None,
                                       max_count=self.settings.max_rolling_batch_size)
         return sequences.tgi_best_of(params.n, params.best_of, streaming_why=why_streaming,
                                      max_count=self.settings.max_rolling_batch_size)
@@ -116,19 +128,20 @@ class Service:
         prompts = []
         for index, (text, token_ids) in enumerate(texts):
             token_ids = self._truncate(token_ids, request.parameters)
-            params = self._openai_length(request, kind, len(token_ids)).to_sampling_params(self.engine.eos_token_ids)
+            params = self._openai_length(request, kind, len(token_ids)).to_sampling_params()
             self._check_token_ids(params.stop_token_ids)
             try:
                 self.engine.check_fits(len(token_ids), params.max_new_tokens)
-            except RequestRejected as exc:
-                raise self._length_error(request, exc, len(token_ids), params.max_new_tokens) from None
+            except RequestTooLong as exc:
+                raise self._length_error(request, exc) from None
             rid = f"{request_id}-{index}" if len(texts) > 1 else request_id
             prompts.append(Prompt(rid, text, tuple(token_ids), params))
         return tuple(prompts)
 
-    def _length_error(self, request: InvocationRequest, exc: RequestRejected, num_prompt_tokens: int,
-                      max_new_tokens: int) -> RequestValidationError:
-        """The 400 for a request too long for the context or the KV cache, in its dialect's names.
+    @staticmethod
+    def _length_error(request: InvocationRequest, exc: RequestTooLong) -> RequestValidationError:
+        """The 400 for a request too long for the context or the KV cache, in its dialect's names, from the
+        numbers the engine's error carries.
 
         LMI/TGI keep the engine's message (`inputs`, `max_new_tokens`, `parameters.truncate`). OpenAI
         routes and batch lines name their own fields (`messages` or `prompt`; `max_completion_tokens`
@@ -138,19 +151,28 @@ class Service:
         if openai is None:
             return RequestValidationError(exc.field, str(exc))
         prompt_field = "messages" if request.chat is not None else "prompt"
-        length_field = next((name for name in ("max_completion_tokens", "max_tokens")
-                             if getattr(openai, name, None) is not None), None)
-        total = num_prompt_tokens + max_new_tokens
-        if exc.field == "inputs":       # the model's context
-            limit, what = self.engine.max_model_len, "This model's maximum context length"
-        else:                           # the KV cache
-            limit = self.engine.allocator.num_blocks * self.engine.allocator.block_size
-            what = "This server's KV cache"
-        asked = (f"you requested {total} tokens ({num_prompt_tokens} in the {prompt_field}, {max_new_tokens} for the "
-                 f"completion)")
+        sent = {"max_completion_tokens": openai.max_completion_tokens, "max_tokens": openai.max_tokens}
+        length_field = next((name for name, value in sent.items() if value is not None), None)
+        num_prompt_tokens, limit = exc.num_prompt_tokens, exc.limit
+        what = "This model's maximum context length" if exc.limit_name == "context" else "This server's KV cache"
+        asked = (f"you requested {num_prompt_tokens + exc.max_new_tokens} tokens ({num_prompt_tokens} in the "
+                 f"{prompt_field}, {exc.max_new_tokens} for the completion)")
         fix = f"reduce the length of the {prompt_field}" + (f" or `{length_field}`" if length_field else "")
         field = length_field if length_field and num_prompt_tokens < limit else prompt_field
         return RequestValidationError(field, f"{what} is {limit} tokens. However, {asked}. Please {fix}.")
+
+    def add_members(self, prompt_token_ids: tuple[int, ...], request_members: list[Member]) -> None:
+        """Queue every engine sequence of a prompt (n / best_of give several); if one is refused, the ones
+        already queued are dropped and the error goes on (RequestRejected, a bug)."""
+        added: list[str] = []
+        try:
+            for member in request_members:
+                self.engine.add_request(member.request_id, list(prompt_token_ids), member.params)
+                added.append(member.request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
 
     def _check_token_ids(self, token_ids: tuple[int, ...]) -> None:
         vocab_size = self.engine.runner.config.vocab_size
@@ -191,7 +213,7 @@ class Service:
         try:
             with self._tokenizer_lock:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja errors on malformed messages
+        except Exception as exc:  # noqa: BLE001 - jinja errors on malformed messages: the client's 400
             raise RequestValidationError("messages",
                                          f"messages cannot be rendered by the chat template: {exc}") from None
 

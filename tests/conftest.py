@@ -1,17 +1,31 @@
-"""Shared fixtures: the prepared demo model (run `lmi-handler prepare-model` or `make test`)."""
+"""Shared fixtures (fixtures only; helpers live in helpers.py modules): the prepared demo model (run
+`lmi-handler prepare-model` or `make test`), a Service and batch runner on it, and the real servers the HTTP,
+case and batch tests share. Every server starts on first use and stops at the end of its scope."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import httpx
 import pytest
 from hypothesis import settings
 
-from tests.helpers import MODEL_DIR, SHARED
+from tests.batch.helpers import start
+from tests.helpers import MODEL_DIR, REPO, SMALL_KV_CACHE_BYTES, mt_bench_questions, serve
 
 # Property tests draw the same examples every run: a CI failure is reproducible, never a coin toss.
 settings.register_profile("lmi_handler", derandomize=True, print_blob=True)
 settings.load_profile("lmi_handler")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests in reverse order (`make test` runs the fast suite so: a test "
+                          "that needs another to have run first fails there)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +44,74 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def mt_bench_prompts() -> list[str]:
-    """First turns of the MT-Bench questions (../shared/data), in file order."""
-    path = SHARED / "data" / "mt_bench_questions.jsonl"
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    """First turns of the MT-Bench questions (benchmarks/data), in file order."""
+    return mt_bench_questions()
+
+
+@pytest.fixture(scope="session")
+def service(model_dir):
+    """The demo model's Service in this process, on the repo's serving.properties."""
+    from lmi_handler.config import Settings, read_serving_properties
+    from lmi_handler.service import Service
+
+    properties = read_serving_properties(REPO / "serving.properties", environ={})
+    return Service(Settings.from_properties(properties))
+
+
+@pytest.fixture(scope="session")
+def runner(service):
+    from lmi_handler.batch.runner import BatchRunner
+
+    return BatchRunner(service)
+
+
+@pytest.fixture(scope="session")
+def app(model_dir):
+    """The real app in this process (ASGI, no sockets): its own model, two served names, 4 sequences a step, a
+    256 MiB KV cache (it lives as long as the session, beside the other in-process models)."""
+    from tests.server.helpers import InProcessServer
+
+    server = InProcessServer(max_rolling_batch_size="4", num_threads="1", served_model_name="smol, model",
+                             kv_cache_bytes=str(SMALL_KV_CACHE_BYTES))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def rolling_server(model_dir, tmp_path_factory):
+    yield from serve(tmp_path_factory, "rolling", max_rolling_batch_size="16")
+
+
+@pytest.fixture(scope="session")
+def dynamic_server(model_dir, tmp_path_factory):
+    yield from serve(tmp_path_factory, "dynamic", rolling_batch="disable")
+
+
+@pytest.fixture(scope="module")
+def tgi_server(model_dir, tmp_path_factory):
+    yield from serve(tmp_path_factory, "tgi", tgi_compat="true")
+
+
+@pytest.fixture(scope="module")
+def sse_server(model_dir, tmp_path_factory):
+    yield from serve(tmp_path_factory, "sse", output_formatter="sse")
+
+
+@pytest.fixture(scope="session")
+def client(rolling_server):
+    with httpx.Client(base_url=rolling_server.url, timeout=300) as http:
+        yield http
+
+
+@pytest.fixture(scope="session")
+def batch_server(model_dir, tmp_path_factory):
+    """A server for the Batch API: its state in a fresh directory, 1 thread, a 200 kB upload limit."""
+    with start(tmp_path_factory, tmp_path_factory.mktemp("batches"), "batch-api") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def batch_sdk(batch_server):
+    import openai
+
+    return openai.OpenAI(base_url=batch_server.url + "/v1", api_key="unused", max_retries=0)

@@ -1,4 +1,6 @@
 """serving.properties + OPTION_* environment -> Settings (LMI configuration rules)."""
+from pathlib import Path
+
 import pytest
 
 from lmi_handler.config import ConfigError, MpiLaunch, Settings, read_mpi_launch, read_serving_properties
@@ -101,3 +103,40 @@ def test_the_mpi_launch_is_read_from_open_mpi_and_djls_variables():
                                              master_port=19000)
     with pytest.raises(ConfigError, match="MASTER_PORT"):
         read_mpi_launch({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"})
+
+
+def test_huge_pages_are_on_by_default_and_off_with_the_option_or_lmi_huge_pages_0():
+    assert Settings.from_properties({}, environ={}).engine_config().huge_pages is True
+    assert Settings.from_properties({}, environ={"LMI_HUGE_PAGES": "0"}).engine_config().huge_pages is False
+    assert Settings.from_properties({"huge_pages": "false"}, environ={}).engine_config().huge_pages is False
+    # the properties (option.huge_pages, OPTION_HUGE_PAGES) win over the environment switch
+    assert Settings.from_properties({"huge_pages": "true"}, environ={"LMI_HUGE_PAGES": "0"}).huge_pages is True
+    with pytest.raises(ConfigError, match="huge_pages"):
+        Settings.from_properties({}, environ={"LMI_HUGE_PAGES": "sometimes"})
+
+
+def test_only_config_reads_the_environment():
+    """STYLE: nothing reads os.environ outside config.py (switches arrive as Settings fields)."""
+    import lmi_handler
+
+    package = Path(lmi_handler.__file__).parent
+    readers = [str(path.relative_to(package)) for path in package.rglob("*.py")
+               if "os.environ" in path.read_text() or "getenv(" in path.read_text()]
+    assert readers == ["config.py"]
+
+
+def test_job_queue_size_is_a_top_level_key_with_the_environment_as_djls_default(tmp_path):
+    props = tmp_path / "serving.properties"
+    props.write_text("option.model_id=model\n")
+    assert Settings.from_properties(read_serving_properties(props, {})).job_queue_size == 1000
+    assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "4"
+    props.write_text("job_queue_size=7\n")
+    assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "7"
+
+
+def test_enable_streaming_and_strict_model_name_are_off_by_default_and_read_as_booleans():
+    assert (Settings().enable_streaming, Settings().strict_model_name) == (False, False)
+    settings = Settings.from_properties({"enable_streaming": "true", "strict_model_name": "TRUE"})
+    assert settings.enable_streaming and settings.strict_model_name
+    with pytest.raises(ConfigError, match="strict_model_name"):
+        Settings.from_properties({"strict_model_name": "sometimes"})

@@ -6,9 +6,10 @@ import json
 import pytest
 
 from lmi_handler.config import Settings
+from lmi_handler.protocol.dialects import ROUTE_CHAT, ROUTE_COMPLETIONS, Dialect
 from lmi_handler.protocol.encoder import Wire
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, Kind, Shape
+from lmi_handler.protocol.plan import Kind, Shape
 from lmi_handler.protocol.sequences import Combine
 from lmi_handler.service import Service
 
@@ -38,7 +39,7 @@ def test_a_streamed_request_under_tgi_compat_is_sse(service):
 
 def test_openai_routes_take_openai_kinds_and_sse_streams(service):
     chat = service.plan(b'{"messages": [{"role": "user", "content": "Hi"}], "stream": true}', route=ROUTE_CHAT)
-    assert (chat.kind, chat.shape, chat.wire) == (Kind.OPENAI_CHAT, Shape.CHAT, Wire.SSE) and chat.is_openai
+    assert (chat.kind, chat.shape, chat.wire) == (Kind.OPENAI_CHAT, Shape.CHAT, Wire.SSE) and chat.dialect is Dialect.OPENAI
     assert not chat.tgi_names
     completion = service.plan(b'{"prompt": "Hi", "echo": true}', route=ROUTE_COMPLETIONS)
     assert completion.kind is Kind.OPENAI_COMPLETION and completion.return_full_text
@@ -52,12 +53,25 @@ def test_best_of_plans_several_sequences_and_refuses_streaming(service):
     assert info.value.field == "best_of"
 
 
-def test_a_model_the_server_does_not_serve_is_a_404_on_openai_routes(model_dir):
-    plain = Service(Settings.from_properties({"model_id": str(model_dir), "max_rolling_batch_size": "4"}))
+def test_with_strict_model_name_a_model_the_server_does_not_serve_is_a_404_on_openai_routes(model_dir):
+    plain = Service(Settings.from_properties({"model_id": str(model_dir), "max_rolling_batch_size": "4",
+                                              "strict_model_name": "true"}))
     with pytest.raises(RequestValidationError) as info:
         plain.plan(b'{"model": "gpt-4", "prompt": "Hi"}', route=ROUTE_COMPLETIONS)
     assert info.value.status_code == 404 and info.value.field == "model"
     assert plain.plan(json.dumps({"model": plain.model_name, "prompt": "Hi"}).encode(), route=ROUTE_COMPLETIONS)
+    line = plain.plan_openai_body({"model": "gpt-4", "prompt": "Hi", "max_tokens": 2}, ROUTE_COMPLETIONS, "line-1",
+                                  greedy_when_unset=True)       # batch lines take any model, strict or not
+    assert line.model_name == plain.model_name
+
+
+def test_by_default_any_model_name_is_answered_by_the_loaded_model_on_every_openai_kind(service):
+    """The served-model rule (Service.answering_model): TGI's and LMI's, so InferenceClient's "tgi" works."""
+    for name in ("tgi", "m", "gpt-4o-mini", service.model_name):
+        body = {"model": name, "prompt": "Hi", "max_tokens": 2}
+        live = service.plan(json.dumps(body).encode(), route=ROUTE_COMPLETIONS)
+        line = service.plan_openai_body(body, ROUTE_COMPLETIONS, "line-1", greedy_when_unset=True)
+        assert live.model_name == line.model_name == service.model_name
 
 
 def test_under_tgi_compat_any_model_name_is_the_model_as_tgi_clients_send_tgi_or_dummy(service):

@@ -1,13 +1,15 @@
 """The /v1/batches job worker: runs stored jobs one at a time through the server's own front end, live traffic first.
 
 Owns a job's life (validating -> in_progress -> finalizing -> completed, failed, expired, cancelling ->
-cancelled) and how many of its lines share the engine; rows are store.py's, line rules batch_lines.py's.
+cancelled) and how many of its lines share the engine; rows are store.py's, which lines run and their
+records lines.py's (shared with the offline runner), line rules batch_lines.py's.
 
 Each line goes through the front end's queue as an internal request on its route (so it is admitted
-by handle() like a live request and answered with the very body the route sends). Live requests
+by handle() like a live request and answered with the very object the route sends). Live requests
 come first: a job keeps at most `max_batch_size - reserve` lines in flight (reserve = a quarter of
-the batch, at least 1) and adds one only while no live request waits in the queue and the active
-batch has room past the reserve, so an arriving request finds a free place at the next step.
+the batch, at least 1) and adds one only while the front end has room for it (FrontEnd.has_room: no
+live request waits, and the active batch has room past the reserve), so an arriving request finds a
+free place at the next step.
 """
 from __future__ import annotations
 
@@ -16,14 +18,17 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from lmi_handler.batch.executor import plan_line
-from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
+from lmi_handler.batch.lines import Record, answer_record, lines_to_run, plan_line, refusal
+from lmi_handler.batch.results import ResultFiles
 from lmi_handler.batch.store import BatchStore, now_s
-from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, LineError, check_lines, read_batch
-from lmi_handler.protocol.errors import RequestValidationError, openai_error
-from lmi_handler.server.frontend import ClientRequest
+from lmi_handler.frontend.loops import FrontEnd
+from lmi_handler.frontend.requests import ClientRequest
+from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, check_lines, read_batch
+from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.errors import RequestValidationError, error_body
+from lmi_handler.service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +43,21 @@ class JobStopped(Exception):
 class BatchJobs:
     """The store plus one asyncio task (on the server's event loop) that works through the active jobs."""
 
-    def __init__(self, store: BatchStore, front_end, service: Callable[[], Any]):
+    def __init__(self, store: BatchStore, front_end: FrontEnd):
         self.store = store
         self.front_end = front_end
-        self.service = service
-        size = getattr(front_end, "max_batch_size", None) or getattr(front_end, "batch_size", 4)
-        self.max_batch_size = size
+        self.service: Service | None = None               # the loaded model's (start)
+        size = front_end.max_batch_size
         self.reserve = max(1, size // 4)
         self.max_in_flight = max(1, size - self.reserve)
         self.inflight: dict[str, ClientRequest] = {}     # this job's lines holding a place, by request id
-        self.submitted: set[str] = set()                  # ... of which those already in the front end's queue
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prepare")
 
-    async def start(self) -> None:
+    async def start(self, service: Service) -> None:
+        """Start working through the jobs on `service`'s model (once it is loaded)."""
+        self.service = service
         self.task = asyncio.create_task(self._run(), name="batch-jobs")
 
     async def stop(self) -> None:
@@ -134,19 +139,19 @@ class BatchJobs:
                      errors="replace") as lines:
             self._count(batch_id, results)
             tasks: set[asyncio.Task] = set()
+
+            def write(record: Record) -> None:
+                self._write(batch_id, results, record)
+
             try:
-                for item in check_lines(lines, defaults, self.store.row(batch_id)["endpoint"]):
-                    if line_key(item) in results.done:
-                        continue
-                    if isinstance(item, LineError):
-                        self._write(batch_id, results, line_error_record(item))
-                        continue
+                items = check_lines(lines, defaults, self.store.row(batch_id)["endpoint"])
+                for line in lines_to_run(items, results.done, write):
                     await self._wait_for_room(batch_id)
                     # the place is taken now, before the task runs, so the next _has_room counts it
-                    client = ClientRequest(json.dumps(item.body).encode(), asyncio.get_running_loop(),
-                                           route=item.url)
+                    client = ClientRequest(json.dumps(line.body).encode(), asyncio.get_running_loop(),
+                                           route=line.url, internal=True)
                     self.inflight[client.request_id] = client
-                    task = asyncio.create_task(self._run_line(batch_id, item, client, results))
+                    task = asyncio.create_task(self._run_line(batch_id, line, client, results))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 while tasks:
@@ -165,14 +170,8 @@ class BatchJobs:
         self._check_stopped(batch_id)
 
     def _has_room(self) -> bool:
-        """Live first: no live request waiting, the active batch has room past the reserve, the job under its cap."""
-        if len(self.inflight) >= self.max_in_flight:
-            return False
-        active = list(getattr(self.front_end, "active", []))
-        mine_waiting = sum(1 for request_id, client in self.inflight.items()
-                           if request_id in self.submitted and not any(client is a for a in active))
-        waiting = self.front_end.pending.qsize()
-        return waiting - mine_waiting <= 0 and len(active) + waiting <= self.max_batch_size - self.reserve
+        """Live first: the job under its cap, and the front end has room past the reserve (FrontEnd.has_room)."""
+        return len(self.inflight) < self.max_in_flight and self.front_end.has_room(self.reserve)
 
     def _check_stopped(self, batch_id: str) -> None:
         row = self.store.row(batch_id)
@@ -188,30 +187,27 @@ class BatchJobs:
             record = await self._answer(line, client)
         except Exception as exc:  # a bug must cost this line only, and still give it a record
             logger.exception("batch %s line %d failed", batch_id, line.line)
-            record = success_record(line.custom_id, request_id, openai_error(f"internal error: {exc}", 500), 500)
+            record = answer_record(line, request_id, error_body(Dialect.OPENAI, f"internal error: {exc}", 500))
         finally:
             self.inflight.pop(request_id, None)
-            self.submitted.discard(request_id)
         if record is not None:
             self._write(batch_id, results, record)
 
-    async def _answer(self, line: BatchLine, client: ClientRequest) -> dict | None:
+    async def _answer(self, line: BatchLine, client: ClientRequest) -> Record | None:
         """The line's record: its plan first (the same as offline, Kind.BATCH_LINE; a refused line never
         queues, and the handler takes the plan as built), then its answer from the front end; None when
         it was cancelled."""
         try:
             client.plan = await asyncio.get_running_loop().run_in_executor(
-                self.prepare_pool, plan_line, self.service(), line, client.request_id)
+                self.prepare_pool, plan_line, self.service, line, client.request_id)
         except RequestValidationError as exc:
-            body = openai_error(str(exc), exc.status_code, param=exc.field, error_type="invalid_request_error")
-            return success_record(line.custom_id, client.request_id, body, exc.status_code)
+            return refusal(line, client.request_id, exc)
         if client.cancelled:
             return None
         while not self.front_end.submit(client):   # the waiting queue is full of live requests: they go first
             if client.cancelled:
                 return None
             await asyncio.sleep(POLL_S)
-        self.submitted.add(client.request_id)
         return await _collect(client, line)
 
     def _write(self, batch_id: str, results: ResultFiles, record: dict) -> None:
@@ -250,9 +246,9 @@ def _file_error(code: str, message: str, param: str | None, line: int | None = N
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-async def _collect(client: ClientRequest, line: BatchLine) -> dict | None:
-    """The line's answer from its chunks, as a result record; None when it was cancelled before finishing."""
-    parts: list[str] = []
+async def _collect(client: ClientRequest, line: BatchLine) -> Record | None:
+    """The line's record once its last chunk came: the answer object the handler handed back
+    (ClientRequest.answer), or the error its chunk carries; None when it was cancelled before finishing."""
     while True:
         try:
             chunk = await asyncio.wait_for(client.chunks.get(), POLL_S * 10)
@@ -261,12 +257,10 @@ async def _collect(client: ClientRequest, line: BatchLine) -> dict | None:
                 return None
             continue
         if chunk.code is not None:
-            body = openai_error(chunk.error or "inference failed", chunk.code)
-            return success_record(line.custom_id, client.request_id, body, chunk.code)
-        parts.append(chunk.data)
+            body = error_body(Dialect.OPENAI, chunk.error or "inference failed", chunk.code)
+            return answer_record(line, client.request_id, body)
         if chunk.last:
             break
-    text = "".join(parts)
-    if not text:
+    if client.answer is None:
         return None   # cancelled: the handler ended it without an answer
-    return success_record(line.custom_id, client.request_id, json.loads(text))
+    return answer_record(line, client.request_id, client.answer)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from lmi_handler.protocol.batch_lines import BatchLine, LineError
-from lmi_handler.protocol.errors import openai_error
+from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,19 @@ def success_record(custom_id: str, request_id: str, body: dict[str, Any], status
     return _record(custom_id, {"status_code": status_code, "request_id": request_id, "body": body}, None)
 
 
+def refused_record(custom_id: str | None, request_id: str, message: str, status_code: int,
+                   param: str | None) -> dict[str, Any]:
+    """A line its route refused: the route's own 4xx answer (an OpenAI error object), as OpenAI's batch output
+    carries it. The one place a refused line's record is built (offline, on the server, at checking)."""
+    return success_record(custom_id, request_id, error_body(Dialect.OPENAI, message, status_code, param),
+                          status_code)
+
+
 def line_error_record(error: LineError) -> dict[str, Any]:
     """A line that could not run. A refused body parameter carries the route's own 400 answer (as OpenAI's
     batch output does); an unreadable line, bad method/url, stream or duplicate id carries `error` instead."""
     if error.status_code is not None:
-        body = openai_error(error.message, error.status_code, param=error.param, error_type="invalid_request_error")
-        return success_record(error.custom_id, f"line-{error.line}", body, error.status_code)
+        return refused_record(error.custom_id, f"line-{error.line}", error.message, error.status_code, error.param)
     return _record(error.custom_id, None, {"code": error.code, "message": error.message, "param": error.param,
                                            "line": error.line})
 

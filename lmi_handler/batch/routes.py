@@ -14,7 +14,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from lmi_handler.batch.jobs import BatchJobs
 from lmi_handler.batch.store import WINDOW_S
 from lmi_handler.protocol.batch_lines import ROUTES, BatchDefaults
-from lmi_handler.protocol.errors import RequestValidationError, openai_error
+from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.errors import RequestValidationError, error_body
 
 MAX_METADATA_KEYS = 16   # OpenAI: 16 pairs, keys up to 64 characters, values up to 512
 FILE_PURPOSES = ("batch",)
@@ -28,8 +29,7 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse(openai_error(self.message, self.status, self.param, kind), status_code=self.status)
+        return JSONResponse(error_body(Dialect.OPENAI, self.message, self.status, self.param), status_code=self.status)
 
 
 def batch_router(jobs: BatchJobs, max_file_bytes: int) -> APIRouter:
@@ -61,7 +61,7 @@ def batch_router(jobs: BatchJobs, max_file_bytes: int) -> APIRouter:
             return ApiError(413, f"the file is over the upload limit of {max_file_bytes} bytes", "file").response()
         try:
             form = await request.form()
-        except Exception as exc:  # not multipart, or a broken one
+        except Exception as exc:  # noqa: BLE001 - not multipart, or a broken one: the client's 400
             return ApiError(400, f"send multipart/form-data with fields `file` and `purpose`: {exc}").response()
         try:
             return _store_upload(store, form, max_file_bytes)

@@ -1,7 +1,7 @@
 """The offline batch runner: a JSONL file of OpenAI requests through the rolling-batch engine, results by custom_id.
 
-Owns the admission window and the step loop (no HTTP, no handle() calls); line rules are
-protocol/batch_lines.py's, route answers executor.py's, result files results.py's.
+Owns the admission window and the step loop (no HTTP, no handle() calls); which lines run and their
+records are lines.py's (shared with the server's jobs), line rules protocol/batch_lines.py's.
 """
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmi_handler.batch.executor import LineRequest, prepare_line
-from lmi_handler.batch.results import ResultFiles, line_error_record, line_key, success_record
-from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, BatchRejected, LineError, check_lines, read_batch
-from lmi_handler.protocol.errors import RequestValidationError, openai_error
+from lmi_handler.batch.lines import LineRequest, Record, answer_record, lines_to_run, refusal
+from lmi_handler.batch.results import ResultFiles, is_success
+from lmi_handler.engine.engine import RequestRejected
+from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, BatchRejected, check_lines, read_batch
+from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.errors import RequestValidationError, error_body
+from lmi_handler.service import Service
 
 logger = logging.getLogger(__name__)
 __all__ = ["BatchRejected", "BatchRunner", "BatchSummary"]
@@ -64,7 +67,7 @@ class BatchRunner:
     (default: twice the engine's max_num_seqs, so its waiting queue never runs dry), so memory does not
     grow with the file."""
 
-    def __init__(self, service, window: int | None = None):
+    def __init__(self, service: Service, window: int | None = None):
         self.service = service
         self.engine = service.engine
         self.window = window or 2 * self.engine.scheduler.config.max_num_seqs
@@ -99,44 +102,45 @@ class BatchRunner:
 
     def _run_lines(self, items, results: ResultFiles, bar: _Progress) -> None:
         inflight: dict[str, LineRequest] = {}
-        for item in items:
-            if line_key(item) in results.done:
-                continue
-            if isinstance(item, LineError):
-                results.write(line_error_record(item))
-                bar.update(False, 0)
-                continue
-            request = self._admit(item, results, bar)
+
+        def write(record: Record) -> None:
+            results.write(record)
+            ok = is_success(record)
+            usage = record["response"]["body"].get("usage") if ok else None
+            bar.update(ok, (usage or {}).get("completion_tokens", 0))
+
+        for line in lines_to_run(items, results.done, write):
+            request = self._admit(line, write)
             if request is not None:
                 inflight.update({member.request_id: request for member in request.members})
             while len(inflight) >= self.window:
-                self._step(inflight, results, bar)
+                self._step(inflight, write)
         while inflight:
-            self._step(inflight, results, bar)
+            self._step(inflight, write)
 
-    def _admit(self, line: BatchLine, results: ResultFiles, bar: _Progress) -> LineRequest | None:
+    def _admit(self, line: BatchLine, write) -> LineRequest | None:
+        """The line planned and its sequences in the engine; None (its refusal written) when the route refuses it."""
         request_id = uuid.uuid4().hex
         try:
-            request = prepare_line(self.service, line, request_id)
-            self._add_members(request)
-        except (RequestValidationError, ValueError) as exc:
-            status, field = getattr(exc, "status_code", 400), getattr(exc, "field", None)
-            body = openai_error(str(exc), status, param=field, error_type="invalid_request_error")
-            results.write(success_record(line.custom_id, request_id, body, status))
-            bar.update(False, 0)
+            request = LineRequest.prepare(self.service, line, request_id)
+            self.service.add_members(request.plan.prompts[0].token_ids, request.members)
+        except RequestRejected as exc:      # the engine refused it (never after a good plan: a bug)
+            write(refusal(line, request_id, RequestValidationError(exc.field, str(exc))))
+            return None
+        except RequestValidationError as exc:
+            write(refusal(line, request_id, exc))
             return None
         return request
 
-    def _step(self, inflight: dict[str, LineRequest], results: ResultFiles, bar: _Progress) -> None:
+    def _step(self, inflight: dict[str, LineRequest], write) -> None:
         try:
             outputs = self.engine.step()
         except Exception:  # a bug in a step fails the lines inside the engine, not the whole file
             logger.exception("engine step failed; failing %d in-flight lines", len(inflight))
             self.engine.abort_all()
             for request in {id(r): r for r in inflight.values()}.values():
-                body = openai_error("internal error during generation", 500)
-                results.write(success_record(request.line.custom_id, request.request_id, body, 500))
-                bar.update(False, 0)
+                body = error_body(Dialect.OPENAI, "internal error during generation", 500)
+                write(answer_record(request.line, request.request_id, body))
             inflight.clear()
             return
         for out in outputs:
@@ -146,18 +150,4 @@ class BatchRunner:
                 continue
             for member in request.members:
                 inflight.pop(member.request_id, None)
-            ok = "error" not in body
-            results.write(success_record(request.line.custom_id, request.request_id, body, 200 if ok else 500))
-            bar.update(ok, (body.get("usage") or {}).get("completion_tokens", 0))
-
-    def _add_members(self, request: LineRequest) -> None:
-        """Queue every engine sequence of a line (n > 1 gives several); if one is refused, none stays."""
-        added: list[str] = []
-        try:
-            for member in request.members:
-                self.engine.add_request(member.request_id, request.prompt_token_ids, member.params)
-                added.append(member.request_id)
-        except Exception:
-            for request_id in added:
-                self.engine.abort(request_id)
-            raise
+            write(answer_record(request.line, request.request_id, body))

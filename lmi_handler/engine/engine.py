@@ -23,6 +23,7 @@ from lmi_handler.engine.output_processor import (
     plan_prompt_logprobs,
 )
 from lmi_handler.engine.parallel.launch import start_runner
+from lmi_handler.engine.precision import Precision, checkpoint_dtype, resolve_precision
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, random_seed
@@ -39,6 +40,17 @@ class RequestRejected(ValueError):
         self.field = field
 
 
+class RequestTooLong(RequestRejected):
+    """prompt + max_new_tokens can never fit: past the model's context (`limit_name` "context") or the whole
+    KV cache ("kv_cache"). Carries the numbers (tokens) so each dialect can word the 400 in its own fields."""
+
+    def __init__(self, field: str, message: str, *, num_prompt_tokens: int, max_new_tokens: int, limit: int,
+                 limit_name: str):
+        super().__init__(field, message)
+        self.num_prompt_tokens, self.max_new_tokens = num_prompt_tokens, max_new_tokens
+        self.limit, self.limit_name = limit, limit_name
+
+
 def pick_device(device_id: int) -> torch.device:
     """cuda:device_id (cuda:0 for -1) when CUDA is present, else CPU."""
     if torch.cuda.is_available():
@@ -46,11 +58,15 @@ def pick_device(device_id: int) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on CPU and bfloat16 on CUDA; otherwise the named dtype."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def pick_precision(config: EngineConfig, device: torch.device) -> Precision:
+    """option.dtype and option.quantize for this checkpoint on this device (precision.resolve_precision).
+    Raises: ConfigError naming option.quantize when the engine cannot serve it."""
+    from lmi_handler.engine.model.kernels import cpu_kernels
+    from lmi_handler.engine.model.kernels.build import native_bf16_cpu
+
+    return resolve_precision(config.dtype, config.quantize, checkpoint_dtype(config.model_path), device,
+                             native_bf16=device.type == "cpu" and native_bf16_cpu(),
+                             kernels_built=lambda: cpu_kernels() is not None)
 
 
 class Engine:
@@ -62,8 +78,10 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device_id)
+        precision = pick_precision(config, self.device)
+        (logger.warning if precision.warn else logger.info)("%s", precision.reason)
         # a ModelRunner, or under tensor parallelism rank 0's executor over the group (engine/parallel/)
-        self.runner = start_runner(config, self.device, pick_dtype(config.dtype, self.device))
+        self.runner = start_runner(config, self.device, precision)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -87,16 +105,19 @@ class Engine:
     # ---- requests in and out -------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise RequestRejected unless prompt + max_new_tokens fits the context and the KV cache."""
+        """Raise RequestTooLong unless prompt + max_new_tokens fits the context and the KV cache."""
         total = num_prompt_tokens + max_new_tokens
+        counts = dict(num_prompt_tokens=num_prompt_tokens, max_new_tokens=max_new_tokens)
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
-            raise RequestRejected(
+            raise RequestTooLong(
                 "inputs", f"inputs has {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
                 f"their sum {total} exceeds the model's token limit of {self.max_model_len} "
-                f"(shorten the input, lower max_new_tokens, or set parameters.truncate)")
+                f"(shorten the input, lower max_new_tokens, or set parameters.truncate)",
+                **counts, limit=self.max_model_len, limit_name="context")
         if num_blocks_needed(total, self.allocator.block_size) > self.allocator.num_blocks:
-            raise RequestRejected("max_new_tokens", f"{total} tokens exceed the KV cache "
-                                  f"({self.allocator.num_blocks * self.allocator.block_size} tokens)")
+            cache_tokens = self.allocator.num_blocks * self.allocator.block_size
+            raise RequestTooLong("max_new_tokens", f"{total} tokens exceed the KV cache ({cache_tokens} tokens)",
+                                 **counts, limit=cache_tokens, limit_name="kv_cache")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     seed: int | None = None) -> Sequence:

@@ -61,7 +61,7 @@ class StepGuard:
             if hit:
                 return [], self._fail(hit, failure_message(fault))
             return self._isolate(fault, running_before, computed)
-        except Exception as exc:  # noqa: BLE001 - any bug in a step is isolated, never fatal
+        except Exception as exc:  # any bug in a step is isolated, never fatal
             logger.exception("engine step failed; isolating the sequences it hit")
             self._restore(computed)
             return self._isolate(exc, running_before, computed)

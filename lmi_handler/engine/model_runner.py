@@ -106,30 +106,32 @@ class ModelRunner:
     """Owns the model and its paged KV cache; `prepare` builds a step's ModelInput, `execute` runs it.
 
     KV cache: per layer a K and a V tensor of shape (num_blocks, block_size, num_kv_heads,
-    head_dim) in `dtype`, zero-initialised (so padded gathers never read NaN).
+    head_dim) in `dtype` (the activations' dtype: bfloat16 for a bf16 model, whatever the weights' kind),
+    zero-initialised (so padded gathers never read NaN).
+    `quantize` ("int8" or None): int8 weight panels, quantized at load (loader.load_model); the C++
+    kernels run them in either mode.
     `batch_invariant` (default True) makes a sequence's logits bitwise independent of the rest of
     the batch: the C++ row-invariant linear over packed weights and the paged attention kernel
     (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
     False: plain F.linear GEMMs, logits may move in the last bits with the batch.
-    `compile` wraps the model's forward in torch.compile (inductor, dynamic shapes); see
-    compiled_forward for what it covers.
+    `huge_pages`: packed weights and the KV cache in huge-page memory (kernels.empty_huge; CPU).
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True, compile: bool = False):
+                 batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
-        self.batch_invariant = batch_invariant
-        self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant)
-        self.forward = compiled_forward(self.model) if compile else self.model
+        self.batch_invariant, self.quantize = batch_invariant, quantize
+        self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
+                                quantize=quantize, huge_pages=huge_pages)
         c = self.config
         block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_bytes} bytes")
         shape = (c.num_layers, 2, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device).zero_()
+        self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device, huge_pages=huge_pages).zero_()
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
@@ -179,7 +181,7 @@ class ModelRunner:
         """Run one step: write its K/V into the cache, return float32 logits in the caller's order."""
         mi = model_input
         invariant = self.batch_invariant
-        hidden = self.forward(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant)  # (T, hidden)
+        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant)  # (T, hidden)
         logits = self.model.compute_logits(hidden[mi.logit_rows], invariant)              # (R, vocab) f32
         last = logits[mi.num_chunk_rows:]
         chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
@@ -212,16 +214,3 @@ def _positions(starts: list[int], counts: list[int], cu: list[int]) -> tuple[tor
     seq_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=num_tokens)
     offset = torch.tensor(starts, dtype=torch.int64) - torch.tensor(cu[:-1], dtype=torch.int64)   # (S,)
     return torch.arange(num_tokens) + offset[seq_index], seq_index
-
-
-def compiled_forward(model):
-    """The model with torch.compile (inductor, dynamic shapes) on each layer's MLP and the norms.
-
-    Paged attention (Python loops over sequences, in-place cache writes) stays eager: compiling it
-    would recompile for every batch composition. Returns the model, its submodules wrapped.
-    """
-    for layer in model.layers:
-        layer.mlp = torch.compile(layer.mlp, dynamic=True)
-        layer.input_layernorm = torch.compile(layer.input_layernorm, dynamic=True)
-        layer.post_attention_layernorm = torch.compile(layer.post_attention_layernorm, dynamic=True)
-    return model

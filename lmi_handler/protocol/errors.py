@@ -1,13 +1,16 @@
-"""The typed error every protocol parser raises for bad client input, and the error objects of both dialects.
+"""The typed error every protocol parser raises for bad client input, and each dialect's error object.
 
-Owns the error shapes (LMI {"error", "code"}, OpenAI {"error": {...}}) and the 424 status; the server and
-handler pick the status, the encoder turns the objects into bytes.
+Owns the error shapes (LMI {"error", "code"}, OpenAI {"error": {...}}, TGI {"error", "error_type"}) behind
+one `error_body(dialect, ...)` that the app, the handler and the batch jobs all call, and the 424 status;
+which dialect a request speaks is dialects.py's, the bytes are the encoder's.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import ValidationError
+
+from lmi_handler.protocol.dialects import Dialect
 
 # DJL (DESIGN §2): an item that fails inside the handler (parsing, generation) answers 424.
 GENERATION_ERROR_CODE = 424
@@ -32,28 +35,39 @@ class RequestValidationError(ValueError):
     @classmethod
     def out_of_range(cls, field: str, value: Any, allowed: str) -> "RequestValidationError":
         """`field` must be `allowed`, got `value` (the one message shape for type and range errors)."""
-        return cls(field, f"Invalid parameter `{field}`: must be {allowed}, got {_show(value)}")
+        return cls(field, f"Invalid parameter `{field}`: must be {allowed}, got {show_value(value)}")
 
 
-def lmi_error(message: str, code: int) -> dict[str, Any]:
+def _lmi_error(message: str, code: int, param: str | None = None) -> dict[str, Any]:  # noqa: ARG001 - one signature per shape
     """LMI schema error object {"error": message, "code": code} (DESIGN §3: validation errors, failed items)."""
     return {"error": message, "code": code}
 
 
-def openai_error(message: str, code: int, param: str | None = None,
-                 error_type: ErrorType | None = None) -> dict[str, Any]:
-    """OpenAI error object {"error": {message, type, param, code}}; code is the HTTP status (as vLLM)."""
-    kind = error_type or ("invalid_request_error" if code < 500 else "server_error")
+def _openai_error(message: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI error object {"error": {message, type, param, code}}; code is the HTTP status (as vLLM).
+    A refusal (code below 424) is an invalid_request_error, a failure of generation or of the server
+    (424 and up: timeouts, cancels, a full queue included) a server_error."""
+    kind: ErrorType = "invalid_request_error" if code < GENERATION_ERROR_CODE else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_object(message: str, code: int, *, openai: bool, param: str | None = None) -> dict[str, Any]:
-    """The body of a request that failed before its answer began: OpenAI's shape on OpenAI routes
-    (a generation failure, code >= 424, is a server_error), else LMI's."""
-    if openai:
-        kind: ErrorType = "invalid_request_error" if code < GENERATION_ERROR_CODE else "server_error"
-        return openai_error(message, code, param=param, error_type=kind)
-    return lmi_error(message, code)
+def _tgi_error(message: str, code: int, param: str | None = None) -> dict[str, Any]:  # noqa: ARG001 - one signature per shape
+    """TGI's error object {"error", "error_type": "generation"} once generation failed (code 424 and up: TGI's
+    clients pick their exception by error_type). A refusal before inference keeps LMI's {"error", "code"}:
+    TGI's clients then pick it by the HTTP status (400: BadRequestError), as for TGI's own 4xx."""
+    if code < GENERATION_ERROR_CODE:
+        return _lmi_error(message, code)
+    return {"error": message, "error_type": "generation"}
+
+
+# One error shape per dialect: a new dialect adds its row (README "Architecture").
+_ERROR_SHAPES = {Dialect.LMI: _lmi_error, Dialect.OPENAI: _openai_error, Dialect.TGI: _tgi_error}
+
+
+def error_body(dialect: Dialect, message: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """The error object of a request that failed, in its dialect's shape; `code` is the HTTP status it is
+    answered with (or the failed item's, mid-answer), `param` the field at fault (OpenAI's `param`)."""
+    return _ERROR_SHAPES[dialect](message, code, param)
 
 
 def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "") -> RequestValidationError:
@@ -74,7 +88,7 @@ def from_pydantic(exc: ValidationError, rules: dict[str, str], prefix: str = "")
     return RequestValidationError.out_of_range(prefix + field, err.get("input"), allowed)
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """The bad value as the client would recognise it (JSON-ish, cut to 80 characters)."""
     text = repr(value)
     if isinstance(value, bool):

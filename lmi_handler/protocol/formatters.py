@@ -9,8 +9,8 @@ from typing import Any, Mapping, Sequence
 
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
 from lmi_handler.protocol import openai
-from lmi_handler.protocol.encoder import DONE
-from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, openai_error
+from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_body
 from lmi_handler.protocol.invocations import build_details, token_to_dict, top_tokens_to_dicts
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan, Shape
 from lmi_handler.protocol.sequences import Combine, Member, best_choices, combine_best_of
@@ -25,11 +25,6 @@ def _is_error(out: RequestOutput) -> bool:
 
 def _error_message(out: RequestOutput) -> str:
     return out.error or "generation failed"
-
-
-def tgi_error(message: str) -> dict:
-    """TGI's error object (its clients read `error`, and `error_type` to pick the exception)."""
-    return {"error": message, "error_type": "generation"}
 
 
 class Formatter:
@@ -92,7 +87,7 @@ class LmiDocument(Formatter):
     def document(self) -> dict:
         out = self.last
         if self.failed and self.plan.tgi_names:
-            return tgi_error(_error_message(out))
+            return error_body(Dialect.TGI, _error_message(out), GENERATION_ERROR_CODE)
         doc: dict[str, Any] = {"generated_text": self.generated_text(out)}
         if self.details or self.failed:
             doc["details"] = self.lmi_details(out, include_tokens=True)
@@ -108,7 +103,7 @@ class TgiDocument(Formatter):
     def document(self) -> dict:
         out = self.last
         if self.failed:
-            return tgi_error(_error_message(out))
+            return error_body(Dialect.TGI, _error_message(out), GENERATION_ERROR_CODE)
         doc: dict[str, Any] = {"generated_text": self.generated_text(out)}
         if self.details:
             prompt_tokens = self.prompt_tokens if self.plan.decoder_input_details else None
@@ -134,7 +129,7 @@ class _OpenAIFormatter(Formatter):
         return (self.last.num_generated_tokens if self.last is not None else 0) or len(self.tokens)
 
     def _error(self, out: RequestOutput) -> dict:
-        return openai_error(_error_message(out), GENERATION_ERROR_CODE)
+        return error_body(Dialect.OPENAI, _error_message(out), GENERATION_ERROR_CODE)
 
     def _logprobs(self, tokens: list[TokenOutput], text_offset: int = 0) -> dict | None:
         if not self.plan.logprobs:
@@ -231,7 +226,7 @@ class TgiStream(Formatter):
     def events(self, out: RequestOutput) -> list[dict]:
         self.add(out)
         if _is_error(out):
-            return [tgi_error(_error_message(out))]
+            return [error_body(Dialect.TGI, _error_message(out), GENERATION_ERROR_CODE)]
         tokens = list(out.new_tokens) or ([SENTINEL_TOKEN] if out.finished else [])
         first_index = len(self.tokens) - len(out.new_tokens)
         events = [self._event(t, first_index + i + 1) for i, t in enumerate(tokens)]
@@ -270,10 +265,6 @@ class _OpenAIStream(_OpenAIFormatter):
         if self.plan.include_usage:
             chunk["usage"] = None        # OpenAI: with include_usage, every other chunk has usage null
         return [chunk]
-
-    def _done(self) -> list[Any]:
-        """OpenAI's end marker, unless the plan leaves it out (tgi_compat: TGI's own client cannot parse it)."""
-        return [DONE] if self.plan.sse_done else []
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
@@ -340,7 +331,7 @@ class StreamAnswer:
                 return stream.events(out)
             if _is_error(out):
                 self.finished = True
-                return [stream._error(out), *stream._done()]
+                return [stream._error(out), *self.plan.stream_end]
             events.extend(stream.events(out))
         if self.plan.shape not in (Shape.LMI, Shape.TGI) and all(f.finished for f in self.streams.values()):
             self.finished = True
@@ -348,7 +339,7 @@ class StreamAnswer:
         return events
 
     def _tail(self) -> list[Any]:
-        done = [DONE] if self.plan.sse_done else []
+        done = list(self.plan.stream_end)
         if not self.plan.include_usage:
             return done
         streams = list(self.streams.values())
@@ -424,10 +415,11 @@ def outputs_line(texts: list[str]) -> dict:
 
 def stream_failure(message: str, code: int, plan: RequestPlan) -> list[Any]:
     """The last objects of a stream whose request failed after HTTP 200 went out (DESIGN §3: a final
-    line with finish_reason "error"). OpenAI kinds get an error chunk and DONE, as vLLM sends."""
-    if plan.is_openai:
-        return [openai_error(message, code), *([DONE] if plan.sse_done else [])]
-    if plan.shape is Shape.TGI:
-        return [tgi_error(message)]
+    line with finish_reason "error"). OpenAI kinds get an error chunk and the terminator, as vLLM sends;
+    TGI's routes TGI's error event (no terminator: TGI sends none)."""
+    if plan.dialect is Dialect.OPENAI:
+        return [error_body(plan.dialect, message, code), *plan.stream_end]
+    if plan.dialect is Dialect.TGI:
+        return [error_body(plan.dialect, message, code)]
     return [{"token": token_to_dict(SENTINEL_TOKEN), "details": {"finish_reason": FinishReason.ERROR.value},
              "error": message, "code": code}]

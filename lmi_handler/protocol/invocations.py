@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
+from lmi_handler.protocol.dialects import ROUTE_CHAT, ROUTE_GENERATE, ROUTE_INVOCATIONS, Dialect, dialect_of
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
-from lmi_handler.protocol.plan import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_GENERATE, ROUTE_INVOCATIONS, DecodeToken
+from lmi_handler.protocol.plan import DecodeToken
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,10 @@ class InvocationRequest:
     route: str = ROUTE_INVOCATIONS
 
     @property
-    def openai_model(self) -> str | None:
-        """The `model` an OpenAI-route request names (None when it names none)."""
+    def model(self) -> str | None:
+        """The `model` an OpenAI-style body names (chat, completions, batch lines; None when it names none)."""
         openai = self.chat or self.completion
-        return openai.model if openai is not None and self.is_openai else None
-
-    @property
-    def is_openai(self) -> bool:
-        """Came in on an OpenAI route: answers and errors take OpenAI's shapes, streams are SSE."""
-        return self.route in (ROUTE_CHAT, ROUTE_COMPLETIONS)
+        return openai.model if openai is not None else None
 
     @classmethod
     def parse(cls, body: bytes | str | dict, content_type: str | None = None,
@@ -65,7 +61,7 @@ class InvocationRequest:
         first). Raises RequestValidationError: field "body" for undecodable/non-JSON/non-object
         bodies, "inputs" for a missing or bad input, else the parameter's name.
         """
-        if route in (ROUTE_CHAT, ROUTE_COMPLETIONS):
+        if dialect_of(route) is Dialect.OPENAI:
             return cls.parse_openai(_load_json(body), route)
         if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
             return cls(_check_inputs(_decode(body)), GenerationParameters(), route=route or ROUTE_INVOCATIONS)

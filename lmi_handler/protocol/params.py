@@ -11,7 +11,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from lmi_handler.engine.sequence import INT64_MAX, INT64_MIN, SamplingParams
 from lmi_handler.protocol import sequences
-from lmi_handler.protocol.errors import RequestValidationError, _show, from_pydantic
+from lmi_handler.protocol.errors import RequestValidationError, from_pydantic, show_value
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +202,11 @@ class GenerationParameters(BaseModel):
             return self.top_n_tokens
         return self.logprobs or 0
 
-    def to_sampling_params(self, eos_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
         """The engine's trusted knobs for this request.
 
-        `eos_token_ids` is accepted for the handler's convenience and not copied into
-        stop_token_ids: the engine checks eos itself so that finish_reason stays `eos_token`.
-        Raises RequestValidationError for num_beams above 1 (no beam search), and for n or
+        The model's eos ids are not copied into stop_token_ids: the engine checks eos itself so that
+        finish_reason stays `eos_token`. Raises RequestValidationError for num_beams above 1 (no beam search), and for n or
         best_of above 1 on a greedy request (see _check_single_sequence).
         """
         self._check_single_sequence()
@@ -229,5 +228,5 @@ class GenerationParameters(BaseModel):
         if self.num_beams > 1:
             raise RequestValidationError(
                 "num_beams", f"Invalid parameter `num_beams`: beam search is not supported, so num_beams "
-                             f"must be 1, got {_show(self.num_beams)}")
+                             f"must be 1, got {show_value(self.num_beams)}")
         sequences.check_sampled(self.n, self.best_of, self.is_greedy())

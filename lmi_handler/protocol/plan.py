@@ -10,17 +10,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmi_handler.engine.sequence import SamplingParams
-from lmi_handler.protocol.encoder import CONTENT_TYPES, Wire
+from lmi_handler.protocol.dialects import (
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    ROUTE_GENERATE,
+    ROUTE_GENERATE_STREAM,
+    ROUTE_TGI,
+    Dialect,
+)
+from lmi_handler.protocol.encoder import CONTENT_TYPES, DONE, Wire
 from lmi_handler.protocol.sequences import SINGLE, Member, SequencePlan, members
 
 DecodeToken = Callable[[int], str]
-
-ROUTE_INVOCATIONS = "/invocations"
-ROUTE_CHAT = "/v1/chat/completions"
-ROUTE_COMPLETIONS = "/v1/completions"
-ROUTE_GENERATE = "/generate"          # TGI's non-streaming route
-ROUTE_GENERATE_STREAM = "/generate_stream"   # TGI's streaming route (SSE)
-ROUTE_TGI = "/"                       # TGI's compat route: streams when the body says stream=true
 
 
 class Kind(str, enum.Enum):
@@ -92,9 +93,18 @@ class RequestPlan:
         return CONTENT_TYPES[self.wire]
 
     @property
-    def is_openai(self) -> bool:
-        """Answers and errors take OpenAI's shapes."""
-        return self.kind in OPENAI_KINDS
+    def dialect(self) -> Dialect:
+        """Whose shapes the answer and its errors take (a batch line answers as its OpenAI route)."""
+        if self.kind in OPENAI_KINDS:
+            return Dialect.OPENAI
+        return Dialect.TGI if self.kind in TGI_KINDS else Dialect.LMI
+
+    @property
+    def stream_end(self) -> tuple:
+        """What ends a stream of OpenAI chunks (chat and completion shapes, LMI chat included) after its last
+        one: encoder.DONE (`data: [DONE]` under SSE, nothing in jsonlines), unless the plan leaves it out
+        (sse_done_marker: tgi_compat). The one place the terminator rule is written."""
+        return (DONE,) if self.sse_done else ()
 
     @property
     def in_list(self) -> bool:
@@ -128,21 +138,27 @@ def shape_of(kind: Kind, route: str | None = None) -> Shape:
     return Shape.TGI if kind in TGI_KINDS else Shape.LMI
 
 
-def streaming_reason(kind: Kind, asked: bool, output_formatter: str | None) -> str | None:
+def streaming_reason(kind: Kind, asked: bool, output_formatter: str | None, *, rolling: bool = True,
+                     enable_streaming: bool = False) -> str | None:
     """Why the answer streams, in words for error messages; None when it does not.
 
-    `stream: true`, or on LMI kinds in rolling batch option.output_formatter=jsonlines|sse (dynamic
-    batch streams {"outputs"} lines only when asked). Batch lines and TGI /generate never stream,
-    TGI /generate_stream always does.
+    Batch lines and TGI /generate never stream. Rolling batch: `stream: true`; TGI /generate_stream always;
+    LMI kinds with option.output_formatter=jsonlines|sse or option.enable_streaming=true. Dynamic batch:
+    `stream: true`, or a list of inputs with option.enable_streaming=true (LMI schema: {"outputs"} lines).
     """
     if kind in (Kind.BATCH_LINE, Kind.TGI_GENERATE):
         return None
-    if kind is Kind.TGI_STREAM:
+    if kind is Kind.TGI_STREAM and rolling:
         return "/generate_stream always streams (use /generate)"
     if asked:
         return "send stream=false"
+    enabled = "option.enable_streaming=true streams every response here"
+    if not rolling:
+        return enabled if kind is Kind.DYNAMIC_LIST and enable_streaming else None
     if kind in (Kind.LMI_TEXT, Kind.LMI_CHAT) and output_formatter in ("jsonlines", "sse"):
         return f"option.output_formatter={output_formatter} streams every response here"
+    if kind in (Kind.LMI_TEXT, Kind.LMI_CHAT) and enable_streaming:
+        return enabled
     return None
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from lmi_handler.engine.sequence import SamplingParams, random_seed, wrap_int64
-from lmi_handler.protocol.errors import RequestValidationError, _show
+from lmi_handler.protocol.errors import RequestValidationError, show_value
 
 
 class Combine(str, enum.Enum):
@@ -54,7 +54,7 @@ def check_sampled(n: int, best_of: int | None, greedy: bool) -> None:
         value = best_of if name == "best_of" else n
         raise RequestValidationError(
             name, f"Invalid parameter `{name}`: {name} > 1 needs sampling (do_sample=true or a sampling "
-                  f"parameter such as temperature), got {_show(value)} with greedy decoding")
+                  f"parameter such as temperature), got {show_value(value)} with greedy decoding")
 
 
 def tgi_best_of(n: int, best_of: int | None, *, streaming_why: str | None, max_count: int) -> SequencePlan:

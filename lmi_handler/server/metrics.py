@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lmi_handler.engine.sequence import FinishReason
+
 logger = logging.getLogger("lmi_handler.requests")
 
 # Finish reasons of the finished-request counter: the LMI ones, plus "abort" for a client that went away.
@@ -54,19 +56,17 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("lmi_front_end_queue_depth", "Accepted HTTP requests not yet in the active batch",
                                 front_end.pending.qsize())
         yield GaugeMetricFamily("lmi_front_end_active", "Requests in the front end's active batch",
-                                len(getattr(front_end, "active", ())))
+                                front_end.num_active)
         used, total = allocator.num_used_blocks, allocator.num_blocks
         yield GaugeMetricFamily("lmi_kv_cache_blocks_used", "KV-cache blocks in use", used)
         yield GaugeMetricFamily("lmi_kv_cache_blocks_total", "KV-cache blocks in all", total)
         yield GaugeMetricFamily("lmi_kv_cache_usage_ratio", "KV-cache blocks in use / in all (0-1)",
                                 used / total if total else 0.0)
-        yield from _prefix_cache(getattr(allocator, "prefix_cache_stats", None))
+        yield from _prefix_cache(allocator.prefix_cache_stats)
 
 
 def _prefix_cache(stats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """vLLM's prefix_cache_queries / _hits counters (tokens) and their ratio, once the allocator keeps them."""
-    if stats is None:
-        return
+    """vLLM's prefix_cache_queries / _hits counters (tokens) and their ratio."""
     queried, hits = stats.num_queried_tokens, stats.num_hit_tokens
     yield CounterMetricFamily("lmi_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queried)
     yield CounterMetricFamily("lmi_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
@@ -126,7 +126,7 @@ class RequestTracker:
             with self._lock:
                 for request in active:
                     self._observe(request, outputs, now)
-        except Exception:  # noqa: BLE001 - metrics must never fail a step
+        except Exception:  # metrics must never fail a step
             logger.exception("metrics: step not recorded")
 
     def _observe(self, request, outputs: dict, now: float) -> None:
@@ -195,7 +195,7 @@ def _reason(request, outputs: dict) -> str:
     for member in request.members:
         out = outputs.get(member.request_id)
         if out is not None and out.finished and out.finish_reason is not None:
-            return getattr(out.finish_reason, "value", str(out.finish_reason))
+            return FinishReason(out.finish_reason).value
     return ERROR
 
 
@@ -239,6 +239,6 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")  # the template, not the raw path
+            route = scope["route"].path if scope.get("route") is not None else "unmatched"   # the template
             if route != "/metrics":
                 self.counter.labels(route, str(status["code"])).inc()

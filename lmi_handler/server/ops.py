@@ -1,7 +1,7 @@
 """Operating the server: request ids on every response, per-request deadlines, cancel by id, SIGTERM drain.
 
 Owns the `x-request-id` and `X-Request-Timeout` headers, `POST /v1/requests/{id}/cancel` and the uvicorn
-server that drains before it exits; the front end (frontend.py) does the ending, app.py the answering.
+server that drains before it exits; the front end (frontend/) does the ending, serving.py the answering.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from lmi_handler.frontend.loops import FrontEnd
+from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.encoder import encode_bytes
-from lmi_handler.protocol.errors import RequestValidationError, openai_error
+from lmi_handler.protocol.errors import RequestValidationError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +77,20 @@ def request_timeout(headers, default_s: float | None) -> float | None:
     return value
 
 
-def add_cancel_route(app: FastAPI, front_end) -> None:
+def add_cancel_route(app: FastAPI) -> None:
     """`POST /v1/requests/{id}/cancel`: the live request(s) with that x-request-id end within one step.
 
     Answers 200 `{"id", "object": "request.cancel", "cancelled": true}`; 404 (OpenAI error object) for an id
-    that is unknown or already finished. The cancelled request's own client gets its error (frontend.py).
+    that is unknown or already finished. The cancelled request's own client gets its error (frontend/).
     """
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel_request(request_id: str) -> Response:
-        if front_end.cancel(request_id):
+        if app.state.front_end.cancel(request_id):
             body = {"id": request_id, "object": "request.cancel", "cancelled": True}
             return Response(encode_bytes(body), media_type="application/json")
         message = f"no request {request_id!r} is in progress (unknown, or already finished)"
-        return Response(encode_bytes(openai_error(message, 404, param="request_id")), status_code=404,
+        return Response(encode_bytes(error_body(Dialect.OPENAI, message, 404, param="request_id")), status_code=404,
                         media_type="application/json")
 
 
@@ -96,7 +98,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining on SIGTERM/SIGINT: new requests get 503 while the accepted ones finish
     (up to `grace_s` seconds), then uvicorn's own shutdown runs. A second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, front_end, grace_s: float):
+    def __init__(self, config: uvicorn.Config, front_end: FrontEnd, grace_s: float):
         super().__init__(config)
         self.front_end = front_end
         self.grace_s = grace_s
@@ -122,6 +124,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    """Run `app` under uvicorn with the SIGTERM drain (app.state.front_end, app.state.shutdown_grace_s)."""
+    """Run `app` under uvicorn with the SIGTERM drain (app.state.front_end, option.shutdown_grace_s)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.front_end, app.state.shutdown_grace_s).run()
+    DrainingServer(config, app.state.front_end, app.state.settings.shutdown_grace_s).run()

@@ -1,51 +1,38 @@
 """TGI's native routes on the bundled app: POST /generate, /generate_stream and / (TGI's compat route),
 GET /info and /health, as text-generation-inference serves them.
 
-Owns these routes and TGI's /info document; the answers' shapes are the plan's and formatters'
-(Kind.TGI_*), serving a request is app.py's `serve`.
+Owns these routes and TGI's /info document. The TGI dialect is the worked example of README's
+"Architecture": its kinds and rules are plan.py's (Kind.TGI_*), its formatters formatters.py's (TgiDocument,
+TgiStream), its error shape errors.py's (Dialect.TGI); serving a request is serving.py's.
 """
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from lmi_handler.protocol.plan import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI
+from lmi_handler.protocol.dialects import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI
+from lmi_handler.protocol.params import MAX_STOP_SEQUENCES
+from lmi_handler.server.serving import add_generation_routes
 from lmi_handler.service import Service
 
-Serve = Callable[[Request, str], Awaitable[Response]]
 
-# TGI's request limit on stop sequences (protocol/params.py enforces it).
-MAX_STOP_SEQUENCES = 16
-
-
-def add_tgi_routes(app: FastAPI, serve: Serve, get_service: Callable[[], Service],
-                   healthy: Callable[[], bool]) -> None:
-    """Mount TGI's routes; `serve(request, route)` answers a generation route, `healthy()` is the engine's state."""
-
-    @app.post(ROUTE_TGI)
-    async def compat_generate(request: Request) -> Response:
-        """TGI: /generate_stream when the body says stream=true, else [/generate's answer]."""
-        return await serve(request, ROUTE_TGI)
-
-    @app.post(ROUTE_GENERATE)
-    async def generate(request: Request) -> Response:
-        return await serve(request, ROUTE_GENERATE)
-
-    @app.post(ROUTE_GENERATE_STREAM)
-    async def generate_stream(request: Request) -> Response:
-        return await serve(request, ROUTE_GENERATE_STREAM)
+def add_tgi_routes(app: FastAPI) -> None:
+    """Mount TGI's routes on `app` (its state: the front end, the service). POST / is TGI's compat route:
+    /generate_stream when the body says stream=true, else [/generate's answer] (the plan's Kind.TGI_COMPAT)."""
+    state = app.state
+    add_generation_routes(app, ROUTE_TGI, ROUTE_GENERATE, ROUTE_GENERATE_STREAM)
 
     @app.get("/health")
     async def health() -> Response:
         """TGI: 200 with an empty body when the model answers, 503 otherwise."""
-        return Response(status_code=200 if healthy() else 503)
+        healthy = state.front_end.alive and not state.front_end.draining
+        return Response(status_code=200 if healthy else 503)
 
     @app.get("/info")
     async def info() -> JSONResponse:
-        return JSONResponse(info_document(get_service()))
+        return JSONResponse(info_document(state.service))
 
 
 def info_document(service: Service) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from lmi_handler.batch import BatchRejected, create_batch, submit_batch
 from lmi_handler.protocol.errors import RequestValidationError
-from tests.batch.conftest import COMPLETIONS, batch_line, by_custom_id, cli_env, read_jsonl, write_jsonl
+from tests.batch.helpers import COMPLETIONS, batch_line, by_custom_id, cli_env, read_jsonl, write_jsonl
 from tests.helpers import REPO
 
 
@@ -26,12 +26,12 @@ def test_create_batch_names_the_lines_without_a_length_and_the_bad_default(tmp_p
 
 
 @pytest.mark.slow
-def test_submit_batch_to_a_server_writes_the_records_with_the_batch_defaults(server, tmp_path):
+def test_submit_batch_to_a_server_writes_the_records_with_the_batch_defaults(batch_server, tmp_path):
     lines = [batch_line("own", {"prompt": "1, 2,", "max_tokens": 2, "ignore_eos": True}, COMPLETIONS),
              batch_line("default", {"prompt": "1, 2,", "ignore_eos": True}, COMPLETIONS),
              batch_line("bad", {"prompt": "1, 2,", "top_p": 7}, COMPLETIONS)]
     spec = create_batch(write_jsonl(tmp_path / "in.jsonl", lines), max_decoding_length=3)
-    result = submit_batch(spec, tmp_path / "out.jsonl", tmp_path / "err.jsonl", base_url=server.url + "/v1",
+    result = submit_batch(spec, tmp_path / "out.jsonl", tmp_path / "err.jsonl", base_url=batch_server.url + "/v1",
                           poll_s=0.3, timeout_s=300)
     assert (result.status, result.total, result.completed, result.failed) == ("completed", 3, 2, 1)
     out = by_custom_id(read_jsonl(tmp_path / "out.jsonl"))
@@ -47,14 +47,14 @@ def readme_examples() -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_the_readme_batch_examples_work_as_printed(server, tmp_path):
+def test_the_readme_batch_examples_work_as_printed(batch_server, tmp_path):
     """Run in a directory laid out like a checkout; only the server's port and the interpreter differ."""
     shutil.copy(REPO / "serving.properties", tmp_path / "serving.properties")
     (tmp_path / "model").symlink_to(REPO / "model")
     examples = readme_examples()
     assert [lang for lang, _ in examples] == ["bash", "bash", "python", "python"]
     for lang, code in examples:
-        code = code.replace("http://localhost:8080", server.url)
+        code = code.replace("http://localhost:8080", batch_server.url)
         command = (["bash", "-c", code.replace(".venv/bin/lmi-handler", f"{sys.executable} -m lmi_handler.cli")]
                    if lang == "bash" else [sys.executable, "-c", code])
         done = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)

@@ -4,7 +4,15 @@ from __future__ import annotations
 import pytest
 
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchRejected
-from tests.batch.conftest import COMPLETIONS, batch_line, by_custom_id, content, read_jsonl, write_jsonl
+from tests.batch.helpers import (
+    COMPLETIONS,
+    batch_line,
+    by_custom_id,
+    content,
+    format_example_lines,
+    read_jsonl,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +110,11 @@ def test_a_rerun_does_only_the_lines_without_a_result(runner, tmp_path):
     records = by_custom_id(read_jsonl(tmp_path / "resume.out.jsonl"))
     assert set(records) == {f"r{i}" for i in range(6)}
     assert {k: v["id"] for k, v in records.items() if k in out} == {k: v["id"] for k, v in out.items()}
+
+
+def test_the_format_example_lines_run_with_any_model_and_are_answered_by_the_served_one(runner, tmp_path):
+    """Batch input format: `model` is for OpenAI compatibility, the loaded model answers every line."""
+    summary, out, err = run(runner, tmp_path, format_example_lines())
+    assert (summary.completed, summary.failed, err) == (5, 0, {})
+    assert {record["response"]["body"]["model"] for record in out.values()} == {runner.service.model_name}
+    assert content(out["m-chat"]) == content(out["served"]) == content(out["no-model"])   # greedy, same prompt

@@ -28,12 +28,36 @@ import bench  # noqa: E402
     (["--offline-rounds", "0"], "--offline-rounds 0: at least 1"),
     (["--readme-from", "/no/such/result.json"], "no such file"),
     (["--with", "vllm"], "--with only applies to --smoke"),
+    (["--dtype", "fp8"], "argument --dtype: 'fp8': unknown dtype; one or more of fp32, bf16"),
+    (["--dtype", ","], "argument --dtype: empty: one or more of fp32, bf16"),
+    (["--quantize", "int4"], "argument --quantize: int4: one or more of int8, or none"),
+    (["--mem-repeats", "0"], "--mem-repeats 0: at least 1"),
+    (["--mem-bytes", "-1"], "--mem-bytes -1: at least 0"),
+    (["--skip", "vllm_offline_fp16"], "--skip vllm_offline_fp16: unknown phase"),
+    (["--option", "no_such_knob", "1"], "--option no_such_knob: not an option of this engine build"),
+    (["--option", "dtype", "bf16"], "--option dtype: set by the benchmark (use --dtype)"),
 ])
 def test_bad_options_are_refused_naming_the_option_and_its_rule(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_dtypes_take_the_aliases_once_each_in_order_and_quantize_none_turns_int8_off():
+    args = bench.parse_args(["--dtype", "bfloat16,bf16,float32", "--quantize", "none"])
+    assert args.dtype == ["bf16", "fp32"] and args.quantize == []
+    default = bench.parse_args([])
+    assert default.dtype == ["fp32", "bf16"] and default.quantize == ["int8"]
+
+
+def test_skip_turns_off_a_phase_by_its_name_its_dtype_less_name_or_its_group():
+    assert bench.skip_keys("vllm_offline_bf16") == {"vllm_offline_bf16", "vllm_offline", "vllm"}
+    assert bench.skip_keys("ours_batch1_int8_fp32") == {"ours_batch1_int8_fp32", "ours_batch1_int8", "ours_batch1"}
+    assert bench.skip_keys("llamacpp_batch1") == {"llamacpp_batch1", "llamacpp"}
+    assert "ours_offline" not in bench.skip_keys("ours_offline_plain_fp32")  # the plain variant is its own phase
+    args = bench.parse_args(["--skip", "vllm_offline_bf16,ours_batch1,llamacpp"])
+    assert args.skip == ["vllm_offline_bf16", "ours_batch1", "llamacpp"]
 
 
 def test_every_documented_phase_name_is_accepted_by_skip():

@@ -81,44 +81,78 @@ def _batch_command_exists() -> bool:
     return probe.returncode == 0
 
 
+def _llamacpp_ready() -> bool:
+    import llamacpp_peer
+
+    return llamacpp_peer.is_ready()
+
+
 @pytest.mark.slow
 def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--smoke", "--out-dir", str(tmp_path)],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=900)
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (json_path,) = tmp_path.glob("bench-smoke-*.json")
     (png_path,) = tmp_path.glob("bench-smoke-*.png")
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(json_path.read_text())
     phases = result["phases"]
+    assert result["config"]["dtype"] == ["fp32", "bf16"]  # --smoke runs the dtype loop too
 
     tokens = 2 * 8  # 2 prompts x 8 tokens, EOS ignored: exact in every engine
-    for name in ("ours_offline", "hf"):
+    for name in ("ours_offline_fp32", "ours_offline_bf16", "hf"):
         assert "skipped" not in phases[name], phases[name]
         assert phases[name]["output_tokens"] == tokens
         assert phases[name]["output_tokens_per_s"] > 0 and phases[name]["monitor"]["peak_rss_mib"] > 0
-    assert phases["ours_offline"]["batch1"]["output_tokens"] == 8
-    rounds = phases["ours_offline"]["rounds"]  # --smoke: 2 rounds, so the multi-round path runs in CI
-    assert [r["round"] for r in rounds] == [1, 2] and all(r["output_tokens"] == tokens for r in rounds)
-    assert all(r["output_tokens_per_s"] > 0 and r["machine"]["during"]["wall_s"] > 0 for r in rounds)
-    assert phases["ours_offline"]["output_tokens_per_s"] == statistics.median_low(
-        r["output_tokens_per_s"] for r in rounds)
-    assert rounds[1]["same_token_ids_as_first_round"]  # and the prefix cache was emptied between them:
-    assert rounds[1]["prefix_cache_hit_tokens"] == rounds[0]["prefix_cache_hit_tokens"]
-    assert phases["ours_offline"]["torch_num_threads"] == 1
+    assert phases["ours_offline_bf16"]["dtype"] == "torch.bfloat16" and phases["ours_offline_fp32"]["dtype"] == "torch.float32"
+    for dtype in ("fp32", "bf16"):
+        assert phases[f"ours_offline_{dtype}"]["batch1"]["output_tokens"] == 8
+        rounds = phases[f"ours_offline_{dtype}"]["rounds"]  # --smoke: 2 rounds, so the multi-round path runs in CI
+        assert [r["round"] for r in rounds] == [1, 2] and all(r["output_tokens"] == tokens for r in rounds)
+        assert all(r["output_tokens_per_s"] > 0 and r["machine"]["during"]["wall_s"] > 0 for r in rounds)
+        assert rounds[1]["same_token_ids_as_first_round"]  # and the prefix cache was emptied between them:
+        assert rounds[1]["prefix_cache_hit_tokens"] == rounds[0]["prefix_cache_hit_tokens"]
+    ours = phases["ours_offline_fp32"]
+    assert ours["output_tokens_per_s"] == statistics.median_low(r["output_tokens_per_s"] for r in ours["rounds"])
+    assert ours["torch_num_threads"] == 1
     (level,) = phases["ours_server"]["levels"]
     assert (level["concurrency"], level["num_errors"], level["output_tokens"]) == (2, 0, tokens)
     assert level["ttft_s"]["p99"] >= level["ttft_s"]["p50"] > 0 and level["itl_s"]["n"] == 2 * 7
-    assert phases["peak_start"]["peak_flops_per_s"] > 0 and result["compute_bound"]["output_tokens_per_s"] > 0
+
+    peak = phases["peak_start"]  # the ceilings' probes, in the same run
+    assert set(peak["by_dtype"]) == {"fp32", "bf16"} and all(v["peak_flops_per_s"] > 0 for v in peak["by_dtype"].values())
+    assert set(result["compute_bound_by_dtype"]) == {"fp32", "bf16"} and result["compute_bound"]["output_tokens_per_s"] > 0
+    if shutil.which("cc") or shutil.which("gcc"):
+        mem = peak["mem_read"]
+        assert mem["bytes"] == 64 << 20 and len(mem["seconds"]) == 3 and mem["best_bytes_per_s"] > 0
+        batch1 = {r["name"]: r for r in result["batch1"]}
+        for name, nbytes in (("ours fp32", 4), ("ours bf16", 2)):
+            assert batch1[name]["bytes_per_token"] == nbytes * result["weight_bytes_per_token"]["fp32"]["params"]
+            assert batch1[name]["ceiling_tokens_per_s"] > 0 and batch1[name]["fraction_of_ceiling"] > 0
+    for dtype in ("fp32", "bf16"):  # int8: refused cleanly by a build without it, or run in 2 rounds of 8 tokens
+        int8 = phases[f"ours_batch1_int8_{dtype}"]
+        if "skipped" in int8:
+            assert "quantize" in int8["skipped"], int8
+        else:
+            assert int8["num_rounds"] == 2 and all(r["output_tokens"] == 8 for r in int8["rounds"])
+    llama = phases["llamacpp_batch1"]  # llama.cpp only where make bench-setup installed it
+    if _llamacpp_ready():
+        assert llama["num_rounds"] == 2 and all(r["output_tokens"] == 8 for r in llama["rounds"]), llama
+        assert llama["model_bytes"] > 0 and llama["output_tokens_per_s"] > 0
+    else:
+        assert "is not set up" in llama["skipped"]
     smoke_off = {"skipped": "--smoke (add --with vllm)"}  # every phase is in the JSON, with why it did not run
-    assert phases["vllm_offline"] == smoke_off and phases["vllm_server"] == smoke_off
-    assert phases["ours_offline_plain"] == {"skipped": "--smoke (add --with plain)"}
+    assert phases["vllm_offline_fp32"] == smoke_off and phases["vllm_offline_bf16"] == smoke_off
+    assert phases["vllm_server"] == smoke_off
+    assert phases["ours_offline_plain_fp32"] == {"skipped": "--smoke (add --with plain)"}
     assert phases["peak_end"] == {"skipped": "--smoke"}
     if _batch_command_exists():
         assert phases["batch_runner"]["num_ok"] == 2 and phases["batch_runner"]["output_tokens"] == tokens
     else:
         assert "not available" in phases["batch_runner"]["skipped"]
-    assert result["machine"]["before"]["loadavg_1_5_15"] and result["rows"] and "ratios" in result
+    machine = result["machine"]
+    assert machine["before"]["loadavg_1_5_15"] and machine["cpu"]["model"] and machine["mem_total_bytes"] > 0
+    assert isinstance(machine["cpu"]["flags_of_interest"], list) and result["rows"] and "ratios" in result
 
     readme = tmp_path / "README.md"
     shutil.copy(REPO / "benchmarks" / "README.md", readme)
@@ -126,5 +160,5 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     report.write_readme(result, json_path.name, readme)
     after = readme.read_text()
     head = before.split(report.TABLE_START)[0]
-    assert after.startswith(head) and json_path.name in after and "| ours offline (default" in after
-    assert after.count(report.TABLE_START) == 1 and after.count(report.TABLE_END) == 1
+    assert after.startswith(head) and json_path.name in after and "| ours offline fp32 (default" in after
+    assert "| ours bf16 | bf16 |" in after and after.count(report.TABLE_START) == 1 and after.count(report.TABLE_END) == 1

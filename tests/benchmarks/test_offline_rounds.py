@@ -24,7 +24,11 @@ from round_protocol import serve, summarize, write_json
 p = argparse.ArgumentParser()
 p.add_argument("--rate", type=float); p.add_argument("--fail-in", type=int, default=0)
 p.add_argument("--hang", action="store_true"); p.add_argument("--control-dir"); p.add_argument("--out")
+p.add_argument("--refuse")
 a = p.parse_args()
+if a.refuse:  # as workers.py ours-batch1 does when the engine refuses its options
+    write_json(__import__("pathlib").Path(a.control_dir) / "ready.json", {{"refused": a.refuse}})
+    sys.exit(0)
 def one(k):
     print("noise on stdout that the driver must not read", flush=True)
     if k == a.fail_in:
@@ -105,3 +109,10 @@ def test_a_worker_past_its_time_limit_is_killed_and_the_other_goes_on(tmp_path):
     results = run_rounds([hung, ours], 2, snapshot_s=0.05, log=lambda line: None)
     assert "timed out after 4 s busy, before round 1 ended" in results["hung"]["skipped"]
     assert hung.proc.returncode is not None and results["ours"]["num_rounds"] == 2
+
+
+def test_a_worker_whose_engine_refuses_its_options_is_skipped_with_the_reason_and_the_other_runs(tmp_path):
+    refused = _fake(tmp_path, "int8", "--refuse", "ConfigError: quantize 'int8' is not supported on this CPU")
+    results = run_rounds([refused, _fake(tmp_path, "peer", "--rate", "5")], 2, snapshot_s=0.05, log=lambda line: None)
+    assert results["int8"] == {"skipped": "ConfigError: quantize 'int8' is not supported on this CPU"}
+    assert results["peer"]["num_rounds"] == 2 and refused.proc.returncode is not None

@@ -113,7 +113,10 @@ def make_meta(tables: list[list[int]], starts: list[int], lengths: list[int], bl
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16), (4, 4, 12, 1), (6, 2, 128, 3), (2, 1, 5, 7), (8, 2, 16, 4), (8, 1, 24, 5)])
-def test_paged_kernel_matches_reference_on_random_shapes(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_kernel_matches_reference_on_random_shapes(heads, kv_heads, head_dim, block_size, dtype):
+    """bf16: q and the cache hold bf16 values, the arithmetic is float32 (K/V widened exactly) and the
+    output is rounded once to bf16, so it is within one bf16 rounding of the float64 reference."""
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     num_seqs = 6
     lengths = [int(x) for x in torch.randint(1, 20, (num_seqs,), generator=g)]
@@ -123,18 +126,25 @@ def test_paged_kernel_matches_reference_on_random_shapes(heads, kv_heads, head_d
     q, k_cache, v_cache, meta, keys, values = random_paged_case(starts, lengths, heads, kv_heads, head_dim,
                                                                 block_size, seed=1)
     scale = head_dim ** -0.5
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    keys, values = [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
     expected = reference_attention(q.double(), [k.double() for k in keys], [v.double() for v in values],
                                    meta.query_lens, scale).float()
-    torch.testing.assert_close(attention_paged(q, k_cache, v_cache, meta, scale), expected, rtol=1e-5, atol=2e-6)
+    ours = attention_paged(q, k_cache, v_cache, meta, scale)
+    assert ours.dtype == dtype
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(ours.float(), expected, **tol)
 
 
-def test_paged_rows_have_the_same_bits_alone_in_batch_and_under_any_chunking():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_rows_have_the_same_bits_alone_in_batch_and_under_any_chunking(dtype):
     """One sequence's last 12 positions computed as one chunk, alone; as 1+4+7 chunks; and mixed into
     batches with other prefills and decodes. Prefix caching and chunked prefill produce such splits."""
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     start, n = 29, 12
     q, k_cache, v_cache, meta, _, _ = random_paged_case([start, 5, 0, 60], [n, 1, 33, 1], heads, kv_heads,
                                                         head_dim, block, seed=3)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
     scale = head_dim ** -0.5
     table = meta.block_tables[0, :num_blocks_needed(start + n, block)].tolist()
     target_q = q[:n]

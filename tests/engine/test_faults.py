@@ -1,9 +1,12 @@
 """Fault isolation in the engine step (engine/faults.py) on a tiny random Llama: a fault ends only its sequences."""
 from __future__ import annotations
 
+import pytest
+
 from lmi_handler.engine.faults import FaultInjector, FaultRule, InjectedFault, StepGuard
-from lmi_handler.engine.sequence import SamplingParams
-from tests.engine.test_engine import PROMPTS, make_engine
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
+from tests.engine.helpers import make_engine
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -89,3 +92,22 @@ def test_a_fault_only_the_whole_batch_triggers_fails_the_newest_sequence_never_t
         if f"r{i}" != newest:
             assert tokens[f"r{i}"] == solo[i]
     assert engine.allocator.num_used_blocks == 0
+
+
+def seq(request_id: str, prompt_len: int, computed: int, outputs: int) -> Sequence:
+    s = Sequence(request_id, list(range(prompt_len)), SamplingParams())
+    s.num_computed_tokens, s.output_token_ids = computed, list(range(outputs))
+    return s
+
+
+def test_fault_rules_pick_the_sequence_by_prompt_text_or_id_and_the_stage():
+    decode4, prefill, by_id = FaultRule.parse_all("decode:4@Water is; prefill@id=r7;pinned:decode:1@id=r9")
+    assert (decode4.stage, decode4.decode_step, decode4.marker) == ("decode", 4, "Water is")
+    assert prefill.request_id == "r7" and by_id.pinned
+    assert decode4.hits(seq("a", 3, 6, 4), "Water is wet") and not decode4.hits(seq("a", 3, 5, 3), "Water is")
+    assert not decode4.hits(seq("a", 3, 6, 4), "The sky is")
+    assert prefill.hits(seq("r7", 10, 4, 0), "") and prefill.hits(seq("r7#1", 10, 0, 0), "")
+    assert not prefill.hits(seq("r7", 10, 10, 1), "") and not prefill.hits(seq("r70", 10, 0, 0), "")
+    for bad in ("decode@x", "decode:0@x", "prefill:2@x", "boom@x", "decode:4", "decode:4@"):
+        with pytest.raises(ValueError, match="fault_injection"):
+            FaultRule.parse(bad)

@@ -1,5 +1,6 @@
-"""The C++ row-invariant linear against its float64 reference, the fused row-wise ops (RMSNorm with
-residual add, RoPE + KV write, SiLU*up) against their PyTorch references, and bitwise batch invariance."""
+"""The C++ row-invariant linear against its references (float32 panels: float64 within rounding; bfloat16
+and int8 panels: bitwise, the same fixed order), the fused row-wise ops (RMSNorm with residual add, RoPE +
+KV write, SiLU*up) in float32 and bfloat16 against their PyTorch references, and bitwise batch invariance."""
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,11 @@ from lmi_handler.engine.model.kernels import (
     fused_silu_mul,
     pack_weight,
     packed_linear,
+    quantize_int8,
     reference_add_rmsnorm,
     reference_linear,
+    reference_linear_bf16,
+    reference_linear_int8,
     reference_rope_kv_write,
     reference_silu_mul,
 )
@@ -82,18 +86,18 @@ def test_packed_weight_keeps_the_original_rows_exactly():
     assert torch.equal(packed.rows(ids), weight[ids])
 
 
-def test_huge_page_buffers_are_2mib_aligned_float32_and_freed_with_their_tensor(monkeypatch):
+def test_huge_page_buffers_are_2mib_aligned_float32_and_freed_with_their_tensor():
     t = kernels.empty_huge(300, 7, 5)
     assert t.shape == (300, 7, 5) and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % (2 << 20) == 0
     t.fill_(1.5)
     assert float(t.sum()) == 1.5 * 300 * 7 * 5
     assert kernels.empty_huge(0, 4).shape == (0, 4)
-    # packed weights live there, the KV cache too; other dtypes and LMI_HUGE_PAGES=0 get torch.empty
+    # packed weights live there, the KV cache too; other dtypes and huge_pages=False (option.huge_pages,
+    # LMI_HUGE_PAGES=0: tests/test_config.py) get torch.empty
     assert pack_weight(torch.randn(70, 9)).panels.data_ptr() % (2 << 20) == 0
     assert kernels.empty_huge(4, dtype=torch.float64).dtype == torch.float64
-    monkeypatch.setenv("LMI_HUGE_PAGES", "0")
-    packed = pack_weight(torch.randn(70, 9))
+    packed = pack_weight(torch.randn(70, 9), huge_pages=False)
     assert packed.panels.shape == (3, 9, PANEL)
 
 
@@ -131,7 +135,7 @@ def test_a_failed_build_logs_a_warning_and_returns_none(tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     with caplog.at_level(logging.WARNING, logger=kernels.__name__):
-        assert kernels._build(broken, "lmi_cpu_kernels_broken_test") is None
+        assert kernels.build_extension(broken, "lmi_cpu_kernels_broken_test") is None
     assert "PyTorch fallback" in caplog.text
 
 
@@ -199,3 +203,168 @@ def test_fused_row_ops_give_a_row_the_same_bits_alone_and_in_any_batch():
         q = fused_rope_kv_write(qkv[rows].contiguous(), cos[rows], sin[rows], *[c.clone() for c in caches],
                                 slots[rows], 9, 3)
         assert torch.equal(q, full_q[rows]), (num_rows, start)
+
+
+# ---- bfloat16 and int8 panels ------------------------------------------------------------------------
+
+# rows across the 6-row register tile, k across the cache's K blocks (256 k in bf16, 512 in int8), columns
+# across panels; the reference is one PyTorch op per k, so the shapes stay small
+LINEAR_SHAPES = [(1, 576, 960), (7, 33, 77), (20, 576, 200), (13, 1536, 70), (5, 301, 65), (13, 1, 1)]
+
+
+@pytest.mark.parametrize("num_rows,in_features,out_features", LINEAR_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_packed_linear_is_bitwise_the_fixed_order_reference(num_rows, in_features, out_features, with_bias,
+                                                                 out_dtype):
+    """Pairs of k in order, odd element then even, one rounding per product-add (exact products): the
+    kernel's FMA form and the PyTorch reference do the same float32 operations; odd in_features pads."""
+    x, weight, bias = random_case(num_rows, in_features, out_features, seed=num_rows + 1, with_bias=with_bias)
+    x = x.to(torch.bfloat16)
+    ours = packed_linear(x, pack_weight(weight, "bfloat16"), bias, out_dtype)
+    assert ours.shape == (num_rows, out_features) and ours.dtype == out_dtype
+    assert torch.equal(ours, reference_linear_bf16(x, weight, bias, out_dtype))
+
+
+def test_vdpbf16ps_gives_the_bits_of_the_fma_form():
+    """The AVX512_BF16 instruction (where the build has it) against the FMA form, on rows of mixed
+    magnitudes and odd widths; where the CPU lacks it, the switch falls back to the FMA form."""
+    module = cpu_kernels()
+    g = torch.Generator().manual_seed(11)
+    for num_rows, in_features, out_features in ((1, 576, 960), (6, 1536, 576), (70, 301, 33)):
+        x = (torch.randn(num_rows, in_features, generator=g) * torch.logspace(-3, 3, in_features)).to(torch.bfloat16)
+        packed = pack_weight(torch.randn(out_features, in_features, generator=g), "bfloat16")
+        args = (packed.panels, out_features, None, None, False)
+        assert torch.equal(module.linear(x, *args, True), module.linear(x, *args, False))
+    assert kernels.bf16_dot_native() in (False, bool(module.NATIVE_BF16))
+
+
+@pytest.mark.parametrize("num_rows,in_features,out_features", LINEAR_SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_packed_linear_is_bitwise_the_fixed_order_reference(num_rows, in_features, out_features, x_dtype,
+                                                                 with_bias):
+    x, weight, bias = random_case(num_rows, in_features, out_features, seed=num_rows + 2, with_bias=with_bias)
+    x = x.to(x_dtype)
+    packed = pack_weight(weight, "int8")
+    q, scale = quantize_int8(weight)
+    assert torch.equal(packed.unpack(), q) and torch.equal(packed.scale, scale)
+    ours = packed_linear(x, packed, bias, torch.float32)
+    assert torch.equal(ours, reference_linear_int8(x, q, scale, bias))
+    if x_dtype == torch.bfloat16:
+        assert torch.equal(packed_linear(x, packed, bias), reference_linear_int8(x, q, scale, bias, torch.bfloat16))
+
+
+def test_int8_quantization_is_symmetric_per_output_channel():
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 300, generator=g) * torch.logspace(-3, 1, 40)[:, None]   # rows of very different size
+    weight[7] = 0
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.abs().max() <= 127
+    torch.testing.assert_close(scale[:7], weight[:7].abs().amax(1) / 127)
+    assert scale[7] == 1 and not q[7].any()
+    assert (q.abs().amax(1)[scale != 1] == 127).all()                       # each row's largest maps to +-127
+    assert ((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (129, 70)])
+def test_a_row_has_the_same_bits_alone_and_in_any_batch_for_every_kind(kind, in_features, out_features):
+    x, weight, bias = random_case(230, in_features, out_features, seed=3, with_bias=True)
+    x = x.to(torch.bfloat16)
+    packed = pack_weight(weight, kind)
+    full = packed_linear(x, packed, bias)
+    for num_rows in (1, 2, 5, 6, 7, 16, 64, 95, 96, 97, 130):
+        for start in (0, 1, 3, 230 - num_rows):
+            assert torch.equal(packed_linear(x[start:start + num_rows], packed, bias),
+                               full[start:start + num_rows]), (num_rows, start)
+
+
+def test_bf16_and_int8_panels_keep_the_rows_the_embedding_reads():
+    weight = torch.randn(PANEL * 3 + 5, 19)
+    packed = pack_weight(weight, "bfloat16")                  # odd in_features: padded pairs
+    assert packed.panels.shape == (4, 10, 2 * PANEL) and packed.panels.dtype == torch.bfloat16
+    assert torch.equal(packed.unpack(), weight.to(torch.bfloat16))
+    ids = torch.tensor([0, PANEL - 1, PANEL, weight.shape[0] - 1, 7])
+    assert torch.equal(packed.rows(ids), weight.to(torch.bfloat16)[ids])
+    q, scale = quantize_int8(weight)
+    assert torch.equal(pack_weight(weight, "int8").rows(ids), q[ids].float() * scale[ids, None])
+    assert packed.nbytes == 4 * 10 * 2 * PANEL * 2
+    with pytest.raises(ValueError, match="kind"):
+        pack_weight(weight, "int4")
+
+
+def test_a_bf16_weight_is_packed_without_widening():
+    weight = torch.randn(70, 64).to(torch.bfloat16)
+    packed = pack_weight(weight, "bfloat16")
+    assert packed.panels.dtype == torch.bfloat16 and torch.equal(packed.unpack(), weight)
+    assert packed.panels.data_ptr() % (2 << 20) == 0 and kernels.empty_huge(3, dtype=torch.int8).dtype == torch.int8
+
+
+def test_row_ops_in_bf16_round_where_pytorch_rounds():
+    """bf16 activations: RoPE is bitwise PyTorch's bf16 ops (each product and the sum rounded to bf16); the
+    norm and SiLU differ from PyTorch only in float32 rounding before their final bf16 rounding, so by at
+    most one bf16 step, rarely."""
+    g = torch.Generator().manual_seed(8)
+    x, delta = (torch.randn(64, 576, generator=g) * 3).to(torch.bfloat16), torch.randn(64, 576, generator=g).to(torch.bfloat16)
+    weight = torch.randn(576, generator=g).to(torch.bfloat16)
+    expected_x, expected = reference_add_rmsnorm(x, delta, weight, 1e-5)
+    ours = fused_add_rmsnorm(x, delta, weight, 1e-5)
+    assert torch.equal(x, expected_x) and ours.dtype == torch.bfloat16
+    assert_within_one_bf16_step(ours, expected)
+    gate_up = (torch.randn(64, 3072, generator=g) * 4).to(torch.bfloat16)
+    assert_within_one_bf16_step(fused_silu_mul(gate_up), reference_silu_mul(gate_up))
+    qkv, cos, sin, caches, slots = rope_case(37, 9, 3, 64, seed=9)
+    qkv, cos, sin = qkv.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in caches)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected_q = reference_rope_kv_write(qkv, cos, sin, k_ref, v_ref, slots, 9, 3)
+    q = fused_rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, 9, 3)
+    assert torch.equal(q, expected_q) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def assert_within_one_bf16_step(ours: torch.Tensor, expected: torch.Tensor, max_fraction: float = 0.01):
+    """Every value equal or one bf16 step away (2**-7 relative), and at most `max_fraction` not equal."""
+    step = expected.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert ((ours.float() - expected.float()).abs() <= step * 1.01).all()
+    assert (ours != expected).float().mean() <= max_fraction
+
+
+def test_bf16_row_ops_give_a_row_the_same_bits_alone_and_in_any_batch():
+    g = torch.Generator().manual_seed(10)
+    x, delta = torch.randn(150, 576, generator=g).to(torch.bfloat16), torch.randn(150, 576, generator=g).to(torch.bfloat16)
+    weight, gate_up = torch.randn(576, generator=g).to(torch.bfloat16), torch.randn(150, 3072, generator=g).to(torch.bfloat16)
+    full_norm = fused_add_rmsnorm(x.clone(), delta, weight, 1e-6)
+    full_act = fused_silu_mul(gate_up)
+    for num_rows, start in ((1, 0), (1, 77), (3, 10), (64, 20), (149, 1)):
+        rows = slice(start, start + num_rows)
+        assert torch.equal(fused_add_rmsnorm(x[rows].clone(), delta[rows], weight, 1e-6), full_norm[rows])
+        assert torch.equal(fused_silu_mul(gate_up[rows].contiguous()), full_act[rows])
+
+
+@pytest.mark.slow
+def test_an_avx2_build_gives_the_same_bits_as_the_references():
+    """CPUs without AVX-512 get the same kernels with 8-float vectors (-march=haswell: AVX2 + FMA). Built
+    here under another name and checked like the native build: bf16 and int8 panels bitwise the fixed-order
+    references (so every CPU gives the same bf16 and int8 logits), rows the same alone and in a batch."""
+    from torch.utils.cpp_extension import load
+
+    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name, cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    module = load(name=_module_name(_SOURCE) + "_avx2", sources=[str(_SOURCE)],
+                  extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    assert module.VECTOR_WIDTH == 8 and not module.NATIVE_BF16
+    for num_rows, in_features, out_features in ((1, 576, 960), (7, 33, 77), (20, 576, 200), (13, 1536, 70)):
+        x, weight, bias = random_case(num_rows, in_features, out_features, seed=num_rows, with_bias=True)
+        xb = x.to(torch.bfloat16)
+        bf, i8 = pack_weight(weight, "bfloat16"), pack_weight(weight, "int8")
+        q, scale = quantize_int8(weight)
+        ours_bf = module.linear(xb, bf.panels, out_features, bias, None, False, False)
+        ours_i8 = module.linear(x, i8.panels, out_features, bias, i8.scale, False, False)
+        assert torch.equal(ours_bf, reference_linear_bf16(xb, weight, bias))
+        assert torch.equal(ours_i8, reference_linear_int8(x, q, scale, bias))
+        for row in (0, num_rows - 1):
+            assert torch.equal(module.linear(xb[row:row + 1], bf.panels, out_features, bias, None, False, False),
+                               ours_bf[row:row + 1])

@@ -12,16 +12,15 @@ from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.llama import rope_inv_freq
 from lmi_handler.engine.model.loader import args_from_config, load_model
 from lmi_handler.engine.model_runner import ModelRunner, read_model_config
-from tests.engine.conftest import TINY_VARIANTS, TINY_VOCAB, greedy_generate
-
-PROMPTS = [[1, 17, 300, 45, 9], [1, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 499]]
-
-
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                            pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+from tests.engine.helpers import (
+    PRECISIONS,
+    TINY_VARIANTS,
+    TINY_VOCAB,
+    assert_logits_bitwise_identical_alone_and_in_batch,
+    greedy_generate,
+    hf_greedy,
+)
+from tests.engine.helpers import RUNNER_PROMPTS as PROMPTS
 
 
 @pytest.mark.parametrize("variant", ["llama3_rope", "linear_rope_bias"])
@@ -59,7 +58,7 @@ def test_prefill_logits_match_transformers(tiny_model):
     runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=4, num_blocks=32)
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     prompt = PROMPTS[2]
-    from tests.engine.conftest import make_seq
+    from tests.engine.helpers import make_seq
     seq = make_seq(prompt, allocator, len(prompt), prompt_logprobs=True)
     from lmi_handler.engine.scheduler import SchedulerOutput
     step = runner.prepare(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[len(prompt)]))
@@ -136,13 +135,31 @@ def test_packed_model_equals_the_unpacked_model_within_rounding(tiny_model_dir):
 def test_fused_layers_equal_the_module_path_within_rounding_and_greedy_matches_transformers(tiny_model):
     """LlamaModel.fused runs each decoder layer as one C++ call; the module-by-module path is its
     reference. Both write the same KV cache layout, so prefill + decode are compared step by step."""
+    model_dir, hf_model = tiny_model
+    tokens = fused_and_module_paths_agree(model_dir, torch.float32, None, rtol=1e-5, atol=1e-5)
+    assert tokens == hf_greedy(hf_model, PROMPTS[2], 4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int8_bf16"])
+def test_fused_layers_equal_the_module_path_in_bf16_and_int8(tiny_model_dir, precision):
+    """The same comparison with bf16 activations (and KV cache) and int8 weights: the module path runs
+    the same packed linears and paged attention, with PyTorch's norms, RoPE and SiLU; in bf16 the two
+    differ where a float32 rounding difference crosses a bf16 rounding boundary (one bf16 step, 2**-8
+    relative, carried through the layers)."""
+    dtype, quantize = PRECISIONS[precision]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    fused_and_module_paths_agree(tiny_model_dir, dtype, quantize, **tol)
+
+
+def fused_and_module_paths_agree(model_dir, dtype, quantize, **tol) -> list[int]:
+    """Prefill then 3 greedy decode steps through both paths, hidden states compared at each; returns the
+    4 greedy tokens (taken from the fused path)."""
     from lmi_handler.engine.model.attention import AttentionMetadata
 
-    model_dir, hf_model = tiny_model
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), pack_weights=True)
+    model = load_model(model_dir, dtype, torch.device("cpu"), pack_weights=True, quantize=quantize)
     a, block = model.args, 4
     prompt = PROMPTS[2]
-    caches = {mode: [tuple(torch.zeros(16, block, a.num_kv_heads, a.head_dim) for _ in range(2))
+    caches = {mode: [tuple(torch.zeros(16, block, a.num_kv_heads, a.head_dim, dtype=dtype) for _ in range(2))
                      for _ in range(a.num_layers)] for mode in ("fused", "modules")}
     table = torch.arange(16, dtype=torch.int32)[None]
     tokens, n = list(prompt), len(prompt)
@@ -160,7 +177,21 @@ def test_fused_layers_equal_the_module_path_within_rounding_and_greedy_matches_t
             with torch.inference_mode():
                 out[mode] = model(torch.tensor(new), positions, caches[mode], meta)
         model.fused = True
-        torch.testing.assert_close(out["fused"], out["modules"], rtol=1e-5, atol=1e-5)
+        assert out["fused"].dtype == dtype
+        torch.testing.assert_close(out["fused"].float(), out["modules"].float(), **tol)
         tokens.append(int(model.compute_logits(out["fused"][-1:]).argmax()))
         n = 1
-    assert tokens[len(prompt):] == hf_greedy(hf_model, prompt, 4)
+    return tokens[len(prompt):]
+
+
+def test_bf16_without_the_cpp_kernels_runs_the_pytorch_path_batch_invariant(tiny_model_dir, monkeypatch):
+    """Where the C++ kernels cannot be built, bf16 runs PyTorch's ops (16-row tiled bmm, one SDPA call per
+    sequence): slower, and a row's logits are still the same alone and in a batch."""
+    from lmi_handler.engine.model.kernels import build
+
+    monkeypatch.setitem(build._state, "module", None)
+    runner = ModelRunner(tiny_model_dir, torch.bfloat16, torch.device("cpu"), block_size=4, num_blocks=64)
+    assert runner.model.layers[0].mlp.down_weight.dtype == torch.bfloat16       # a plain Parameter: not packed
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[0], [list(range(3, 40)), [1, 2, 3]],
+                                                       6, chunks=[6, 3])

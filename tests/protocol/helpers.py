@@ -7,7 +7,7 @@ from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingPar
 from lmi_handler.protocol.encoder import Wire, encode
 from lmi_handler.protocol.formatters import Answer, StreamAnswer
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan, Shape, shape_of
-from lmi_handler.protocol.sequences import SINGLE, members
+from lmi_handler.protocol.sequences import SINGLE, Combine, SequencePlan, members
 
 PROMPT = "Say:"
 
@@ -59,3 +59,12 @@ def lines_of(text: str, sse: bool = False) -> list[dict]:
         return [json.loads(e[len("data: "):]) for e in events if e != "data: [DONE]"]
     assert text.endswith("\n")
     return [json.loads(line) for line in text.splitlines()]
+
+
+SAMPLED = SamplingParams(greedy=False, seed=10)
+
+
+def choices_plan(kind: Kind, count: int, num_choices: int, wire: Wire = Wire.JSON, **fields) -> RequestPlan:
+    """A plan of `count` sampled sequences (seed 10) answered as `num_choices` OpenAI choices."""
+    return make_plan(kind, wire, params=SAMPLED, sequences=SequencePlan(count, Combine.CHOICES, num_choices),
+                     **fields)

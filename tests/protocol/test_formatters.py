@@ -1,5 +1,8 @@
 """Formatters: response objects of json / jsonlines / sse / tgi_compat / TGI / chat / completions over several
-steps, as the encoder sends them."""
+steps, as the encoder sends them.
+OpenAI n > 1 and best_of: choices by index, usage with the prompt once, streamed chunks per choice, the usage
+chunk only when asked.
+"""
 from __future__ import annotations
 
 import json
@@ -7,11 +10,11 @@ import json
 import pytest
 
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, TokenOutput
-from lmi_handler.protocol.encoder import SSE_DONE, Wire, encode
-from lmi_handler.protocol.formatters import outputs_line, response_body, stream_failure
+from lmi_handler.protocol.encoder import DONE, SSE_DONE, Wire, encode
+from lmi_handler.protocol.formatters import StreamAnswer, outputs_line, response_body, stream_failure
 from lmi_handler.protocol.plan import Kind
 from lmi_handler.protocol.sequences import Combine, Member, SequencePlan
-from tests.protocol.helpers import PROMPT, lines_of, make_plan, run, steps, tok
+from tests.protocol.helpers import PROMPT, choices_plan, lines_of, make_plan, run, steps, tok
 
 
 def ctx(chat: bool = False, completion: bool = False, stream: bool = False, output_formatter: str = "json",
@@ -23,8 +26,6 @@ def ctx(chat: bool = False, completion: bool = False, stream: bool = False, outp
     wire = Wire(output_formatter) if stream else Wire.JSON
     return make_plan(kind, wire, tgi_names=tgi_compat, **fields)
 
-
-# ---- json --------------------------------------------------------------------------------
 
 def test_json_sends_one_document_when_finished():
     sent = run(ctx(), steps())
@@ -73,8 +74,6 @@ def test_json_error_under_tgi_compat_is_tgi_error_object():
     outs = [RequestOutput("abc", [], "", True, FinishReason.ERROR, 4, 0, error="boom")]
     assert json.loads(run(ctx(tgi_compat=True), outs)[0]) == {"error": "boom", "error_type": "generation"}
 
-
-# ---- jsonlines / sse ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["jsonlines", "sse"])
 def test_stream_one_line_per_token_only_last_carries_final_fields(fmt):
@@ -165,8 +164,6 @@ def test_openai_streams_leave_out_done_when_the_plan_says_so():
     assert "[DONE]" not in sent and sent.endswith("\n\n")
 
 
-# ---- chat / completions ------------------------------------------------------------------
-
 def test_chat_completion_object():
     sent = run(ctx(chat=True), steps(FinishReason.EOS_TOKEN))
     assert sent[:2] == ["", ""]
@@ -227,8 +224,6 @@ def test_completion_stream_texts_concatenate():
     assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [2, 4]
 
 
-# ---- TGI /generate ----------------------------------------------------------------------
-
 def test_tgi_generate_answers_tgi_details_with_the_seed_of_a_sampled_request():
     plan = make_plan(Kind.TGI_GENERATE, params=SamplingParams(greedy=False, seed=5), details=True)
     doc = json.loads(run(plan, steps())[2])
@@ -243,8 +238,6 @@ def test_tgi_generate_reports_no_seed_for_greedy_and_no_details_unless_asked():
     doc = json.loads(run(make_plan(Kind.TGI_GENERATE, details=True), steps())[2])
     assert doc["details"]["seed"] is None
 
-
-# ---- whole answers and the rest ----------------------------------------------------------
 
 def test_dynamic_list_answers_one_lmi_document_per_prompt_in_order():
     plan = make_plan(Kind.DYNAMIC_LIST)
@@ -292,3 +285,87 @@ def test_best_of_under_tgi_compat_keeps_tgi_token_names():
     other = details["best_of_sequences"][0]
     assert other["generated_text"] == "a" and other["seed"] == 1
     assert set(other["tokens"][0]) == {"id", "text", "logprob", "special"}
+
+
+def one_token_run(request_id: str, text: str, log_prob: float, reason=FinishReason.EOS_TOKEN) -> list[RequestOutput]:
+    token = TokenOutput(id=5, text=text, log_prob=log_prob, special_token=False)
+    return [RequestOutput(request_id, [token], text, True, reason, 4, 1)]
+
+
+def stream_events(plan, outputs_by_step: list[dict]) -> tuple[list, StreamAnswer]:
+    (ms,) = plan.members()
+    stream = StreamAnswer(plan, ms)
+    return [stream.events(step) for step in outputs_by_step], stream
+
+
+def interleaved(first: list[RequestOutput], second: list[RequestOutput]) -> list[dict]:
+    """Step k holds the k-th output of each member that still runs."""
+    return [{o.request_id: o for o in pair if o is not None}
+            for pair in zip(first + [None] * (len(second) - len(first)), second + [None] * (len(first) - len(second)))]
+
+
+def test_chat_n_two_answers_two_choices_by_index_and_counts_the_prompt_once():
+    plan = choices_plan(Kind.OPENAI_CHAT, 2, 2)
+    (ms,) = plan.members()
+    body = response_body(plan, [ms], {"abc#0": steps(FinishReason.EOS_TOKEN, request_id="abc#0"),
+                                      "abc#1": one_token_run("abc#1", "Yo", -0.3, FinishReason.LENGTH)})
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hi 我😀", "Yo"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3 + 1, "total_tokens": 8}
+
+
+def test_completion_best_of_answers_the_n_highest_summed_log_probs_best_first():
+    plan = choices_plan(Kind.OPENAI_COMPLETION, 3, 2)
+    (ms,) = plan.members()
+    body = response_body(plan, [ms], {"abc#0": one_token_run("abc#0", "a", -3.0),
+                                      "abc#1": one_token_run("abc#1", "b", -0.5),
+                                      "abc#2": one_token_run("abc#2", "c", -1.0)})
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "b"), (1, "c")]
+    assert body["usage"]["completion_tokens"] == 2 and body["usage"]["prompt_tokens"] == 4
+
+
+def test_a_failed_choice_answers_the_request_with_an_openai_error_object():
+    plan = choices_plan(Kind.OPENAI_CHAT, 2, 2)
+    (ms,) = plan.members()
+    failed = [RequestOutput("abc#1", [], "", True, FinishReason.ERROR, 4, 0, error="boom")]
+    body = response_body(plan, [ms], {"abc#0": one_token_run("abc#0", "a", -1.0), "abc#1": failed})
+    assert body["error"]["message"] == "boom"
+
+
+def test_a_streamed_n_two_chat_sends_each_choices_chunks_by_index_then_one_done():
+    plan = choices_plan(Kind.OPENAI_CHAT, 2, 2, Wire.SSE)
+    sent, stream = stream_events(plan, interleaved(steps(FinishReason.LENGTH, request_id="abc#0"),
+                                                   one_token_run("abc#1", "Yo", -0.3)))
+    assert not any(DONE in s for s in sent[:-1]) and sent[-1][-1] is DONE and stream.finished
+    chunks = [e for s in sent for e in s if e is not DONE]
+    by_index = {0: [], 1: []}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        by_index[choice["index"]].append(choice)
+    assert "".join(c["delta"]["content"] for c in by_index[0]) == "Hi 我😀"
+    assert "".join(c["delta"]["content"] for c in by_index[1]) == "Yo"
+    for index, reason in ((0, "length"), (1, "stop")):
+        assert [c["finish_reason"] for c in by_index[index]][-1] == reason
+        assert all(c["finish_reason"] is None for c in by_index[index][:-1])
+        assert by_index[index][0]["delta"]["role"] == "assistant"
+    assert all("usage" not in c for c in chunks)          # not asked: no usage anywhere
+
+
+def test_include_usage_sends_one_last_chunk_with_empty_choices_and_all_choices_tokens():
+    plan = choices_plan(Kind.OPENAI_COMPLETION, 2, 2, Wire.SSE, include_usage=True)
+    sent, _ = stream_events(plan, interleaved(steps(request_id="abc#0"), one_token_run("abc#1", "Yo", -0.3)))
+    text = "".join(encode(s, Wire.SSE) for s in sent)
+    assert text.endswith(SSE_DONE)
+    chunks = lines_of(text, sse=True)
+    usage_chunks = [c for c in chunks if c["usage"] is not None]
+    assert usage_chunks == [chunks[-1]] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert chunks[-1]["object"] == "text_completion" and chunks[-1]["id"] == "cmpl-abc"
+
+
+def test_an_error_in_one_streamed_choice_ends_the_stream_with_an_error_and_done():
+    plan = choices_plan(Kind.OPENAI_CHAT, 2, 2, Wire.SSE)
+    failed = RequestOutput("abc#1", [], "", True, FinishReason.ERROR, 4, 0, error="boom")
+    sent, stream = stream_events(plan, [{"abc#0": steps(request_id="abc#0")[0], "abc#1": failed}])
+    assert stream.finished and sent[0][-1] is DONE and sent[0][-2]["error"]["message"] == "boom"

@@ -3,15 +3,21 @@ from __future__ import annotations
 
 import pytest
 
-from lmi_handler.engine.sequence import FinishReason
-from lmi_handler.protocol.errors import RequestValidationError, error_object
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
+from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.errors import RequestValidationError, error_body
+from lmi_handler.protocol.formatters import response_body
 from lmi_handler.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_choice,
     chat_completion_response,
+    completion_logprobs,
     to_openai_finish_reason,
 )
+from lmi_handler.protocol.plan import Kind
+from lmi_handler.protocol.sequences import members
+from tests.protocol.helpers import make_plan, tok
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
 
@@ -80,7 +86,7 @@ def test_chat_bad_field_is_named_in_openai_error(field, value):
         chat(**{field: value}).to_generation_parameters()
     err = info.value
     assert err.field == field and f"`{field}`" in err.message
-    body = error_object(err.message, err.status_code, openai=True, param=err.field)
+    body = error_body(Dialect.OPENAI, err.message, err.status_code, param=err.field)
     assert body == {"error": {"message": err.message, "type": "invalid_request_error", "param": field, "code": 400}}
 
 
@@ -220,3 +226,23 @@ def test_a_missing_field_is_named_as_required_without_echoing_the_body(body, fie
     with pytest.raises(RequestValidationError) as info:
         CompletionRequest.parse(body)
     assert info.value.field == field and "required" in info.value.message and "max_tokens" not in info.value.message
+
+
+def test_chat_logprobs_take_openais_content_shape_with_bytes_and_top_logprobs():
+    plan = make_plan(Kind.OPENAI_CHAT, logprobs=True, decode_token=lambda i: f"<{i}>")
+    ms = members("abc", plan.prompts[0].params, plan.sequences)
+    outs = [RequestOutput("abc", [tok(2, " 我", top=True)], " 我", True, FinishReason.LENGTH, 4, 1)]
+    body = response_body(plan, [ms], {"abc": outs})
+    (entry,) = body["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == " 我" and entry["logprob"] == -0.2 and entry["bytes"] == list(" 我".encode())
+    assert entry["top_logprobs"] == [{"token": "<2>", "logprob": -0.2, "bytes": list(b"<2>")},
+                                     {"token": "<99>", "logprob": -5.0, "bytes": list(b"<99>")}]
+
+
+def test_completion_logprobs_list_tokens_offsets_and_the_sampled_token_beside_the_top_ones():
+    sampled_not_top = TokenOutput(3, "c", -1.5, False, [(4, -0.5)])
+    top_and_sampled = TokenOutput(4, "dd", -0.5, False, [(4, -0.5)])
+    no_alternatives = TokenOutput(5, "e", -0.7, False, None)        # logprobs=0: the sampled token only
+    got = completion_logprobs([sampled_not_top, top_and_sampled, no_alternatives], lambda i: "dd", text_offset=4)
+    assert got == {"tokens": ["c", "dd", "e"], "token_logprobs": [-1.5, -0.5, -0.7],
+                   "top_logprobs": [{"dd": -0.5, "c": -1.5}, {"dd": -0.5}, {"e": -0.7}], "text_offset": [4, 5, 7]}

@@ -3,24 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from lmi_handler.engine.sequence import SamplingParams
-from lmi_handler.protocol.encoder import Wire
-from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.plan import (
+from lmi_handler.protocol.dialects import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
     ROUTE_GENERATE,
     ROUTE_GENERATE_STREAM,
     ROUTE_INVOCATIONS,
     ROUTE_TGI,
-    Kind,
-    Shape,
-    kind_of,
-    shape_of,
-    streaming_reason,
-    wire_of,
 )
-from lmi_handler.protocol.sequences import Combine, SequencePlan, best_choices, members, openai_n, tgi_best_of
+from lmi_handler.protocol.encoder import Wire
+from lmi_handler.protocol.plan import Kind, Shape, kind_of, shape_of, streaming_reason, wire_of
 
 
 @pytest.mark.parametrize("route, chat, rolling, kind", [
@@ -50,6 +42,22 @@ def test_lmi_kinds_stream_when_asked_or_by_option_others_only_when_asked(kind, a
     assert (streaming_reason(kind, asked, option) is not None) is streams
 
 
+@pytest.mark.parametrize("kind, asked, rolling, enable_streaming, streams", [
+    (Kind.DYNAMIC_LIST, False, False, False, False), (Kind.DYNAMIC_LIST, True, False, False, True),
+    (Kind.DYNAMIC_LIST, False, False, True, True), (Kind.LMI_CHAT, False, False, True, False),
+    (Kind.OPENAI_CHAT, False, False, True, False), (Kind.TGI_STREAM, False, False, False, False),
+    (Kind.LMI_TEXT, False, True, True, True), (Kind.LMI_CHAT, False, True, True, True),
+    (Kind.OPENAI_COMPLETION, False, True, True, False), (Kind.BATCH_LINE, False, True, True, False),
+])
+def test_option_enable_streaming_streams_every_lmi_answer_and_a_dynamic_batch_list(kind, asked, rolling,
+                                                                                 enable_streaming, streams):
+    """LMI schema: option.enable_streaming=true; in dynamic batch only a list of inputs can stream ({"outputs"})."""
+    reason = streaming_reason(kind, asked, None, rolling=rolling, enable_streaming=enable_streaming)
+    assert (reason is not None) is streams
+    if streams and not asked:
+        assert "option.enable_streaming" in reason
+
+
 @pytest.mark.parametrize("kind, stream, option, tgi, wire", [
     (Kind.LMI_TEXT, False, "sse", True, Wire.JSON), (Kind.LMI_TEXT, True, None, False, Wire.JSONLINES),
     (Kind.LMI_TEXT, True, None, True, Wire.SSE), (Kind.LMI_TEXT, True, "jsonlines", True, Wire.JSONLINES),
@@ -61,45 +69,11 @@ def test_wire_format_follows_lmi_defaults(kind, stream, option, tgi, wire):
     assert wire_of(kind, stream, option, tgi) is wire
 
 
-def test_tgi_best_of_runs_several_sampled_sequences_unless_streamed_or_over_the_batch():
-    assert tgi_best_of(1, None, streaming_why=None, max_count=4) == SequencePlan()
-    assert tgi_best_of(2, 3, streaming_why=None, max_count=4) == SequencePlan(3, Combine.BEST_OF)
-    with pytest.raises(RequestValidationError, match="cannot be streamed"):
-        tgi_best_of(1, 2, streaming_why="send stream=false", max_count=4)
-    with pytest.raises(RequestValidationError) as info:
-        tgi_best_of(5, None, streaming_why=None, max_count=4)
-    assert info.value.field == "n" and "max_rolling_batch_size (4)" in info.value.message
+def test_the_stream_terminator_is_decided_once_by_the_plan():
+    """`data: [DONE]` ends OpenAI-shaped streams unless tgi_compat (sse_done_marker): plan.stream_end."""
+    from lmi_handler.protocol.encoder import DONE
+    from lmi_handler.protocol.plan import sse_done_marker
+    from tests.protocol.helpers import make_plan
 
-
-def test_openai_n_runs_n_sequences_answered_as_choices():
-    assert openai_n(1, None, stream=True, max_count=4) == SequencePlan()
-    assert openai_n(3, None, stream=True, max_count=4) == SequencePlan(3, Combine.CHOICES, num_choices=3)
-    assert openai_n(2, 4, stream=False, max_count=4) == SequencePlan(4, Combine.CHOICES, num_choices=2)
-    assert openai_n(1, 1, stream=True, max_count=4) == SequencePlan()
-
-
-@pytest.mark.parametrize("n, best_of, stream, field, words", [
-    (2, 1, False, "best_of", "must be >= n (2)"), (1, 3, True, "best_of", "cannot be streamed"),
-    (5, None, False, "n", "max_rolling_batch_size (4)"), (2, 5, False, "best_of", "max_rolling_batch_size (4)"),
-])
-def test_openai_n_refuses_best_of_below_n_streamed_best_of_and_more_than_the_batch(n, best_of, stream, field, words):
-    with pytest.raises(RequestValidationError) as info:
-        openai_n(n, best_of, stream=stream, max_count=4)
-    assert info.value.field == field and words in info.value.message and f"`{field}`" in info.value.message
-
-
-def test_best_choices_keeps_member_order_unless_best_of_picks_the_highest_scores():
-    assert best_choices([-3.0, -1.0], 2) == [0, 1]
-    assert best_choices([-3.0, -1.0, -2.0, -1.0], 2) == [1, 3]
-
-
-def test_members_take_consecutive_int64_wrapped_seeds_from_the_request_or_the_front_end():
-    sampled = SamplingParams(greedy=False)
-    plan = SequencePlan(3, Combine.BEST_OF)
-    assert [m.params.seed for m in members("r", sampled, plan, front_end_seed=-5)] == [-5, -4, -3]
-    top = (1 << 63) - 1
-    seeds = [m.params.seed for m in members("r", SamplingParams(greedy=False, seed=top), plan)]
-    assert seeds == [top, -(1 << 63), -(1 << 63) + 1]
-    assert [m.request_id for m in members("r", sampled, plan)] == ["r#0", "r#1", "r#2"]
-    (single,) = members("r", sampled, SequencePlan(), front_end_seed=9)
-    assert single.request_id == "r" and single.params.seed == 9   # as Engine.add_request would choose
+    assert make_plan(Kind.OPENAI_CHAT, Wire.SSE, sse_done=sse_done_marker(False)).stream_end == (DONE,)
+    assert make_plan(Kind.OPENAI_CHAT, Wire.SSE, sse_done=sse_done_marker(True)).stream_end == ()

@@ -1,10 +1,13 @@
-"""/metrics rules without a server: engine gauges read at scrape time, requests counted by route template."""
+"""server/metrics.py: gauges read from the live engine and front end at each scrape, requests counted once by
+route and status (fast, hand-made), then a real server's metrics against its answers.
+"""
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
@@ -12,7 +15,10 @@ from prometheus_client import generate_latest
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from lmi_handler.frontend.loops import RollingFrontEnd
+from lmi_handler.frontend.requests import ClientRequest
 from lmi_handler.server.metrics import CountRequests, Metrics
+from tests.server.helpers import metric
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -23,7 +29,10 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     allocator = BlockAllocator(num_blocks=8, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), allocator)
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator)
-    front_end = SimpleNamespace(pending=SimpleNamespace(qsize=lambda: 3))
+    front_end = RollingFrontEnd(lambda inputs: None, {}, max_batch_size=4)      # a real one, not started
+    loop = asyncio.new_event_loop()
+    for _ in range(3):
+        front_end.submit(ClientRequest(b"{}", loop))
     metrics = Metrics(lambda: engine, lambda: front_end)
     assert sample(metrics, "lmi_requests_waiting") == 0
     scheduler.add(Sequence("a", [1, 2, 3], SamplingParams()))
@@ -32,6 +41,8 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     allocator.allocate(2)
     assert sample(metrics, "lmi_kv_cache_blocks_used") == 2 and sample(metrics, "lmi_kv_cache_blocks_total") == 8
     assert sample(metrics, "lmi_kv_cache_usage_ratio") == 0.25
+    assert sample(metrics, "lmi_front_end_active") == 0
+    loop.close()
 
 
 def test_no_engine_yet_exports_no_gauges():
@@ -102,3 +113,52 @@ def test_each_request_is_counted_once_whichever_side_sees_its_end_first():
     assert sample(metrics, "lmi_time_per_output_token_seconds_count") == 3      # tokens after each first one
     # only the one the handler may still report is remembered (bounded: metrics._MAX_REMEMBERED)
     assert not tracker._timings and list(tracker._finished) == ["queued"]
+
+
+
+
+@pytest.mark.slow
+def test_metrics_export_engine_gauges_and_request_counts(client):
+    assert client.post("/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    text = client.get("/metrics").text
+    assert metric(client, "lmi_kv_cache_blocks_total") > 0
+    assert 'lmi_http_requests_total{code="200",route="/invocations"}' in text
+
+
+PARAMS = {"max_new_tokens": 4, "do_sample": False}
+
+
+def app_sample(app, name: str, **labels: str) -> float:
+    """A sample of the in-process app's registry (0 when absent)."""
+    value = app.app.state.metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+@pytest.mark.slow
+def test_metrics_agree_with_the_answers_and_gauges_return_to_zero(app):
+    before = {name: app_sample(app, name) for name in ("lmi_prompt_tokens_total", "lmi_generation_tokens_total",
+                                                    "lmi_e2e_request_latency_seconds_count",
+                                                    "lmi_time_to_first_token_seconds_count")}
+    finished_before = sum(app_sample(app, "lmi_requests_finished_total", finish_reason=r)
+                          for r in ("length", "eos_token", "stop_sequence", "error", "abort"))
+    bodies = [{"inputs": f"Count to {i}:", "parameters": {"max_new_tokens": 3 + i, "details": True,
+                                                          "decoder_input_details": True}} for i in range(4)]
+    answers = app.gather(*(app.client.post("/invocations", json=b) for b in bodies))
+    docs = [a.json() for a in answers]
+    assert app.post("/invocations", json={"inputs": "Hi", "parameters": {"top_p": 5}}).status_code == 400
+    generated = sum(d["details"]["generated_tokens"] for d in docs)
+    prompt = sum(len(d["details"]["prefill"]) for d in docs)
+    assert app_sample(app, "lmi_generation_tokens_total") - before["lmi_generation_tokens_total"] == generated
+    assert app_sample(app, "lmi_prompt_tokens_total") - before["lmi_prompt_tokens_total"] == prompt
+    finished = sum(app_sample(app, "lmi_requests_finished_total", finish_reason=r)
+                   for r in ("length", "eos_token", "stop_sequence", "error", "abort"))
+    assert finished - finished_before == 4          # the 400 never reached the engine
+    for name in ("lmi_e2e_request_latency_seconds_count", "lmi_time_to_first_token_seconds_count"):
+        assert app_sample(app, name) - before[name] == 4
+    assert app_sample(app, "lmi_time_per_output_token_seconds_count") >= generated - 4
+    text = app.get("/metrics").text
+    assert 'lmi_http_requests_total{code="400",route="/invocations"}' in text
+    for gauge in ("lmi_requests_running", "lmi_requests_waiting", "lmi_front_end_queue_depth",
+                  "lmi_kv_cache_blocks_used", "lmi_kv_cache_usage_ratio"):
+        assert app_sample(app, gauge) == 0, gauge
+    assert app_sample(app, "lmi_kv_cache_blocks_total") > 0

@@ -1,76 +1,19 @@
-"""Fast checks of the operating rules (no model): the bounded queue, deadlines, cancel, request ids, fault rules."""
+"""server/ops.py: request ids on every response, the X-Request-Timeout header, cancel by id, clients that go
+away, and the SIGTERM drain (fast rules, then a real server).
+"""
 from __future__ import annotations
 
-import asyncio
+import json
+import signal
+import threading
+import time
 
+import httpx
 import pytest
 
-from lmi_handler.config import Settings, read_serving_properties
-from lmi_handler.engine.faults import FaultRule
-from lmi_handler.engine.sequence import SamplingParams, Sequence
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.server.frontend import CANCELLED_CODE, TIMEOUT_CODE, ClientRequest, FrontEnd, WaitingQueue
 from lmi_handler.server.ops import request_id_of, request_timeout
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-def client(loop, **kwargs) -> ClientRequest:
-    return ClientRequest(b"{}", loop, **kwargs)
-
-
-def drained(loop, c: ClientRequest) -> list:
-    loop.run_until_complete(asyncio.sleep(0))  # run the call_soon_threadsafe pushes
-    return [c.chunks.get_nowait() for _ in range(c.chunks.qsize())]
-
-
-def test_the_waiting_queue_refuses_past_its_capacity_and_clients_gone_make_room(loop):
-    queue = WaitingQueue(2)
-    a, b, c = client(loop), client(loop), client(loop)
-    assert queue.put(a) and queue.put(b)
-    assert not queue.put(c)
-    a.cancelled = True
-    assert queue.put(c)
-    assert queue.get(None) is b and queue.get(None) is c and queue.get(None) is None
-
-
-def test_a_waiting_request_past_its_deadline_ends_with_a_timeout_error_and_leaves_the_queue(loop):
-    queue = WaitingQueue(10)
-    late, on_time = client(loop, timeout_s=1.0), client(loop, timeout_s=100.0)
-    queue.put(late)
-    queue.put(on_time)
-    queue.end_due(late.arrival + 1.5)
-    assert queue.qsize() == 1 and queue.get(None) is on_time
-    (chunk,) = drained(loop, late)
-    assert chunk.last and chunk.code == TIMEOUT_CODE and "1 s" in chunk.error
-    assert late.ended and late.cancelled and drained(loop, on_time) == []
-
-
-def test_cancel_by_public_id_ends_every_live_request_with_that_id_and_unknown_ids_are_refused(loop):
-    front_end = FrontEnd(lambda inputs: None, {}, job_queue_size=4)
-    first, second = client(loop, public_id="job-1"), client(loop, public_id="job-1", request_id="job-1-x")
-    for c in (first, second):
-        front_end.track(c)
-        assert front_end.submit(c)
-    assert not front_end.cancel("job-2")
-    assert front_end.cancel("job-1")
-    front_end.pending.end_due(first.arrival)
-    for c in (first, second):
-        (chunk,) = drained(loop, c)
-        assert chunk.code == CANCELLED_CODE and "cancelled" in chunk.error
-    front_end.forget(first)
-    front_end.forget(second)
-    assert not front_end.is_live("job-1") and front_end.num_live == 0
-
-
-def test_a_request_without_a_deadline_never_times_out(loop):
-    c = client(loop)
-    assert c.due(c.arrival + 10 ** 6) is None
+from tests.server.helpers import Reply, idle, metric, send, start_server, wait_until
 
 
 def test_the_timeout_header_overrides_the_option_and_bad_values_name_the_header():
@@ -90,40 +33,171 @@ def test_request_ids_are_the_clients_when_well_formed_else_generated():
     assert request_id_of({}) != request_id_of({})
 
 
-def test_job_queue_size_is_a_top_level_key_with_the_environment_as_djls_default(tmp_path):
-    props = tmp_path / "serving.properties"
-    props.write_text("option.model_id=model\n")
-    assert Settings.from_properties(read_serving_properties(props, {})).job_queue_size == 1000
-    assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "4"
-    props.write_text("job_queue_size=7\n")
-    assert read_serving_properties(props, {"SERVING_JOB_QUEUE_SIZE": "4"})["job_queue_size"] == "7"
+LONG = {"inputs": "Tell me a very long story.", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
 
 
-def seq(request_id: str, prompt_len: int, computed: int, outputs: int) -> Sequence:
-    s = Sequence(request_id, list(range(prompt_len)), SamplingParams())
-    s.num_computed_tokens, s.output_token_ids = computed, list(range(outputs))
-    return s
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory, "ops", env={"SERVING_JOB_QUEUE_SIZE": "4"}, max_rolling_batch_size="2")
+    yield server
+    server.stop()
 
 
-def test_fault_rules_pick_the_sequence_by_prompt_text_or_id_and_the_stage():
-    decode4, prefill, by_id = FaultRule.parse_all("decode:4@Water is; prefill@id=r7;pinned:decode:1@id=r9")
-    assert (decode4.stage, decode4.decode_step, decode4.marker) == ("decode", 4, "Water is")
-    assert prefill.request_id == "r7" and by_id.pinned
-    assert decode4.hits(seq("a", 3, 6, 4), "Water is wet") and not decode4.hits(seq("a", 3, 5, 3), "Water is")
-    assert not decode4.hits(seq("a", 3, 6, 4), "The sky is")
-    assert prefill.hits(seq("r7", 10, 4, 0), "") and prefill.hits(seq("r7#1", 10, 0, 0), "")
-    assert not prefill.hits(seq("r7", 10, 10, 1), "") and not prefill.hits(seq("r70", 10, 0, 0), "")
-    for bad in ("decode@x", "decode:0@x", "prefill:2@x", "boom@x", "decode:4", "decode:4@"):
-        with pytest.raises(ValueError, match="fault_injection"):
-            FaultRule.parse(bad)
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        wait_until(lambda: idle(client), 30)
+        yield client
+        wait_until(lambda: idle(client), 30)
 
 
-def test_places_are_held_for_requests_being_planned_so_overload_is_refused_before_any_parsing(loop):
-    front_end = FrontEnd(lambda inputs: None, {}, job_queue_size=2)
-    assert front_end.reserve() and front_end.reserve()
-    assert not front_end.reserve()          # two being planned fill the queue's two places
-    front_end.unreserve()
-    assert front_end.submit(client(loop))   # one queued, one still being planned: still full
-    assert not front_end.reserve()
-    front_end.unreserve()
-    assert front_end.reserve()
+def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, list]:
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(fn(*args, **kwargs)))
+    thread.start()
+    return thread, box
+
+
+@pytest.mark.slow
+def test_every_response_carries_the_clients_request_id_or_a_generated_one(http):
+    calls = [("GET", "/ping", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
+             ("POST", "/invocations", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}),
+             ("POST", "/invocations", {"inputs": "Hi", "parameters": {"top_p": 7}}),
+             ("POST", "/v1/chat/completions", {"messages": "nope"}), ("GET", "/no/such/route", None),
+             ("POST", "/v1/requests/nobody/cancel", None)]
+    seen = set()
+    for method, path, body in calls:
+        given = http.request(method, path, json=body, headers={"x-request-id": f"id-{len(seen)}"})
+        assert given.headers["x-request-id"] == f"id-{len(seen)}", (path, given.status_code)
+        made = http.request(method, path, json=body).headers["x-request-id"]
+        assert len(made) == 32 and made not in seen
+        seen |= {made, f"id-{len(seen)}"}
+    with http.stream("POST", "/invocations", json={**LONG, "stream": True, "parameters": {"max_new_tokens": 3}},
+                     headers={"x-request-id": "streamed-1"}) as response:
+        assert response.headers["x-request-id"] == "streamed-1"
+        response.read()
+
+
+@pytest.mark.slow
+def test_cancel_by_id_ends_a_running_stream_with_its_error_line_and_frees_its_blocks(http):
+    with http.stream("POST", "/invocations", json={**LONG, "stream": True},
+                     headers={"x-request-id": "cancel-stream"}) as response:
+        lines = response.iter_lines()
+        for _ in range(2):
+            assert "token" in json.loads(next(lines))
+        cancelled = http.post("/v1/requests/cancel-stream/cancel")
+        asked = time.monotonic()
+        assert cancelled.status_code == 200 and cancelled.json() == {"id": "cancel-stream",
+                                                                     "object": "request.cancel", "cancelled": True}
+        rest = [json.loads(line) for line in lines if line.strip()]
+        assert time.monotonic() - asked < 2
+    last = rest[-1]
+    assert last["details"]["finish_reason"] == "error" and "cancelled" in last["error"] and last["code"] == 409
+    wait_until(lambda: idle(http), 2)
+    assert http.post("/v1/requests/cancel-stream/cancel").status_code == 404   # finished: nothing to cancel
+
+
+def cancel_whole(server, http, request_id: str, gauge: str, value: int, join_s: float):
+    """Send LONG (not streamed) as `request_id`, wait until `gauge` reads `value`, cancel it by id;
+    returns its reply once the sending thread ends (within `join_s`)."""
+    thread, box = in_thread(send, server.url, "/invocations", LONG, headers={"x-request-id": request_id})
+    wait_until(lambda: metric(http, gauge) == value, 30, poll_s=0.05)
+    assert http.post(f"/v1/requests/{request_id}/cancel").status_code == 200
+    thread.join(timeout=join_s)
+    (reply,) = box
+    return reply
+
+
+@pytest.mark.slow
+def test_cancel_by_id_ends_a_running_non_streaming_request_with_a_409_json_error(server, http):
+    reply = cancel_whole(server, http, "cancel-whole", "lmi_requests_running", 1, join_s=10)
+    assert reply.status == 409 and "cancelled" in reply.json()["error"]
+    wait_until(lambda: idle(http), 2)
+
+
+def hold_batch(server, http, count: int = 2) -> list[tuple[threading.Thread, list]]:
+    """Fill the batch (2) with long streams named hold-i; the caller cancels them."""
+    holds = [in_thread(send, server.url, "/invocations", {**LONG, "stream": True}, stream=True,
+                       headers={"x-request-id": f"hold-{i}"}) for i in range(count)]
+    wait_until(lambda: metric(http, "lmi_requests_running") == count, 30, poll_s=0.05)
+    return holds
+
+
+def release(http, holds) -> None:
+    for i, (thread, box) in enumerate(holds):
+        assert http.post(f"/v1/requests/hold-{i}/cancel").status_code == 200
+        thread.join(timeout=10)
+        assert box[0].events[-1]["details"]["finish_reason"] == "error"
+
+
+@pytest.mark.slow
+def test_cancel_by_id_ends_a_queued_request_at_once_without_touching_the_running_ones(server, http):
+    holds = hold_batch(server, http)
+    reply = cancel_whole(server, http, "queued-1", "lmi_front_end_queue_depth", 1, join_s=2)
+    assert reply.status == 409 and "queued-1" in reply.json()["error"]
+    assert metric(http, "lmi_requests_running") == 2 and metric(http, "lmi_front_end_queue_depth") == 0
+    release(http, holds)
+
+
+@pytest.mark.slow
+def test_cancelling_an_unknown_id_answers_404_with_an_openai_error_object(http):
+    reply = http.post("/v1/requests/never-seen/cancel")
+    assert reply.status_code == 404
+    assert reply.json()["error"]["code"] == 404 and "never-seen" in reply.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_streaming_client_that_disconnects_has_its_sequence_aborted_and_blocks_freed(http):
+    with http.stream("POST", "/invocations", json={**LONG, "stream": True}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert metric(http, "lmi_kv_cache_blocks_used") > 0
+    wait_until(lambda: idle(http), 2)
+
+
+@pytest.mark.slow
+def test_a_non_streaming_client_that_disconnects_has_its_sequence_aborted_and_blocks_freed(server, http):
+    reply = send(server.url, "/invocations", LONG, timeout_s=2)
+    assert reply.error is not None and "Timeout" in reply.error
+    wait_until(lambda: idle(http), 2)
+
+
+@pytest.mark.slow
+def test_a_queued_client_that_disconnects_leaves_the_queue_and_never_runs(server, http):
+    holds = hold_batch(server, http)
+    reply = send(server.url, "/invocations", LONG, timeout_s=1.5)
+    assert reply.error is not None
+    wait_until(lambda: metric(http, "lmi_front_end_queue_depth") == 0, 2)
+    assert metric(http, "lmi_requests_running") == 2
+    release(http, holds)
+
+
+@pytest.mark.slow
+def test_sigterm_refuses_new_requests_and_drains_every_accepted_one_before_exiting(model_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory, "drain", max_rolling_batch_size="8", shutdown_grace_s="120")
+    try:
+        body = {"inputs": "The sky is", "stream": True, "parameters": {"max_new_tokens": 24, "ignore_eos": True,
+                                                                       "details": True}}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            flights = [in_thread(send, server.url, "/invocations", body, stream=True) for _ in range(8)]
+            wait_until(lambda: metric(http, "lmi_requests_running") == 8, 60, poll_s=0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = http.post("/invocations", json={"inputs": "Hi"})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]
+            ping = http.get("/ping")          # a load balancer stops routing here while the drain runs
+            assert ping.status_code == 503 and ping.json() == {"status": "Draining"}
+            assert http.get("/health").status_code == 503
+        replies: list[Reply] = []
+        for thread, box in flights:
+            thread.join(timeout=120)
+            replies.extend(box)
+        assert len(replies) == 8
+        for reply in replies:
+            assert reply.status == 200 and reply.error is None
+            assert reply.events[-1]["details"]["finish_reason"] == "length" and len(reply.events) == 24
+        assert len({reply.events[-1]["generated_text"] for reply in replies}) == 1
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()

@@ -63,11 +63,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
            scale: float, invariant: bool) -> torch.Tensor:
     """Causal GQA attention of the step's queries over the paged cache, by the fastest fit path.
 
-    float32 on CPU with the C++ kernels built: attention_paged (batch-invariant by construction,
-    used in both modes). Otherwise attention_per_sequence when `invariant`, else attention_padded.
+    float32 or bfloat16 on CPU with the C++ kernels built: attention_paged (batch-invariant by
+    construction, used in both modes). Otherwise attention_per_sequence when `invariant`, else attention_padded.
     q: (T, num_heads, head_dim). Returns (T, num_heads, head_dim) in q's dtype.
     """
-    if q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels() is not None:
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:
         return attention_paged(q, k_cache, v_cache, meta, scale)
     if invariant:
         return attention_per_sequence(q, k_cache, v_cache, meta, scale)
@@ -82,7 +82,9 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     softmax, then the weighted sum of values in the same order. Nothing in it depends on other rows,
     on the number of sequences or on how a sequence's tokens were cut into chunks, so a row's bits
     are the same alone, in any batch and under any chunking (tests/engine/test_attention.py).
-    q: (T, num_heads, head_dim) float32 CPU; caches float32 contiguous. Returns (T, num_heads, head_dim).
+    q: (T, num_heads, head_dim) float32 or bfloat16 CPU; caches contiguous in q's dtype. Scores, softmax
+    and the weighted sum run in float32 (bf16 K/V widened exactly); the output is rounded once to q's
+    dtype. Returns (T, num_heads, head_dim).
     Raises: RuntimeError (from the kernel) on inconsistent metadata, e.g. a too-short block table.
     """
     return cpu_kernels().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,

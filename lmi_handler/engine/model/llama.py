@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmi_handler.engine.model.attention import AttentionMetadata, attend, write_kv
-from lmi_handler.engine.model.kernels import PackedWeight, cpu_kernels, pack_weight, packed_linear
+from lmi_handler.engine.model.kernels import PackedWeight, bf16_dot_native, cpu_kernels, pack_weight, packed_linear
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
            invariant: bool) -> torch.Tensor:
     """x @ weight.T (+ bias). x: (T, in), weight: (out, in) or its PackedWeight -> (T, out) in x's dtype.
 
-    PackedWeight (float32 CPU, set up by LlamaModel.pack_weights): the C++ kernel, one FMA chain per
-    output, so a row's bits never depend on the batch. A plain weight: one F.linear when not
+    PackedWeight (float32, bfloat16 or int8 panels on CPU, set up by LlamaModel.pack_weights): the C++
+    kernel, one fixed chain of float32 operations per output, so a row's bits never depend on the
+    batch. A plain weight: one F.linear when not
     `invariant` (fastest; BLAS picks kernels by row count, e.g. GEMV for one row, so bits move with
     the batch); when `invariant`, one bmm over zero-padded 16-row tiles (the fallback where the C++
     kernels are unavailable: every row goes through the same BLAS kernel whatever its batch).
@@ -194,28 +195,30 @@ class LlamaModel(nn.Module):
                         else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def pack_weights(self) -> bool:
-        """Repack every linear weight (and lm_head) for the C++ row-invariant kernel, in place.
+    def pack_weights(self, kind: str = "float32", lm_head_kind: str | None = None, huge_pages: bool = True) -> bool:
+        """Repack every linear weight for the C++ row-invariant kernel, in place; returns whether it packed.
 
-        Only for float32 weights on CPU with the kernels built; returns whether it packed. Each
-        weight is replaced (one copy held at a time, so peak memory grows by one weight). A tied
-        lm_head replaces the embedding too: embedding rows are read back from the packed panels.
+        kind: the decoder layers' panels ("float32", "bfloat16" or "int8", see kernels.PackedWeight),
+        made from the weights as they are now (the checkpoint's values: int8 quantizes them, float32 and
+        bfloat16 convert them). lm_head_kind: lm_head's panels (default `kind`). Only on CPU with the
+        kernels built. Each weight is replaced (one copy held at a time, so peak memory grows by one
+        weight). A tied lm_head packed as float32 or bfloat16 replaces the embedding too (its rows are
+        read back from the panels, exactly); packed as int8 it leaves the embedding as it is.
+        `huge_pages`: the panels in huge-page memory (kernels.empty_huge).
         """
-        if self.embed_tokens.device.type != "cpu" or self.embed_tokens.dtype != torch.float32:
-            return False
-        if cpu_kernels() is None:
+        if self.embed_tokens.device.type != "cpu" or cpu_kernels() is None:
             return False
         for layer in self.layers:
             for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"),
                                  (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
-                packed = pack_weight(getattr(module, name).detach())
+                packed = pack_weight(getattr(module, name).detach(), kind, huge_pages)
                 delattr(module, name)                     # drop the Parameter before holding both
                 setattr(module, name, packed)
         tied = self.lm_head is self.embed_tokens
-        packed = pack_weight(self.lm_head.detach())
+        packed = pack_weight(self.lm_head.detach(), lm_head_kind or kind, huge_pages)
         del self.lm_head
         self.lm_head = packed
-        if tied:
+        if tied and packed.scale is None:
             del self.embed_tokens
             self.embed_tokens = packed
         # the checkpoint's tensors may be views of one mapped file: copy the small ones left (norms,
@@ -240,7 +243,7 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                 # (T, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         if self.fused and isinstance(self.layers[0].self_attn.qkv_weight, PackedWeight) \
-                and x.dtype == torch.float32 and x.device.type == "cpu":
+                and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
             return self._forward_fused(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, invariant)
@@ -248,20 +251,25 @@ class LlamaModel(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder stack as one C++ call per layer (packed float32 CPU weights); x: (T, hidden)."""
-        a, ops = self.args, cpu_kernels()
+        """The decoder stack as one C++ call per layer (packed CPU weights); x: (T, hidden) float32 or
+        bfloat16, the activations' (and KV cache's) dtype."""
+        a, ops, native = self.args, cpu_kernels(), bf16_dot_native()
         x = x.contiguous().clone()          # updated in place by every layer
         cos, sin = cos.contiguous(), sin.contiguous()
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            ops.decoder_layer(x, layer.input_layernorm.weight, attn.qkv_weight.panels, attn.qkv_bias,
-                              attn.o_weight.panels, attn.o_bias, layer.post_attention_layernorm.weight,
-                              mlp.gate_up_weight.panels, mlp.gate_up_bias, mlp.down_weight.panels, mlp.down_bias,
+            qkv, o, gate_up, down = attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
+            ops.decoder_layer(x, layer.input_layernorm.weight, qkv.panels, qkv.scale, attn.qkv_bias,
+                              o.panels, o.scale, attn.o_bias, layer.post_attention_layernorm.weight,
+                              gate_up.panels, gate_up.scale, mlp.gate_up_bias, down.panels, down.scale, mlp.down_bias,
                               cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
                               meta.cu_seqlens_q, a.num_heads, a.num_kv_heads, a.intermediate_size,
-                              layer.input_layernorm.eps, attn.scale)
+                              layer.input_layernorm.eps, attn.scale, native)
         return ops.add_rmsnorm(x, None, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor:
-        """hidden: (N, hidden_size) -> (N, vocab_size) float32."""
+        """hidden: (N, hidden_size) -> (N, vocab_size) float32. A packed lm_head writes float32 straight
+        from its float32 accumulators (bf16 models too: logits are never rounded to bf16)."""
+        if isinstance(self.lm_head, PackedWeight):
+            return packed_linear(hidden, self.lm_head, None, torch.float32)
         return linear(hidden, self.lm_head, None, invariant).float()

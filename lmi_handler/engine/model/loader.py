@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lmi_handler.engine.model.kernels import cpu_kernels
 from lmi_handler.engine.model.llama import LlamaArgs, LlamaModel, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -98,14 +99,20 @@ def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[s
     return state
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               pack_weights: bool = False) -> LlamaModel:
-    """Build LlamaModel from an HF directory, weights cast to `dtype` on `device`, in eval mode.
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
+               quantize: str | None = None, lm_head_kind: str | None = None, huge_pages: bool = True) -> LlamaModel:
+    """Build LlamaModel from an HF directory, in eval mode on `device`, activations in `dtype`.
 
     pack_weights: repack the linear weights for the C++ row-invariant kernels (LlamaModel.pack_weights;
-    float32 on CPU only, else a no-op), after the checkpoint's own tensors are released so that
-    only one extra weight is held at a time.
-    Raises: KeyError naming a missing weight; ValueError for an unsupported architecture.
+    float32 or bfloat16 on CPU only, else a no-op) straight from the checkpoint's tensors, after the
+    checkpoint's own dict is released so that only one extra weight is held at a time: panels in `dtype`,
+    or int8 ones when quantize="int8" (quantized from the checkpoint's values, not from a bf16 copy).
+    lm_head_kind: lm_head's panels when they should differ from the layers' (see INT8_LM_HEAD).
+    `huge_pages` puts the packed weights in huge-page memory.
+    The other parameters (norms, biases, an embedding not read from lm_head's panels) are cast to
+    `dtype`. A bf16 checkpoint loaded as bfloat16 is never widened.
+    Raises: KeyError naming a missing weight; ValueError for an unsupported architecture, or for
+    quantize="int8" where the packed kernels cannot run (not CPU, not float32/bfloat16, no C++ build).
     """
     args = args_from_config(read_config(model_dir))
     hf = read_safetensors(model_dir)
@@ -123,10 +130,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
-    model.inv_freq = rope_inv_freq(args)
+    model.inv_freq = rope_inv_freq(args)        # off the meta device before .to()
+    packable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None
+    if quantize is not None and not (pack_weights and packable):
+        raise ValueError(f"quantize={quantize!r} needs the C++ CPU kernels on CPU with float32 or bfloat16 "
+                         f"activations (device {device}, dtype {dtype})")
+    if pack_weights and packable:
+        kind = "int8" if quantize == "int8" else str(dtype).removeprefix("torch.")
+        model.pack_weights(kind, lm_head_kind or (INT8_LM_HEAD.get(dtype) if quantize == "int8" else None), huge_pages)
     model = model.to(device=device, dtype=dtype).eval()
     # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
     model.inv_freq = rope_inv_freq(args).to(device)
-    if pack_weights:
-        model.pack_weights()
     return model
+
+
+# lm_head's panels under quantize=int8, by activation dtype (see README, "int8 weights")
+INT8_LM_HEAD = {torch.float32: "int8", torch.bfloat16: "int8"}

@@ -95,7 +95,10 @@ class WorkerArgs:
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, as torch's default thread count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux: every core
+        return os.cpu_count() or 1
 
 
 def threads_per_rank(degree: int, num_threads: int = 0) -> int:

@@ -21,6 +21,7 @@ from lmi_handler.engine.parallel.executor import (
 )
 from lmi_handler.engine.parallel.group import Rendezvous
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree
+from lmi_handler.engine.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class ModelRunnerSpec:
     """Every rank's ModelRunner over its shard of config.model_path (RunnerSpec; picklable)."""
 
     config: EngineConfig
-    dtype: torch.dtype
+    precision: Precision      # rank 0's decision (engine.pick_precision), the same on every rank
 
     def _args(self):
         from lmi_handler.engine.model.loader import args_from_config, read_config
@@ -44,7 +45,7 @@ class ModelRunnerSpec:
         args = self._args()
         layout = ShardLayout.of(args, rank, degree)
         block_bytes = (2 * args.num_layers * self.config.block_size * layout.num_kv_heads * args.head_dim
-                       * self.dtype.itemsize)
+                       * self.precision.dtype.itemsize)
         return self.config.kv_cache_bytes // block_bytes
 
     def build(self, context: RankContext, num_blocks: int):
@@ -63,7 +64,7 @@ def _degree(config: EngineConfig) -> int:
     return degree
 
 
-def start_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+def start_runner(config: EngineConfig, device: torch.device, precision: Precision):
     """The engine's runner: a ModelRunner at degree 1, else a TensorParallelExecutor (rank 0 of the group:
     start-up checks, followers spawned unless MPI launched them, shards loaded).
 
@@ -73,10 +74,10 @@ def start_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype)
     if degree == 1:
         from lmi_handler.engine.model_runner import ModelRunner
 
-        return ModelRunner(config.model_path, dtype, device, block_size=config.block_size,
+        return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                            kv_cache_bytes=config.kv_cache_bytes, batch_invariant=config.batch_invariant,
-                           compile=config.compile)
-    return start_tensor_parallel(ModelRunnerSpec(config, dtype), degree, device, config.parallel.timeout_s,
+                           huge_pages=config.huge_pages, quantize=precision.quantize)
+    return start_tensor_parallel(ModelRunnerSpec(config, precision), degree, device, config.parallel.timeout_s,
                                  num_threads=config.num_threads, mpi=config.parallel.mpi)
 
 
@@ -91,13 +92,13 @@ def run_mpi_follower(config: EngineConfig) -> None:
 
     mpi, degree = config.parallel.mpi, _degree(config)
     device = torch.device("cuda", mpi.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = _dtype(config, device)
+    precision = _precision(config, device)
     rendezvous = Rendezvous(mpi.master_addr, mpi.master_port, degree, config.parallel.timeout_s, START_TIMEOUT_S)
-    run_follower(WorkerArgs(mpi.rank, rendezvous, ModelRunnerSpec(config, dtype), str(device),
+    run_follower(WorkerArgs(mpi.rank, rendezvous, ModelRunnerSpec(config, precision), str(device),
                             threads_per_rank(degree, config.num_threads)))
 
 
-def _dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    from lmi_handler.engine.engine import pick_dtype
+def _precision(config: EngineConfig, device: torch.device) -> Precision:
+    from lmi_handler.engine.engine import pick_precision
 
-    return pick_dtype(config.dtype, device)
+    return pick_precision(config, device)

@@ -1,4 +1,4 @@
-"""Run by tests/server/test_clients.py in .venv-tgi (text-generation 0.7.0 pins huggingface-hub<1.0):
+"""Run by tests/server/test_tgi.py in .venv-tgi (text-generation 0.7.0 pins huggingface-hub<1.0):
 the real TGI client against a server; prints one JSON document of what it got back.
 
 usage: python tgi_client.py BASE_URL PROMPT MAX_NEW_TOKENS

@@ -1,0 +1,100 @@
+"""The machine's ceilings, measured inside the run they are held against: read bandwidth and peak FLOP/s.
+
+Owns the two probes: memory read bandwidth (probes/membw.c, built with the C compiler at run time, best
+of N passes over a buffer several times the last-level cache, huge pages where the kernel gives them)
+and the peak matmul rate per dtype (torch.matmul). The ceilings' arithmetic (bytes per token / GB/s) is
+report.py's. Run by `workers.py peak` in the project's venv, so torch is imported lazily.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from host import cache_sizes, cpu_list, omp_bind_cpus, parse_meminfo, thp_mode
+
+MEMBW_SOURCE = Path(__file__).resolve().parent / "probes" / "membw.c"
+MIN_BUFFER_BYTES = 1 << 30
+
+
+def default_buffer_bytes(l3_bytes: int | None, mem_available_bytes: int | None) -> int:
+    """At least 1 GiB and 4x the last-level cache (so the passes stream from DRAM), at most a quarter of
+    the memory available now."""
+    size = max(MIN_BUFFER_BYTES, 4 * (l3_bytes or 0))
+    if mem_available_bytes:
+        size = min(size, mem_available_bytes // 4)
+    return size
+
+
+def build_membw(out_dir: Path) -> Path:
+    """Compile probes/membw.c with `cc -O3 -march=native -fopenmp` into `out_dir`; returns the binary.
+    Raises RuntimeError (with the compiler's message) when there is no compiler or the build fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) to build probes/membw.c")
+    binary = out_dir / "membw"
+    proc = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", str(MEMBW_SOURCE), "-o", str(binary)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cc} failed on {MEMBW_SOURCE.name}: {proc.stderr[-500:]}")
+    return binary
+
+
+def read_bandwidth(threads: int, buffer_bytes: int | None, repeats: int, out_dir: Path) -> dict:
+    """Best-of-`repeats` read bandwidth with `threads` OpenMP threads, bound one per physical core (the
+    CPUs vLLM's threads are bound to), on a `buffer_bytes` buffer (None: default_buffer_bytes) with
+    MADV_HUGEPAGE unless transparent huge pages are off. Returns membw's JSON plus how it ran;
+    "best_bytes_per_s" is the figure the batch-1 ceilings use. Raises RuntimeError when it cannot run."""
+    meminfo = parse_meminfo(Path("/proc/meminfo").read_text()) if Path("/proc/meminfo").exists() else {}
+    caches = cache_sizes()
+    size = buffer_bytes or default_buffer_bytes(caches.get("L3"), meminfo.get("mem_available_bytes"))
+    thp = thp_mode()
+    huge = thp in ("always", "madvise")
+    cpus = omp_bind_cpus(threads)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "true",
+           "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus)}
+    binary = build_membw(out_dir)
+    proc = subprocess.run([str(binary), str(size), str(repeats), str(int(huge))], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"membw exit code {proc.returncode}: {proc.stderr[-500:]}")
+    result = json.loads(proc.stdout)
+    result.pop("sink", None)
+    return {**result, "bound_cpus": cpu_list(cpus), "thp": thp, "l3_bytes": caches.get("L3"),
+            "method": "probes/membw.c: uint64 sum over the buffer, each thread its own slice, best of the passes"}
+
+
+def peak_matmul(dtype_name: str, size: int, threads: int, decode_shape: tuple[int, int, int] | None = None) -> dict:
+    """FLOP/s of a square `size`^3 torch.matmul (0: 2048 on CPU, 8192 on CUDA) in `dtype_name` (fp32 | bf16),
+    best of 5 timed runs after a warm-up, and of the model's decode-shaped GEMM (M x K -> N) when given.
+    CUDA when torch sees it."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    torch.set_num_threads(threads)
+    size = size or (8192 if device == "cuda" else 2048)
+
+    def rate(m: int, k: int, n: int, repeat: int) -> float:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        best = float("inf")
+        for _ in range(6):  # the first is a warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeat):
+                torch.matmul(a, b)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - start) / repeat)
+        return 2 * m * k * n / best
+
+    out = {"device": device, "dtype": str(dtype), "torch_num_threads": torch.get_num_threads(), "square_size": size,
+           "peak_flops_per_s": rate(size, size, size, 3 if device == "cpu" else 20)}
+    if decode_shape:
+        out.update(decode_shape=list(decode_shape), decode_shape_flops_per_s=rate(*decode_shape, 50))
+    return out

@@ -1,0 +1,179 @@
+"""The C++ CPU kernels' lazy build, the fallback when no C++ compiler works, and what the CPU offers.
+
+Owns building (and finding a stale build lock), huge-page buffers and the CPU's bfloat16 support;
+leaves the packed layouts to packing.py and deciding which layers use the kernels to llama.py.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PANEL = 32   # output columns per packed panel; must equal PANEL in linear.h
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_state: dict = {}
+
+
+def cpu_kernels():
+    """The compiled extension module, or None when it cannot be built (logged once as a warning).
+
+    Built with torch.utils.cpp_extension.load (-O3 -march=native -ffp-contract=off -fopenmp) into
+    torch's extension cache on first call (the name carries a hash of the sources and of the CPU's
+    flags) (-ffp-contract=off: a * b + c stays two roundings, as in PyTorch's elementwise ops); later
+    processes reuse the cached build unless the sources or the CPU changed.
+    """
+    if "module" not in _state:
+        _state["module"] = build_extension(_SOURCE, _module_name(_SOURCE))
+    return _state["module"]
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (e.g. avx512f, avx512_bf16, amx_bf16); empty
+    where that file does not exist (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _module_name(source: Path) -> str:
+    """The extension's name carries a hash of its sources (the .cpp and the headers beside it) and of the
+    CPU's flags: checkouts of different versions on one machine (a CI clone beside a working tree) never
+    load each other's build from torch's shared cache, and a home directory shared by machines with
+    different CPUs never loads a -march=native build made for another one."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(source.parent.glob("*.[ch]*")):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
+    return "lmi_cpu_kernels_" + digest.hexdigest()[:12]
+
+
+STALE_LOCK_S = 600.0   # a build takes about a minute here; a lock this old was left by a killed build
+
+
+def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> bool:
+    """Wait while `build_dir`/lock is held by a build younger than `max_age_s` seconds (as torch itself
+    would), then remove it if it is still there; True when a stale lock was removed.
+
+    torch.utils.cpp_extension serialises builds with that file and waits for it to go away, forever: a
+    build killed part-way (SIGKILL, a CI timeout) would otherwise hang every later start of the engine.
+    The file's mtime is when its build began.
+    """
+    lock = Path(build_dir) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= max_age_s:
+            break
+        time.sleep(min(poll_s, max_age_s - age))
+    log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def build_extension(source: Path, name: str):
+    """Compile `source` as extension `name`; None (and a warning) when that fails."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    start = time.perf_counter()
+    try:
+        clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)))
+        module = load(name=name, sources=[str(source)],
+                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:     # no compiler, no ninja, a build error: the PyTorch paths still work
+        log.warning("C++ CPU kernels unavailable, using the PyTorch fallback: %s", exc)
+        return None
+    if module.PANEL != PANEL:
+        raise RuntimeError(f"cpu_kernels.cpp PANEL={module.PANEL} but the wrapper expects {PANEL}")
+    log.info("C++ CPU kernels ready in %.1f s (vector width %d, AVX512_BF16 %s)", time.perf_counter() - start,
+             module.VECTOR_WIDTH, "yes" if module.NATIVE_BF16 else "no")
+    return module
+
+
+def empty_huge(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               huge_pages: bool = True) -> torch.Tensor:
+    """An uninitialised CPU tensor in 2 MiB-aligned memory marked for transparent huge pages.
+
+    For the large, streamed buffers (packed weights, the KV cache): with 4 KiB pages each page is a
+    TLB miss, and under a hypervisor each miss walks two page tables (measured on this project's
+    2-core VM: a 425 MiB stream read at 17.6 GB/s with 4 KiB pages, 23.2 GB/s with huge pages).
+    Falls back to torch.empty for other dtypes or devices, when `huge_pages` is False (option.huge_pages,
+    LMI_HUGE_PAGES=0: config.py), or when the C++ kernels
+    are not built: it never builds them itself, so the plain (option.batch_invariant=false) path compiles
+    nothing; the batch-invariant path builds them before packing its weights. Where THP is off the
+    kernel ignores the advice. Contents are what torch.empty gives: zero_() or copy_() before use.
+    """
+    if (dtype not in _HUGE_DTYPES or torch.device(device).type != "cpu" or not huge_pages
+            or (module := _state.get("module")) is None):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return module.empty_huge(list(shape), dtype)
+
+
+_HUGE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)   # what the weights and the KV cache use
+
+
+def native_bf16_cpu() -> bool:
+    """Whether the CPU has native bfloat16 dot products (AVX512_BF16 or AMX-BF16): the test dtype=auto
+    applies to a bf16 checkpoint (vLLM's CPU backend runs bf16 where this holds). From the built kernels
+    when they exist (compiled with -march=native, so they say what this CPU has), else /proc/cpuinfo."""
+    module = _state.get("module")
+    if module is not None:
+        return bool(module.NATIVE_BF16) or "amx_bf16" in cpu_flags()
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def bf16_dot_native() -> bool:
+    """Whether bf16 panels go through VDPBF16PS (else two FMAs per pair on widened values, the same bits).
+
+    Only where the kernels were built with AVX512_BF16 and the instruction gives, on a probe, the bits of
+    the documented order the FMA form follows (linear.h); choose_bf16_dot("native") asks for it by hand
+    (native still needs both; the default is "fma"). Measured here (Xeon, AVX512_BF16, no AMX), one core: VDPBF16PS zmm retires 0.5 per
+    cycle (16 multiply-adds a cycle) against 2 FMAs (32), so the FMA form is the default; see
+    benchmarks/bench_kernels.py for the linear at batch 1 and 64 both ways.
+    """
+    if "bf16_native" not in _state:
+        _state["bf16_native"] = _pick_bf16_dot()
+    return _state["bf16_native"]
+
+
+def choose_bf16_dot(mode: str) -> None:
+    """"fma" (the default) or "native" (VDPBF16PS where bf16_dot_native's conditions hold), for the
+    packings made after this call (benchmarks/bench_kernels.py compares both).
+    Raises: ValueError for another mode."""
+    if mode not in ("fma", "native"):
+        raise ValueError(f"bf16 dot mode must be 'fma' or 'native', got {mode!r}")
+    _state["bf16_dot_mode"] = mode
+    _state.pop("bf16_native", None)
+
+
+def _pick_bf16_dot() -> bool:
+    module = cpu_kernels()
+    if module is None or not module.NATIVE_BF16 or _state.get("bf16_dot_mode", "fma") != "native":
+        return False
+    if not _native_matches_fma(module):
+        log.warning("VDPBF16PS does not give the documented bits on this CPU; bf16 linears use the FMA form")
+        return False
+    return True
+
+
+def _native_matches_fma(module) -> bool:
+    """VDPBF16PS and the FMA form agree bitwise on random bf16 rows and weights of mixed magnitudes."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 301, generator=g) * torch.logspace(-4, 4, 301)).to(torch.bfloat16)
+    w = torch.randn(70, 301, generator=g) * torch.logspace(3, -3, 301)
+    from lmi_handler.engine.model.kernels.packing import pack_weight
+
+    packed = pack_weight(w, "bfloat16")
+    fma = module.linear(x, packed.panels, 70, None, None, False, False)
+    return torch.equal(module.linear(x, packed.panels, 70, None, None, False, True), fma)

@@ -1,0 +1,438 @@
+// The row-invariant linear y = x @ W^T (+ bias) over pre-packed weight panels, in three weight kinds.
+//
+// Invariance by construction: every output element y[m, n] is one fixed chain of float operations
+// over k that reads only row m of x, whatever M is and wherever the row sits; vector lanes run over n.
+//
+// Weight kinds (the packed tensor's dtype says which; PANEL output columns per panel, zero-padded):
+//   float32  (P, K, PANEL)        w[p][k][j]      = W[p*PANEL + j][k]
+//            y = fma chain over k = 0..K-1 of x[k] * w[k]                         (then + bias)
+//   bfloat16 (P, Kp, 2*PANEL)     w[p][i][2j + e] = W[p*PANEL + j][2i + e],  Kp = ceil(K/2)
+//            x rounded to bf16; per pair i = 0..Kp-1 in order: acc = fma(x[2i+1], w[2i+1], acc),
+//            then acc = fma(x[2i], w[2i], acc)                                     (then + bias)
+//            This is VDPBF16PS's documented order (odd element first, each step one rounding: the
+//            product of two bf16 values is exact in float32), so the AVX512_BF16 instruction and two
+//            FMAs on widened values give the same bits (checked at start-up, see bf16_native_agrees).
+//   int8     (P, K, PANEL) + scale (N,) float32: W[n][k] ~ scale[n] * q[n][k] (per output channel)
+//            y = (fma chain over k of x[k] * float(q[k])) * scale[n]               (then + bias)
+// The chain is cut into K blocks whose partial sums are stored and reloaded as floats (exact), so
+// the cache blocking and which register tile computes an element never change its bits.
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t PANEL = 32;           // output columns per packed weight panel
+constexpr int NV = PANEL / Vec::W;      // vectors per panel row
+constexpr int64_t MR = 6;               // rows per register tile (float32 panels; 12 accumulators)
+constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of every kind's tile rows
+// bf16 and int8 panels widen each weight vector before its FMAs: taller tiles share that work over more
+// rows (AVX-512's 32 registers hold 12 rows x 2 vectors of accumulators). Measured (1 thread, thread
+// CPU time, the demo model's four linear shapes, interleaved builds): bf16 at 64 rows 82 -> 108 GFLOP/s,
+// at 200 rows 85 -> 96; int8 74 -> 81 at 64 rows; float32 gained at 64 rows and lost at 200, so it keeps 6.
+constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
+constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
+static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
+
+// Prefetch: `pf`, `pf_lines` are cache lines (64 bytes) of weights to pull in while a tile runs,
+// spread over its k loop. The linear prefetches the next K block of its stream while the current one
+// is computed: without it a decode step waits on DRAM for every layer's weights (measured 161 vs 84 ms
+// for the 30 layers' fp32 linears at M=64, weights cold vs in cache). No effect on the arithmetic.
+inline void prefetch_share(const char* pf, int64_t pf_lines, int64_t per_k, int64_t k) {
+  prefetch_lines(pf, k * per_k, std::min(pf_lines, (k + 1) * per_k));
+}
+
+// Streaming (NP = 2, a few rows, the whole K in one pass): each panel's stream prefetches the lines
+// STREAM_AHEAD bytes past the panel row it reads, one prefetch per 64 bytes consumed. Cheaper than the
+// spread scheme above (no per-k range arithmetic: with a row or two, that arithmetic shares the vector
+// ports with the FMAs). The address is formed as an integer: past the weight's end it is only a hint.
+constexpr int64_t STREAM_AHEAD = 2048;   // measured best of 512, 2048, 8192 (batch 1, 1 thread, weights hot and cold)
+template <int ROW_BYTES>
+inline void prefetch_ahead(const void* row, int64_t k) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const uintptr_t base = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(STREAM_AHEAD);
+  if constexpr (ROW_BYTES >= 64) {
+    for (int l = 0; l < ROW_BYTES / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(base + l * 64), _MM_HINT_T0);
+  } else {
+    if (k % (64 / ROW_BYTES) == 0) _mm_prefetch(reinterpret_cast<const char*>(base), _MM_HINT_T0);
+  }
+#endif
+}
+
+// Every micro kernel below computes R rows of x (stride ldx) against NP panels w[0..NP-1] (panel
+// rows k = 0..kc-1, C vectors of columns each), accumulators acc[i][q][j] living in buf[q] (R rows of
+// stride PANEL) between K blocks. NP = 2 gives a row of decode (batch 1) four independent FMA chains
+// instead of two; an element's chain is the same for any NP, R or C.
+
+// ---- float32 panels: acc = fma(x[i, k], w[k, j], acc) in k order --------------------------------
+template <int R, int C, int NP>
+void micro_f32(const float* x, int64_t ldx, const float* const* w, int64_t kc, float* const* buf, bool first,
+               const char* const* pf, int64_t pf_lines) {
+  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  Vec acc[R][NP][C];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j)
+        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int q = 0; q < NP; ++q) {
+      if constexpr (NP == 2) prefetch_ahead<PANEL * 4>(w[q] + k * PANEL, k);
+      else prefetch_share(pf[q], pf_lines, per_k, k);
+    }
+    Vec b[NP][C];
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) b[q][j] = Vec::load(w[q] + k * PANEL + j * Vec::W);
+    for (int i = 0; i < R; ++i) {
+      const Vec a = Vec::bcast(x[i * ldx + k]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(a, b[q][j], acc[i][q][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
+}
+
+// ---- bfloat16 pair panels, two FMAs per pair on widened values (any CPU) -------------------------
+// x: floats holding bf16 values, pairs at x[2k], x[2k + 1]; a panel row is 2*PANEL bf16 (the words of
+// C vectors of columns); per accumulator: odd element, then even, pair by pair.
+template <int R, int C, int NP>
+void micro_bf16(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, float* const* buf, bool first,
+                const char* const* pf, int64_t pf_lines) {
+  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  Vec acc[R][NP][C];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j)
+        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int q = 0; q < NP; ++q) {
+      if constexpr (NP == 2) prefetch_ahead<PANEL * 4>(w[q] + k * 2 * PANEL, k);
+      else prefetch_share(pf[q], pf_lines, per_k, k);
+    }
+    Vec lo[NP][C], hi[NP][C];
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) {
+        const auto words = Vec::load_words(w[q] + k * 2 * PANEL + j * 2 * Vec::W);
+        lo[q][j] = Vec::pair_lo(words);
+        hi[q][j] = Vec::pair_hi(words);
+      }
+    for (int i = 0; i < R; ++i) {
+      const Vec odd = Vec::bcast(x[i * ldx + 2 * k + 1]), even = Vec::bcast(x[i * ldx + 2 * k]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(odd, hi[q][j], acc[i][q][j]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(even, lo[q][j], acc[i][q][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
+}
+
+// ---- int8 panels: k rows of PANEL int8, widened to floats (exact) -------------------------------
+template <int R, int C, int NP>
+void micro_i8(const float* x, int64_t ldx, const int8_t* const* w, int64_t kc, float* const* buf, bool first,
+              const char* const* pf, int64_t pf_lines) {
+  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  Vec acc[R][NP][C];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j)
+        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int q = 0; q < NP; ++q) {
+      if constexpr (NP == 2) prefetch_ahead<PANEL>(w[q] + k * PANEL, k);
+      else prefetch_share(pf[q], pf_lines, per_k, k);
+    }
+    Vec b[NP][C];
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) b[q][j] = Vec::load_i8(w[q] + k * PANEL + j * Vec::W);
+    for (int i = 0; i < R; ++i) {
+      const Vec a = Vec::bcast(x[i * ldx + k]);
+      for (int q = 0; q < NP; ++q)
+        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(a, b[q][j], acc[i][q][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool NATIVE_BF16 = true;
+// The same pairs through VDPBF16PS: x as bf16 words (a pair per 32 bits), one instruction per pair
+// and 16 columns. One panel, whole panel rows (AVX-512: NV == 2).
+template <int R>
+void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* buf, bool first,
+                  const char* pf, int64_t pf_lines) {
+  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 2; ++j) acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + i * PANEL + j * 16);
+  for (int64_t k = 0; k < kc; ++k) {
+    prefetch_share(pf, pf_lines, per_k, k);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + k * 2 * PANEL);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + k * 2 * PANEL + 32);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * k, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 2; ++j) _mm512_storeu_ps(buf + i * PANEL + j * 16, acc[i][j]);
+}
+#else
+constexpr bool NATIVE_BF16 = false;
+#endif
+
+struct MicroF32 {
+  template <int R, int C, int NP>
+  void run(const float* x, int64_t ldx, const float* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_f32<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
+};
+struct MicroBF16 {
+  template <int R, int C, int NP>
+  void run(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_bf16<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
+};
+struct MicroI8 {
+  template <int R, int C, int NP>
+  void run(const float* x, int64_t ldx, const int8_t* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_i8<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
+};
+
+// R rows over whole panels: one call when R x NP x NV accumulators fit in 12 registers (16 with two
+// panels, AVX-512's 32 registers hold them and their weight vectors), else in column pairs of one
+// panel at a time (R x 2 accumulators: the classic 6x16 shape on AVX2, which loads each W vector once).
+// `col_elems`: weight elements per column vector in a panel row (W, or 2 W for bf16 pairs).
+template <int R, int NP, int ACC, class WT, class Micro>
+void rows_kernel(const Micro& micro, const float* x, int64_t ldx, const WT* const* w, int64_t col_elems, int64_t kc,
+                 float* const* buf, bool first, const char* const* pf, int64_t pf_lines) {
+  if constexpr (R * NP * NV <= (NP == 1 ? ACC : 16)) {
+    micro.template run<R, NV, NP>(x, ldx, w, kc, buf, first, pf, pf_lines);
+  } else {
+    for (int q = 0; q < NP; ++q)
+      for (int c = 0; c < NV; c += 2) {
+        const WT* wc[1] = {w[q] + c * col_elems};
+        float* bc[1] = {buf[q] + c * Vec::W};
+        const char* pc[1] = {pf[q]};
+        micro.template run<R, 2, 1>(x, ldx, wc, kc, bc, first, pc, c == 0 ? pf_lines : 0);
+      }
+  }
+}
+
+// rows (1 .. ACC / 2 on AVX-512) through rows_kernel: ACC is the most accumulators a tile may hold
+template <int NP, int ACC, class WT, class Micro>
+void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, const WT* const* w, int64_t col_elems,
+                 int64_t kc, float* const* buf, bool first, const char* const* pf, int64_t pf_lines) {
+#define LMI_ROWS(R) \
+  case R: return rows_kernel<R, NP, ACC>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+  switch (rows) {
+    LMI_ROWS(1) LMI_ROWS(2) LMI_ROWS(3) LMI_ROWS(4) LMI_ROWS(5)
+    default:
+      if constexpr (ACC > 12) {
+        switch (rows) { LMI_ROWS(6) LMI_ROWS(7) LMI_ROWS(8) LMI_ROWS(9) LMI_ROWS(10) LMI_ROWS(11) default: break; }
+        return rows_kernel<12, NP, ACC>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+      } else {
+        return rows_kernel<6, NP, ACC>(micro, x, ldx, w, col_elems, kc, buf, first, pf, pf_lines);
+      }
+  }
+#undef LMI_ROWS
+}
+
+// The blocked loop shared by every kind. Work item = (M block, NP panels), panels fastest: threads
+// split the panels of each M block (panels of one M block are contiguous in memory). A few rows (decode
+// at small batch) only stream the weight: one contiguous share per thread reads best, two panels at a
+// time (NP = 2, AVX-512) so that each row has four independent FMA chains. Many rows: small chunks of
+// one panel balance the threads. Cache blocking: a K block of one panel (k_block panel rows, 16 KiB)
+// stays in L1 while the M block's rows stream past it; the M block's accumulators (M_BLOCK x PANEL
+// floats, 12 KiB a panel) stay close.
+//   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
+//     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
+//   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
+constexpr int64_t SMALL_M = 4;      // at most this many rows: two panels per work item, streamed
+
+template <class WT, class Tile, class Store>
+void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
+                 int64_t out_features, const Tile& tile, const Store& store) {
+  const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
+  const int64_t NP = M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
+  const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
+  const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
+  parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[2][M_BLOCK * PANEL];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t mb = item / groups, p0 = (item % groups) * NP, np = std::min(NP, P - p0);
+      const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
+      const int64_t kb = NP == 2 ? K_rows : k_block;       // streaming: the whole K in registers
+      for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
+        const int64_t kc = std::min(kb, K_rows - k0);
+        const WT* w[2];
+        const char* next[2];
+        int64_t lines = 0;
+        for (int64_t q = 0; q < np; ++q) {
+          // the next k_block rows of panel q's stream (its next block, or the next item's first: panels
+          // are contiguous), spread over the row tiles; none past the weight's end
+          const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
+          w[q] = wp + row * row_elems;
+          next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
+          lines = std::max<int64_t>(0, std::min(k_block, total_rows - ahead)) * row_bytes / 64;
+        }
+        const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
+        for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
+          const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
+          const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
+          float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
+          tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
+        }
+      }
+      for (int64_t q = 0; q < np; ++q) {
+        const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
+        for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+      }
+    }
+  });
+}
+
+// y[m, n0 + j] = out(acc[j] * scale[n0 + j] (int8 only) + bias[n0 + j] (when given)), one rounding each
+template <class OT>
+struct StoreRows {
+  OT* y;
+  int64_t ld;
+  const float* scale;
+  const float* bias;
+  void operator()(int64_t m, int64_t n0, int64_t ncols, const float* acc) const {
+    OT* dst = y + m * ld + n0;
+    for (int64_t j = 0; j < ncols; ++j) {
+      float v = acc[j];
+      if (scale) v = v * scale[n0 + j];
+      if (bias) v = v + bias[n0 + j];
+      store_scalar<OT>(dst + j, v);
+    }
+  }
+};
+
+// K blocks in panel rows: 16 KiB of one panel per block for every kind
+constexpr int64_t K_BLOCK_F32 = 128, K_BLOCK_BF16 = 128, K_BLOCK_I8 = 512;
+
+// x as float32 rows, `width` >= K columns (zero-padded): x itself when it is float32 of that width,
+// else a converted copy; `round`: the values rounded to bf16 first (the bf16 kind's activations)
+inline torch::Tensor float_rows(const torch::Tensor& x, int64_t width, bool round) {
+  torch::Tensor xf = round && x.scalar_type() != torch::kBFloat16 ? x.to(torch::kBFloat16) : x;
+  xf = xf.to(torch::kFloat32).contiguous();
+  if (width != xf.size(1)) xf = torch::constant_pad_nd(xf, {0, width - xf.size(1)});
+  return xf;
+}
+
+// y = x @ W^T (+ bias) for a packed weight of any kind (see the top of this file).
+// x: (M, K) float32 or bfloat16; packed: float32 (P, K, PANEL), bfloat16 (P, ceil(K/2), 2 PANEL) or
+// int8 (P, K, PANEL) with scale (out_features,) float32; bias: (out_features,) float32 or bfloat16.
+// out_bf16: y in bfloat16 (each value rounded once), else float32. native: VDPBF16PS for bf16 panels
+// (same bits as the FMA form; ignored where the CPU lacks it).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
+                     c10::optional<torch::Tensor> scale, bool out_bf16, bool native) {
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  is_bf16(x, "x");
+  const auto kind = packed.scalar_type();
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+              (kind == torch::kFloat32 || kind == torch::kBFloat16 || kind == torch::kInt8),
+              "packed weight must be contiguous float32, bfloat16 or int8 (num_panels, rows, elems)");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const int64_t row_elems = kind == torch::kBFloat16 ? 2 * PANEL : PANEL;
+  const int64_t K_rows = kind == torch::kBFloat16 ? (K + 1) / 2 : K;
+  TORCH_CHECK(packed.size(2) == row_elems, "packed weight's last dimension must be ", row_elems);
+  TORCH_CHECK(packed.size(1) == K_rows, "in_features mismatch: x has ", K, ", weight ",
+              kind == torch::kBFloat16 ? 2 * packed.size(1) : packed.size(1));
+  TORCH_CHECK(out_features <= P * PANEL && out_features > (P - 1) * PANEL, "bad out_features");
+  torch::Tensor b_f, s_f;
+  if (bias.has_value() && bias->defined()) {
+    b_f = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b_f.numel() == out_features, "bad bias");
+  }
+  TORCH_CHECK((kind == torch::kInt8) == (scale.has_value() && scale->defined()), "int8 weights need a scale, others none");
+  if (kind == torch::kInt8) {
+    s_f = scale->contiguous();
+    TORCH_CHECK(s_f.scalar_type() == torch::kFloat32 && s_f.numel() == out_features, "scale must be (out_features,) float32");
+  }
+  auto y = torch::empty({M, out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  if (M == 0) return y;
+  const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
+  const float* sp = s_f.defined() ? s_f.data_ptr<float>() : nullptr;
+  // one tile through a micro kernel family, np (1 or 2) panels
+  auto tiles = [](auto acc, const auto& micro, int64_t np, int64_t rows, const float* x, int64_t ldx,
+                  const auto* const* w, int64_t col_elems, int64_t kc, float* const* buf, bool first,
+                  const char* const* pf, int64_t n) {
+    constexpr int ACC = decltype(acc)::value;
+    if (np == 2) return tile_kernel<2, ACC>(micro, rows, x, ldx, w, col_elems, kc, buf, first, pf, n);
+    tile_kernel<1, ACC>(micro, rows, x, ldx, w, col_elems, kc, buf, first, pf, n);
+  };
+  using Narrow = std::integral_constant<int, 12>;
+  using Wide = std::integral_constant<int, ACC_WIDE>;
+  auto run = [&](auto store) {
+    if (kind == torch::kFloat32) {
+      const torch::Tensor xf = float_rows(x, K, false);
+      const float* xp = xf.data_ptr<float>();
+      packed_gemm(M, K, P, PANEL, K_BLOCK_F32, MR, packed.data_ptr<float>(), out_features,
+                  [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
+                      float* const* buf, bool first, const char* const* pf, int64_t n) {
+                    tiles(Narrow{}, MicroF32{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                  }, store);
+    } else if (kind == torch::kInt8) {
+      const torch::Tensor xf = float_rows(x, K, false);
+      const float* xp = xf.data_ptr<float>();
+      packed_gemm(M, K, P, PANEL, K_BLOCK_I8, MR_WIDE, packed.data_ptr<int8_t>(), out_features,
+                  [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
+                      float* const* buf, bool first, const char* const* pf, int64_t n) {
+                    tiles(Wide{}, MicroI8{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                  }, store);
+    } else {
+      const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
+      const int64_t width = 2 * K_rows;
+#if defined(__AVX512BF16__)
+      if (native) {
+        torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
+        if (width != K) xb = torch::constant_pad_nd(xb, {0, width - K});
+        const bf16* xp = data_of<bf16>(xb);
+        packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, MR, wp, out_features,
+                    [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
+                        float* const* buf, bool first, const char* const* pf, int64_t n) {
+                      const bf16* xr = xp + m * width + 2 * k0;
+                      for (int64_t q = 0; q < np; ++q) {
+                        const int64_t own = q == 0 ? n : 0;
+                        switch (rows) {
+                          case 1: micro_dpbf16<1>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 2: micro_dpbf16<2>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 3: micro_dpbf16<3>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 4: micro_dpbf16<4>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          case 5: micro_dpbf16<5>(xr, width, w[q], kc, buf[q], first, pf[0], own); break;
+                          default: micro_dpbf16<6>(xr, width, w[q], kc, buf[q], first, pf[0], own);
+                        }
+                      }
+                    }, store);
+        return;
+      }
+#endif
+      (void)native;
+      const torch::Tensor xf = float_rows(x, width, true);
+      const float* xp = xf.data_ptr<float>();
+      packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, MR_WIDE, wp, out_features,
+                  [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
+                      float* const* buf, bool first, const char* const* pf, int64_t n) {
+                    tiles(Wide{}, MicroBF16{}, np, rows, xp + m * width + 2 * k0, width, w, 2 * Vec::W, kc, buf, first, pf, n);
+                  }, store);
+    }
+  };
+  if (out_bf16) {
+    run(StoreRows<bf16>{data_of<bf16>(y), out_features, sp, bp});
+  } else {
+    run(StoreRows<float>{y.data_ptr<float>(), out_features, sp, bp});
+  }
+  return y;
+}
+
+}  // namespace

@@ -1,0 +1,209 @@
+// Row-wise ops (RMSNorm with the residual add, RoPE + KV-cache write, SiLU * up) and one whole Llama
+// decoder layer, for activations stored as float32 or bfloat16 (type T, one per call).
+//
+// Each op treats rows independently with a fixed per-row operation order, so a row's bits depend only
+// on that row. The arithmetic is float32; with T = bf16 a value is rounded to bf16 wherever PyTorch's
+// bf16 ops round one (after each elementwise op: that is what transformers' bf16 Llama computes), and
+// with T = float those roundings are the identity, so the float32 path is the same float operations.
+#pragma once
+
+#include "attention.h"
+#include "linear.h"
+
+namespace {
+
+// h[r] = weight * keep(x[r] * (1 / sqrt(mean(x[r]^2) + eps))), x optionally updated first by
+// x[r] = keep(x[r] + delta[r]) (in place). transformers' LlamaRMSNorm: normalize in float32, cast to
+// the model dtype, then scale in it; the sum of squares is one vector-lane accumulation then lanes
+// summed in a fixed order (its bits differ from PyTorch's reduction by rounding only).
+template <class T>
+void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t N, float eps) {
+  at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(N);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * N;
+      if (delta) {
+        const T* dr = delta + r * N;
+        for (int64_t j = 0; j < N; ++j) store_scalar<T>(xr + j, load_scalar<T>(xr + j) + load_scalar<T>(dr + j));
+      }
+      for (int64_t j = 0; j < N; ++j) xf[j] = load_scalar<T>(xr + j);
+      Vec acc = Vec::zero();
+      int64_t j = 0;
+      for (; j + Vec::W <= N; j += Vec::W) {
+        const Vec v = Vec::load(xf.data() + j);
+        acc = Vec::add(acc, Vec::mul(v, v));
+      }
+      float ss = acc.sum();
+      for (; j < N; ++j) ss += xf[j] * xf[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      T* hr = h + r * N;
+      for (j = 0; j < N; ++j) store_scalar<T>(hr + j, load_scalar<T>(w + j) * keep<T>(xf[j] * inv));
+    }
+  });
+}
+
+torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+  const bool bf = is_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous (T, N)");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(weight.numel() == N && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be (N,) contiguous in x's dtype");
+  torch::Tensor d;
+  if (delta.has_value() && delta->defined()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == x.scalar_type(), "delta must match x");
+  }
+  auto h = torch::empty_like(x);
+  const float e = static_cast<float>(eps);
+  if (bf) {
+    add_rmsnorm_rows<bf16>(data_of<bf16>(x), d.defined() ? data_of<bf16>(d) : nullptr, data_of<bf16>(weight),
+                           data_of<bf16>(h), T, N, e);
+  } else {
+    add_rmsnorm_rows<float>(x.data_ptr<float>(), d.defined() ? d.data_ptr<float>() : nullptr,
+                            weight.data_ptr<float>(), h.data_ptr<float>(), T, N, e);
+  }
+  return h;
+}
+
+// RoPE (rotate-half): out = keep(keep(x * cos) + keep(rotate_half(x) * sin)) elementwise: two products
+// then one add, no FMA contraction (the file is built with -ffp-contract=off), the same float
+// operations (and, in bf16, roundings) as llama.apply_rope.
+template <class T>
+inline void rope_row(const T* x, const T* c, const T* s, int64_t D, T* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -load_scalar<T>(x + d + half) : load_scalar<T>(x + d - half);
+    const float a = keep<T>(load_scalar<T>(x + d) * load_scalar<T>(c + d));
+    store_scalar<T>(out + d, a + keep<T>(rot * load_scalar<T>(s + d)));
+  }
+}
+
+template <class T>
+void rope_kv_write_rows(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp,
+                        int64_t rows, int64_t H, int64_t KVH, int64_t D) {
+  const int64_t width = (H + 2 * KVH) * D;
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = xp + t * width;
+      const T *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, s, D, qp + (t * H + h) * D);
+      T* kdst = kc + slots[t] * KVH * D;
+      T* vdst = vc + slots[t] * KVH * D;
+      for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, s, D, kdst + g * D);
+      std::copy(row + (H + KVH) * D, row + width, vdst);
+    }
+  });
+}
+
+// qkv: (T, (H + 2 KVH) D); cos, sin: (T, D); k/v rows go to cache slot slot_mapping[t]; all one dtype
+torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH) {
+  const bool bf = is_bf16(qkv, "qkv");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "bad qkv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == dt &&
+              v_cache.scalar_type() == dt, "caches must be contiguous, in qkv's dtype");
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && k_cache.size(2) == KVH && D % 2 == 0, "qkv/cache shapes mismatch");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.scalar_type() == dt && sin.scalar_type() == dt,
+              "cos/sin must be (T, head_dim) in qkv's dtype");
+  slot_mapping = slot_mapping.contiguous();
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == T, "slot_mapping must be (T,) int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  auto q = torch::empty({T, H, D}, qkv.options());
+  if (bf) {
+    rope_kv_write_rows<bf16>(data_of<bf16>(qkv), data_of<bf16>(cos), data_of<bf16>(sin), data_of<bf16>(k_cache),
+                             data_of<bf16>(v_cache), slots, data_of<bf16>(q), T, H, KVH, D);
+  } else {
+    rope_kv_write_rows<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                              k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots, q.data_ptr<float>(), T, H,
+                              KVH, D);
+  }
+  return q;
+}
+
+// silu(gate) * up on gate_up rows (T, 2I) -> (T, I): keep(keep(g / (1 + exp(-g))) * u). Lane j's result
+// depends only on g[j], u[j] (vector lanes and the scalar tail are the same per-row split for any T).
+template <class T>
+void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T *g = gp + t * 2 * I, *u = g + I;
+      T* o = op + t * I;
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; j + 8 <= I; j += 8) {  // exp256 (~1 ulp) in place of std::exp: same formula, 8 lanes
+          const __m256 gv = _mm256_loadu_ps(g + j);
+          const __m256 e = exp256(_mm256_sub_ps(zero, gv));
+          _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+        }
+      }
+#endif
+      for (; j < I; ++j) {
+        const float gj = load_scalar<T>(g + j);
+        store_scalar<T>(o + j, keep<T>(gj / (1.f + std::exp(-gj))) * load_scalar<T>(u + j));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  const bool bf = is_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous (T, 2I)");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  if (bf) {
+    silu_mul_rows<bf16>(data_of<bf16>(gate_up), data_of<bf16>(out), T, I);
+  } else {
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, I);
+  }
+  return out;
+}
+
+// x = keep(x + delta) in place, row-wise
+template <class T>
+void add_in_place(T* xp, const T* dp, int64_t rows, int64_t N) {
+  at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * N; i < end * N; ++i) store_scalar<T>(xp + i, load_scalar<T>(xp + i) + load_scalar<T>(dp + i));
+  });
+}
+
+// One Llama decoder layer, in place on the residual stream x (T, hidden), float32 or bfloat16:
+//   h = rmsnorm(x) -> qkv linear -> rope + KV write -> paged attention -> o linear;
+//   x += o; h = rmsnorm(x) -> gate_up linear -> silu * up -> down linear; x += down.
+// Every stage is one of the row-invariant ops above, so the layer is too. Linear weights are packed
+// panels of any kind (linear.h); `*_s` the int8 kinds' scales (else none); linears write x's dtype.
+void decoder_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_s,
+                   c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w, c10::optional<torch::Tensor> o_s,
+                   c10::optional<torch::Tensor> o_b, torch::Tensor post_norm, torch::Tensor gu_w,
+                   c10::optional<torch::Tensor> gu_s, c10::optional<torch::Tensor> gu_b, torch::Tensor down_w,
+                   c10::optional<torch::Tensor> down_s, c10::optional<torch::Tensor> down_b, torch::Tensor cos,
+                   torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                   torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q, int64_t H,
+                   int64_t KVH, int64_t intermediate, double eps, double scale, bool native) {
+  const bool bf = is_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bad x");
+  const int64_t T = x.size(0), N = x.size(1), D = k_cache.size(3);
+  auto h = add_rmsnorm(x, c10::nullopt, in_norm, eps);
+  auto qkv = linear(h, qkv_w, (H + 2 * KVH) * D, qkv_b, qkv_s, bf, native);
+  auto q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping, H, KVH);
+  auto o = paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale);
+  auto delta = linear(o.view({T, H * D}), o_w, N, o_b, o_s, bf, native);
+  h = add_rmsnorm(x, delta, post_norm, eps);
+  auto act = silu_mul(linear(h, gu_w, 2 * intermediate, gu_b, gu_s, bf, native));
+  delta = linear(act, down_w, N, down_b, down_s, bf, native);
+  if (bf) {
+    add_in_place<bf16>(data_of<bf16>(x), data_of<bf16>(delta), T, N);
+  } else {
+    add_in_place<float>(x.data_ptr<float>(), delta.data_ptr<float>(), T, N);
+  }
+}
+
+}  // namespace

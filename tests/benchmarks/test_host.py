@@ -1,0 +1,104 @@
+"""benchmarks/host.py and probes.py: the host record (cpuinfo, meminfo, sysfs on temp trees), the CPUs vLLM's
+threads are bound to, and the read-bandwidth probe on a small buffer."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import host  # noqa: E402
+import probes  # noqa: E402
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 hypervisor
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 hypervisor
+"""
+
+
+def test_cpuinfo_gives_the_model_and_the_flags_that_pick_kernels_in_a_fixed_order():
+    info = host.parse_cpuinfo(CPUINFO)
+    assert info["model"] == "Intel(R) Xeon(R) Processor" and info["vendor"] == "GenuineIntel"
+    assert info["flags_of_interest"] == ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert info["hypervisor"] and info["logical_cpus_listed"] == 2
+    assert host.parse_cpuinfo("")["model"] is None
+
+
+def test_meminfo_is_read_in_bytes():
+    info = host.parse_meminfo("MemTotal:       24684120 kB\nMemAvailable:   22000000 kB\nAnonHugePages:   2048 kB\n")
+    assert info == {"mem_total_bytes": 24684120 * 1024, "mem_available_bytes": 22000000 * 1024,
+                    "anon_huge_pages_bytes": 2048 * 1024}
+
+
+def _sysfs(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
+    for cpu, (package, core) in cores.items():
+        topo = root / f"devices/system/cpu/cpu{cpu}/topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    cache = root / "devices/system/cpu/cpu0/cache"
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                                 (3, "Unified", "260M")]):
+        d = cache / f"index{index}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    (root / "kernel/mm/transparent_hugepage").mkdir(parents=True)
+    (root / "kernel/mm/transparent_hugepage/enabled").write_text("always [madvise] never\n")
+    return root
+
+
+def test_hyper_threads_are_bound_one_per_physical_core(tmp_path):
+    # 4 logical CPUs on 2 cores: 0 and 2 share core 0, 1 and 3 share core 1 (lscpu -e's usual numbering)
+    root = _sysfs(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)})
+    core_of = host.physical_core_of([0, 1, 2, 3], root)
+    assert host.one_cpu_per_core([3, 2, 1, 0], core_of) == [0, 1]
+    assert host.one_cpu_per_core([2, 3], core_of) == [2, 3]
+    assert host.physical_core_of([9], root) == {9: (-1, 9)}  # no topology files: its own core
+
+
+def test_caches_and_huge_pages_are_read_from_sysfs(tmp_path):
+    root = _sysfs(tmp_path, {0: (0, 0)})
+    assert host.cache_sizes(root) == {"L1d": 48 << 10, "L1i": 32 << 10, "L2": 2 << 20, "L3": 260 << 20}
+    assert host.thp_mode(root) == "madvise"
+    assert host.thp_mode(tmp_path / "none") is None and host.cache_sizes(tmp_path / "none") == {}
+
+
+@pytest.mark.parametrize("cpus,text", [([0, 1], "0-1"), ([0], "0"), ([5, 0, 1, 2], "0-2,5"), ([1, 3, 4], "1,3-4"),
+                                       ([], "")])
+def test_cpu_lists_use_the_taskset_syntax(cpus, text):
+    assert host.cpu_list(cpus) == text
+
+
+def test_omp_binding_takes_cpus_this_process_may_use():
+    allowed = sorted(__import__("os").sched_getaffinity(0))
+    bound = host.omp_bind_cpus(len(allowed))
+    assert sorted(bound) == allowed and host.omp_bind_cpus(1) == bound[:1]
+
+
+def test_the_bandwidth_buffer_is_past_the_last_level_cache_and_within_memory():
+    assert probes.default_buffer_bytes(260 << 20, 64 << 30) == 1040 << 20
+    assert probes.default_buffer_bytes(None, None) == 1 << 30
+    assert probes.default_buffer_bytes(64 << 20, 2 << 30) == 512 << 20  # a quarter of what is available
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_the_read_bandwidth_probe_builds_and_reports_every_pass(tmp_path):
+    result = probes.read_bandwidth(1, 8 << 20, 3, tmp_path)
+    assert result["bytes"] == 8 << 20 and result["threads"] == 1 and len(result["seconds"]) == 3
+    assert result["best_s"] == min(result["seconds"]) > 0
+    assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
+    assert result["bound_cpus"] and result["huge_pages_requested"] in (0, 1)
+    assert 0 < result["cpu_fraction"] <= 1.05  # thread CPU time / wall time of the best pass

@@ -1,0 +1,259 @@
+"""server/openai.py: the OpenAI routes through the `openai` package and Hugging Face's InferenceClient:
+chat, completions, n choices, best_of, logprobs, stop, penalties, seeds, errors, and the served-model rule.
+"""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+
+from tests.helpers import serve
+from tests.server.helpers import PROMPT, generated_text, solo_text
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def strict_server(model_dir, tmp_path_factory):
+    """option.strict_model_name=true: a `model` that is not a served name is a 404, as vLLM answers."""
+    yield from serve(tmp_path_factory, "strict", strict_model_name="true", num_threads="1")
+
+
+@pytest.fixture(scope="module")
+def sdk(rolling_server):
+    return openai.OpenAI(base_url=rolling_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_completion_with_the_sdk(sdk):
+    reply = sdk.chat.completions.create(model="model", messages=[{"role": "user", "content": "Say hi."}],
+                                        temperature=0, max_tokens=16)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 16 and reply.usage.prompt_tokens > 0
+    assert reply.choices[0].finish_reason == ("length" if reply.usage.completion_tokens == 16 else "stop")
+
+
+def test_streamed_chat_deltas_join_to_the_non_streamed_content(sdk):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    full = sdk.chat.completions.create(model="model", messages=messages, temperature=0, max_tokens=20)
+    stream = sdk.chat.completions.create(model="model", messages=messages, temperature=0, max_tokens=20, stream=True)
+    parts, reasons = [], []
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(parts) == full.choices[0].message.content
+    assert reasons[-1] == full.choices[0].finish_reason and all(r is None for r in reasons[:-1])
+
+
+def test_completion_with_the_sdk_and_logprobs(sdk):
+    reply = sdk.completions.create(model="model", prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
+    assert reply.choices[0].text
+    assert len(reply.choices[0].logprobs.tokens) == reply.usage.completion_tokens
+
+
+def test_bad_parameter_raises_bad_request_naming_it(sdk):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="model", messages=[{"role": "user", "content": "Hi"}], top_p=1.5)
+    assert "top_p" in str(err.value)
+
+
+MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+SAMPLED = {"model": "model", "temperature": 1.0, "max_tokens": 6, "seed": 1234}
+
+
+def joined_by_index(stream, chat: bool) -> tuple[dict[int, str], dict[int, list], list]:
+    """A stream's text and finish_reasons per choice index, and the chunks that carried usage."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, list] = {}
+    usage_chunks = []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage_chunks.append(chunk)
+        for choice in chunk.choices:
+            piece = (choice.delta.content or "") if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            reasons.setdefault(choice.index, []).append(choice.finish_reason)
+    return texts, reasons, usage_chunks
+
+
+def test_chat_n_two_is_two_seeded_choices_the_prompt_counted_once(sdk):
+    reply = sdk.chat.completions.create(messages=MESSAGES, n=2, logprobs=True, **SAMPLED)
+    again = sdk.chat.completions.create(messages=MESSAGES, n=2, logprobs=True, **SAMPLED)
+    single = sdk.chat.completions.create(messages=MESSAGES, **SAMPLED)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert {c.finish_reason for c in reply.choices} <= {"stop", "length"}     # sampled: each ends its own way
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens            # once, not n times
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+    # choice j samples with seed + j: choice 0 is the n=1 answer, choice 1 the n=1 answer at seed + 1
+    assert reply.choices[0].message.content == single.choices[0].message.content
+    next_seed = sdk.chat.completions.create(messages=MESSAGES, **{**SAMPLED, "seed": SAMPLED["seed"] + 1})
+    assert reply.choices[1].message.content == next_seed.choices[0].message.content
+
+
+def test_streamed_chat_n_two_joins_to_the_whole_answer_with_a_usage_chunk_only_when_asked(sdk):
+    whole = sdk.chat.completions.create(messages=MESSAGES, n=2, **SAMPLED)
+    texts, reasons, usage_chunks = joined_by_index(sdk.chat.completions.create(
+        messages=MESSAGES, n=2, stream=True, stream_options={"include_usage": True}, **SAMPLED), chat=True)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    for choice in whole.choices:          # one finish_reason per choice index, on its last chunk
+        assert reasons[choice.index][-1] == choice.finish_reason
+        assert all(r is None for r in reasons[choice.index][:-1])
+    (last,) = usage_chunks
+    assert last.choices == [] and last.usage == whole.usage
+    _, _, unasked = joined_by_index(sdk.chat.completions.create(messages=MESSAGES, n=2, stream=True, **SAMPLED),
+                                    chat=True)
+    assert unasked == []
+
+
+def test_completions_n_two_streamed_and_not_agree(sdk):
+    body = {"prompt": "The ocean is", "n": 2, "logprobs": 0, **SAMPLED}
+    whole = sdk.completions.create(**body)
+    texts, reasons, usage_chunks = joined_by_index(sdk.completions.create(
+        stream=True, stream_options={"include_usage": True}, **body), chat=False)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert {i: r[-1] for i, r in reasons.items()} == {c.index: c.finish_reason for c in whole.choices}
+    (last,) = usage_chunks
+    assert last.usage == whole.usage
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in whole.choices)
+
+
+def test_completions_best_of_returns_the_n_best_of_the_sequences_it_ran(sdk):
+    body = {"prompt": "The ocean is", **SAMPLED}
+    best = sdk.completions.create(best_of=3, n=2, logprobs=0, **body)
+    candidates = sdk.completions.create(n=3, logprobs=0, **body)       # the same seeds: the same three sequences
+    scored = sorted(candidates.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in scored[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+
+
+def test_chat_logprobs_and_top_logprobs_take_openais_shape(sdk):
+    reply = sdk.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3, **SAMPLED)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8")) and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+
+
+def test_completion_logprobs_take_openais_legacy_shape(sdk):
+    reply = sdk.completions.create(prompt="The ocean is", logprobs=2, echo=False, **SAMPLED)
+    logprobs = reply.choices[0].logprobs
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert len(logprobs.token_logprobs) == len(logprobs.tokens) == reply.usage.completion_tokens
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 2 <= len(top) <= 3 and top.get(token, logprob) == logprob   # the 2 best, plus the sampled one
+
+
+def test_stop_ends_the_text_before_the_stop_string(sdk):
+    greedy = {"model": "model", "temperature": 0, "max_tokens": 12}
+    free = sdk.completions.create(prompt="One, two, three,", **greedy).choices[0].text
+    stop_word = free.split()[2]
+    stopped = sdk.completions.create(prompt="One, two, three,", stop=[stop_word], **greedy).choices[0]
+    assert stopped.finish_reason == "stop" and stop_word not in stopped.text
+    assert free.startswith(stopped.text)
+
+
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_penalties_reshape_the_distribution_over_generated_tokens_only(sdk, penalty):
+    """Log probs are reported under the processed distribution: the first token (nothing generated yet)
+    is untouched, and once tokens exist the penalty moves every later token's log prob."""
+    greedy = {"model": "model", "temperature": 0, "max_tokens": 5, "logprobs": 0, "prompt": "cat cat cat cat"}
+    plain = sdk.completions.create(**greedy).choices[0].logprobs.token_logprobs
+    penalized = sdk.completions.create(**{penalty: 2.0}, **greedy).choices[0].logprobs.token_logprobs
+    assert penalized[0] == pytest.approx(plain[0], abs=1e-5)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(plain[1:], penalized[1:]))
+
+
+def test_a_seed_reproduces_a_sampled_answer(sdk):
+    first = sdk.chat.completions.create(messages=MESSAGES, **{**SAMPLED, "max_tokens": 12})
+    second = sdk.chat.completions.create(messages=MESSAGES, **{**SAMPLED, "max_tokens": 12})
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+@pytest.mark.parametrize("route, field, extra", [
+    ("chat", "n", {"n": 0}), ("chat", "top_logprobs", {"logprobs": True, "top_logprobs": 21}),
+    ("chat", "temperature", {"temperature": 3}), ("completions", "logprobs", {"logprobs": 6}),
+    ("completions", "best_of", {"n": 2, "best_of": 1}), ("chat", "n", {"n": 17}),
+    ("completions", "best_of", {"best_of": 2, "stream": True}),
+])
+def test_a_bad_parameter_of_any_route_raises_bad_request_naming_it(sdk, route, field, extra):
+    with pytest.raises(openai.BadRequestError) as err:
+        if route == "chat":
+            sdk.chat.completions.create(model="model", messages=MESSAGES, max_tokens=2, **extra)
+        else:
+            sdk.completions.create(model="model", prompt="Hi", max_tokens=2, **extra)
+    assert f"`{field}`" in str(err.value) and err.value.body["param"] == field
+
+
+def test_dynamic_batch_answers_n_choices_too(dynamic_server):
+    client = openai.OpenAI(base_url=dynamic_server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(prompt="The ocean is", n=2, **SAMPLED)
+    assert [c.index for c in reply.choices] == [0, 1] and all(c.finish_reason for c in reply.choices)
+    seeded = client.completions.create(prompt="The ocean is", n=2, **SAMPLED)
+    assert [c.text for c in seeded.choices] == [c.text for c in reply.choices]
+
+
+def test_inference_client_chat_completion_against_the_base_url_is_answered_by_the_loaded_model(rolling_server):
+    """huggingface_hub's InferenceClient sends `model: "tgi"` against a base URL: the served-model rule answers it
+    with the loaded model (as TGI and LMI do), no tgi_compat needed."""
+    client = InferenceClient(base_url=rolling_server.url, timeout=300)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    reply = client.chat_completion(messages, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content and reply.model == "model"
+    chunks = list(client.chat_completion(messages, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+
+
+def test_inference_client_chat_completion_under_tgi_compat(tgi_server):
+    client = InferenceClient(base_url=tgi_server.url, timeout=300)     # sends model="dummy", as TGI accepts
+    messages = [{"role": "user", "content": "Name three colors."}]
+    reply = client.chat_completion(messages, max_tokens=12, temperature=0)
+    content = reply.choices[0].message.content
+    assert content and reply.system_fingerprint and reply.usage.completion_tokens <= 12
+    assert reply.choices[0].finish_reason == ("length" if reply.usage.completion_tokens == 12 else "stop")
+    chunks = list(client.chat_completion(messages, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+
+
+def test_the_openai_package_chats_and_completes_and_sees_our_errors(rolling_server, strict_server):
+    sdk = openai.OpenAI(base_url=rolling_server.url + "/v1", api_key="unused", max_retries=0)
+    reply = sdk.chat.completions.create(model="model", messages=[{"role": "user", "content": "Say hi."}],
+                                        temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content and reply.system_fingerprint
+    stream = sdk.completions.create(model="model", prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == solo_text(rolling_server)
+    strict = openai.OpenAI(base_url=strict_server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        strict.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Hi"}])
+    assert "tgi" in missing.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as no_route:
+        sdk.embeddings.create(model="model", input="hi")
+    assert no_route.value.body["message"].startswith("no route POST /v1/embeddings")
+
+
+def test_openai_completions_route_answers_text_completion(client):
+    response = client.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 5, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] <= 5
+    assert body["choices"][0]["text"] == generated_text(client, "The sky is", max_new_tokens=5)
+
+
+def test_with_strict_model_name_the_openai_routes_refuse_a_model_they_do_not_serve(strict_server, client):
+    body = {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    response = httpx.post(strict_server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 404 and "gpt-4" in response.json()["error"]["message"]
+    served = httpx.post(strict_server.url + "/v1/chat/completions", json={**body, "model": "model"}, timeout=300)
+    assert served.status_code == 200 and served.json()["model"] == "model"
+    # by default (option.strict_model_name unset) the same body is answered, naming the served model
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.json()["model"] == "model"

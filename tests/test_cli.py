@@ -1,0 +1,55 @@
+"""lmi_handler/cli.py: `lmi-handler batch` in a subprocess, killed midway and rerun.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.batch.helpers import (
+    COMPLETIONS,
+    batch_cli,
+    batch_line,
+    cli_env,
+    completion_tokens,
+    read_jsonl,
+    run_cli,
+    write_jsonl,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_runner_killed_midway_through_200_requests_finishes_on_rerun_with_each_custom_id_once(tmp_path):
+    lines = [batch_line(f"req-{i:03d}", {"prompt": f"Item {i}:", "max_tokens": 2, "ignore_eos": True}, COMPLETIONS)
+             for i in range(200)]
+    source, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    args = (str(source), "-o", str(out), "--quiet")
+    proc = subprocess.Popen(batch_cli(*args), env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_jsonl_loose(out)) < 40 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    before = len(read_jsonl_loose(out))
+    assert 40 <= before < 200, f"the kill came at {before} results, not midway"
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert "resuming:" in done.stderr
+    records = read_jsonl(out)
+    assert sorted(r["custom_id"] for r in records) == [line["custom_id"] for line in lines]   # each exactly once
+    assert all(r["response"]["status_code"] == 200 and completion_tokens(r) == 2 for r in records)
+
+
+def read_jsonl_loose(path) -> list[str]:
+    """Complete lines written so far (the writer may be mid-line)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [t for t in text.split("\n")[:-1] if t.strip() and json.loads(t)]

@@ -49,9 +49,15 @@ class ModelRunnerSpec:
         return self.config.kv_cache_bytes // block_bytes
 
     def build(self, context: RankContext, num_blocks: int):
-        # Phase 2 (after the bf16 loader lands): ModelRunner(..., num_blocks=num_blocks, tp=context), loading only
-        # this rank's shard and all-reducing after its row-parallel layers.
-        raise NotImplementedError("tensor_parallel_degree > 1: the sharded model loader is not wired yet")
+        """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout)), packed as the
+        precision says, `num_blocks` KV blocks of its own KV heads, the group's collectives in its forward."""
+        from lmi_handler.engine.model_runner import ModelRunner
+
+        c = self.config
+        layout = ShardLayout.of(self._args(), context.rank, context.degree)
+        return ModelRunner(c.model_path, self.precision.dtype, context.device, block_size=c.block_size,
+                           num_blocks=num_blocks, batch_invariant=c.batch_invariant, huge_pages=c.huge_pages,
+                           quantize=self.precision.quantize, layout=layout, group=context.group)
 
 
 def _degree(config: EngineConfig) -> int:

@@ -9,7 +9,9 @@ shard by shard from safetensors slices (layout.take). No attention or KV cache: 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from lmi_handler.engine.model.llama import linear
 from lmi_handler.engine.model.loader import args_from_config, read_config
 from lmi_handler.engine.model_runner import ModelInput, ModelOutput
 from lmi_handler.engine.parallel.executor import RankContext
-from lmi_handler.engine.parallel.group import TPGroup
+from lmi_handler.engine.parallel.group import LOOPBACK, Rendezvous, TPGroup, open_store
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree, shard_of, take
 from tests.engine.helpers import build_tiny_llama
 
@@ -125,3 +127,20 @@ def toy_input(prompts: list[list[int]]) -> ModelInput:
                              context_lens_host=counts, block_size=4)
     return ModelInput(input_ids=torch.tensor([t for p in prompts for t in p]), positions=positions, attn=attn,
                       logit_rows=torch.tensor(cu[1:]) - 1, num_chunk_rows=0, chunk_spans={})
+
+
+def run_ranks(degree: int, fn, timeout_s: float = 20.0) -> list:
+    """fn(group) on every rank of a fresh group (one thread per rank); returns each rank's result."""
+    rendezvous = Rendezvous(LOOPBACK, 0, degree, timeout_s, 60.0)
+    master = open_store(rendezvous, 0)
+    rendezvous = Rendezvous(LOOPBACK, master.port, degree, timeout_s, 60.0)
+    stores = [master] + [open_store(rendezvous, r) for r in range(1, degree)]
+    barrier = threading.Barrier(degree)
+
+    def rank(r: int):
+        group = TPGroup.join(stores[r], r, degree, torch.device("cpu"), timeout_s)
+        barrier.wait()
+        return fn(group)
+
+    with ThreadPoolExecutor(degree) as pool:
+        return [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(degree)]]

@@ -3,31 +3,12 @@ ranks run as threads of this process (gloo allows it; the process-level tests ar
 from __future__ import annotations
 
 import pickle
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from lmi_handler.engine.parallel.group import LOOPBACK, Rendezvous, TPGroup, dumps, open_store
-from tests.engine.parallel.helpers import toy_input
-
-
-def run_ranks(degree: int, fn, timeout_s: float = 20.0) -> list:
-    """fn(group) on every rank of a fresh group (one thread per rank); returns each rank's result."""
-    rendezvous = Rendezvous(LOOPBACK, 0, degree, timeout_s, 60.0)
-    master = open_store(rendezvous, 0)
-    rendezvous = Rendezvous(LOOPBACK, master.port, degree, timeout_s, 60.0)
-    stores = [master] + [open_store(rendezvous, r) for r in range(1, degree)]
-    barrier = threading.Barrier(degree)
-
-    def rank(r: int):
-        group = TPGroup.join(stores[r], r, degree, torch.device("cpu"), timeout_s)
-        barrier.wait()
-        return fn(group)
-
-    with ThreadPoolExecutor(degree) as pool:
-        return [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(degree)]]
+from lmi_handler.engine.parallel.group import TPGroup, dumps
+from tests.engine.parallel.helpers import run_ranks, toy_input
 
 
 def parts_of(rank: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
-from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
+from lmi_handler.engine.faults import EngineFatal, FaultInjector, FaultRule, StepGuard
 from lmi_handler.engine.parallel.launch import run_mpi_follower
 from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
@@ -180,11 +180,14 @@ class RollingBatch:
             return {}
         try:
             outputs, failed = self.guard.step()
+        except EngineFatal as exc:  # no step can run any more (a tensor-parallel rank failed): fail them all
+            logger.error("the engine cannot go on: %s", exc)
+            self._fail_active(f"the engine failed and cannot go on: {exc}")
+            engine.abort_all()
+            return {}
         except Exception:  # isolation itself broke: fail this batch, keep serving
             logger.exception("engine step failed and could not be isolated; failing the active batch")
-            for request in self.active:
-                if request.error is None and not request.done:
-                    request.error = "internal error during generation"
+            self._fail_active("internal error during generation")
             engine.abort_all()
             return {}
         for request in self.active:
@@ -195,6 +198,11 @@ class RollingBatch:
                 for member in request.members:  # n / best_of: the request fails as a whole
                     engine.abort(member.request_id)
         return {out.request_id: out for out in outputs}
+
+    def _fail_active(self, message: str) -> None:
+        for request in self.active:
+            if request.error is None and not request.done:
+                request.error = message
 
     def _answer(self, answer: Output, index: int, request: ActiveRequest, outputs: dict) -> None:
         entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
@@ -236,11 +244,12 @@ class DynamicBatch:
                     for q, prompt_members in zip(p.prompts, members_of[p.request_id]) for m in prompt_members]
         try:
             results = self.service.engine.generate(requests)
-        except Exception:
+        except Exception as exc:
             logger.exception("dynamic batch failed")
             self.service.engine.abort_all()
-            results, plans = {}, ["internal error during generation" if isinstance(p, RequestPlan) else p
-                                  for p in plans]
+            message = (f"the engine failed and cannot go on: {exc}" if isinstance(exc, EngineFatal)
+                       else "internal error during generation")
+            results, plans = {}, [message if isinstance(p, RequestPlan) else p for p in plans]
         answer = Output()
         for index, (item, plan) in enumerate(zip(items, plans)):
             if isinstance(plan, str):
@@ -303,6 +312,11 @@ class Handler:
         if self.settings.is_rolling:
             return self.rolling.step(inputs)
         return self.dynamic.run(inputs)
+
+    def failure(self) -> Exception | None:
+        """The error that ended the engine for good (Engine.failure), for health checks; None while it can
+        serve, or before it is loaded (the front end's own readiness covers that)."""
+        return None if self.service is None else self.service.engine.failure()
 
     def _initialize(self, properties) -> bool:
         """Build the Service; False on an MPI follower rank, whose init call was the follower loop."""

@@ -102,6 +102,11 @@ class Engine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.config.eos_token_ids
 
+    def failure(self) -> Exception | None:
+        """The EngineFatal error that ended this engine for good (a tensor-parallel rank failed), else None;
+        cheap enough for every health check."""
+        return self.runner.failure()
+
     # ---- requests in and out -------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:

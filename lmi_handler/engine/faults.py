@@ -11,6 +11,8 @@ Rules of isolation (issue 8, "Faults"):
    alone are failed (all of them if none does).
 3. Else each running sequence is stepped alone; the ones that fail alone are failed. If none does (the
    fault needs the whole batch), the newest running sequence is failed. Never the whole batch.
+4. An `EngineFatal` error is not isolated: the engine cannot step again (e.g. a tensor-parallel rank
+   died: parallel/executor.RankFailed), so StepGuard re-raises it and its callers fail every request.
 """
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ from typing import Iterator, Literal
 from lmi_handler.engine.sequence import RequestOutput, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+
+class EngineFatal(RuntimeError):
+    """An error after which the engine can run no step at all (every later step raises it again): not a
+    fault of some sequences, so StepGuard never isolates it but raises it, and the server reports itself
+    unhealthy (Engine.failure()). Subclasses: parallel/executor.RankFailed."""
 
 
 class SequenceFault(RuntimeError):
@@ -42,7 +50,8 @@ class StepGuard:
     """Runs Engine.step(); on an exception ends only the sequences the fault is pinned to (module rules).
 
     `step()` returns (outputs, failed): the step's RequestOutputs and {engine request id: error message}
-    of the sequences it ended (already aborted, their blocks freed). Raises only if isolation itself fails.
+    of the sequences it ended (already aborted, their blocks freed). Raises EngineFatal as it came (rule 4),
+    and anything else only if isolation itself fails.
     """
 
     def __init__(self, engine):
@@ -54,6 +63,8 @@ class StepGuard:
         computed = self._snapshot()
         try:
             return engine.step(), {}
+        except EngineFatal:
+            raise                   # nothing to isolate: no step can run (rule 4)
         except SequenceFault as fault:
             self._restore(computed)
             logger.error("engine step failed for %s: %s", fault.request_ids, fault)

@@ -24,9 +24,11 @@ logger = logging.getLogger(__name__)
 FRONT_END_KEYS = ("batch_size", "max_batch_delay", "job_queue_size")
 
 
-def make_front_end(handle: Callable, settings: Settings, properties: dict[str, str]) -> "FrontEnd":
+def make_front_end(handle: Callable, settings: Settings, properties: dict[str, str],
+                   engine_failure: Callable[[], BaseException | None] | None = None) -> "FrontEnd":
     """The loop `settings` ask for (rolling unless option.rolling_batch=disable), calling `handle` with
-    `properties` (less the front end's own keys) on its first call, as DJL does."""
+    `properties` (less the front end's own keys) on its first call, as DJL does. `engine_failure` (the
+    Handler's failure()) names the error that ended the engine for good, for `alive`."""
     handler_props = {k: v for k, v in properties.items() if k not in FRONT_END_KEYS}
     if settings.is_rolling:
         front_end: FrontEnd = RollingFrontEnd(handle, handler_props, settings.max_rolling_batch_size,
@@ -35,6 +37,8 @@ def make_front_end(handle: Callable, settings: Settings, properties: dict[str, s
         front_end = DynamicFrontEnd(handle, handler_props, settings.batch_size, settings.max_batch_delay,
                                     settings.job_queue_size)
     front_end.request_timeout_s = settings.request_timeout_s
+    if engine_failure is not None:
+        front_end.engine_failure = engine_failure
     return front_end
 
 
@@ -50,6 +54,8 @@ class FrontEnd:
         self.ready = threading.Event()
         self.init_error: BaseException | None = None
         self.request_timeout_s: float | None = None   # option.request_timeout_s (the app sets each deadline)
+        # the error that ended the engine for good (a tensor-parallel rank failed: engine/faults.EngineFatal)
+        self.engine_failure: Callable[[], BaseException | None] = lambda: None
         self.draining = False            # SIGTERM: new requests are refused, accepted ones finish
         self.live: dict[str, list[ClientRequest]] = {}   # public id -> its HTTP requests still answering
         self.live_lock = threading.Lock()
@@ -141,7 +147,9 @@ class FrontEnd:
 
     @property
     def alive(self) -> bool:
-        return self.ready.is_set() and self.thread.is_alive() and self.init_error is None
+        """The model is loaded, the loop runs and the engine can still step (/ping, /health, /models)."""
+        return (self.ready.is_set() and self.thread.is_alive() and self.init_error is None
+                and self.engine_failure() is None)
 
     def _run(self) -> None:
         try:  # the initialization call: properties only, empty content (DESIGN §2)

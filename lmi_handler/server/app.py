@@ -40,7 +40,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     handler = Handler(settings, observers=[tracker.on_step] if tracker is not None else [])
     app.state.settings, app.state.metrics, app.state.tracker = settings, metrics, tracker
     app.state.handler, app.state.service = handler, None
-    app.state.front_end = make_front_end(handler.handle, settings, properties)
+    app.state.front_end = make_front_end(handler.handle, settings, properties, engine_failure=handler.failure)
     app.state.batch_api = BatchApi(settings, app.state.front_end)
 
     app.add_middleware(CountRequests, counter=metrics.requests)

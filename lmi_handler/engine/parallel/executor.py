@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from lmi_handler.engine.faults import EngineFatal
 from lmi_handler.engine.parallel.group import LOOPBACK, Rendezvous, TPGroup, open_store
 
 logger = logging.getLogger(__name__)
@@ -35,12 +36,14 @@ START_TIMEOUT_S = 600.0   # joining and loading the shards (a large checkpoint r
 POLL_S = 0.05
 
 
-class RankFailed(RuntimeError):
+class RankFailed(EngineFatal):
     """A tensor-parallel rank died, hung past the step timeout, or failed mid-step: the engine cannot go on.
 
-    Engine-fatal, unlike a step fault: every later step raises it again (TensorParallelExecutor.failure()
-    returns it, for health checks: the server reports itself unhealthy). `rank` is the rank at fault when
-    known (None: the group stopped answering and no rank could be named).
+    Engine-fatal (faults.EngineFatal), unlike a step fault: StepGuard raises it without isolating anything,
+    the rolling batch fails every running request with its message, and every later step raises it again
+    (TensorParallelExecutor.failure() returns it for health checks: /ping and TGI's /health answer 503).
+    The ranks are not restarted: restart the server (or let its orchestrator replace it).
+    `rank` is the rank at fault when known (None: the group stopped answering and no rank could be named).
     """
 
     def __init__(self, message: str, rank: int | None = None):

@@ -144,3 +144,45 @@ def run_ranks(degree: int, fn, timeout_s: float = 20.0) -> list:
 
     with ThreadPoolExecutor(degree) as pool:
         return [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(degree)]]
+
+
+class Broadcasting:
+    """Rank 0's runner that sends each step to the other ranks first (TensorParallelExecutor's step, with
+    the ranks as threads)."""
+
+    def __init__(self, runner, group: TPGroup):
+        self.runner, self.group = runner, group
+        self.block_size = runner.block_size
+
+    def prepare(self, sched):
+        return self.runner.prepare(sched)
+
+    def execute(self, model_input):
+        self.group.broadcast(model_input)
+        return self.runner.execute(model_input)
+
+
+def sharded_greedy(model_dir, degree: int, prompts: list[list[int]], n: int, dtype=torch.float32,
+                   quantize: str | None = None, num_blocks: int = 64, block_size: int = 4):
+    """greedy_generate (tests/engine/helpers.py) over `degree` real shards of the checkpoint, each a
+    ModelRunner(layout, group) on a thread of this process, joined by gloo on the loopback; rank 0 decodes
+    and broadcasts every step. Returns rank 0's (tokens, per-step logits)."""
+    from lmi_handler.engine.kv_cache import BlockAllocator
+    from lmi_handler.engine.model_runner import ModelRunner
+    from tests.engine.helpers import greedy_generate
+
+    args = args_from_config(read_config(model_dir))
+
+    def rank(group: TPGroup):
+        layout = ShardLayout.of(args, group.rank, group.degree)
+        runner = ModelRunner(model_dir, dtype, "cpu", block_size=block_size, num_blocks=num_blocks,
+                             quantize=quantize, layout=layout, group=group)
+        if group.rank == 0:
+            result = greedy_generate(Broadcasting(runner, group), BlockAllocator(num_blocks, block_size), prompts, n)
+            group.broadcast("done")
+            return result
+        while not isinstance(step := group.broadcast(), str):
+            runner.execute(step)
+        return None
+
+    return run_ranks(degree, rank)[0]

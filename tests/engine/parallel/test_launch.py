@@ -53,11 +53,30 @@ def test_each_rank_sizes_its_kv_cache_by_its_own_kv_heads(tiny_model_dir):
 
 @pytest.mark.slow
 def test_handle_refuses_tensor_parallel_degree_2_on_the_demo_model_with_the_divisibility_message(model_dir):
-    from lmi_handler.handler import HandlerState
+    from lmi_handler.djl import OwnInput
+    from lmi_handler.handler import Handler
 
     with pytest.raises(ConfigError, match=r"^option\.tensor_parallel_degree=2: Total number of attention heads \(9\) "
                                           r"must be divisible by tensor parallel size \(2\)\."):
-        HandlerState().initialize({"model_id": str(model_dir), "tensor_parallel_degree": "2"})
+        Handler().handle(OwnInput({"model_id": str(model_dir), "tensor_parallel_degree": "2"}))
+
+
+@pytest.mark.slow
+def test_a_sequences_logits_are_bitwise_the_same_alone_and_in_a_batch_at_degree_3(model_dir):
+    """Batch invariance under TP: the all-reduce adds the ranks' partials in rank order, so at degree 3 on
+    the demo model a sequence's logits alone and beside other prefills and decodes are bitwise equal."""
+    from lmi_handler.engine.kv_cache import BlockAllocator
+    from lmi_handler.engine.parallel.launch import start_runner
+    from tests.engine.helpers import assert_logits_bitwise_identical_alone_and_in_batch
+
+    config = dataclasses.replace(tiny_config(model_dir, 3), block_size=16, kv_cache_bytes=32 << 20)
+    runner = start_runner(config, torch.device("cpu"), Precision(torch.float32, None, "test"))
+    try:
+        allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+        assert_logits_bitwise_identical_alone_and_in_batch(
+            runner, allocator, [1, 504, 3250, 314, 260, 1123, 28], [list(range(100, 160)), [1, 42, 7]], 4, chunks=[16, 3])
+    finally:
+        runner.close()
 
 
 def test_the_engine_config_keeps_its_parallel_slice():

@@ -17,6 +17,7 @@
 # Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Budget: tests 200 s, benchmark 240 s (timeouts below).
 #
 # Status: written without a GPU (none was lent to the session that wrote it): untested on CUDA.
+# The tensor-parallel step (NCCL across the visible GPUs) is untested too: no machine with two GPUs was lent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-benchmarks/results}   # the device tool brings back at most 8 files from $OUT: logs, JSON, PNG
@@ -88,6 +89,41 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/engine "${DESELECT[@]}"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: exit $tests_rc in $(( $(date +%s) - start )) s"
 
+echo "== tensor parallelism across the visible GPUs (NCCL), when there are two or more =="
+# the largest degree <= the GPU count the demo model takes (its 9 heads: 3); with 2 GPUs, a tiny random Llama
+# at degree 2 instead. Greedy tokens of Engine at that degree against degree 1, on the same weights, in bf16.
+timeout 150 "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/gpu-tp.log"
+import sys, tempfile, torch
+from lmi_handler.config import EngineConfig, ParallelConfig
+from lmi_handler.engine.engine import Engine
+from lmi_handler.engine.model.loader import args_from_config, read_config
+from lmi_handler.engine.parallel.layout import degree_problems
+from lmi_handler.engine.sequence import SamplingParams
+gpus = torch.cuda.device_count()
+if gpus < 2:
+    print(f"{gpus} GPU visible: tensor parallelism across GPUs skipped"); sys.exit(0)
+a = args_from_config(read_config("model"))
+degree = max(d for d in range(1, gpus + 1) if not degree_problems(a.num_heads, a.num_kv_heads, a.intermediate_size, a.vocab_size, d))
+model = "model"
+if degree == 1:
+    from tests.engine.helpers import build_tiny_llama, build_tiny_tokenizer
+    model, degree = tempfile.mkdtemp(), 2
+    build_tiny_llama(model, tie_word_embeddings=False); build_tiny_tokenizer().save_pretrained(model)
+prompts = [[1, 17, 300, 45, 9], [1, 250, 7], [1, 5, 6, 7, 8, 9, 10, 11]]
+def tokens(d):
+    engine = Engine(EngineConfig(model_path=model, dtype="bfloat16", device_id=0, max_num_seqs=8, max_num_batched_tokens=256,
+                                 max_model_len=None, block_size=16, kv_cache_bytes=256 << 20, parallel=ParallelConfig(d, 60.0, None)))
+    out = engine.generate([(f"r{i}", p, SamplingParams(max_new_tokens=16)) for i, p in enumerate(prompts)])
+    if d > 1:
+        engine.runner.close()
+    return [[t.id for o in outs for t in o.new_tokens] for outs in out.values()]
+one, many = tokens(1), tokens(degree)
+print(f"TP={degree} on {model}: greedy tokens equal to TP=1 on {sum(a == b for a, b in zip(one, many))}/{len(one)} prompts")
+sys.exit(0 if one == many else 1)
+EOF
+tp_rc=${PIPESTATUS[0]}
+echo "tensor parallelism: exit $tp_rc"
+
 echo "== benchmark, bf16 =="
 start=$(date +%s)
 PROMPTS_ARG=()
@@ -99,4 +135,4 @@ if [[ "$OUT_DIR" != benchmarks/results ]]; then
   for f in $(ls -t benchmarks/results/bench-*.json benchmarks/results/bench-*.png 2>/dev/null | head -2); do cp "$f" "$OUT_DIR/"; done
 fi
 echo "benchmark: exit $bench_rc in $(( $(date +%s) - start )) s"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+exit $(( tests_rc != 0 || tp_rc != 0 || bench_rc != 0 ))

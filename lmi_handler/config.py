@@ -54,8 +54,16 @@ class Settings(BaseModel):
     the C++ CPU kernels (activations stay in `dtype`); CPU only. Unset or `none`: the checkpoint's weights."""
     device_id: int = -1
     """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
-    tensor_parallel_degree: int = Field(1, ge=1, le=1)
-    """Only 1 is supported (one device)."""
+    tensor_parallel_degree: int | Literal["max"] = 1
+    """Ranks the model is sharded over (tensor parallelism: one process per rank, each holding 1/degree of
+    the weights and of the KV heads); `max` = every visible CUDA device, 1 on a CPU-only host (LMI). The env
+    TENSOR_PARALLEL_DEGREE gives it when serving.properties does not (DJL). The model must divide by it
+    (engine/parallel/layout.py, vLLM's rules), checked at start-up."""
+    pipeline_parallel_degree: int = 1
+    """Only 1: pipeline parallelism is not implemented (refused at start-up, naming this key)."""
+    tensor_parallel_timeout_s: float = Field(60.0, gt=0)
+    """Seconds one collective of a tensor-parallel step may wait for the other ranks; past it (a rank hung)
+    the engine fails with RankFailed instead of hanging. A rank that dies is seen at once."""
     num_threads: int = Field(0, ge=0, le=1024)
     """CPU threads for PyTorch (torch.set_num_threads); 0 = PyTorch's default. On a shared CPU, 1 avoids
     threads waiting on each other."""
@@ -137,6 +145,23 @@ class Settings(BaseModel):
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
         return DTYPES[value.lower()]
 
+    @field_validator("tensor_parallel_degree", mode="before")
+    @classmethod
+    def _degree(cls, value):
+        if isinstance(value, str) and value.strip().lower() == "max":
+            return "max"
+        if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
+            raise ValueError(f"tensor_parallel_degree must be a whole number >= 1 or max, got {value!r}")
+        return int(value)
+
+    @field_validator("pipeline_parallel_degree", mode="before")
+    @classmethod
+    def _no_pipeline(cls, value):
+        if str(value).strip() != "1":
+            raise ValueError(f"pipeline_parallel_degree={value!r} is not supported: only 1 (pipeline parallelism is "
+                             "not implemented; shard the model with tensor_parallel_degree)")
+        return 1
+
     @field_validator("quantize", mode="before")
     @classmethod
     def _no_quantize(cls, value):
@@ -188,7 +213,9 @@ class Settings(BaseModel):
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
                             batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
-                            structured_output_compile_timeout_s=self.structured_output_compile_timeout_s)
+                            structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
+                            parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
+                                                    read_mpi_launch()))
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "Settings":
@@ -216,6 +243,45 @@ def _split_keys(text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class MpiLaunch:
+    """This process's place in LMI's MPI launch (mpirun -np <degree>: DJL starts one Python engine per rank
+    and gives ranks above 0 only the init call; CUDA_VISIBLE_DEVICES names the ranks' GPUs)."""
+
+    rank: int              # OMPI_COMM_WORLD_RANK
+    world_size: int        # OMPI_COMM_WORLD_SIZE
+    local_rank: int        # OMPI_COMM_WORLD_LOCAL_RANK: this rank's CUDA device index
+    master_addr: str       # MASTER_ADDR (DJL: 127.0.0.1): where rank 0 hosts the ranks' rendezvous
+    master_port: int       # MASTER_PORT (DJL sets it)
+
+
+def read_mpi_launch(environ: Mapping[str, str] | None = None) -> MpiLaunch | None:
+    """The MPI launch this process is part of (OMPI_COMM_WORLD_RANK set), else None.
+
+    Raises ConfigError when MASTER_PORT is missing or an OMPI_/MASTER_ value is not a number.
+    """
+    environ = os.environ if environ is None else environ
+    if "OMPI_COMM_WORLD_RANK" not in environ:
+        return None
+    try:
+        rank = int(environ["OMPI_COMM_WORLD_RANK"])
+        return MpiLaunch(rank=rank, world_size=int(environ.get("OMPI_COMM_WORLD_SIZE", "1")),
+                         local_rank=int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", str(rank))),
+                         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(environ["MASTER_PORT"]))
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"MPI launch (OMPI_COMM_WORLD_RANK={environ['OMPI_COMM_WORLD_RANK']!r}): needs numeric "
+                          f"OMPI_COMM_WORLD_SIZE and MASTER_PORT ({exc})") from None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The engine's tensor-parallel slice: the degree (`max` resolved at start-up), the step timeout, the launch."""
+
+    tensor_parallel_degree: int | str = 1
+    timeout_s: float = 60.0
+    mpi: MpiLaunch | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's slice of the settings."""
 
@@ -233,6 +299,7 @@ class EngineConfig:
     huge_pages: bool = True
     quantize: str | None = None
     structured_output_compile_timeout_s: float = 30.0
+    parallel: ParallelConfig = ParallelConfig()
 
 
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -243,7 +310,8 @@ def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None 
     continuations and \\uXXXX escapes. Values lose trailing whitespace. `option.foo=bar` becomes
     {"foo": "bar"}; top-level keys (batch_size, max_batch_delay, engine) are kept as they are; an
     environment variable OPTION_FOO=baz overrides option.foo (LMI: OPTION_<KEY> in upper case);
-    SERVING_JOB_QUEUE_SIZE gives job_queue_size when the file does not (DJL's global setting).
+    SERVING_JOB_QUEUE_SIZE gives job_queue_size, and TENSOR_PARALLEL_DEGREE tensor_parallel_degree, when
+    neither the file nor OPTION_* does (DJL's global settings).
     `model_dir` is set to the file's directory. A missing file gives just the environment overrides.
     Raises javaproperties.InvalidUEscapeError for a malformed \\u escape.
     """
@@ -258,5 +326,7 @@ def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None 
             props[key[len("OPTION_"):].lower()] = value
     if "SERVING_JOB_QUEUE_SIZE" in environ:  # DJL's global default; a serving.properties key wins
         props.setdefault("job_queue_size", environ["SERVING_JOB_QUEUE_SIZE"])
+    if "TENSOR_PARALLEL_DEGREE" in environ:  # DJL: used when option.tensor_parallel_degree is not set
+        props.setdefault("tensor_parallel_degree", environ["TENSOR_PARALLEL_DEGREE"])
     props.setdefault("model_dir", str(path.parent.resolve()))
     return props

@@ -16,6 +16,7 @@ from lmi_handler.config import Settings
 from lmi_handler.djl import Input, Output
 from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
 from lmi_handler.engine.health import EngineDead, EngineHealth
+from lmi_handler.engine.parallel.launch import run_mpi_follower
 from lmi_handler.engine.sequence import RequestOutput
 from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
@@ -202,9 +203,7 @@ class RollingBatch:
             raise
         except Exception:  # isolation itself broke: fail this batch, keep serving
             logger.exception("engine step failed and could not be isolated; failing the active batch")
-            for request in self.active:
-                if request.error is None and not request.done:
-                    request.error = "internal error during generation"
+            self._fail_active("internal error during generation")
             engine.abort_all()
             return {}
         outputs_of = {out.request_id: out for out in outputs}
@@ -222,6 +221,11 @@ class RollingBatch:
                 for member in request.members:  # n / best_of: the request fails as a whole
                     engine.abort(member.request_id)
         return outputs_of
+
+    def _fail_active(self, message: str) -> None:
+        for request in self.active:
+            if request.error is None and not request.done:
+                request.error = message
 
     def _answer(self, answer: Output, index: int, request: ActiveRequest, outputs: dict) -> None:
         entry: dict[str, str] = {"data": "", "last": "false", "content_type": request.content_type,
@@ -338,9 +342,10 @@ class Handler:
 
         Raises EngineDead from the call in which the engine is found dead (engine/health.py) and on every
         call after it, so DJL's worker recovery (or the bundled front end) fails the requests and restarts.
+        On an MPI rank above 0 the first call serves rank 0's steps until rank 0 shuts down, then returns None.
         """
-        if self.service is None:
-            self._initialize(inputs.get_properties())
+        if self.service is None and not self._initialize(inputs.get_properties()):
+            return None
         if inputs.is_empty():
             return None
         self.health.check()
@@ -348,15 +353,27 @@ class Handler:
             return self.rolling.step(inputs)
         return self.dynamic.run(inputs)
 
-    def _initialize(self, properties) -> None:
+    def failure(self) -> Exception | None:
+        """The error that ended the engine for good (Engine.failure), for health checks; None while it can
+        serve, or before it is loaded (the front end's own readiness covers that)."""
+        return None if self.service is None else self.service.engine.failure()
+
+    def _initialize(self, properties) -> bool:
+        """Build the Service; False on an MPI follower rank, whose init call was the follower loop."""
         if self.settings is None:
             self.settings = Settings.from_properties(dict(properties))
+        engine_config = self.settings.engine_config()
+        if engine_config.parallel.mpi is not None and engine_config.parallel.mpi.rank > 0:
+            # LMI's MPI launch: ranks above 0 get only the init call; they serve rank 0's steps from inside it
+            run_mpi_follower(engine_config)
+            return False
         self.service = Service(self.settings)
         if self.settings.fault_injection:  # option.fault_injection (engine/faults.py): tests only
             FaultInjector(self.service.engine, FaultRule.parse_all(self.settings.fault_injection))
         guard = StepGuard(self.service.engine, self.health)
         self.rolling = RollingBatch(self.service, guard, self.observers)
         self.dynamic = DynamicBatch(self.service, guard)
+        return True
 
 
 _CONTAINER = Handler()   # the DJL container's worker: one model per process

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from lmi_handler.config import ConfigError, Settings, read_serving_properties
+from lmi_handler.config import ConfigError, MpiLaunch, Settings, read_mpi_launch, read_serving_properties
 
 
 def test_option_keys_lose_their_prefix_and_env_overrides_win(tmp_path):
@@ -26,7 +26,8 @@ def test_every_rolling_batch_value_but_disable_is_rolling(value, rolling):
 
 
 @pytest.mark.parametrize("key, value", [("max_rolling_batch_size", "0"), ("dtype", "int8"),
-                                        ("output_formatter", "xml"), ("tensor_parallel_degree", "2"),
+                                        ("output_formatter", "xml"), ("tensor_parallel_degree", "0"),
+                                        ("tensor_parallel_degree", "two"), ("pipeline_parallel_degree", "2"),
                                         ("max_rolling_batch_size", "many")])
 def test_bad_values_raise_config_error_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
@@ -69,6 +70,39 @@ def test_serving_properties_is_read_as_java_properties(tmp_path):
 def test_a_missing_file_gives_just_the_environment_overrides(tmp_path):
     props = read_serving_properties(tmp_path / "absent.properties", environ={"OPTION_DTYPE": "bf16"})
     assert props == {"dtype": "bf16", "model_dir": str(tmp_path.resolve())}
+
+
+@pytest.mark.parametrize("value, degree", [("3", 3), (2, 2), ("max", "max"), ("MAX", "max")])
+def test_tensor_parallel_degree_is_a_count_or_max(value, degree):
+    settings = Settings.from_properties({"tensor_parallel_degree": value})
+    assert settings.tensor_parallel_degree == degree
+    assert settings.engine_config().parallel.tensor_parallel_degree == degree
+
+
+def test_pipeline_parallel_degree_other_than_1_is_refused_naming_it():
+    assert Settings.from_properties({"pipeline_parallel_degree": "1"}).pipeline_parallel_degree == 1
+    with pytest.raises(ConfigError, match=r"^option\.pipeline_parallel_degree='4': .*only 1"):
+        Settings.from_properties({"pipeline_parallel_degree": "4"})
+
+
+def test_tensor_parallel_degree_env_applies_only_when_no_option_sets_it(tmp_path):
+    path = tmp_path / "serving.properties"
+    path.write_text("option.model_id=model\n")
+    assert read_serving_properties(path, environ={"TENSOR_PARALLEL_DEGREE": "max"})["tensor_parallel_degree"] == "max"
+    both = read_serving_properties(path, environ={"TENSOR_PARALLEL_DEGREE": "max", "OPTION_TENSOR_PARALLEL_DEGREE": "2"})
+    assert both["tensor_parallel_degree"] == "2"
+    path.write_text("option.tensor_parallel_degree=3\n")
+    assert read_serving_properties(path, environ={"TENSOR_PARALLEL_DEGREE": "max"})["tensor_parallel_degree"] == "3"
+
+
+def test_the_mpi_launch_is_read_from_open_mpi_and_djls_variables():
+    assert read_mpi_launch({}) is None
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "19000"}
+    assert read_mpi_launch(env) == MpiLaunch(rank=2, world_size=3, local_rank=2, master_addr="127.0.0.1",
+                                             master_port=19000)
+    with pytest.raises(ConfigError, match="MASTER_PORT"):
+        read_mpi_launch({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"})
 
 
 def test_huge_pages_are_on_by_default_and_off_with_the_option_or_lmi_huge_pages_0():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -219,3 +220,104 @@ def test_a_dynamic_stream_that_finds_the_engine_dead_raises_from_its_stream(mode
     with pytest.raises(EngineDead, match="probe"):
         list(stream)
     assert not worker.health.alive and not worker.service.engine.seqs
+
+
+# ---- tensor parallelism through handle() (option.tensor_parallel_degree; engine/parallel/) ----------------
+
+TP_PROMPTS = ["The capital of France is", "Write a haiku about rain:", "1, 2, 3, 4,", "def fib(n):",
+              "Once upon a time", "The sky is blue because", "Hello, my name is", "Water boils at"]
+TP_NEW_TOKENS = 6
+# |log_prob(TP) - log_prob(one process)| of each generated token: the row-parallel sums round elsewhere
+TP_LOGPROB_TOL = 1e-3
+
+
+def greedy_answers(worker, prompts: list[str]) -> list[list[tuple[int, float]]]:
+    """All prompts in one rolling batch, even ones streamed (jsonlines), odd ones answered whole (details):
+    each answer's (token id, log_prob) list, run to its end."""
+    items = [(f"p{i}", body(p, stream=i % 2 == 0, max_new_tokens=TP_NEW_TOKENS, details=True))
+             for i, p in enumerate(prompts)]
+    data, active = {rid: "" for rid, _ in items}, [rid for rid, _ in items]
+    call = rolling_call(items)
+    for _ in range(TP_NEW_TOKENS + 3):
+        entries = decode(worker.handle(call), len(active))
+        for rid, entry in zip(active, entries):
+            assert "error" not in entry, entry
+            data[rid] += entry["data"]
+        active = [rid for rid, entry in zip(active, entries) if entry["last"] != "true"]
+        if not active:
+            break
+        call = rolling_call([(rid, None) for rid in active])
+    answers = []
+    for i, (rid, _) in enumerate(items):
+        if i % 2 == 0:
+            lines = [json.loads(line) for line in data[rid].splitlines()]
+            assert "".join(line["token"]["text"] for line in lines) == lines[-1]["generated_text"]
+            answers.append([(line["token"]["id"], line["token"]["log_prob"]) for line in lines])
+        else:
+            answers.append([(t["id"], t["log_prob"]) for t in json.loads(data[rid])["details"]["tokens"]])
+    return answers
+
+
+def assert_same_greedy_answers(tp_answers, answers) -> None:
+    for tp, one in zip(tp_answers, answers):
+        assert [t for t, _ in tp] == [t for t, _ in one]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(tp, one)) < TP_LOGPROB_TOL
+
+
+def test_tensor_parallel_3_on_the_demo_model_answers_as_one_process(model_dir):
+    """Three ranks (three query heads and one KV head each, spawned by handle()'s init call) give the
+    one-process greedy tokens on 8 prompts, streamed and not, log-probs within TP_LOGPROB_TOL."""
+    answers = greedy_answers(init_handler(model_dir), TP_PROMPTS)
+    worker = init_handler(model_dir, tensor_parallel_degree="3")
+    try:
+        assert worker.service.engine.runner.degree == 3
+        assert_same_greedy_answers(greedy_answers(worker, TP_PROMPTS), answers)
+    finally:
+        worker.service.engine.runner.close()
+
+
+def test_tensor_parallel_2_on_a_tiny_random_llama_answers_as_one_process(tmp_path):
+    from tests.engine.helpers import TINY_TOKENIZER_TEXTS, build_tiny_llama, build_tiny_tokenizer
+
+    build_tiny_llama(tmp_path, tie_word_embeddings=False)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    prompts = (TINY_TOKENIZER_TEXTS + ["Hello there", "The mat"])[:8]
+    answers = greedy_answers(init_handler(tmp_path), prompts)
+    worker = init_handler(tmp_path, tensor_parallel_degree="2")
+    try:
+        assert_same_greedy_answers(greedy_answers(worker, prompts), answers)
+    finally:
+        worker.service.engine.runner.close()
+
+
+def test_under_the_mpi_launch_rank_1s_init_call_is_its_follower_loop(tmp_path, monkeypatch):
+    """LMI's MPI launch (OMPI_COMM_WORLD_RANK set): rank 1 is a real process whose only handle() call, the
+    init call, serves rank 0's steps and returns None once rank 0 shuts down; rank 0 (this process) answers
+    as one process would."""
+    import subprocess
+    import sys
+
+    from tests.engine.helpers import TINY_TOKENIZER_TEXTS, build_tiny_llama, build_tiny_tokenizer
+    from tests.helpers import REPO, free_port
+
+    build_tiny_llama(tmp_path, tie_word_embeddings=False)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    answers = greedy_answers(init_handler(tmp_path), TINY_TOKENIZER_TEXTS[:2])
+    port = str(free_port())
+    launch = {"OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    props = {"model_id": str(tmp_path), "tensor_parallel_degree": "2", "kv_cache_bytes": str(SMALL_KV_CACHE_BYTES)}
+    script = ("import sys; from lmi_handler.handler import Handler; from lmi_handler.djl import OwnInput; "
+              f"out = Handler().handle(OwnInput({props!r})); print('init call returned', out); sys.exit(0)")
+    follower = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, **launch, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    try:
+        for key, value in {**launch, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        worker = init_handler(tmp_path, tensor_parallel_degree="2")
+        assert worker.service.engine.runner.degree == 2
+        assert_same_greedy_answers(greedy_answers(worker, TINY_TOKENIZER_TEXTS[:2]), answers)
+        worker.service.engine.runner.close()          # Shutdown: rank 1's init call returns
+        out, _ = follower.communicate(timeout=60)
+        assert follower.returncode == 0 and "init call returned None" in out
+    finally:
+        follower.kill()

@@ -16,7 +16,7 @@ from lmi_handler.config import EngineConfig
 from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
 from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
-from lmi_handler.engine.model_runner import ModelOutput, ModelRunner
+from lmi_handler.engine.model_runner import ModelOutput
 from lmi_handler.engine.output_processor import (
     OutputProcessor,
     PromptChunk,
@@ -24,6 +24,7 @@ from lmi_handler.engine.output_processor import (
     gather_prompt_logprobs,
     plan_prompt_logprobs,
 )
+from lmi_handler.engine.parallel.launch import start_runner
 from lmi_handler.engine.precision import Precision, checkpoint_dtype, resolve_precision
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -81,10 +82,8 @@ class Engine:
         self.device = pick_device(config.device_id)
         precision = pick_precision(config, self.device)
         (logger.warning if precision.warn else logger.info)("%s", precision.reason)
-        self.runner = ModelRunner(config.model_path, precision.dtype, self.device,
-                                  block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                  batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
-                                  quantize=precision.quantize)
+        # a ModelRunner, or under tensor parallelism rank 0's executor over the group (engine/parallel/)
+        self.runner = start_runner(config, self.device, precision)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         model_len = self.runner.config.max_model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -108,6 +107,11 @@ class Engine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.config.eos_token_ids
+
+    def failure(self) -> Exception | None:
+        """The EngineFatal error that ended this engine for good (a tensor-parallel rank failed), else None;
+        cheap enough for every health check."""
+        return self.runner.failure()
 
     # ---- requests in and out -------------------------------------------------------------
 

@@ -21,6 +21,8 @@ Rules of health (issue 15): the engine is dead, for good, when
 5. no step worked during isolation (every sequence failed, even alone) and a probe, a one-token sequence
    of the guard's own stepped with the batch emptied, fails too: the fault persists without any of the
    requests, so it is not theirs.
+   An `EngineFatal` error (health.py: e.g. a tensor-parallel rank died, parallel/executor.RankFailed) is
+   rule 4 by definition: nothing is isolated.
 A fault that names its sequences (1), or stops when they are removed (2, 3, or a probe that works), stays
 per-request. Requests refused before the engine (client errors, a full queue) never reach the guard.
 """
@@ -33,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
-from lmi_handler.engine.health import EngineDead, EngineHealth, fatal_reason
+from lmi_handler.engine.health import EngineDead, EngineFatal, EngineHealth, fatal_reason
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,8 @@ class StepGuard:
         computed = self._snapshot()
         try:
             return engine.step(), {}
+        except EngineFatal:
+            raise                   # nothing to isolate: no step can run (rule 4)
         except SequenceFault as fault:
             self._restore(computed)
             logger.error("engine step failed for %s: %s", fault.request_ids, fault)

@@ -34,14 +34,23 @@ class EngineDead(RuntimeError):
         self.since = time.monotonic() if since is None else since
 
 
+class EngineFatal(RuntimeError):
+    """An error after which the engine can run no step at all (every later step raises it again): not a
+    fault of some sequences, so StepGuard never isolates it but raises it, and the server reports itself
+    unhealthy (Engine.failure()). Subclasses: parallel/executor.RankFailed.
+    fatal_reason counts it as fatal by its type."""
+
+
 def fatal_reason(exc: BaseException) -> str | None:
     """Why `exc` (or an exception it was raised from) leaves the engine unable to step again; None if it does not.
 
-    Fatal: torch.AcceleratorError (CUDA errors, torch >= 2.8), torch.distributed's DistError family (a
+    Fatal: EngineFatal (a tensor-parallel rank failed: parallel/executor.RankFailed), torch.AcceleratorError
+    (CUDA errors, torch >= 2.8), torch.distributed's DistError family (a
     tensor-parallel rank or its store gone), and any error whose text names a sticky CUDA error
     (FATAL_MESSAGES; older torch raises those as plain RuntimeError). torch.OutOfMemoryError is not fatal.
     """
-    fatal_types = tuple(t for t in (getattr(torch, "AcceleratorError", None), _dist_error()) if t is not None)
+    fatal_types = tuple(t for t in (EngineFatal, getattr(torch, "AcceleratorError", None), _dist_error())
+                        if t is not None)
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -117,22 +117,29 @@ class ModelRunner:
     (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
     False: plain F.linear GEMMs, logits may move in the last bits with the batch.
     `huge_pages`: packed weights and the KV cache in huge-page memory (kernels.empty_huge; CPU).
+    Tensor parallelism: `layout` (a ShardLayout) and `group` (its rank's TPGroup) make this runner one
+    rank's: it loads only that shard, and its KV cache holds only the rank's own KV heads
+    (layout.num_kv_heads); `num_blocks` is then the group's (the minimum over ranks). `config` stays the
+    whole model's; `execute` returns the logits on rank 0 and None on the others.
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None):
+                 batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None,
+                 layout=None, group=None):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant, self.quantize = batch_invariant, quantize
         self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
-                                quantize=quantize, huge_pages=huge_pages)
+                                quantize=quantize, huge_pages=huge_pages, layout=layout)
+        self.model.group = group
         c = self.config
-        block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+        num_kv_heads = c.num_kv_heads if layout is None else layout.num_kv_heads
+        block_bytes = 2 * c.num_layers * block_size * num_kv_heads * c.head_dim * dtype.itemsize
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_bytes} bytes")
-        shape = (c.num_layers, 2, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, 2, self.num_blocks, block_size, num_kv_heads, c.head_dim)
         self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device, huge_pages=huge_pages).zero_()
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
@@ -174,15 +181,23 @@ class ModelRunner:
             logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans, blocks_to_copy=copies)
         return model_input if self.device.type == "cpu" else model_input.to(self.device)
 
+    def failure(self) -> Exception | None:
+        """The error that ended this runner for good, for health checks: never, in one process (a
+        tensor-parallel executor returns its RankFailed)."""
+        return None
+
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> ModelOutput:
-        """Run one step: write its K/V into the cache, return float32 logits in the caller's order."""
+    def execute(self, model_input: ModelInput) -> ModelOutput | None:
+        """Run one step: write its K/V into the cache, return float32 logits in the caller's order (None on a
+        tensor-parallel rank other than 0, which only joins the collectives)."""
         mi = model_input
         invariant = self.batch_invariant
         if mi.blocks_to_copy is not None:
             copy_blocks(self.kv_cache, mi.blocks_to_copy)
         hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant)  # (T, hidden)
         logits = self.model.compute_logits(hidden[mi.logit_rows], invariant)              # (R, vocab) f32
+        if logits is None:
+            return None
         last = logits[mi.num_chunk_rows:]
         chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
         return ModelOutput(logits=last, chunk_logits=chunk_logits)

@@ -25,9 +25,11 @@ logger = logging.getLogger(__name__)
 FRONT_END_KEYS = ("batch_size", "max_batch_delay", "job_queue_size")
 
 
-def make_front_end(handle: Callable, settings: Settings, properties: dict[str, str]) -> "FrontEnd":
+def make_front_end(handle: Callable, settings: Settings, properties: dict[str, str],
+                   engine_failure: Callable[[], BaseException | None] | None = None) -> "FrontEnd":
     """The loop `settings` ask for (rolling unless option.rolling_batch=disable), calling `handle` with
-    `properties` (less the front end's own keys) on its first call, as DJL does."""
+    `properties` (less the front end's own keys) on its first call, as DJL does. `engine_failure` (the
+    Handler's failure()) names the error that ended the engine for good, for `alive`."""
     handler_props = {k: v for k, v in properties.items() if k not in FRONT_END_KEYS}
     if settings.is_rolling:
         front_end: FrontEnd = RollingFrontEnd(handle, handler_props, settings.max_rolling_batch_size,
@@ -36,6 +38,8 @@ def make_front_end(handle: Callable, settings: Settings, properties: dict[str, s
         front_end = DynamicFrontEnd(handle, handler_props, settings.batch_size, settings.max_batch_delay,
                                     settings.job_queue_size)
     front_end.request_timeout_s = settings.request_timeout_s
+    if engine_failure is not None:
+        front_end.engine_failure = engine_failure
     return front_end
 
 
@@ -52,6 +56,8 @@ class FrontEnd:
         self.init_error: BaseException | None = None
         self.engine_dead: EngineDead | None = None     # set once handle() raised EngineDead; never cleared
         self.request_timeout_s: float | None = None   # option.request_timeout_s (the app sets each deadline)
+        # the error that ended the engine for good (a tensor-parallel rank failed: engine/health.EngineFatal)
+        self.engine_failure: Callable[[], BaseException | None] = lambda: None
         self.draining = False            # SIGTERM: new requests are refused, accepted ones finish
         self.live: dict[str, list[ClientRequest]] = {}   # public id -> its HTTP requests still answering
         self.live_lock = threading.Lock()
@@ -157,6 +163,8 @@ class FrontEnd:
             return f"model initialization failed: {self.init_error}"
         if self.engine_dead is not None:
             return str(self.engine_dead)
+        if (failed := self.engine_failure()) is not None:     # found between steps (a tensor-parallel rank gone)
+            return f"the engine cannot go on: {failed}"
         if self.ready.is_set() and not self.thread.is_alive():
             return "the engine loop has stopped"
         return None

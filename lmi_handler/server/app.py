@@ -41,7 +41,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     handler = Handler(settings, observers=[tracker.on_step] if tracker is not None else [])
     app.state.settings, app.state.metrics, app.state.tracker = settings, metrics, tracker
     app.state.handler, app.state.service = handler, None
-    app.state.front_end = make_front_end(handler.handle, settings, properties)
+    app.state.front_end = make_front_end(handler.handle, settings, properties, engine_failure=handler.failure)
     app.state.batch_api = BatchApi(settings, app.state.front_end)
 
     if settings.api_keys:      # innermost: a 401 is still counted (route "unmatched") and carries x-request-id

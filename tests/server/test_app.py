@@ -4,8 +4,12 @@ not), /predictions/{model}, served names, the response formats, and an engine lo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -253,3 +257,47 @@ def test_a_dead_engine_loop_is_unhealthy_and_requests_fail_fast(model_dir):
         refused = app.post("/invocations", json={"inputs": "Hi", "parameters": PARAMS})
         assert refused.status_code == 503 and "engine" in refused.json()["error"]
         assert app.service is not None
+
+
+def _followers(server_pid: int) -> list[int]:
+    """The tensor-parallel follower ranks the server spawned (children running engine/parallel/worker.py)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"parallel.worker" in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_killing_a_tensor_parallel_follower_fails_the_running_request_and_ping_turns_503(tmp_path):
+    """A real server at tensor_parallel_degree=2 (tiny random Llama): SIGKILL of rank 1 mid-stream ends the
+    running stream with an error naming the rank, and /ping answers 503 within tensor_parallel_timeout_s."""
+    from tests.engine.helpers import build_tiny_llama, build_tiny_tokenizer
+    from tests.helpers import REPO, ServerProcess
+
+    build_tiny_llama(tmp_path / "tiny", tie_word_embeddings=False, max_position_embeddings=4096)
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    timeout_s = 10
+    options = {"model_id": str(tmp_path / "tiny"), "tensor_parallel_degree": "2", "num_threads": "1",
+               "tensor_parallel_timeout_s": str(timeout_s), "kv_cache_bytes": str(16 << 20)}
+    with ServerProcess(options, tmp_path / "server.log", REPO / "serving.properties") as server:
+        (follower,) = _followers(server.proc.pid)
+        lines = []
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            body = {"inputs": "Hello world", "parameters": {"max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
+            with client.stream("POST", "/invocations", json=body) as response:
+                for line in response.iter_lines():
+                    if line.strip():
+                        lines.append(json.loads(line))
+                    if len(lines) == 3:
+                        os.kill(follower, signal.SIGKILL)
+                        killed = time.monotonic()
+            assert len(lines) < 3000 and "error" in json.dumps(lines[-1]) and "rank 1" in json.dumps(lines[-1])
+            while client.get("/ping").status_code != 503:
+                assert time.monotonic() - killed < timeout_s, "/ping still healthy past the timeout"
+                time.sleep(0.1)
+            assert client.get("/health").status_code == 503

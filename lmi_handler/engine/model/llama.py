@@ -1,19 +1,31 @@
 """Llama-family forward pass (Llama, SmolLM, Qwen2-style q/k/v bias) over one flat token batch.
 
-Owns the architecture: RoPE variants, GQA attention projections, RMSNorm, SwiGLU MLP, lm_head;
-leaves reading config/safetensors to loader.py and the paged attention kernels to attention.py.
+Owns the architecture: RoPE variants, GQA attention projections, RMSNorm, SwiGLU MLP, lm_head, and
+where a tensor-parallel shard of it meets the other ranks (vocabulary-parallel embedding and lm_head,
+the all-reduce after o_proj and down_proj); leaves reading config/safetensors to loader.py, the paged
+attention kernels to attention.py and the collectives themselves to engine/parallel/group.py.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmi_handler.engine.model.attention import AttentionMetadata, attend, write_kv
-from lmi_handler.engine.model.kernels import PackedWeight, bf16_dot_native, cpu_kernels, pack_weight, packed_linear
+from lmi_handler.engine.model.attention import AttentionMetadata, attend, attention_paged, write_kv
+from lmi_handler.engine.model.kernels import (
+    PackedWeight,
+    bf16_dot_native,
+    cpu_kernels,
+    fused_add_rmsnorm,
+    fused_rope_kv_write,
+    fused_silu_mul,
+    pack_weight,
+    packed_linear,
+)
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     return out if bias is None else out + bias
 
 
+class Collectives(Protocol):
+    """What a tensor-parallel shard of the model calls on its group (engine/parallel/group.TPGroup)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_rows(self, x: torch.Tensor, owner: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None: ...
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None,
+                        invariant: bool, group: Collectives | None) -> torch.Tensor:
+    """A row-parallel linear (o_proj, down_proj: this rank holds a slice of the input features): its partial
+    x @ weight.T in float32, summed over the ranks in rank order (group.all_reduce: bitwise the same on every
+    rank and per row), then the bias once (every rank holds it whole), then rounded once to x's dtype.
+    group None (one process): linear(). x: (T, in / degree) -> (T, out) in x's dtype.
+
+    Summing float32 partials (not bf16 ones) keeps a bf16 model's reduce as exact as its one-rank
+    accumulator; on CPU the doubled bytes are a (T, hidden) exchange per layer, small beside the weights.
+    """
+    if group is None:
+        return linear(x, weight, bias, invariant)
+    if isinstance(weight, PackedWeight):
+        partial = packed_linear(x, weight, None, torch.float32)
+    else:
+        partial = linear(x, weight, None, invariant).float()
+    out = group.all_reduce(partial)                                  # (T, out) float32
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
 def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
     """x @ weight.T as one bmm over zero-padded `tile`-row slices of x: (T, in) -> (T, out)."""
     num_rows = x.shape[0]
@@ -130,7 +172,8 @@ class LlamaAttention(nn.Module):
         self.o_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.o_proj_bias else None
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, invariant: bool):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, invariant: bool,
+                group: Collectives | None = None):
         a = self.args
         qkv = linear(x, self.qkv_weight, self.qkv_bias, invariant)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
@@ -141,7 +184,8 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = attend(q, k_cache, v_cache, meta, self.scale, invariant)   # (T, H, D)
-        return linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, invariant)
+        return row_parallel_linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, invariant,
+                                   group)
 
 
 class LlamaMLP(nn.Module):
@@ -153,9 +197,9 @@ class LlamaMLP(nn.Module):
                              if args.mlp_bias else None)
         self.down_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.mlp_bias else None
 
-    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, invariant: bool, group: Collectives | None = None) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, invariant).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, invariant)
+        return row_parallel_linear(F.silu(gate) * up, self.down_weight, self.down_bias, invariant, group)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -166,9 +210,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = LlamaMLP(args)
 
-    def forward(self, x, cos, sin, kv_cache, meta, invariant: bool):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, invariant)
-        return x + self.mlp(self.post_attention_layernorm(x), invariant)
+    def forward(self, x, cos, sin, kv_cache, meta, invariant: bool, group: Collectives | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, invariant, group)
+        return x + self.mlp(self.post_attention_layernorm(x), invariant, group)
 
 
 class LlamaModel(nn.Module):
@@ -181,12 +225,25 @@ class LlamaModel(nn.Module):
     After pack_weights(), `fused` (default True) runs each decoder layer as one C++ call
     (kernels' decoder_layer: the same row-invariant ops chained without Python dispatch); False
     keeps the module-by-module PyTorch path, the reference it is tested against.
+
+    Tensor parallelism: built with `layout` (engine/parallel/layout.ShardLayout), the model is rank
+    layout.rank's shard: `args` are the shard's shapes (its query and KV heads, intermediate columns and
+    vocabulary rows), and `group` (set by the runner) its collectives. The embedding looks up the ids
+    this rank holds and takes each row from its owner (exact); o_proj and down_proj are all-reduced in
+    rank order (row_parallel_linear); compute_logits gathers the vocabulary slices to rank 0. The fused
+    C++ layer has no place for the reduce, so packed shards run the same C++ ops one by one from Python
+    with the reduce between them (`_forward_split`; at degree 1 bitwise the fused layer's result).
     """
 
     fused = True
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, layout=None):
         super().__init__()
+        self.full_args, self.layout = args, layout
+        self.group: Collectives | None = None     # the runner sets it on a tensor-parallel rank
+        if layout is not None:
+            args = replace(args, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
+                           intermediate_size=layout.intermediate_size, vocab_size=layout.vocab_size)
         self.args = args
         self.embed_tokens = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
@@ -228,10 +285,19 @@ class LlamaModel(nn.Module):
         return True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) int64 -> (T, hidden) rows of the embedding (exact copies, packed or not)."""
+        """(T,) int64 -> (T, hidden) rows of the embedding (exact copies, packed or not). A shard looks up
+        the ids of its vocabulary slice (others clamped into it, then discarded) and every row comes from
+        the rank that holds its id (group.gather_rows, a copy): bitwise the one-process embedding."""
+        if self.group is None:
+            return self._lookup(input_ids)
+        start, stop = self.layout.vocab
+        rows = self._lookup((input_ids - start).clamp_(0, stop - start - 1))
+        return self.group.gather_rows(rows, input_ids // (stop - start))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, PackedWeight):
-            return self.embed_tokens.rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+            return self.embed_tokens.rows(ids)
+        return F.embedding(ids, self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -244,9 +310,10 @@ class LlamaModel(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         if self.fused and isinstance(self.layers[0].self_attn.qkv_weight, PackedWeight) \
                 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
-            return self._forward_fused(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), kv_caches, meta)
+            forward = self._forward_fused if self.group is None else self._forward_split
+            return forward(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, invariant)
+            x = layer(x, cos, sin, kv_cache, meta, invariant, self.group)
         return self.norm(x)
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -267,9 +334,35 @@ class LlamaModel(nn.Module):
                               layer.input_layernorm.eps, attn.scale, native)
         return ops.add_rmsnorm(x, None, self.norm.weight, self.norm.eps)
 
-    def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor:
+    def _forward_split(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """_forward_fused's C++ ops called one by one, so that a tensor-parallel shard can all-reduce after
+        o_proj and down_proj (row_parallel_linear). Each residual add is folded into the next norm (as
+        in the fused layer); with group None the result is bitwise _forward_fused's."""
+        a, group = self.args, self.group
+        x = x.contiguous().clone()          # updated in place by every residual add
+        cos, sin = cos.contiguous(), sin.contiguous()
+        delta = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = fused_add_rmsnorm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            qkv = packed_linear(h, attn.qkv_weight, attn.qkv_bias)
+            q = fused_rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, a.num_heads, a.num_kv_heads)
+            o = attention_paged(q, k_cache, v_cache, meta, attn.scale)                   # (T, H, D)
+            delta = row_parallel_linear(o.view(x.shape[0], -1), attn.o_weight, attn.o_bias, True, group)
+            h = fused_add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            act = fused_silu_mul(packed_linear(h, mlp.gate_up_weight, mlp.gate_up_bias))
+            delta = row_parallel_linear(act, mlp.down_weight, mlp.down_bias, True, group)
+        return fused_add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
+
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor | None:
         """hidden: (N, hidden_size) -> (N, vocab_size) float32. A packed lm_head writes float32 straight
-        from its float32 accumulators (bf16 models too: logits are never rounded to bf16)."""
+        from its float32 accumulators (bf16 models too: logits are never rounded to bf16).
+        A tensor-parallel shard computes its vocabulary slice's logits, gathered to rank 0 in rank order
+        (each logit is one rank's whole dot product: bitwise the one-process value for the same hidden);
+        the other ranks get None."""
         if isinstance(self.lm_head, PackedWeight):
-            return packed_linear(hidden, self.lm_head, None, torch.float32)
-        return linear(hidden, self.lm_head, None, invariant).float()
+            logits = packed_linear(hidden, self.lm_head, None, torch.float32)
+        else:
+            logits = linear(hidden, self.lm_head, None, invariant).float()
+        return logits if self.group is None else self.group.gather_last_dim(logits)

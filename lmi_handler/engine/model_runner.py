@@ -171,6 +171,11 @@ class ModelRunner:
             logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans)
         return model_input if self.device.type == "cpu" else model_input.to(self.device)
 
+    def failure(self) -> Exception | None:
+        """The error that ended this runner for good, for health checks: never, in one process (a
+        tensor-parallel executor returns its RankFailed)."""
+        return None
+
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> ModelOutput:
         """Run one step: write its K/V into the cache, return float32 logits in the caller's order."""

@@ -30,6 +30,10 @@ OBJECT_STORE_BYTES = 128 << 20        # a local cluster's object store: shards a
 MAX_ATTEMPTS = 3                      # runs of one shard (a replica lost each time) before it is given up
 POLL_S = 0.5                          # how often the driver refreshes the progress bar
 REPORT_S = 0.5                        # how often a replica reports its shard's lines done
+# A local cluster shares its machine with whatever else runs there: its workers at normal priority (Ray's
+# default nice 15 starves the replicas on a busy host), and no Ray memory monitor (it kills workers when the
+# whole machine passes 95 %, whoever uses the memory; the kernel's OOM killer stays).
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0}
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ class _Driver:
         import ray
 
         self.ray, self.shard_files, self.results, self.bar = ray, shard_files, results, bar
-        self.tally = ray.remote(num_cpus=0)(Tally).remote()
+        self.tally = ray.remote(num_cpus=0, max_restarts=-1)(Tally).remote()
         actor = ray.remote(num_cpus=plan.replica_cpus, num_gpus=plan.replica_gpus, max_restarts=-1,
                            max_task_retries=0, runtime_env={"env_vars": dict(REPLICA_LOOPBACK_ENV)})(Replica)
         self.replicas = [actor.remote(settings) for _ in range(plan.replicas)]
@@ -215,7 +219,10 @@ class _Driver:
 
     def _show(self, running: list[Shard]) -> None:
         """The bar's count: lines with a result before, of finished shards, and of running shards so far."""
-        counts = self.ray.get(self.tally.counts.remote())
+        try:
+            counts = self.ray.get(self.tally.counts.remote())
+        except self.ray.exceptions.RayError:   # the tally's process was lost (Ray restarts it): counts start over
+            counts = {}
         self.bar.show(self.done_lines + sum(counts.get(shard.name, 0) for shard in running))
 
 
@@ -229,6 +236,8 @@ class _connected:
     def __enter__(self):
         plan = self.plan
         if plan.address != LOCAL:
+            if _is_loopback(plan.address):   # else Ray turns 127.0.0.1 into this machine's outward address
+                keep_ray_on_loopback()
             import ray
 
             ray.init(address=plan.address, log_to_driver=True)
@@ -239,7 +248,7 @@ class _connected:
         ray.init(address=LOCAL, _node_ip_address=LOOPBACK, include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES, num_cpus=max(1, round(plan.replicas * plan.replica_cpus)),
                  num_gpus=plan.replicas * plan.replica_gpus, log_to_driver=True,
-                 _system_config={"worker_niceness": 0})   # Ray's default 15 starves the replicas on a busy host
+                 _system_config=LOCAL_SYSTEM_CONFIG)
         node = ray.util.get_node_ip_address()
         if node != LOOPBACK:
             ray.shutdown()
@@ -252,6 +261,11 @@ class _connected:
         import ray
 
         ray.shutdown()
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -120,6 +120,7 @@ def format_example_lines() -> list[dict]:
 # ---- Ray (batch/cluster.py) ------------------------------------------------------------------------------
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",      # config.RAY_LOOPBACK_SWITCH: node 127.0.0.1
+           "RAY_AUTH_MODE": "token",   # Ray's token auth on the head and for drivers given its address (Ray's rule)
            "OPTION_KV_CACHE_BYTES": str(256 << 20)}        # two replicas beside the other tests' models
 
 
@@ -200,7 +201,8 @@ def listening_addresses(pids: list[int]) -> set[str]:
     return found
 
 
-LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}   # 127.0.0.1 and ::1 in /proc/net/tcp{,6}
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net/tcp{,6} write them
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
 class RayHead:
@@ -209,6 +211,8 @@ class RayHead:
 
     def __init__(self, log_path: Path, num_cpus: int = 2):
         import tempfile
+
+        from lmi_handler.batch.cluster import LOCAL_SYSTEM_CONFIG
 
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -219,7 +223,7 @@ class RayHead:
             [str(ray), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
              f"--num-cpus={num_cpus}", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
              f"--object-store-memory={128 << 20}", f"--temp-dir={self.temp_dir}",
-             '--system-config={"worker_niceness": 0}'],
+             f"--system-config={json.dumps(LOCAL_SYSTEM_CONFIG)}"],   # as the local cluster of a job
             env=ray_cli_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log_path.read_text():

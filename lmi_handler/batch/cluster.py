@@ -183,39 +183,70 @@ class _Driver:
         logger.info("%d replicas ready (pids %s)", len(pids), pids)
         idle, retry, lost = deque(self.replicas), deque(), []
         running: dict[Any, tuple[Any, Shard]] = {}   # call -> (replica, shard)
-        shards = iter(shards)
+        waking: dict[Any, Any] = {}                  # ready() call -> a replica Ray is restarting
+        shards, exhausted = iter(shards), False
         while True:
-            while idle:
+            while idle and not (exhausted and not retry):
                 shard = retry.popleft() if retry else next(shards, None)
                 if shard is None:
+                    exhausted = True
                     break
                 replica = idle.popleft()
                 running[replica.run_shard.remote(shard, self.tally)] = (replica, shard)
-            if not running:
-                return lost
-            finished, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
+            if not running and not waking:
+                if exhausted and not retry:
+                    return lost
+                if not idle:
+                    raise ClusterError("every replica is gone for good; rerun the same command to finish the file")
+                continue
+            finished, _ = ray.wait(list(running) + list(waking), num_returns=1, timeout=POLL_S)
             for call in finished:
+                if call in waking:
+                    self._wake(call, waking, idle)
+                    continue
                 replica, shard = running.pop(call)
-                idle.append(replica)
-                self._finish(call, shard, retry, lost)
+                if self._finish(call, shard, retry, lost):
+                    idle.append(replica)
+                else:     # not given more work until Ray has it back
+                    waking[replica.ready.remote()] = replica
             self._show([shard for _, shard in running.values()])
 
-    def _finish(self, call, shard: Shard, retry: deque, lost: list) -> None:
+    def _wake(self, call, waking: dict, idle: deque) -> None:
+        """A restarting replica's ready() came back: idle again, asked again (still restarting), or gone."""
+        ray, replica = self.ray, waking.pop(call)
+        try:
+            ray.get(call)
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(POLL_S)
+            waking[replica.ready.remote()] = replica
+            return
+        except ray.exceptions.RayError as exc:
+            logger.warning("a replica is gone for good (%s); going on with the others", _first_line(exc))
+            return
+        idle.append(replica)
+
+    def _finish(self, call, shard: Shard, retry: deque, lost: list) -> bool:
+        """Save and merge a shard that came back; requeue (or give up) one whose replica failed. Returns
+        whether the replica can take the next shard at once."""
         ray = self.ray
         try:
             records = ray.get(call)
+        except ray.exceptions.ActorUnavailableError:   # sent while Ray restarts the replica: it never ran
+            retry.append(shard)
+            return False
         except ray.exceptions.RayError as exc:   # the replica died (killed, OOM, engine gone) or the shard raised
             attempts = self.attempts[shard.name] = self.attempts.get(shard.name, 0) + 1
             again = attempts < MAX_ATTEMPTS
             logger.warning("lines %d-%d: attempt %d failed (%s); %s", shard.first_line, shard.last_line, attempts,
                            _first_line(exc), "recomputing the shard" if again else "giving the shard up")
             (retry.append if again else lost.append)(shard)
-            return
+            return isinstance(exc, ray.exceptions.RayTaskError)   # the shard raised: its replica is fine
         path = self.shard_files.save(shard, records)
         self.shard_files.merge_into(self.results, [path])
         self.done_lines += len(records)
         for record in records:
             self.bar.update(record, advance=False)
+        return True
 
     def _show(self, running: list[Shard]) -> None:
         """The bar's count: lines with a result before, of finished shards, and of running shards so far."""

@@ -60,6 +60,7 @@ class Progress:
 
         self.bar = tqdm(total=total, initial=initial, unit="req", desc="batch", disable=not enabled,
                         mininterval=0.5, dynamic_ncols=True)
+        self.initial = initial    # lines with a result before this run (a disabled tqdm keeps none of it)
         self.started = time.monotonic()
         self.failed = 0
         self.output_tokens = 0
@@ -74,7 +75,7 @@ class Progress:
 
     def show(self, num_lines: int) -> None:
         """Set the bar to `num_lines` done in this run (lines counted elsewhere, e.g. by Ray replicas)."""
-        self.bar.n = self.bar.initial + num_lines
+        self.bar.n = self.initial + num_lines
         self.bar.refresh()
 
     def _postfix(self) -> None:

@@ -231,9 +231,6 @@ class _Driver:
         ray = self.ray
         try:
             records = ray.get(call)
-        except ray.exceptions.ActorUnavailableError:   # sent while Ray restarts the replica: it never ran
-            retry.append(shard)
-            return False
         except ray.exceptions.RayError as exc:   # the replica died (killed, OOM, engine gone) or the shard raised
             attempts = self.attempts[shard.name] = self.attempts.get(shard.name, 0) + 1
             again = attempts < MAX_ATTEMPTS

@@ -17,10 +17,10 @@ from typing import Any
 
 from lmi_handler.batch.lines import Record
 from lmi_handler.batch.results import ResultFiles
-from lmi_handler.batch.runner import BatchSummary, EngineFailed, Progress
+from lmi_handler.batch.runner import BatchSummary, EngineFailed, Progress, check_file, resuming
 from lmi_handler.batch.shards import Shard, ShardFiles, cut_shards
 from lmi_handler.config import REPLICA_LOOPBACK_ENV, Settings, keep_ray_on_loopback
-from lmi_handler.protocol.batch_lines import BatchDefaults, BatchRejected, check_lines, read_batch
+from lmi_handler.protocol.batch_lines import BatchDefaults, check_lines
 
 logger = logging.getLogger(__name__)
 
@@ -128,18 +128,12 @@ def run_on_ray(settings: Settings, input_path: Path, output_path: Path, errors_p
     on the loopback, ImportError without the `ray` extra.
     """
     input_path, defaults, plan = Path(input_path), defaults or BatchDefaults(), plan or ClusterPlan()
-    with open(input_path, encoding="utf-8", errors="replace") as lines:
-        checked = read_batch(lines, defaults)
-    if checked.rejection():
-        raise BatchRejected(checked.rejection())
-    defaults.log_once()
+    checked = check_file(input_path, defaults)
     started = time.monotonic()
     shard_files = ShardFiles(output_path)
     with ResultFiles(output_path, errors_path) as results:
         shard_files.merge_into(results)            # shards a killed driver saved but had not merged
-        already = len(results.done)
-        if already:
-            logger.info("resuming: %d of %d lines already have a result", already, checked.total)
+        already = resuming(results, checked.total)
         bar = Progress(checked.total, already, progress)
         try:
             with open(input_path, encoding="utf-8", errors="replace") as lines:

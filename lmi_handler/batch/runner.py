@@ -18,6 +18,7 @@ from lmi_handler.engine.engine import RequestRejected
 from lmi_handler.protocol.batch_lines import (
     BatchDefaults,
     BatchLine,
+    BatchPlan,
     BatchRejected,
     LineError,
     check_lines,
@@ -50,6 +51,24 @@ class BatchSummary:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def check_file(input_path: Path, defaults: BatchDefaults) -> BatchPlan:
+    """The first pass over a batch file (counts, bad lines), the batch-level defaults' warning logged once.
+    Raises BatchRejected (naming the lines) when some line has no output length: nothing may run."""
+    with open(input_path, encoding="utf-8", errors="replace") as lines:
+        plan = read_batch(lines, defaults)
+    if plan.rejection():
+        raise BatchRejected(plan.rejection())
+    defaults.log_once()
+    return plan
+
+
+def resuming(results: ResultFiles, total: int) -> int:
+    """How many of the file's `total` lines already have a result (logged when some do)."""
+    if results.done:
+        logger.info("resuming: %d of %d lines already have a result", len(results.done), total)
+    return len(results.done)
 
 
 class Progress:
@@ -104,16 +123,10 @@ class BatchRunner:
         file is written. Successes go to `output_path`; failures to `errors_path` (or `output_path`).
         """
         input_path, defaults = Path(input_path), defaults or BatchDefaults()
-        with open(input_path, encoding="utf-8", errors="replace") as lines:
-            plan = read_batch(lines, defaults)
-        if plan.rejection():
-            raise BatchRejected(plan.rejection())
-        defaults.log_once()
+        plan = check_file(input_path, defaults)
         started = time.monotonic()
         with ResultFiles(output_path, errors_path) as results:
-            already = len(results.done)
-            if already:
-                logger.info("resuming: %d of %d lines already have a result", already, plan.total)
+            already = resuming(results, plan.total)
             bar = Progress(plan.total, already, progress)
             try:
                 with open(input_path, encoding="utf-8", errors="replace") as lines:

@@ -19,6 +19,7 @@ from lmi_handler.batch.lines import Record
 from lmi_handler.batch.results import ResultFiles
 from lmi_handler.batch.runner import BatchSummary, EngineFailed, Progress, check_file, resuming
 from lmi_handler.batch.shards import Shard, ShardFiles, cut_shards
+from lmi_handler.batch.tally import Tally
 from lmi_handler.config import REPLICA_LOOPBACK_ENV, Settings, keep_ray_on_loopback
 from lmi_handler.protocol.batch_lines import BatchDefaults, check_lines
 
@@ -92,19 +93,6 @@ class Replica:
             logger.exception("replica %d: the engine cannot go on; exiting so Ray starts a fresh one", os.getpid())
             os._exit(1)
         return records
-
-
-class Tally:
-    """Lines done per running shard, reported by the replicas, read by the driver's progress bar."""
-
-    def __init__(self):
-        self.done: dict[str, int] = {}
-
-    def report(self, shard_name: str, num_lines: int) -> None:
-        self.done[shard_name] = num_lines
-
-    def counts(self) -> dict[str, int]:
-        return dict(self.done)
 
 
 class ClusterError(RuntimeError):

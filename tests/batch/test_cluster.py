@@ -15,7 +15,6 @@ from tests.batch.helpers import (
     CHAT,
     COMPLETIONS,
     LOOPBACK_HEX,
-    RayHead,
     batch_cli,
     batch_line,
     cmdline,
@@ -88,13 +87,6 @@ def shard_files(out) -> list:
     return sorted(root.glob("lines-*.jsonl")) if root.is_dir() else []
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    cluster = RayHead(tmp_path_factory.mktemp("ray") / "head.log")
-    yield cluster
-    cluster.stop()
-
-
 def test_two_replicas_on_a_local_cluster_give_the_single_process_runners_records_on_the_loopback_only(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", file_lines())
     alone = subprocess.run(batch_cli(str(source), "-o", str(tmp_path / "alone.jsonl"), "--quiet"),
@@ -136,15 +128,15 @@ def check_complete(out, lines) -> None:
     assert not out.with_name(out.name + ".shards").exists()
 
 
-def test_a_replica_killed_midway_loses_nothing_and_duplicates_nothing(head, tmp_path):
+def test_a_replica_killed_midway_loses_nothing_and_duplicates_nothing(ray_head, tmp_path):
     lines = lines_of_equal_work()
     source, out, log_path = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", tmp_path / "log"
     with open(log_path, "w") as log:
-        proc = start_batch([str(source), "-o", str(out), "--ray", "--address", head.address, "--shard-lines", "20"],
+        proc = start_batch([str(source), "-o", str(out), "--ray", "--address", ray_head.address, "--shard-lines", "20"],
                            log)
         try:
-            wait_for(lambda: shard_files(out) and len(head.replicas()) == 2, proc)
-            victim = head.replicas()[0]
+            wait_for(lambda: shard_files(out) and len(ray_head.replicas()) == 2, proc)
+            victim = ray_head.replicas()[0]
             os.kill(victim, signal.SIGKILL)
             assert proc.wait(timeout=600) == 0, log_path.read_text()[-3000:]
         finally:
@@ -154,10 +146,10 @@ def test_a_replica_killed_midway_loses_nothing_and_duplicates_nothing(head, tmp_
     check_complete(out, lines)
 
 
-def test_a_driver_killed_midway_then_the_same_command_again_completes_the_file_each_custom_id_once(head, tmp_path):
+def test_a_driver_killed_midway_then_the_same_command_again_completes_the_file_each_custom_id_once(ray_head, tmp_path):
     lines = lines_of_equal_work()
     source, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    args = [str(source), "-o", str(out), "--ray", "--address", head.address, "--shard-lines", "20"]
+    args = [str(source), "-o", str(out), "--ray", "--address", ray_head.address, "--shard-lines", "20"]
     with open(tmp_path / "first.log", "w") as log:
         proc = start_batch(args, log)
         try:

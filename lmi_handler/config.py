@@ -302,6 +302,20 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
 
 
+# Ray on the loopback only (batch/cluster.py). Ray picks a node's address from its routes, and even turns an
+# explicit 127.0.0.1 into the machine's outward address, unless this switch of Ray's is off; it is read when
+# `ray` is first imported. The replicas' own tensor-parallel groups (gloo) rendezvous on the loopback too.
+RAY_LOOPBACK_SWITCH = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+REPLICA_LOOPBACK_ENV = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def keep_ray_on_loopback() -> None:
+    """Set Ray's switch (RAY_LOOPBACK_SWITCH) in this process before `ray` is imported, so a local cluster
+    started here takes 127.0.0.1 as its node address and listens there only (the cluster's processes inherit
+    it). The one environment write of the package; cluster.py checks the node address it got."""
+    os.environ.update(RAY_LOOPBACK_SWITCH)
+
+
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Read serving.properties and apply OPTION_* overrides, as the LMI container does.
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from hypothesis import settings
 
-from tests.batch.helpers import start
+from tests.batch.helpers import RayHead, start
 from tests.helpers import MODEL_DIR, REPO, SMALL_KV_CACHE_BYTES, mt_bench_questions, serve
 
 # Property tests draw the same examples every run: a CI failure is reproducible, never a coin toss.
@@ -115,3 +115,11 @@ def batch_sdk(batch_server):
     import openai
 
     return openai.OpenAI(base_url=batch_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head` on 127.0.0.1 with 2 CPUs for one test module (batch/cluster.py's --address path)."""
+    cluster = RayHead(tmp_path_factory.mktemp("ray") / "head.log")
+    yield cluster
+    cluster.stop()

@@ -53,3 +53,12 @@ def read_jsonl_loose(path) -> list[str]:
         return []
     text = path.read_text()
     return [t for t in text.split("\n")[:-1] if t.strip() and json.loads(t)]
+
+
+def test_ray_flags_without_ray_are_refused_before_anything_runs(tmp_path, capsys):
+    from lmi_handler.cli import main
+
+    source = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", {"prompt": "x", "max_tokens": 2}, COMPLETIONS)])
+    assert main(["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--replicas", "3"]) == 2
+    assert "--address, --replicas and --shard-lines go with --ray" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()

@@ -61,29 +61,47 @@ def create_batch(path: str | Path, *, max_decoding_length: int | None = None, te
 def submit_batch(batch: BatchSpec, output: str | Path, errors: str | Path | None = None, *,
                  base_url: str | None = None, api_key: str = "unused", metadata: dict[str, str] | None = None,
                  poll_s: float = 1.0, timeout_s: float | None = None,
-                 properties: str | Path = "serving.properties", progress: bool = True) -> BatchResult:
+                 properties: str | Path = "serving.properties", progress: bool = True,
+                 ray_address: str | None = None, replicas: int = 2, shard_lines: int = 500,
+                 replica_cpus: float = 1.0, replica_gpus: float = 0.0) -> BatchResult:
     """Run a batch and write its result records (OpenAI batch output lines) to `output` / `errors`.
 
     With `base_url` (e.g. "http://localhost:8080/v1"): upload the file, create a /v1/batches job with
     the batch-level defaults as extra fields, poll every `poll_s` seconds until it ends (TimeoutError
     after `timeout_s`), then download the output and error files. Without it: run offline in this
     process on the model of `properties` (as `lmi-handler batch` does; rerunning resumes).
+    With `ray_address` instead (the `ray` extra): shard the file over `replicas` engine replicas of a Ray
+    cluster, as `lmi-handler batch --ray` does: "local" starts a cluster of this job on 127.0.0.1 only, any
+    other value is what ray.init joins ("auto", "HOST:PORT"); `shard_lines`, `replica_cpus` and `replica_gpus`
+    as the CLI's flags (batch/cluster.py; raises ClusterError, ShardsLost).
     Without `errors`, failures go to `output` too.
     """
     output, errors = Path(output), Path(errors) if errors else None
+    if base_url is not None and ray_address is not None:
+        raise ValueError("give base_url (a server runs the batch) or ray_address (a Ray cluster does), not both")
+    if ray_address is not None:
+        from lmi_handler.batch.cluster import ClusterPlan
+
+        plan = ClusterPlan(ray_address, replicas, shard_lines, replica_cpus, replica_gpus)
+        return _run_offline(batch, output, errors, Path(properties), progress, plan)
     if base_url is None:
         return _run_offline(batch, output, errors, Path(properties), progress)
     return _run_on_server(batch, output, errors, base_url.rstrip("/"), api_key, metadata, poll_s, timeout_s)
 
 
-def _run_offline(batch: BatchSpec, output: Path, errors: Path | None, properties: Path,
-                 progress: bool) -> BatchResult:
+def _run_offline(batch: BatchSpec, output: Path, errors: Path | None, properties: Path, progress: bool,
+                 plan=None) -> BatchResult:
+    """In this process (plan None), or over the replicas of a Ray cluster (plan: a cluster.ClusterPlan)."""
+    from lmi_handler.batch.cluster import run_on_ray
     from lmi_handler.batch.runner import BatchRunner
     from lmi_handler.config import Settings, read_serving_properties
     from lmi_handler.service import Service
 
-    service = Service(Settings.from_properties(read_serving_properties(properties)))
-    summary = BatchRunner(service).run(batch.path, output, errors, batch.defaults, progress=progress)
+    settings = Settings.from_properties(read_serving_properties(properties))
+    if plan is not None:
+        summary = run_on_ray(settings, batch.path, output, errors, batch.defaults, plan, progress=progress)
+    else:
+        summary = BatchRunner(Service(settings)).run(batch.path, output, errors, batch.defaults, progress=progress)
     return BatchResult("completed", summary.total, summary.completed, summary.failed, output, errors)
 
 

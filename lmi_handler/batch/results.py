@@ -68,6 +68,12 @@ def is_success(record: dict[str, Any]) -> bool:
     return record.get("error") is None and response is not None and response.get("status_code") == 200
 
 
+def output_tokens(record: dict[str, Any]) -> int:
+    """Completion tokens of a successful record (its body's usage); 0 for a failed one."""
+    usage = record["response"]["body"].get("usage") if is_success(record) else None
+    return (usage or {}).get("completion_tokens", 0)
+
+
 class ResultFiles:
     """The output file (successes) and error file (failures; the output file when None), append-only.
 

@@ -10,17 +10,32 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 from lmi_handler.batch.lines import LineRequest, Record, answer_record, lines_to_run, refusal
-from lmi_handler.batch.results import ResultFiles, is_success
+from lmi_handler.batch.results import ResultFiles, is_success, output_tokens
 from lmi_handler.engine.engine import RequestRejected
-from lmi_handler.protocol.batch_lines import BatchDefaults, BatchLine, BatchRejected, check_lines, read_batch
+from lmi_handler.engine.health import fatal_reason
+from lmi_handler.protocol.batch_lines import (
+    BatchDefaults,
+    BatchLine,
+    BatchPlan,
+    BatchRejected,
+    LineError,
+    check_lines,
+    read_batch,
+)
 from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.errors import RequestValidationError, error_body
 from lmi_handler.service import Service
 
 logger = logging.getLogger(__name__)
-__all__ = ["BatchRejected", "BatchRunner", "BatchSummary"]
+__all__ = ["BatchRejected", "BatchRunner", "BatchSummary", "EngineFailed", "Progress"]
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot go on (ModelRunner.failure(): e.g. a tensor-parallel rank is gone). No retry on it:
+    the process ends (a Ray replica exits, so Ray starts a fresh one) and the lines without a record run again."""
 
 
 @dataclass
@@ -39,7 +54,25 @@ class BatchSummary:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-class _Progress:
+def check_file(input_path: Path, defaults: BatchDefaults) -> BatchPlan:
+    """The first pass over a batch file (counts, bad lines), the batch-level defaults' warning logged once.
+    Raises BatchRejected (naming the lines) when some line has no output length: nothing may run."""
+    with open(input_path, encoding="utf-8", errors="replace") as lines:
+        plan = read_batch(lines, defaults)
+    if plan.rejection():
+        raise BatchRejected(plan.rejection())
+    defaults.log_once()
+    return plan
+
+
+def resuming(results: ResultFiles, total: int) -> int:
+    """How many of the file's `total` lines already have a result (logged when some do)."""
+    if results.done:
+        logger.info("resuming: %d of %d lines already have a result", len(results.done), total)
+    return len(results.done)
+
+
+class Progress:
     """tqdm bar: lines done (of the file), failed, output tokens/s and the ETA tqdm computes."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
@@ -47,16 +80,27 @@ class _Progress:
 
         self.bar = tqdm(total=total, initial=initial, unit="req", desc="batch", disable=not enabled,
                         mininterval=0.5, dynamic_ncols=True)
+        self.initial = initial    # lines with a result before this run (a disabled tqdm keeps none of it)
         self.started = time.monotonic()
         self.failed = 0
         self.output_tokens = 0
 
-    def update(self, ok: bool, output_tokens: int) -> None:
-        self.failed += not ok
-        self.output_tokens += output_tokens
+    def update(self, record: Record, advance: bool = True) -> None:
+        """Count one line's record (and move the bar one line, unless `advance` is False: see show)."""
+        self.failed += not is_success(record)
+        self.output_tokens += output_tokens(record)
+        self._postfix()
+        if advance:
+            self.bar.update(1)
+
+    def show(self, num_lines: int) -> None:
+        """Set the bar to `num_lines` done in this run (lines counted elsewhere, e.g. by Ray replicas)."""
+        self.bar.n = self.initial + num_lines
+        self.bar.refresh()
+
+    def _postfix(self) -> None:
         rate = self.output_tokens / max(time.monotonic() - self.started, 1e-9)
         self.bar.set_postfix(failed=self.failed, tok_s=f"{rate:.1f}", refresh=False)
-        self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
@@ -80,43 +124,46 @@ class BatchRunner:
         file is written. Successes go to `output_path`; failures to `errors_path` (or `output_path`).
         """
         input_path, defaults = Path(input_path), defaults or BatchDefaults()
-        with open(input_path, encoding="utf-8", errors="replace") as lines:
-            plan = read_batch(lines, defaults)
-        if plan.rejection():
-            raise BatchRejected(plan.rejection())
-        defaults.log_once()
+        plan = check_file(input_path, defaults)
         started = time.monotonic()
         with ResultFiles(output_path, errors_path) as results:
-            already = len(results.done)
-            if already:
-                logger.info("resuming: %d of %d lines already have a result", already, plan.total)
-            bar = _Progress(plan.total, already, progress)
+            already = resuming(results, plan.total)
+            bar = Progress(plan.total, already, progress)
             try:
                 with open(input_path, encoding="utf-8", errors="replace") as lines:
                     self._run_lines(check_lines(lines, defaults), results, bar)
             finally:
                 bar.close()
-                self.engine.abort_all()
             return BatchSummary(plan.total, already, results.num_completed, results.num_failed,
                                 bar.output_tokens, time.monotonic() - started)
 
-    def _run_lines(self, items, results: ResultFiles, bar: _Progress) -> None:
-        inflight: dict[str, LineRequest] = {}
-
+    def _run_lines(self, items, results: ResultFiles, bar: Progress) -> None:
         def write(record: Record) -> None:
             results.write(record)
-            ok = is_success(record)
-            usage = record["response"]["body"].get("usage") if ok else None
-            bar.update(ok, (usage or {}).get("completion_tokens", 0))
+            bar.update(record)
 
-        for line in lines_to_run(items, results.done, write):
-            request = self._admit(line, write)
-            if request is not None:
-                inflight.update({member.request_id: request for member in request.members})
-            while len(inflight) >= self.window:
+        self.run_items(items, results.done, write)
+
+    def run_items(self, items: Iterable[BatchLine | LineError], done: set[str],
+                  write: Callable[[Record], None]) -> None:
+        """Run checked lines (protocol/batch_lines.check_lines' items, in file order) whose key is not in `done`;
+        each line's record goes to `write` once it has one (a bad line's at once, a refused one's at admission).
+
+        Raises EngineFailed when the engine cannot go on (its runner reports a failure, e.g. a tensor-parallel
+        rank died, or the step's error is fatal: engine/health.fatal_reason): the lines still inside the engine get no record, so a rerun (or another replica) does them.
+        """
+        inflight: dict[str, LineRequest] = {}
+        try:
+            for line in lines_to_run(items, done, write):
+                request = self._admit(line, write)
+                if request is not None:
+                    inflight.update({member.request_id: request for member in request.members})
+                while len(inflight) >= self.window:
+                    self._step(inflight, write)
+            while inflight:
                 self._step(inflight, write)
-        while inflight:
-            self._step(inflight, write)
+        finally:
+            self.engine.abort_all()
 
     def _admit(self, line: BatchLine, write) -> LineRequest | None:
         """The line planned and its sequences in the engine; None (its refusal written) when the route refuses it."""
@@ -135,7 +182,10 @@ class BatchRunner:
     def _step(self, inflight: dict[str, LineRequest], write) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:  # a bug in a step fails the lines inside the engine, not the whole file
+        except Exception as exc:  # a bug in a step fails the lines inside the engine, not the whole file
+            failure = self.engine.failure() or fatal_reason(exc)
+            if failure is not None:   # ... but a dead engine (a lost rank, a sticky CUDA error) fails no line
+                raise EngineFailed(f"the engine cannot go on: {failure}") from exc
             logger.exception("engine step failed; failing %d in-flight lines", len(inflight))
             self.engine.abort_all()
             for request in {id(r): r for r in inflight.values()}.values():

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.helpers import REPO, ServerProcess
+from tests.helpers import REPO, ServerProcess, free_port
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ORDER = ["validating", "in_progress", "finalizing", "completed"]   # a Batch's statuses, in order
@@ -115,3 +116,134 @@ def format_example_lines() -> list[dict]:
             batch_line("foreign", {"model": FOREIGN_MODEL, "messages": ask, "max_tokens": 6, "temperature": 0}),
             batch_line("served", {"model": "model", "messages": ask, "max_completion_tokens": 6}),
             batch_line("no-model", {"messages": ask, "max_completion_tokens": 6})]
+
+
+# ---- Ray (batch/cluster.py) ------------------------------------------------------------------------------
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",      # config.RAY_LOOPBACK_SWITCH: node 127.0.0.1
+           "RAY_AUTH_MODE": "token",   # Ray's token auth on the head and for drivers given its address (Ray's rule)
+           "OPTION_KV_CACHE_BYTES": str(256 << 20)}        # two replicas beside the other tests' models
+
+
+def ray_cli_env() -> dict[str, str]:
+    return {**cli_env(), **RAY_ENV}
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it (by /proc parent ids), alive now."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes alive in process group `pgid` (what a session started with start_new_session holds)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) == pgid:
+                    members.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return members
+
+
+def kill_group(pgid: int, timeout_s: float = 30) -> list[int]:
+    """SIGTERM, then SIGKILL, every process of group `pgid` (started by this test); returns who was left."""
+    left = group_members(pgid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in group_members(pgid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return left
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """Local IPv4/IPv6 addresses (hex, as /proc/net/tcp writes them) of the TCP sockets `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+        except OSError:
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:    # state LISTEN
+                found.add(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc/net/tcp{,6} write them
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+class RayHead:
+    """`ray start --head --block` on 127.0.0.1 for the tests (2 CPUs, no dashboard, a small object store), in a
+    session of its own; `stop()` ends it and kills whatever of its group is left."""
+
+    def __init__(self, log_path: Path, num_cpus: int = 2):
+        import tempfile
+
+        from lmi_handler.batch.cluster import LOCAL_SYSTEM_CONFIG
+
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")   # short: Ray's socket paths are limited
+        ray = Path(sys.executable).with_name("ray")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(ray), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",
+             f"--num-cpus={num_cpus}", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
+             f"--object-store-memory={128 << 20}", f"--temp-dir={self.temp_dir}",
+             f"--system-config={json.dumps(LOCAL_SYSTEM_CONFIG)}"],   # as the local cluster of a job
+            env=ray_cli_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"ray start failed: {log_path.read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def replicas(self) -> list[int]:
+        """Process ids of the replica actors running in this cluster now."""
+        return [pid for pid in process_tree(self.proc.pid) if cmdline(pid).startswith("ray::Replica")]
+
+    def stop(self) -> None:
+        import shutil
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(self.proc.pid)
+        self.log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

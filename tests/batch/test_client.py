@@ -11,7 +11,7 @@ import pytest
 
 from lmi_handler.batch import BatchRejected, create_batch, submit_batch
 from lmi_handler.protocol.errors import RequestValidationError
-from tests.batch.helpers import COMPLETIONS, batch_line, by_custom_id, cli_env, read_jsonl, write_jsonl
+from tests.batch.helpers import COMPLETIONS, RAY_ENV, batch_line, by_custom_id, cli_env, read_jsonl, write_jsonl
 from tests.helpers import REPO
 
 
@@ -66,3 +66,18 @@ def test_the_readme_batch_examples_work_as_printed(batch_server, tmp_path):
     assert read_jsonl(tmp_path / "errors.jsonl") == []
     greedy = by_custom_id(read_jsonl(tmp_path / "offline.jsonl"))["greedy"]
     assert greedy["response"]["body"]["usage"]["completion_tokens"] <= 16
+
+
+@pytest.mark.slow
+def test_submit_batch_with_a_ray_address_runs_the_file_on_that_clusters_replicas(ray_head, tmp_path, monkeypatch):
+    for key, value in {**RAY_ENV, "OPTION_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    lines = [batch_line(f"r{i}", {"prompt": f"Item {i}:", "max_tokens": 2, "ignore_eos": True}, COMPLETIONS)
+             for i in range(30)]
+    batch = create_batch(write_jsonl(tmp_path / "in.jsonl", lines))
+    result = submit_batch(batch, tmp_path / "out.jsonl", properties=REPO / "serving.properties", progress=False,
+                          ray_address=ray_head.address, replicas=2, shard_lines=10)
+    assert (result.status, result.total, result.completed, result.failed) == ("completed", 30, 30, 0)
+    records = by_custom_id(read_jsonl(tmp_path / "out.jsonl"))
+    assert set(records) == {f"r{i}" for i in range(30)}
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 2 for r in records.values())

@@ -219,7 +219,14 @@ def test_inference_client_chat_completion_under_tgi_compat(tgi_server):
     reply = client.chat_completion(messages, max_tokens=12, temperature=0)
     content = reply.choices[0].message.content
     assert content and reply.system_fingerprint and reply.usage.completion_tokens <= 12
-    assert reply.choices[0].finish_reason == ("length" if reply.usage.completion_tokens == 12 else "stop")
+    # OpenAI's finish reasons, not TGI's eos_token: "stop" when the answer ended by itself (an EOS drawn as the
+    # 12th token included, as vLLM counts it), which a 13-token budget shows by giving the same answer
+    longer = client.chat_completion(messages, max_tokens=13, temperature=0)
+    ended = longer.usage.completion_tokens == reply.usage.completion_tokens
+    assert reply.choices[0].finish_reason == ("stop" if ended else "length")
+    short = client.chat_completion(messages, max_tokens=4, temperature=0)     # the answer above is longer
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4
+    assert content.startswith(short.choices[0].message.content)
     chunks = list(client.chat_completion(messages, max_tokens=12, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
 

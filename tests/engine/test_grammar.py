@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from dataclasses import replace
 
 import pytest
@@ -180,7 +181,9 @@ def test_a_slow_compile_does_not_pause_the_other_streams_and_holds_no_blocks(tin
     engine = make_engine(tiny_model_dir, tiny_tokenizer)
     engine.add_request("stream", PROMPTS[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
     engine.step()                                                   # prefill: the stream is running
-    engine.add_request("slow", PROMPTS[0], SamplingParams(max_new_tokens=4, structured_output=schema_spec(LARGE)))
+    # a schema no other test compiled (the grammar cache is shared by spec, so LARGE itself may be compiled already)
+    fresh = dict(LARGE, title=f"slow-{uuid.uuid4().hex}")
+    engine.add_request("slow", PROMPTS[0], SamplingParams(max_new_tokens=4, structured_output=schema_spec(fresh)))
     slow = engine.seqs["slow"]
     tokens_while_compiling = 0
     while slow.waiting_for_grammar:

@@ -33,12 +33,11 @@ def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
     safetensors tensors; the header alone is read), else config.json's `dtype` / `torch_dtype`, else None."""
     from safetensors import safe_open
 
+    from lmi_handler.engine.model.loader import safetensors_files
+
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else [])
     counts: dict[str, int] = {}
-    for name in files:
+    for name in safetensors_files(model_dir):
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():
                 dtype = f.get_slice(key).get_dtype()

@@ -57,6 +57,16 @@ def args_from_config(cfg: dict) -> LlamaArgs:
     )
 
 
+def safetensors_files(model_dir: str | Path) -> list[str]:
+    """The checkpoint's safetensors file names: every shard named in model.safetensors.index.json, else
+    model.safetensors; [] when neither file exists."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else []
+
+
 def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of every shard named in model.safetensors.index.json.
 
@@ -67,12 +77,8 @@ def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tens
     neither file exists.
     """
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    files = safetensors_files(model_dir)
+    if not files:
         raise FileNotFoundError(f"no model.safetensors(.index.json) in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:

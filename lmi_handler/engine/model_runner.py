@@ -135,7 +135,7 @@ class ModelRunner:
         self.model.group = group
         c = self.config
         num_kv_heads = c.num_kv_heads if layout is None else layout.num_kv_heads
-        block_bytes = 2 * c.num_layers * block_size * num_kv_heads * c.head_dim * dtype.itemsize
+        block_bytes = kv_block_bytes(c.num_layers, block_size, num_kv_heads, c.head_dim, dtype)
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_bytes} bytes")
@@ -201,6 +201,12 @@ class ModelRunner:
         last = logits[mi.num_chunk_rows:]
         chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
         return ModelOutput(logits=last, chunk_logits=chunk_logits)
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV-cache block over every layer: (K, V) x layers x block_size x KV heads x head_dim x
+    the dtype's bytes (a tensor-parallel rank counts only its own KV heads)."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

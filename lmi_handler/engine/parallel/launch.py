@@ -40,13 +40,13 @@ class ModelRunnerSpec:
         check_degree(self._args(), degree)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
-        """kv_cache_bytes (per rank) over one block of this rank's KV heads: 2 (K, V) x layers x block_size x
-        kv heads x head_dim x dtype bytes."""
+        """kv_cache_bytes (per rank) over one block of this rank's KV heads (model_runner.kv_block_bytes)."""
+        from lmi_handler.engine.model_runner import kv_block_bytes
+
         args = self._args()
         layout = ShardLayout.of(args, rank, degree)
-        block_bytes = (2 * args.num_layers * self.config.block_size * layout.num_kv_heads * args.head_dim
-                       * self.precision.dtype.itemsize)
-        return self.config.kv_cache_bytes // block_bytes
+        return self.config.kv_cache_bytes // kv_block_bytes(args.num_layers, self.config.block_size,
+                                                            layout.num_kv_heads, args.head_dim, self.precision.dtype)
 
     def build(self, context: RankContext, num_blocks: int):
         """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout)), packed as the

@@ -136,7 +136,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     float32 or bfloat16 on CPU only, else a no-op) straight from the checkpoint's tensors, after the
     checkpoint's own dict is released so that only one extra weight is held at a time: panels in `dtype`,
     or int8 ones when quantize="int8" (quantized from the checkpoint's values, not from a bf16 copy).
-    lm_head_kind: lm_head's panels when they should differ from the layers' (see INT8_LM_HEAD).
+    lm_head_kind: lm_head's panels when they should differ from the layers' (default: the layers' kind, int8
+    included; benchmarks/quality.py compares other choices).
     `huge_pages` puts the packed weights in huge-page memory.
     The other parameters (norms, biases, an embedding not read from lm_head's panels) are cast to
     `dtype`. A bf16 checkpoint loaded as bfloat16 is never widened.
@@ -166,12 +167,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                          f"activations (device {device}, dtype {dtype})")
     if pack_weights and packable:
         kind = "int8" if quantize == "int8" else str(dtype).removeprefix("torch.")
-        model.pack_weights(kind, lm_head_kind or (INT8_LM_HEAD.get(dtype) if quantize == "int8" else None), huge_pages)
+        model.pack_weights(kind, lm_head_kind, huge_pages)
     model = model.to(device=device, dtype=dtype).eval()
     # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
     model.inv_freq = rope_inv_freq(args).to(device)
     return model
-
-
-# lm_head's panels under quantize=int8, by activation dtype (see README, "int8 weights")
-INT8_LM_HEAD = {torch.float32: "int8", torch.bfloat16: "int8"}

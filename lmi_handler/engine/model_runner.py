@@ -144,11 +144,16 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """prepare_host's ModelInput on the runner's device (host -> device copies, no sync)."""
+        model_input = self.prepare_host(sched)
+        return model_input if self.device.type == "cpu" else model_input.to(self.device)
+
+    def prepare_host(self, sched: SchedulerOutput) -> ModelInput:
         """Flatten the step: sequence i computes seq.all_token_ids[c : c+n] at positions c..c+n-1, where
         c = seq.num_computed_tokens (prefix-cache hits included) and n = sched.num_scheduled_tokens[i],
         writing K/V into the blocks of seq.block_table (which must already hold c+n tokens).
         Prefill chunks and decode steps mix freely. Reads the sequences, never modifies them; the loops
-        are per sequence, the per-token work is tensor ops. Returns the ModelInput on the runner's device.
+        are per sequence, the per-token work is tensor ops. Returns the ModelInput on the CPU.
 
         Raises: IndexError if a block table is too short; ValueError if n < 1 or c+n > num_tokens.
         """
@@ -179,7 +184,7 @@ class ModelRunner:
         model_input = ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, attn=attn,
             logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans, blocks_to_copy=copies)
-        return model_input if self.device.type == "cpu" else model_input.to(self.device)
+        return model_input
 
     def failure(self) -> Exception | None:
         """The error that ended this runner for good, for health checks: never, in one process (a

@@ -135,7 +135,7 @@ class ModelRunner:
         self.model.group = group
         c = self.config
         num_kv_heads = c.num_kv_heads if layout is None else layout.num_kv_heads
-        block_bytes = 2 * c.num_layers * block_size * num_kv_heads * c.head_dim * dtype.itemsize
+        block_bytes = kv_block_bytes(c.num_layers, block_size, num_kv_heads, c.head_dim, dtype)
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_bytes} bytes")
@@ -144,11 +144,16 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """prepare_host's ModelInput on the runner's device (host -> device copies, no sync)."""
+        model_input = self.prepare_host(sched)
+        return model_input if self.device.type == "cpu" else model_input.to(self.device)
+
+    def prepare_host(self, sched: SchedulerOutput) -> ModelInput:
         """Flatten the step: sequence i computes seq.all_token_ids[c : c+n] at positions c..c+n-1, where
         c = seq.num_computed_tokens (prefix-cache hits included) and n = sched.num_scheduled_tokens[i],
         writing K/V into the blocks of seq.block_table (which must already hold c+n tokens).
         Prefill chunks and decode steps mix freely. Reads the sequences, never modifies them; the loops
-        are per sequence, the per-token work is tensor ops. Returns the ModelInput on the runner's device.
+        are per sequence, the per-token work is tensor ops. Returns the ModelInput on the CPU.
 
         Raises: IndexError if a block table is too short; ValueError if n < 1 or c+n > num_tokens.
         """
@@ -179,7 +184,7 @@ class ModelRunner:
         model_input = ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, attn=attn,
             logit_rows=logit_rows, num_chunk_rows=row, chunk_spans=spans, blocks_to_copy=copies)
-        return model_input if self.device.type == "cpu" else model_input.to(self.device)
+        return model_input
 
     def failure(self) -> Exception | None:
         """The error that ended this runner for good, for health checks: never, in one process (a
@@ -201,6 +206,12 @@ class ModelRunner:
         last = logits[mi.num_chunk_rows:]
         chunk_logits = {i: logits[a:b] for i, (a, b) in mi.chunk_spans.items()}
         return ModelOutput(logits=last, chunk_logits=chunk_logits)
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV-cache block over every layer: (K, V) x layers x block_size x KV heads x head_dim x
+    the dtype's bytes (a tensor-parallel rank counts only its own KV heads)."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

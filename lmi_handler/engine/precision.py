@@ -33,12 +33,11 @@ def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
     safetensors tensors; the header alone is read), else config.json's `dtype` / `torch_dtype`, else None."""
     from safetensors import safe_open
 
+    from lmi_handler.engine.model.loader import safetensors_files
+
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else [])
     counts: dict[str, int] = {}
-    for name in files:
+    for name in safetensors_files(model_dir):
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():
                 dtype = f.get_slice(key).get_dtype()
@@ -103,16 +102,21 @@ def _cpu_dtype(requested: str, checkpoint: torch.dtype | None, native_bf16: bool
         if native_bf16 and kernels_built():
             return Precision(torch.bfloat16, None, f"dtype bfloat16 (option.dtype=auto: checkpoint {ckpt} and "
                              "this CPU has native bf16 dot products)")
-        why = "no native bf16 dot products (AVX512_BF16 / AMX) on this CPU" if not native_bf16 else \
-            "the C++ kernels did not build"
-        return Precision(torch.float32, None, f"dtype float32 (option.dtype=auto: checkpoint {ckpt}, but {why}; "
+        return Precision(torch.float32, None, f"dtype float32 (option.dtype=auto: checkpoint {ckpt}, but "
+                         f"{_why_slow_bf16(native_bf16)}; "
                          "set option.dtype=bf16 to run it in bf16 anyway, slower)")
     note = " (option.dtype=fp16: CPUs run fp16 checkpoints in bf16, as vLLM does)" if requested == "float16" else ""
     if not native_bf16 or not kernels_built():
-        why = "no native bf16 dot products on this CPU" if not native_bf16 else "the C++ kernels did not build"
-        return Precision(torch.bfloat16, None, f"dtype bfloat16{note or ' (option.dtype)'}, with {why}: it runs, "
+        return Precision(torch.bfloat16, None, f"dtype bfloat16{note or ' (option.dtype)'}, with "
+                         f"{_why_slow_bf16(native_bf16)}: it runs, "
                          "slower than on a CPU with AVX512_BF16", warn=True)
     return Precision(torch.bfloat16, None, f"dtype bfloat16{note or ' (option.dtype)'}", warn=bool(note))
+
+
+def _why_slow_bf16(native_bf16: bool) -> str:
+    """Why bf16 would be slow here: the CPU lacks native bf16 dot products, else the kernels did not build."""
+    return ("no native bf16 dot products (AVX512_BF16 / AMX) on this CPU" if not native_bf16
+            else "the C++ kernels did not build")
 
 
 def _name(dtype: torch.dtype | None) -> str:

@@ -56,7 +56,12 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(in_features, out_feature
     """Batch sizes cross the register tile (6 rows) and the cache block (96 rows); the row sits at
     every kind of position: first, inside a tile, in a tail tile, past the first block."""
     x, weight, bias = random_case(230, in_features, out_features, seed=1, with_bias=True)
-    packed = pack_weight(weight)
+    assert_rows_alone_match_the_batch(x, pack_weight(weight), bias)
+
+
+def assert_rows_alone_match_the_batch(x, packed, bias):
+    """Every slice of x's 230 rows (batch sizes crossing the tiles and blocks, at every kind of position)
+    gets the bits those rows got in the whole batch."""
     full = packed_linear(x, packed, bias)
     for num_rows in (1, 2, 5, 6, 7, 16, 64, 95, 96, 97, 130):
         for start in (0, 1, 3, 230 - num_rows):
@@ -271,13 +276,7 @@ def test_int8_quantization_is_symmetric_per_output_channel():
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (129, 70)])
 def test_a_row_has_the_same_bits_alone_and_in_any_batch_for_every_kind(kind, in_features, out_features):
     x, weight, bias = random_case(230, in_features, out_features, seed=3, with_bias=True)
-    x = x.to(torch.bfloat16)
-    packed = pack_weight(weight, kind)
-    full = packed_linear(x, packed, bias)
-    for num_rows in (1, 2, 5, 6, 7, 16, 64, 95, 96, 97, 130):
-        for start in (0, 1, 3, 230 - num_rows):
-            assert torch.equal(packed_linear(x[start:start + num_rows], packed, bias),
-                               full[start:start + num_rows]), (num_rows, start)
+    assert_rows_alone_match_the_batch(x.to(torch.bfloat16), pack_weight(weight, kind), bias)
 
 
 def test_bf16_and_int8_panels_keep_the_rows_the_embedding_reads():

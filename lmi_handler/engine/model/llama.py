@@ -239,7 +239,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: LlamaArgs, layout=None):
         super().__init__()
-        self.full_args, self.layout = args, layout
+        self.layout = layout
         self.group: Collectives | None = None     # the runner sets it on a tensor-parallel rank
         if layout is not None:
             args = replace(args, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,

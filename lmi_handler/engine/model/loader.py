@@ -57,6 +57,16 @@ def args_from_config(cfg: dict) -> LlamaArgs:
     )
 
 
+def safetensors_files(model_dir: str | Path) -> list[str]:
+    """The checkpoint's safetensors file names: every shard named in model.safetensors.index.json, else
+    model.safetensors; [] when neither file exists."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else []
+
+
 def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of every shard named in model.safetensors.index.json.
 
@@ -67,12 +77,8 @@ def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tens
     neither file exists.
     """
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    files = safetensors_files(model_dir)
+    if not files:
         raise FileNotFoundError(f"no model.safetensors(.index.json) in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
@@ -130,7 +136,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     float32 or bfloat16 on CPU only, else a no-op) straight from the checkpoint's tensors, after the
     checkpoint's own dict is released so that only one extra weight is held at a time: panels in `dtype`,
     or int8 ones when quantize="int8" (quantized from the checkpoint's values, not from a bf16 copy).
-    lm_head_kind: lm_head's panels when they should differ from the layers' (see INT8_LM_HEAD).
+    lm_head_kind: lm_head's panels when they should differ from the layers' (default: the layers' kind, int8
+    included; benchmarks/quality.py compares other choices).
     `huge_pages` puts the packed weights in huge-page memory.
     The other parameters (norms, biases, an embedding not read from lm_head's panels) are cast to
     `dtype`. A bf16 checkpoint loaded as bfloat16 is never widened.
@@ -160,12 +167,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                          f"activations (device {device}, dtype {dtype})")
     if pack_weights and packable:
         kind = "int8" if quantize == "int8" else str(dtype).removeprefix("torch.")
-        model.pack_weights(kind, lm_head_kind or (INT8_LM_HEAD.get(dtype) if quantize == "int8" else None), huge_pages)
+        model.pack_weights(kind, lm_head_kind, huge_pages)
     model = model.to(device=device, dtype=dtype).eval()
     # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
     model.inv_freq = rope_inv_freq(args).to(device)
     return model
-
-
-# lm_head's panels under quantize=int8, by activation dtype (see README, "int8 weights")
-INT8_LM_HEAD = {torch.float32: "int8", torch.bfloat16: "int8"}

@@ -70,7 +70,7 @@ class RunnerSpec(Protocol):
     """How every rank builds its shard's runner (picklable: it travels to the followers).
 
     The runner built has ModelRunner's interface (`execute(ModelInput)`, and on rank 0 `config`, `dtype`,
-    `device`, `block_size`, `num_blocks`, `prepare`); its forward calls the group's collectives, and its
+    `device`, `block_size`, `num_blocks`, `prepare_host`); its forward calls the group's collectives, and its
     logits (gathered to rank 0) are only meaningful on rank 0.
     """
 
@@ -169,18 +169,20 @@ class TensorParallelExecutor:
         return self.group.degree
 
     def prepare(self, sched):
-        return self.runner.prepare(sched)
+        """The step's ModelInput on the CPU (runner.prepare_host), as the broadcast sends it; `execute` moves
+        rank 0's copy to its device, so a CUDA step is never copied back to the host to be broadcast."""
+        return self.runner.prepare_host(sched)
 
     def execute(self, model_input):
-        """Broadcast the step (its tensors on the CPU) to the followers, run rank 0's shard, return its
-        ModelOutput. Raises RankFailed (the group is gone; the engine cannot go on)."""
+        """Broadcast the step (a ModelInput on the CPU, from `prepare`) to the followers, run rank 0's shard
+        on its device, return its ModelOutput. Raises RankFailed (the group is gone; the engine cannot go on)."""
         failure = self.failure()
         if failure is not None:
             raise failure
         try:
-            host = model_input if model_input.input_ids.device.type == "cpu" else model_input.to(torch.device("cpu"))
-            self.group.broadcast(host)
-            return self.runner.execute(model_input)
+            self.group.broadcast(model_input)
+            device = self.runner.device
+            return self.runner.execute(model_input if device.type == "cpu" else model_input.to(device))
         except Exception as exc:
             raise self._fail(exc) from exc
 

@@ -40,24 +40,30 @@ class ModelRunnerSpec:
         check_degree(self._args(), degree)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
-        """kv_cache_bytes (per rank) over one block of this rank's KV heads: 2 (K, V) x layers x block_size x
-        kv heads x head_dim x dtype bytes."""
+        """kv_cache_bytes (per rank) over one block of this rank's KV heads (model_runner.kv_block_bytes)."""
+        from lmi_handler.engine.model_runner import kv_block_bytes
+
         args = self._args()
         layout = ShardLayout.of(args, rank, degree)
-        block_bytes = (2 * args.num_layers * self.config.block_size * layout.num_kv_heads * args.head_dim
-                       * self.precision.dtype.itemsize)
-        return self.config.kv_cache_bytes // block_bytes
+        return self.config.kv_cache_bytes // kv_block_bytes(args.num_layers, self.config.block_size,
+                                                            layout.num_kv_heads, args.head_dim, self.precision.dtype)
 
     def build(self, context: RankContext, num_blocks: int):
         """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout)), packed as the
         precision says, `num_blocks` KV blocks of its own KV heads, the group's collectives in its forward."""
-        from lmi_handler.engine.model_runner import ModelRunner
-
-        c = self.config
         layout = ShardLayout.of(self._args(), context.rank, context.degree)
-        return ModelRunner(c.model_path, self.precision.dtype, context.device, block_size=c.block_size,
-                           num_blocks=num_blocks, batch_invariant=c.batch_invariant, huge_pages=c.huge_pages,
-                           quantize=self.precision.quantize, layout=layout, group=context.group)
+        return model_runner(self.config, self.precision, context.device, num_blocks=num_blocks, layout=layout,
+                            group=context.group)
+
+
+def model_runner(config: EngineConfig, precision: Precision, device: torch.device, **size_and_shard):
+    """A ModelRunner of config's model in `precision` on `device`, the options every rank shares applied;
+    `size_and_shard`: kv_cache_bytes (one process) or num_blocks, layout and group (a tensor-parallel rank)."""
+    from lmi_handler.engine.model_runner import ModelRunner
+
+    return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
+                       batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
+                       quantize=precision.quantize, **size_and_shard)
 
 
 def _degree(config: EngineConfig) -> int:
@@ -78,11 +84,7 @@ def start_runner(config: EngineConfig, device: torch.device, precision: Precisio
     """
     degree = _degree(config)
     if degree == 1:
-        from lmi_handler.engine.model_runner import ModelRunner
-
-        return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
-                           kv_cache_bytes=config.kv_cache_bytes, batch_invariant=config.batch_invariant,
-                           huge_pages=config.huge_pages, quantize=precision.quantize)
+        return model_runner(config, precision, device, kv_cache_bytes=config.kv_cache_bytes)
     return start_tensor_parallel(ModelRunnerSpec(config, precision), degree, device, config.parallel.timeout_s,
                                  num_threads=config.num_threads, mpi=config.parallel.mpi)
 

@@ -64,10 +64,14 @@ inline void prefetch_ahead(const void* row, int64_t k) {
 // stride PANEL) between K blocks. NP = 2 gives a row of decode (batch 1) four independent FMA chains
 // instead of two; an element's chain is the same for any NP, R or C.
 
-// ---- float32 panels: acc = fma(x[i, k], w[k, j], acc) in k order --------------------------------
-template <int R, int C, int NP>
-void micro_f32(const float* x, int64_t ldx, const float* const* w, int64_t kc, float* const* buf, bool first,
-               const char* const* pf, int64_t pf_lines) {
+// ---- float32 and int8 panels: acc = fma(x[i, k], float(w[k, j]), acc) in k order ----------------
+// A panel row is PANEL weights of type WT: floats as they are, or int8 widened to floats (exact).
+inline Vec load_panel(const float* p) { return Vec::load(p); }
+inline Vec load_panel(const int8_t* p) { return Vec::load_i8(p); }
+
+template <int R, int C, int NP, class WT>
+void micro_plain(const float* x, int64_t ldx, const WT* const* w, int64_t kc, float* const* buf, bool first,
+                 const char* const* pf, int64_t pf_lines) {
   const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
   Vec acc[R][NP][C];
   for (int i = 0; i < R; ++i)
@@ -76,12 +80,12 @@ void micro_f32(const float* x, int64_t ldx, const float* const* w, int64_t kc, f
         acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
   for (int64_t k = 0; k < kc; ++k) {
     for (int q = 0; q < NP; ++q) {
-      if constexpr (NP == 2) prefetch_ahead<PANEL * 4>(w[q] + k * PANEL, k);
+      if constexpr (NP == 2) prefetch_ahead<PANEL * static_cast<int>(sizeof(WT))>(w[q] + k * PANEL, k);
       else prefetch_share(pf[q], pf_lines, per_k, k);
     }
     Vec b[NP][C];
     for (int q = 0; q < NP; ++q)
-      for (int j = 0; j < C; ++j) b[q][j] = Vec::load(w[q] + k * PANEL + j * Vec::W);
+      for (int j = 0; j < C; ++j) b[q][j] = load_panel(w[q] + k * PANEL + j * Vec::W);
     for (int i = 0; i < R; ++i) {
       const Vec a = Vec::bcast(x[i * ldx + k]);
       for (int q = 0; q < NP; ++q)
@@ -130,35 +134,6 @@ void micro_bf16(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, f
       for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
 }
 
-// ---- int8 panels: k rows of PANEL int8, widened to floats (exact) -------------------------------
-template <int R, int C, int NP>
-void micro_i8(const float* x, int64_t ldx, const int8_t* const* w, int64_t kc, float* const* buf, bool first,
-              const char* const* pf, int64_t pf_lines) {
-  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
-  Vec acc[R][NP][C];
-  for (int i = 0; i < R; ++i)
-    for (int q = 0; q < NP; ++q)
-      for (int j = 0; j < C; ++j)
-        acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
-  for (int64_t k = 0; k < kc; ++k) {
-    for (int q = 0; q < NP; ++q) {
-      if constexpr (NP == 2) prefetch_ahead<PANEL>(w[q] + k * PANEL, k);
-      else prefetch_share(pf[q], pf_lines, per_k, k);
-    }
-    Vec b[NP][C];
-    for (int q = 0; q < NP; ++q)
-      for (int j = 0; j < C; ++j) b[q][j] = Vec::load_i8(w[q] + k * PANEL + j * Vec::W);
-    for (int i = 0; i < R; ++i) {
-      const Vec a = Vec::bcast(x[i * ldx + k]);
-      for (int q = 0; q < NP; ++q)
-        for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(a, b[q][j], acc[i][q][j]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int q = 0; q < NP; ++q)
-      for (int j = 0; j < C; ++j) acc[i][q][j].store(buf[q] + i * PANEL + j * Vec::W);
-}
-
 #if defined(__AVX512BF16__)
 constexpr bool NATIVE_BF16 = true;
 // The same pairs through VDPBF16PS: x as bf16 words (a pair per 32 bits), one instruction per pair
@@ -189,20 +164,15 @@ void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* 
 constexpr bool NATIVE_BF16 = false;
 #endif
 
-struct MicroF32 {
-  template <int R, int C, int NP>
-  void run(const float* x, int64_t ldx, const float* const* w, int64_t kc, float* const* buf, bool first,
-           const char* const* pf, int64_t n) const { micro_f32<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
+struct MicroPlain {   // float32 or int8 panels (WT)
+  template <int R, int C, int NP, class WT>
+  void run(const float* x, int64_t ldx, const WT* const* w, int64_t kc, float* const* buf, bool first,
+           const char* const* pf, int64_t n) const { micro_plain<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
 };
 struct MicroBF16 {
   template <int R, int C, int NP>
   void run(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, float* const* buf, bool first,
            const char* const* pf, int64_t n) const { micro_bf16<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
-};
-struct MicroI8 {
-  template <int R, int C, int NP>
-  void run(const float* x, int64_t ldx, const int8_t* const* w, int64_t kc, float* const* buf, bool first,
-           const char* const* pf, int64_t n) const { micro_i8<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
 };
 
 // R rows over whole panels: one call when R x NP x NV accumulators fit in 12 registers (16 with two
@@ -380,7 +350,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
       packed_gemm(M, K, P, PANEL, K_BLOCK_F32, MR, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
-                    tiles(Narrow{}, MicroF32{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                    tiles(Narrow{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store);
     } else if (kind == torch::kInt8) {
       const torch::Tensor xf = float_rows(x, K, false);
@@ -388,7 +358,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
       packed_gemm(M, K, P, PANEL, K_BLOCK_I8, MR_WIDE, packed.data_ptr<int8_t>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
-                    tiles(Wide{}, MicroI8{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                    tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store);
     } else {
       const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());

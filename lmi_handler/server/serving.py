@@ -163,7 +163,7 @@ async def _plan(front_end: FrontEnd, service: Service, request: Request, route: 
                            request_id=engine_id, public_id=public_id, timeout_s=timeout_s)
     try:  # plan before inference: a bad request never reaches the batch
         client.plan = await asyncio.get_running_loop().run_in_executor(
-            _VALIDATION, partial(service.plan, body, route=route, content_type=request.headers.get("content-type"),
+            _VALIDATION, partial(service.plan, body, route=route, content_type=content_type,
                                  request_id=client.request_id))
     except RequestValidationError as exc:
         return error_response(dialect, str(exc), exc.status_code, exc.field)

@@ -176,8 +176,7 @@ class RollingBatch:
 
     def _cancel(self, request: ActiveRequest) -> None:
         """Stop a running request now: its sequences leave the engine and free their KV blocks."""
-        for member in request.members:
-            self.service.engine.abort(member.request_id)
+        self._abort_members(request)
         request.cancelled = True
 
     def _admit(self, item: Input) -> ActiveRequest:
@@ -208,19 +207,27 @@ class RollingBatch:
             return {}
         outputs_of = {out.request_id: out for out in outputs}
         for request in self.active:
-            refused = [outputs_of[m.request_id] for m in request.members
-                       if m.request_id in outputs_of and outputs_of[m.request_id].invalid_request]
-            if refused and request.error is None and not request.done:
-                request.error, request.error_code = refused_message(request.plan, refused[0]), 400
-                for member in request.members:
-                    engine.abort(member.request_id)
-            hit = [failed[m.request_id] for m in request.members if m.request_id in failed]
-            if hit and request.error is None and not request.done:
-                logger.error("request %s failed: %s", request.request_id, hit[0])
-                request.error = hit[0]
-                for member in request.members:  # n / best_of: the request fails as a whole
-                    engine.abort(member.request_id)
+            if request.error is not None or request.done:
+                continue
+            refused = next((outputs_of[m.request_id] for m in request.members
+                            if m.request_id in outputs_of and outputs_of[m.request_id].invalid_request), None)
+            hit = next((failed[m.request_id] for m in request.members if m.request_id in failed), None)
+            if refused is not None:
+                self._end(request, refused_message(request.plan, refused), 400)
+            elif hit is not None:
+                logger.error("request %s failed: %s", request.request_id, hit)
+                self._end(request, hit)
         return outputs_of
+
+    def _end(self, request: ActiveRequest, error: str, code: int = GENERATION_ERROR_CODE) -> None:
+        """Fail the request as a whole (n / best_of: every sibling sequence stops too); answered next."""
+        request.error, request.error_code = error, code
+        self._abort_members(request)
+
+    def _abort_members(self, request: ActiveRequest) -> None:
+        """Its sequences leave the engine now and free their KV blocks."""
+        for member in request.members:
+            self.service.engine.abort(member.request_id)
 
     def _fail_active(self, message: str) -> None:
         for request in self.active:
@@ -243,8 +250,7 @@ class RollingBatch:
             if last:
                 entry["last"] = "true"
                 request.done = True
-                for member in request.members:   # n > 1: a choice's error ends the answer; siblings stop too
-                    self.service.engine.abort(member.request_id)
+                self._abort_members(request)   # n > 1: a choice's error ends the answer; siblings stop too
         answer.add(Output.binary_encode(entry), key="data", batch_index=index)
         answer.add_property(f"batch_{index}_Content-Type", entry["content_type"])
         answer.add_property(f"batch_{index}_requestId", request.request_id)

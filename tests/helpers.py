@@ -110,11 +110,17 @@ class ServerProcess:
         self.stop()
 
 
+def server_process(tmp_path_factory, name: str, env: dict[str, str] | None = None, **options: str) -> ServerProcess:
+    """A (not yet started) server on the repo's serving.properties with OPTION_* overrides `options` and extra
+    `env`, its log in a fresh logs folder as `<name>.log`; start it with `with` (or __enter__)."""
+    log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    return ServerProcess(options, log_path, REPO / "serving.properties", env=env)
+
+
 def serve(tmp_path_factory, name: str, **options: str):
     """Start a server with OPTION_* overrides of the repo's serving.properties; yields it, then stops it
     (for fixtures: `yield from serve(...)`)."""
-    log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    with ServerProcess(options, log_path, REPO / "serving.properties") as server:
+    with server_process(tmp_path_factory, name, **options) as server:
         yield server
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from lmi_handler.batch.lines import Record
 from lmi_handler.batch.results import ResultFiles
 from lmi_handler.batch.runner import BatchSummary, EngineFailed, Progress, check_file, resuming
-from lmi_handler.batch.shards import Shard, ShardFiles, cut_shards
+from lmi_handler.batch.shards import Shard, ShardFiles, cut_shards, merge_records
 from lmi_handler.batch.tally import Tally
 from lmi_handler.config import REPLICA_LOOPBACK_ENV, Settings, keep_ray_on_loopback
 from lmi_handler.protocol.batch_lines import BatchDefaults, check_lines
@@ -220,8 +220,8 @@ class _Driver:
                            _first_line(exc), "recomputing the shard" if again else "giving the shard up")
             (retry.append if again else lost.append)(shard)
             return isinstance(exc, ray.exceptions.RayTaskError)   # the shard raised: its replica is fine
-        path = self.shard_files.save(shard, records)
-        self.shard_files.merge_into(self.results, [path])
+        self.shard_files.save(shard, records)          # saved whole first: a kill mid-merge loses nothing
+        merge_records(self.results, records)
         self.done_lines += len(records)
         for record in records:
             self.bar.update(record, advance=False)

@@ -227,8 +227,7 @@ class BatchJobs:
         """Append a record; a storage failure (a full disk: ENOSPC, the quota: EDQUOT) fails the whole job,
         naming the cause, and raises JobStopped. The records already written stay in its work directory."""
         try:
-            self.store.check_room(results.size_of(record))
-            results.write(record)
+            results.write(record, self.store.check_room)
         except OSError as exc:
             self._fail_storage(batch_id, exc)
             raise JobStopped from exc

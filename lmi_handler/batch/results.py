@@ -10,13 +10,17 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lmi_handler.protocol.batch_lines import BatchLine, LineError
 from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.errors import error_body
 
 logger = logging.getLogger(__name__)
+
+# How record lines are written: a lone surrogate (a custom_id sent as the JSON escape "\\ud800") becomes that
+# same escape, so the record stays valid JSON that reads back to the same string (UTF-8 cannot carry it).
+RECORD_ERRORS = "backslashreplace"
 
 # Line-level failures are keyed by line number (their custom_id is unknown or not theirs alone).
 _LINE_KEYED = {"invalid_json", "missing_custom_id", "duplicate_custom_id"}
@@ -91,9 +95,7 @@ class ResultFiles:
         for path in dict.fromkeys(self.paths):
             for record in _read_repaired(path):
                 self._count(record)
-        # backslashreplace: a lone surrogate (a custom_id sent as the JSON escape "\\ud800") is written as that
-        # same escape, so the record stays valid JSON that reads back to the same string
-        self.files = [open(path, "a", encoding="utf-8", errors="backslashreplace") for path in self.paths]
+        self.files = [open(path, "a", encoding="utf-8", errors=RECORD_ERRORS) for path in self.paths]
 
     def _count(self, record: dict[str, Any]) -> None:
         self.done.add(record_key(record))
@@ -102,25 +104,25 @@ class ResultFiles:
         else:
             self.num_failed += 1
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], check_room: Callable[[int], None] | None = None) -> None:
         """Append one record to the output (success) or error file, flushed to the OS before returning.
-        Raises OSError when the file cannot take it (ENOSPC: a full disk); nothing is counted then."""
+        `check_room(num_bytes)` (store.BatchStore.check_room: the quota) is asked first, with the bytes the
+        record's line takes. Raises OSError when the file cannot take it (ENOSPC: a full disk) or check_room
+        does (QuotaExceeded); nothing is counted then."""
         if self.failure is not None:       # a file failed before: nothing more is written to either
             raise self.failure
+        line = record_line(record)
+        if check_room is not None:
+            check_room(len(line.encode("utf-8", RECORD_ERRORS)))
         file = self.files[0] if is_success(record) or len(self.files) == 1 else self.files[1]
         try:
-            file.write(_line(record))
+            file.write(line)
             file.flush()
         except OSError as exc:
             self.failure = exc
             _drop_buffer(file)
             raise
         self._count(record)
-
-    @staticmethod
-    def size_of(record: dict[str, Any]) -> int:
-        """Bytes `record` takes in its file (for a quota check before writing it)."""
-        return len(_line(record).encode("utf-8", "backslashreplace"))
 
     def close(self) -> None:
         for file in self.files:
@@ -133,7 +135,9 @@ class ResultFiles:
         self.close()
 
 
-def _line(record: dict[str, Any]) -> str:
+def record_line(record: dict[str, Any]) -> str:
+    """A record as its line in a result file (or a shard's record file: shards.py), written with
+    errors=RECORD_ERRORS."""
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 

@@ -15,7 +15,8 @@ from typing import Callable, Iterable
 from lmi_handler.batch.lines import LineRequest, Record, answer_record, lines_to_run, refusal
 from lmi_handler.batch.results import ResultFiles, is_success, output_tokens
 from lmi_handler.engine.engine import RequestRejected
-from lmi_handler.engine.health import fatal_reason
+from lmi_handler.engine.faults import StepGuard
+from lmi_handler.engine.health import EngineDead
 from lmi_handler.protocol.batch_lines import (
     BatchDefaults,
     BatchLine,
@@ -34,8 +35,9 @@ __all__ = ["BatchRejected", "BatchRunner", "BatchSummary", "EngineFailed", "Prog
 
 
 class EngineFailed(RuntimeError):
-    """The engine cannot go on (ModelRunner.failure(): e.g. a tensor-parallel rank is gone). No retry on it:
-    the process ends (a Ray replica exits, so Ray starts a fresh one) and the lines without a record run again."""
+    """The engine cannot go on (engine/health.py: EngineDead, e.g. a tensor-parallel rank is gone, a sticky CUDA
+    error). No retry on it: the process ends (a Ray replica exits, so Ray starts a fresh one) and the lines
+    without a record run again."""
 
 
 @dataclass
@@ -115,6 +117,9 @@ class BatchRunner:
         self.service = service
         self.engine = service.engine
         self.window = window or 2 * self.engine.scheduler.config.max_num_seqs
+        # the server's rules for a failed step (engine/faults.py): a fault ends only the lines it is pinned to,
+        # and decides whether the engine is dead
+        self.guard = StepGuard(self.engine)
 
     def run(self, input_path: Path, output_path: Path, errors_path: Path | None = None,
             defaults: BatchDefaults | None = None, progress: bool = True) -> BatchSummary:
@@ -149,8 +154,10 @@ class BatchRunner:
         """Run checked lines (protocol/batch_lines.check_lines' items, in file order) whose key is not in `done`;
         each line's record goes to `write` once it has one (a bad line's at once, a refused one's at admission).
 
-        Raises EngineFailed when the engine cannot go on (its runner reports a failure, e.g. a tensor-parallel
-        rank died, or the step's error is fatal: engine/health.fatal_reason): the lines still inside the engine get no record, so a rerun (or another replica) does them.
+        A step's fault ends only the lines it hits (StepGuard), each with a 500 record. Raises EngineFailed when
+        the engine cannot go on (StepGuard raised EngineDead: a tensor-parallel rank died, a sticky CUDA error,
+        every step failing even alone): the lines still inside the engine get no record, so a rerun (or another
+        replica) does them.
         """
         inflight: dict[str, LineRequest] = {}
         try:
@@ -181,18 +188,22 @@ class BatchRunner:
 
     def _step(self, inflight: dict[str, LineRequest], write) -> None:
         try:
-            outputs = self.engine.step()
-        except Exception as exc:  # a bug in a step fails the lines inside the engine, not the whole file
-            failure = self.engine.failure() or fatal_reason(exc)
-            if failure is not None:   # ... but a dead engine (a lost rank, a sticky CUDA error) fails no line
-                raise EngineFailed(f"the engine cannot go on: {failure}") from exc
-            logger.exception("engine step failed; failing %d in-flight lines", len(inflight))
+            outputs, failed = self.guard.step()
+        except EngineDead as dead:    # a dead engine fails no line: they run again after the restart
+            raise EngineFailed(f"the engine cannot go on: {dead.reason}") from dead
+        except Exception:  # isolation itself broke: the lines inside the engine fail, not the whole file
+            logger.exception("engine step failed and could not be isolated; failing %d in-flight lines", len(inflight))
             self.engine.abort_all()
-            for request in {id(r): r for r in inflight.values()}.values():
-                body = error_body(Dialect.OPENAI, "internal error during generation", 500)
-                write(answer_record(request.line, request.request_id, body))
-            inflight.clear()
-            return
+            failed = {request_id: "internal error during generation" for request_id in inflight}
+            outputs = []
+        for request_id, message in failed.items():
+            request = inflight.get(request_id)
+            if request is None:       # a sibling of a line failed already
+                continue
+            for member in request.members:     # n > 1: the line fails as a whole
+                inflight.pop(member.request_id, None)
+                self.engine.abort(member.request_id)
+            write(answer_record(request.line, request.request_id, error_body(Dialect.OPENAI, message, 500)))
         for out in outputs:
             request = inflight.get(out.request_id)
             body = request.add(out) if request is not None else None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from lmi_handler.batch.lines import Record
-from lmi_handler.batch.results import ResultFiles, line_key, record_key
+from lmi_handler.batch.results import RECORD_ERRORS, ResultFiles, line_key, record_key, record_line
 from lmi_handler.protocol.batch_lines import BatchLine, LineError
 
 logger = logging.getLogger(__name__)
@@ -86,29 +86,34 @@ class ShardFiles:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{shard.name}.jsonl"
         temp = path.with_suffix(f".tmp-{os.getpid()}")
-        with open(temp, "w", encoding="utf-8") as file:
-            file.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        with open(temp, "w", encoding="utf-8", errors=RECORD_ERRORS) as file:   # as the result files' lines
+            file.writelines(record_line(record) for record in records)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
         _fsync_dir(self.root)
         return path
 
-    def merge_into(self, results: ResultFiles, paths: list[Path] | None = None) -> int:
-        """Append the records of `paths` (default: every finished shard) whose key has no result yet.
-        Returns how many were written."""
-        written = 0
-        for path in self.paths() if paths is None else paths:
-            for text in path.read_text(encoding="utf-8").splitlines():
-                record = json.loads(text)
-                if record_key(record) not in results.done:
-                    results.write(record)
-                    written += 1
-        return written
+    def merge_into(self, results: ResultFiles) -> int:
+        """Append the records of every finished shard whose key has no result yet. Returns how many were
+        written."""
+        return sum(merge_records(results, map(json.loads, path.read_text(encoding="utf-8").splitlines()))
+                   for path in self.paths())
 
     def clear(self) -> None:
         """Remove the shard files (every record is in the result files), and temp files a killed run left."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def merge_records(results: ResultFiles, records: Iterable[Record]) -> int:
+    """Append the `records` whose key has no result yet (a shard just saved, or read back from its file).
+    Returns how many were written."""
+    written = 0
+    for record in records:
+        if record_key(record) not in results.done:
+            results.write(record)
+            written += 1
+    return written
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 # The front end's own keys: they never reach the handler's properties (DJL reads them itself).
 FRONT_END_KEYS = ("batch_size", "max_batch_delay", "job_queue_size")
+# Why a draining front end (FrontEnd.draining: SIGTERM) refuses a request, and why TGI's /health is 503 then.
+DRAINING_MESSAGE = "the server is shutting down and takes no new requests"
 
 
 def make_front_end(handle: Callable, settings: Settings, properties: dict[str, str],

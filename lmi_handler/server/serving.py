@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from lmi_handler.frontend.loops import FrontEnd
+from lmi_handler.frontend.loops import DRAINING_MESSAGE, FrontEnd
 from lmi_handler.frontend.requests import Chunk, ClientRequest
 from lmi_handler.protocol.dialects import Dialect, dialect_of
 from lmi_handler.protocol.encoder import encode, encode_bytes
@@ -116,7 +116,7 @@ async def _refusal(front_end: FrontEnd, request: Request, dialect: Dialect) -> b
     if len(body) > MAX_BODY_BYTES:
         return too_large
     if front_end.draining:
-        return error_response(dialect, "the server is shutting down and takes no new requests", 503)
+        return error_response(dialect, DRAINING_MESSAGE, 503)
     return body
 
 
@@ -163,7 +163,7 @@ async def _plan(front_end: FrontEnd, service: Service, request: Request, route: 
                            request_id=engine_id, public_id=public_id, timeout_s=timeout_s)
     try:  # plan before inference: a bad request never reaches the batch
         client.plan = await asyncio.get_running_loop().run_in_executor(
-            _VALIDATION, partial(service.plan, body, route=route, content_type=request.headers.get("content-type"),
+            _VALIDATION, partial(service.plan, body, route=route, content_type=content_type,
                                  request_id=client.request_id))
     except RequestValidationError as exc:
         return error_response(dialect, str(exc), exc.status_code, exc.field)

@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from lmi_handler.frontend.loops import DRAINING_MESSAGE
 from lmi_handler.protocol.dialects import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI
 from lmi_handler.protocol.params import MAX_STOP_SEQUENCES
 from lmi_handler.server.serving import add_generation_routes
@@ -31,7 +32,7 @@ def add_tgi_routes(app: FastAPI) -> None:
         front_end = state.front_end
         if front_end.alive and not front_end.draining:
             return Response(status_code=200)
-        reason = front_end.failure or "the server is shutting down and takes no new requests"
+        reason = front_end.failure or DRAINING_MESSAGE
         return JSONResponse({"error": reason, "error_type": "healthcheck"}, status_code=503)
 
     @app.get("/info")

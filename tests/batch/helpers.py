@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import REPO, ServerProcess, free_port
+from tests.helpers import REPO, ServerProcess, free_port, server_process
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ORDER = ["validating", "in_progress", "finalizing", "completed"]   # a Batch's statuses, in order
@@ -62,9 +62,8 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def start(tmp_path_factory, batch_dir, name: str, **options: str) -> ServerProcess:
     """A server on the repo's serving.properties with its batch state in `batch_dir` and `options` (OPTION_*
     overrides; use with `with`)."""
-    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    return ServerProcess({"batch_dir": str(batch_dir), "num_threads": "1",
-                          "batch_max_file_bytes": str(MAX_FILE_BYTES), **options}, log, REPO / "serving.properties")
+    return server_process(tmp_path_factory, name, **{"batch_dir": str(batch_dir), "num_threads": "1",
+                                                      "batch_max_file_bytes": str(MAX_FILE_BYTES), **options})
 
 
 def jsonl(lines: list) -> bytes:

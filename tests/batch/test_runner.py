@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from lmi_handler.batch.runner import BatchRunner, EngineFailed
+from lmi_handler.engine.faults import FaultInjector, FaultRule
 from lmi_handler.protocol.batch_lines import BatchDefaults, BatchRejected
 from tests.batch.helpers import (
     COMPLETIONS,
@@ -151,3 +153,42 @@ def test_constrained_and_beam_lines_are_enforced_and_a_bad_constraint_fails_alon
     assert len(out["beams"]["response"]["body"]["choices"]) == 2
     assert set(err) == {"bad"} and err["bad"]["response"]["status_code"] == 400
     assert "guided_regex" in json.dumps(err["bad"]["response"]["body"])
+
+
+# ---- a step that fails: the server's rules (engine/faults.py StepGuard) --------------------------------------
+
+@pytest.fixture
+def inject_faults(service):
+    """Install option.fault_injection rules on the session engine's scheduler (engine/faults.py); taken off, and
+    every sequence dropped, after the test. Runners made meanwhile get a fresh StepGuard (and health) of their own."""
+    scheduler = service.engine.scheduler
+    schedule = scheduler.schedule
+    yield lambda rules: FaultInjector(service.engine, FaultRule.parse_all(rules))
+    scheduler.schedule = schedule
+    service.engine.abort_all()
+
+
+FAULT_LINES = [batch_line(f"ok-{i}", {"prompt": f"List {i + 2} colors:", "max_tokens": 6}, COMPLETIONS)
+               for i in range(3)] + [batch_line("zebras", {"prompt": "Zebras are", "max_tokens": 6}, COMPLETIONS)]
+
+
+def test_a_step_fault_fails_only_the_line_it_hits_and_the_others_answer_as_without_it(service, runner, inject_faults,
+                                                                                       tmp_path):
+    _, clean, _ = run(runner, tmp_path, FAULT_LINES, "clean")
+    inject_faults("decode:2@Zebras")            # not pinned: the guard finds the line by stepping without it
+    summary, out, err = run(BatchRunner(service), tmp_path, FAULT_LINES, "faulty")
+    assert set(out) == {"ok-0", "ok-1", "ok-2"} and set(err) == {"zebras"}
+    assert (summary.completed, summary.failed) == (3, 1)
+    response = err["zebras"]["response"]
+    assert response["status_code"] == 500 and "injected fault" in response["body"]["error"]["message"]
+    assert {cid: content(out[cid]) for cid in out} == {cid: content(clean[cid]) for cid in out}   # greedy
+
+
+def test_an_engine_broken_for_good_raises_engine_failed_and_writes_no_record_for_the_lines_inside(
+        service, inject_faults, tmp_path):
+    inject_faults("broken:prefill@Zebras")      # every later step fails, even the guard's own probe: dead
+    source = write_jsonl(tmp_path / "in.jsonl", FAULT_LINES)
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    with pytest.raises(EngineFailed, match="the engine cannot go on"):
+        BatchRunner(service).run(source, out, err, BatchDefaults(), progress=False)
+    assert read_jsonl(out) == [] and read_jsonl(err) == []     # all four were inside the engine: a rerun does them

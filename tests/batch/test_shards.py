@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lmi_handler.batch.results import ResultFiles, line_error_record, success_record
-from lmi_handler.batch.shards import ShardFiles, cut_shards
+from lmi_handler.batch.shards import ShardFiles, cut_shards, merge_records
 from lmi_handler.protocol.batch_lines import BatchDefaults, LineError, check_lines
 from tests.batch.helpers import COMPLETIONS, batch_line, read_jsonl
 
@@ -74,3 +74,14 @@ def test_merging_writes_each_key_once_even_when_merged_twice_or_saved_by_two_run
     assert [r["custom_id"] for r in read_jsonl(errors)] == ["d"]
     files.clear()
     assert not files.root.exists() and files.paths() == []
+
+
+def test_a_shard_with_a_lone_surrogate_custom_id_saves_and_merges_back_as_the_result_files_write_it(tmp_path):
+    out = tmp_path / "out.jsonl"
+    files = ShardFiles(out)
+    (shard,) = cut_shards(checked(lines_of(["a"])), 10, set())
+    files.save(shard, [record("a\ud800")])            # a JSON "\ud800" escape in the input gives this custom_id
+    with ResultFiles(out) as results:
+        assert files.merge_into(results) == 1
+        assert merge_records(results, [record("a\ud800"), record("b")]) == 1   # in memory: only the new key
+    assert [r["custom_id"] for r in read_jsonl(out)] == ["a\ud800", "b"]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from lmi_handler.config import read_serving_properties
 from lmi_handler.server.app import create_app
-from tests.helpers import REPO, ServerProcess
+from tests.helpers import REPO, ServerProcess, server_process
 
 
 def invoke(client: httpx.Client, inputs, **parameters) -> httpx.Response:
@@ -119,9 +119,7 @@ def run_tgi_client(url: str, prompt: str, max_new_tokens: int, api_key: str | No
 
 def start_server(tmp_path_factory, name: str, env: dict[str, str] | None = None, **options: str) -> ServerProcess:
     """A started `lmi-handler serve` (OPTION_* overrides, extra env); the caller stops it."""
-    log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    server = ServerProcess({"num_threads": "1", **options}, log_path, REPO / "serving.properties", env=env)
-    return server.__enter__()
+    return server_process(tmp_path_factory, name, env, **{"num_threads": "1", **options}).__enter__()
 
 
 def metric(client: httpx.Client, name: str) -> float:

@@ -7,6 +7,7 @@ import ast
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,12 @@ def test_the_benchmark_narrative_lives_in_benchmarks_readme_only():
     readme = (REPO / "README.md").read_text()
     assert "results/bench-" not in readme and "tok/s" not in readme
     assert "benchmarks/README.md" in readme
+
+
+def test_the_protocol_layer_never_imports_torch():
+    """STYLE: protocol/ parses and formats without torch (a spec is checked by engine/grammar_spec.py)."""
+    code = ("import importlib, pkgutil, sys, lmi_handler.protocol as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module(f'lmi_handler.protocol.{m.name}')\n"
+            "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]", run.stdout[-500:]

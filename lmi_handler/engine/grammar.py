@@ -6,7 +6,6 @@ the masks to logits_controls.py and ending sequences to the engine's stop path.
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -16,73 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lmi_handler.engine.grammar_spec import GrammarError, first_lines, grammar_source
 from lmi_handler.engine.logits_controls import bitmask_words
-from lmi_handler.engine.sequence import GrammarKind, Sequence, StructuredOutputSpec
+from lmi_handler.engine.sequence import Sequence, StructuredOutputSpec
 
 CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
 TIMEOUT_MESSAGE = "the grammar did not compile within option.structured_output_compile_timeout_s"
-
-
-class GrammarError(ValueError):
-    """A structured-output spec that cannot be enforced: malformed, unsupported, or too large. The message
-    says why; the protocol layer names its field."""
-
-
-def grammar_source(spec: StructuredOutputSpec) -> str:
-    """The llguidance grammar for a spec. JSON kinds allow at most spec.max_whitespace whitespace characters
-    between tokens (none after the value); choices match exactly one of the strings.
-
-    Raises GrammarError when the value is not even well-formed (JSON text that does not parse, no choices);
-    everything else (unsupported keywords, bad regex syntax) is found by check_spec or the compile.
-    """
-    import llguidance
-
-    options = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{spec.max_whitespace}}}"}
-    if spec.kind is GrammarKind.JSON_SCHEMA:
-        try:
-            schema = json.loads(spec.value)
-        except ValueError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-    if spec.kind is GrammarKind.JSON_OBJECT:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
-    if spec.kind is GrammarKind.REGEX:
-        return llguidance.LLMatcher.grammar_from_regex(spec.value)
-    if spec.kind is GrammarKind.CHOICE:
-        if not spec.choices:
-            raise GrammarError("a choice constraint needs at least one choice")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choices))
-    return llguidance.LLMatcher.grammar_from_lark(_as_lark(spec.value))
-
-
-def _as_lark(text: str) -> str:
-    """A Lark grammar as it is; GBNF / EBNF (rules written `name ::= ...`, vLLM/xgrammar style) converted."""
-    if "::=" not in text:
-        return text
-    from llguidance.gbnf_to_lark import gbnf_to_lark
-
-    try:
-        return gbnf_to_lark(text)
-    except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors for bad input
-        raise GrammarError(f"the EBNF grammar does not parse: {exc}") from None
-
-
-def check_spec(spec: StructuredOutputSpec) -> None:
-    """Validate a spec without the tokenizer (fast: no token-level compile), for a 400 before the request
-    enters the batch. Raises GrammarError with llguidance's reason (bad regex, unknown JSON schema type or
-    format, a Lark syntax error, ...)."""
-    import llguidance
-
-    message = llguidance.LLMatcher.validate_grammar(grammar_source(spec))
-    if message:
-        raise GrammarError(_first_lines(message))
-
-
-def _first_lines(message: str, limit: int = 400) -> str:
-    text = message.strip()
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 @dataclass
@@ -174,7 +112,7 @@ class GrammarCompiler:
 
         matcher = llguidance.LLMatcher(self.tokenizer_info(), grammar_source(spec), log_level=0)
         if matcher.is_error():
-            raise GrammarError(_first_lines(matcher.get_error()))
+            raise GrammarError(first_lines(matcher.get_error()))
         return matcher
 
     def fill_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -224,7 +162,7 @@ class GrammarState:
             return True, None
         if not self.matcher.consume_token(token_id) or self.matcher.is_error():
             return False, f"structured output: the grammar rejected token {token_id}: " \
-                          f"{_first_lines(self.matcher.get_error(), 200)}"
+                          f"{first_lines(self.matcher.get_error(), 200)}"
         return False, None
 
     def fork(self) -> "GrammarState":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmi_handler.engine.grammar import GrammarError, check_spec
+from lmi_handler.engine.grammar_spec import GrammarError, check_spec
 from lmi_handler.engine.sequence import GrammarKind, StructuredOutputSpec
 from lmi_handler.protocol.errors import RequestValidationError, show_value
 

@@ -15,7 +15,8 @@ import pytest
 
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.engine import Engine
-from lmi_handler.engine.grammar import GrammarCompiler, GrammarError, check_spec, grammar_source
+from lmi_handler.engine.grammar import GrammarCompiler
+from lmi_handler.engine.grammar_spec import GrammarError, check_spec, grammar_source
 from lmi_handler.engine.logits_controls import unpack_bitmask
 from lmi_handler.engine.sequence import FinishReason, GrammarKind, SamplingParams, Sequence, StructuredOutputSpec
 from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS

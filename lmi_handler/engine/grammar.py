@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lmi_handler.engine.grammar_spec import GrammarError, first_lines, grammar_source
-from lmi_handler.engine.logits_controls import bitmask_words
+from lmi_handler.engine.logits_controls import bitmask_words, load_bitmask_kernel
 from lmi_handler.engine.sequence import Sequence, StructuredOutputSpec
 
 CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
@@ -49,7 +49,9 @@ class GrammarCompiler:
 
     llguidance drops the GIL while it builds a grammar, so the engine loop keeps stepping while a large
     schema compiles. The tokenizer table (~1 s for a 49k vocabulary) is built on the first compile, on a
-    worker. `vocab_size` is the logits width: ids past the tokenizer's vocabulary are never allowed.
+    worker, and so is the C++ kernel that applies the masks (logits_controls.load_bitmask_kernel; until it is
+    loaded the masks take the PyTorch path, same values). `vocab_size` is the logits width: ids past the
+    tokenizer's vocabulary are never allowed.
     A compile past its deadline fails only the requests waiting on it; the compile itself runs on (llguidance's
     resource limits bound it) and its result serves later requests with the same spec.
     """
@@ -60,6 +62,7 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._pool.submit(load_bitmask_kernel)   # the masks' C++ kernel, built or loaded off the engine loop
         self._cache: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._lltok = None
@@ -129,15 +132,11 @@ class GrammarCompiler:
         self._executor.unsafe_compute_mask_ptr([(s.grammar.matcher, i) for i, s in enumerate(seqs)],
                                                bitmask.data_ptr(), 4 * words, len(seqs))
         eos = self.tokenizer_info().eos_token
-        for i, seq in enumerate(seqs):   # only rows whose grammar may end here: set their other end ids
-            if _has_bit(bitmask[i], eos):
-                for token in self.eos_token_ids + seq.params.stop_token_ids:
-                    _set_bit(bitmask[i], token)
+        may_end = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()   # one test for all rows
+        for i in may_end:   # only rows whose grammar may end here: set their other end ids
+            for token in self.eos_token_ids + seqs[i].params.stop_token_ids:
+                _set_bit(bitmask[i], token)
         return bitmask
-
-
-def _has_bit(row: torch.Tensor, token: int) -> bool:
-    return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def _set_bit(row: torch.Tensor, token: int) -> None:

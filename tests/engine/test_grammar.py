@@ -69,14 +69,11 @@ def compiler(tiny_tokenizer):
 
 
 def compiled_seq(compiler, s: StructuredOutputSpec, stop_token_ids=()) -> Sequence:
+    """A sequence holding its compiled grammar (waits for the compile, which may queue behind another one)."""
     seq = Sequence("r", [5], SamplingParams(stop_token_ids=stop_token_ids, structured_output=s))
-    outcome = compiler.submit(s).outcome(float("inf"), (EOS,) + tuple(stop_token_ids))
-    for _ in range(300):
-        if not isinstance(outcome, str):
-            break
-        time.sleep(0.01)
-        outcome = compiler.submit(s).outcome(time.monotonic(), (EOS,) + tuple(stop_token_ids))
-    seq.grammar = outcome
+    ticket = compiler.submit(s)
+    ticket.future.result(timeout=30)
+    seq.grammar = ticket.outcome(time.monotonic(), (EOS,) + tuple(stop_token_ids))
     return seq
 
 

@@ -11,9 +11,12 @@ from transformers import MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProc
 
 from lmi_handler.engine.logits_controls import (
     LogitsControls,
+    _kernel,
     apply_token_bitmask,
+    apply_token_bitmask_reference,
     bitmask_penalties,
     bitmask_words,
+    load_bitmask_kernel,
     token_ids_to_bitmask,
     unpack_bitmask,
 )
@@ -62,6 +65,46 @@ def test_the_byte_table_penalties_equal_the_bit_by_bit_reference(vocab):
     assert torch.equal(bitmask_penalties(bitmask, vocab), expected)
     assert torch.equal(bitmask_penalties(bitmask[:, :1], vocab), torch.where(unpack_bitmask(bitmask[:, :1], vocab),
                                                                              0.0, float("-inf")))
+
+
+def _random_bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(seed))
+    bitmask[0] = 0      # nothing allowed
+    bitmask[1] = -1     # everything allowed
+    bitmask[2, ::2] = 0
+    return bitmask
+
+
+# vocab, bitmask words: partial last word, exact, the demo vocabulary, a bitmask narrower than the logits
+# (a padded vocabulary) and one wider
+BITMASK_SHAPES = [(70, 3), (96, 3), (49152, 1536), (100, 2), (64, 3)]
+
+
+@pytest.mark.parametrize(("vocab", "words"), BITMASK_SHAPES)
+@pytest.mark.parametrize("some_rows", [False, True])
+def test_the_cpp_bitmask_kernel_equals_the_pytorch_reference_bitwise(vocab, words, some_rows):
+    if load_bitmask_kernel() is None:
+        pytest.skip("no C++ compiler: the kernel is not built here")
+    logits = random_logits(7, vocab, seed=vocab)
+    logits[3, 5] = float("-inf")     # an already-banned logit stays banned
+    rows = torch.tensor([6, 0, 3, 4, 1]) if some_rows else None
+    bitmask = _random_bitmask(5 if some_rows else 7, words, seed=words)
+    expected = apply_token_bitmask_reference(logits.clone(), rows, bitmask)
+    out = _kernel["module"].mask_logits_(logits.clone(), torch.empty(0, dtype=torch.int64) if rows is None else rows,
+                                         bitmask)
+    assert torch.equal(out, expected)
+    assert torch.equal(apply_token_bitmask(logits.clone(), rows, bitmask), expected)   # the kernel is the path taken
+
+
+@pytest.mark.parametrize(("vocab", "words"), BITMASK_SHAPES)
+def test_the_pytorch_penalty_path_equals_the_reference_on_finite_logits(vocab, words, monkeypatch):
+    monkeypatch.delitem(_kernel, "module", raising=False)     # as before the kernel is loaded, or without a compiler
+    logits = random_logits(4, vocab, seed=vocab + 1)
+    rows = torch.tensor([2, 0, 3])
+    bitmask = _random_bitmask(3, words, seed=words + 1)
+    assert torch.equal(apply_token_bitmask(logits.clone(), rows, bitmask),
+                       apply_token_bitmask_reference(logits.clone(), rows, bitmask))
 
 
 def test_ids_past_the_bitmask_width_are_masked_so_a_padded_vocabulary_stays_covered():

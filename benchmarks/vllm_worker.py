@@ -1,12 +1,15 @@
 """vLLM offline worker: runs inside benchmarks/.venv-vllm (vLLM's CPU build), never in the project's venv.
 
     .venv-vllm/bin/python benchmarks/vllm_worker.py --workload W.json --control-dir D --out R.json [--max-num-seqs 64 ...]
+    .venv-vllm/bin/python benchmarks/vllm_worker.py --workload W.json --schemas S.json ...   # structured output
     .venv-vllm/bin/python benchmarks/vllm_worker.py --check --model model     # 8 greedy tokens, a set-up check
 
 Long-lived (round_protocol.py): after the warm-up, each "run K" line on stdin sends all requests to
 `vllm.LLM.generate` at once (the same prompt token ids as our engine, greedy, EOS ignored; the prefix
 cache emptied first); "finish" runs one request alone through the engine's step loop for batch-1
-decode tok/s, writes --out and exits.
+decode tok/s, writes --out and exits. With --schemas (structured.py), each round runs the prompts with
+their JSON schemas (SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)), vLLM's default
+backend: "auto") and without, EOS honoured, instead; "finish" then just writes --out.
 Imports only vLLM, the standard library and the benchmark's plain-Python helpers.
 """
 from __future__ import annotations
@@ -124,6 +127,105 @@ def run(args) -> dict:
             "batch1": batch1_decode(llm, workload.prompt_token_ids[0], workload.max_new_tokens)}
 
 
+def structured_params(max_tokens: int, schema: dict | None):
+    """Greedy, EOS honoured; with `schema`, constrained to it through vLLM's default backend."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = None if schema is None else StructuredOutputsParams(json=schema)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+
+
+def structured_run(llm, ids: list[list[int]], params: list) -> dict:
+    """One LLM.generate over these prompts, from an empty prefix cache; structured.run_figures plus each
+    output's token ids, text and whether it ended on a stop (vLLM: eos after the grammar's end)."""
+    from structured import run_figures
+
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    return {**run_figures(wall, list(map(len, token_ids))), "output_token_ids": token_ids,
+            "texts": [o.outputs[0].text for o in outs],
+            "finished_on_grammar": [o.outputs[0].finish_reason == "stop" for o in outs]}
+
+
+def backends_used(params: list) -> dict:
+    """{backend: requests} as vLLM resolved each request's structured_outputs (its `_backend`, set when the
+    request was validated; "auto" picks xgrammar and falls back to guidance or outlines per schema)."""
+    counts: dict[str, int] = {}
+    for p in params:
+        so = p.structured_outputs
+        name = (getattr(so, "_backend", None) or "unresolved") if so is not None else "none"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def run_structured(args) -> dict:
+    import torch
+    import vllm
+    from structured import check_outputs, round_order, round_record
+
+    workload = Workload.load(args.workload)
+    schemas = json.loads(args.schemas.read_text())
+    start = time.perf_counter()
+    llm = make_llm(workload.model, args)
+    startup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": x} for x in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
+    warmup_s = time.perf_counter() - start
+    ids, n = workload.prompt_token_ids, workload.max_new_tokens
+    specs = [structured_params(n, s) for s in schemas]
+    one_plain = structured_run(llm, ids[:1], [structured_params(1, None)])["wall_s"]
+    one_cold = structured_run(llm, ids[:1], [structured_params(1, schemas[0])])["wall_s"]
+    all_plain = structured_run(llm, ids, [structured_params(2, None)] * len(ids))["wall_s"]
+    warm = [structured_params(2, s) for s in schemas]
+    all_cold = structured_run(llm, ids, warm)["wall_s"]
+    compile_record = {
+        "first_request_s": one_cold, "first_request_unconstrained_s": one_plain,
+        "first_compile_s": one_cold - one_plain, "all_schemas_2_tokens_s": all_cold,
+        "all_unconstrained_2_tokens_s": all_plain, "all_schemas_compile_s": all_cold - all_plain,
+        "method": "as ours: one 1-token request with the first schema minus the same unconstrained, then all "
+                  "requests at 2 tokens with their schemas minus the same unconstrained (vLLM's grammar "
+                  "compiler caches compiled schemas)"}
+
+    def one_round(k: int) -> dict:
+        runs = {}
+        for mode in round_order(k):
+            runs[mode] = structured_run(llm, ids, specs if mode == "constrained" else [structured_params(n, None)] * len(ids))
+        constrained = runs["constrained"]
+        constrained["validation"] = check_outputs(constrained.pop("texts"), constrained.pop("finished_on_grammar"),
+                                                  schemas)
+        runs["unconstrained"].pop("texts")
+        runs["unconstrained"].pop("finished_on_grammar")
+        return round_record(constrained, runs["unconstrained"], ",".join(round_order(k)))
+
+    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s, "first_compile_s":
+                                      compile_record["first_compile_s"]}, one_round)
+    config = getattr(llm.llm_engine.vllm_config, "structured_outputs_config", None)
+    return {"engine": "vllm", "vllm_version": vllm.__version__, "torch": torch.__version__,
+            "torch_num_threads": torch.get_num_threads(), "startup_s": startup_s, "warmup_s": warmup_s,
+            "structured_outputs_backend_configured": getattr(config, "backend", None),
+            "structured_outputs_backend_used": backends_used(specs + warm),
+            "grammar_backend": grammar_versions(), "compile": compile_record,
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "preload": preload_seen(),
+            **summarize(rounds)}
+
+
+def grammar_versions() -> dict:
+    """The installed versions of the libraries vLLM's backends use (importlib.metadata; None: not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("xgrammar", "llguidance", "outlines_core"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def check(args) -> int:
     """Generate 8 greedy tokens from one short chat prompt; print them. Exit code 0 when 8 came back."""
     from transformers import AutoTokenizer
@@ -145,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--control-dir", type=Path, help="where ready.json and round-K.json go")
+    parser.add_argument("--schemas", type=Path, help="the structured-output phase: a JSON list, one schema per prompt")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--model", default="model", help="model directory (--check)")
     parser.add_argument("--dtype", default="float32")
@@ -156,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return check(args)
     if not (args.workload and args.out and args.control_dir):
         parser.error("--workload, --control-dir and --out are needed (or --check)")
-    args.out.write_text(json.dumps(run(args)))
+    args.out.write_text(json.dumps(run_structured(args) if args.schemas else run(args)))
     return 0
 
 

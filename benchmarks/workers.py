@@ -2,8 +2,9 @@
 
     python benchmarks/workers.py hf|peak --workload W.json --out R.json [options]
     python benchmarks/workers.py ours-offline|ours-batch1 --workload W.json --control-dir D --out R.json [options]
+    python benchmarks/workers.py ours-structured --workload W.json --schemas S.json --control-dir D --out R.json [options]
 
-Each writes one JSON result to --out. ours-offline and ours-batch1 are long-lived: after the warm-up they
+Each writes one JSON result to --out. ours-offline, ours-batch1 and ours-structured are long-lived: after the warm-up they
 run one round (the whole workload; one request alone) per "run K" line on stdin and end on "finish"
 (round_protocol.py). The orchestrator (bench.py) samples their memory; nothing here starts another engine.
 """
@@ -222,6 +223,94 @@ def hf_generate(args, workload: Workload) -> dict:
             "output_token_ids": outputs}
 
 
+# ---------------------------------------------------------------- structured output
+
+def run_requests(engine, prompt_ids: list[list[int]], params_list: list, prefix: str) -> dict:
+    """Add every request at once (each its own SamplingParams), step until all finish; the run's figures
+    (structured.run_figures), each request's token ids, text and whether it ended on eos/a stop id."""
+    from structured import run_figures
+
+    from lmi_handler.engine.sequence import FinishReason
+
+    start = time.perf_counter()
+    seqs = [engine.add_request(f"{prefix}{i}", ids, params, seed=0)
+            for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True))]
+    num_steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        num_steps += 1
+    wall = time.perf_counter() - start
+    ids = [list(seq.output_token_ids) for seq in seqs]
+    errors = [seq.request_id for seq in seqs if seq.finish_reason is FinishReason.ERROR]
+    if errors:
+        raise RuntimeError(f"requests {errors[:5]} ended with finish reason error")
+    return {**run_figures(wall, [seq.num_output_tokens for seq in seqs], num_steps), "output_token_ids": ids,
+            "texts": [engine.tokenizer.decode(x, skip_special_tokens=True) for x in ids],
+            "finished_on_grammar": [seq.finish_reason in (FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE)
+                                    for seq in seqs]}
+
+
+def ours_structured(args, workload: Workload) -> dict:
+    """The structured-output phase (structured.py): the workload's prompts, EOS honoured, each with its JSON
+    schema (SamplingParams.structured_output, as protocol/decoding.py builds it for response_format
+    json_schema) and without, both runs in every round (the order alternating); compile times first."""
+    from structured import check_outputs, round_order, round_record, schema_text
+
+    from lmi_handler.engine.sequence import GrammarKind, SamplingParams, StructuredOutputSpec
+
+    schemas = json.loads(args.schemas.read_text())
+    settings, engine, startup_s = start_engine(dict(args.option))
+    plain = SamplingParams(greedy=True, max_new_tokens=workload.max_new_tokens)
+    specs = [replace(plain, structured_output=StructuredOutputSpec(GrammarKind.JSON_SCHEMA, schema_text(s)))
+             for s in schemas]
+    start = time.perf_counter()
+    run_engine(engine, workload.warmup(), replace(plain, max_new_tokens=2, ignore_eos=True), "warmup-")
+    warmup_s = time.perf_counter() - start
+    ids = workload.prompt_token_ids
+    # compile costs, each against the same request unconstrained (the prompt's prefix then cached for both)
+    one_plain = run_requests(engine, ids[:1], [replace(plain, max_new_tokens=1)], "c1u-")["wall_s"]
+    one_cold = run_requests(engine, ids[:1], [replace(specs[0], max_new_tokens=1)], "c1c-")["wall_s"]
+    drop_prefix_cache(engine.allocator)
+    all_plain = run_requests(engine, ids, [replace(plain, max_new_tokens=2)] * len(ids), "cau-")["wall_s"]
+    drop_prefix_cache(engine.allocator)
+    all_cold = run_requests(engine, ids, [replace(p, max_new_tokens=2) for p in specs], "cac-")["wall_s"]
+    compile_record = {
+        "first_request_s": one_cold, "first_request_unconstrained_s": one_plain,
+        "first_compile_s": one_cold - one_plain,
+        "all_schemas_2_tokens_s": all_cold, "all_unconstrained_2_tokens_s": all_plain,
+        "all_schemas_compile_s": all_cold - all_plain,
+        "method": "wall time of one 1-token request with the first schema (cold: the tokenizer table and its "
+                  "compile included) minus the same request unconstrained; then all requests at 2 tokens with "
+                  "their schemas (the other compiles, on the compile threads) minus the same unconstrained; "
+                  "the rounds then find every schema compiled (cached by spec)"}
+
+    def one_round(k: int) -> dict:
+        runs = {}
+        for mode in round_order(k):
+            drop_prefix_cache(engine.allocator)
+            runs[mode] = run_requests(engine, ids, specs if mode == "constrained" else [plain] * len(ids),
+                                      f"r{k}{mode[0]}-")
+        constrained = runs["constrained"]
+        constrained["validation"] = check_outputs(constrained.pop("texts"), constrained.pop("finished_on_grammar"),
+                                                  schemas)
+        runs["unconstrained"].pop("texts")
+        runs["unconstrained"].pop("finished_on_grammar")
+        return round_record(constrained, runs["unconstrained"], ",".join(round_order(k)))
+
+    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s, **{
+        k: v for k, v in compile_record.items() if k != "method"}}, one_round)
+    return {**engine_facts(settings, engine), "startup_s": startup_s, "warmup_s": warmup_s,
+            "grammar_backend": grammar_backend(), "compile": compile_record, **summarize(rounds)}
+
+
+def grammar_backend() -> str:
+    import llguidance
+
+    version = getattr(llguidance, "__version__", None) or (llguidance.get_version()
+                                                            if hasattr(llguidance, "get_version") else "?")
+    return f"llguidance {version}"
+
+
 # ---------------------------------------------------------------- the machine's ceilings
 
 def peak(args, workload: Workload) -> dict:
@@ -241,7 +330,7 @@ def peak(args, workload: Workload) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("worker", choices=["ours-offline", "ours-batch1", "hf", "peak"])
+    parser.add_argument("worker", choices=["ours-offline", "ours-batch1", "ours-structured", "hf", "peak"])
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--control-dir", type=Path, help="ours-offline: where ready.json and round-K.json go")
@@ -249,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--option", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                         help="our engine's option.KEY (ours-offline)")
+    parser.add_argument("--schemas", type=Path, help="ours-structured: a JSON list, one schema per prompt")
     parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     parser.add_argument("--hf-probe-tokens", type=int, default=32)
     parser.add_argument("--peak-size", type=int, default=0, help="peak: square matmul size (0: 2048; CUDA 8192)")
@@ -256,14 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mem-bytes", type=int, default=0, help="peak: read-bandwidth buffer (0: probes' default)")
     parser.add_argument("--mem-repeats", type=int, default=10, help="peak: read-bandwidth passes (best is kept)")
     args = parser.parse_args(argv)
-    if args.worker in ("ours-offline", "ours-batch1") and args.control_dir is None:
+    if args.worker in ("ours-offline", "ours-batch1", "ours-structured") and args.control_dir is None:
         parser.error(f"{args.worker} needs --control-dir")
+    if args.worker == "ours-structured" and args.schemas is None:
+        parser.error("ours-structured needs --schemas")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     workload = Workload.load(args.workload)
-    run = {"ours-offline": ours_offline, "ours-batch1": ours_batch1, "hf": hf_generate, "peak": peak}[args.worker]
+    run = {"ours-offline": ours_offline, "ours-batch1": ours_batch1, "ours-structured": ours_structured,
+           "hf": hf_generate, "peak": peak}[args.worker]
     result = run(args, workload)
     if result is not None:
         args.out.write_text(json.dumps(result))

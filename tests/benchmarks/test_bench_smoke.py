@@ -136,7 +136,19 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
         assert llama["model_bytes"] > 0 and llama["output_tokens_per_s"] > 0
     else:
         assert "is not set up" in llama["skipped"]
+    structured = phases["ours_structured"]  # the structured-output phase, ours only: 2 prompts, 8 tokens, 2 rounds
+    assert structured["grammar_backend"].startswith("llguidance") and structured["dtype"] == "torch.float32"
+    assert [r["round"] for r in structured["rounds"]] == [1, 2]
+    for rnd in structured["rounds"]:
+        assert rnd["num_requests"] == 2 and 2 <= rnd["output_tokens"] <= tokens
+        assert rnd["unconstrained"]["num_requests"] == 2 and 2 <= rnd["unconstrained"]["output_tokens"] <= tokens
+        check = rnd["validation"]
+        assert check["num_outputs"] == 2 and check["num_invalid"] == 0
+        assert check["num_finished"] + check["num_length"] == 2 and check["num_valid"] == check["num_finished"]
+    assert structured["compile"]["first_request_s"] > 0 and structured["compile"]["all_schemas_2_tokens_s"] > 0
+    assert result["structured"]["engines"]["ours_structured"]["validation"]["num_outputs"] == 4
     smoke_off = {"skipped": "--smoke (add --with vllm)"}  # every phase is in the JSON, with why it did not run
+    assert phases["vllm_structured"] == smoke_off
     assert phases["vllm_offline_fp32"] == smoke_off and phases["vllm_offline_bf16"] == smoke_off
     assert phases["vllm_server"] == smoke_off
     assert phases["ours_offline_plain_fp32"] == {"skipped": "--smoke (add --with plain)"}
@@ -156,4 +168,5 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     after = readme.read_text()
     head = before.split(report.TABLE_START)[0]
     assert after.startswith(head) and json_path.name in after and "| ours offline fp32 (default" in after
+    assert "| ours | JSON schema |" in after and "| ours | unconstrained |" in after
     assert "| ours bf16 | bf16 |" in after and after.count(report.TABLE_START) == 1 and after.count(report.TABLE_END) == 1

@@ -58,8 +58,8 @@ class StepSample:
     prompt_chunks: list[PromptChunk]
     prompt_logprobs: torch.Tensor | None   # (sum of num_targets,) float32, in prompt_chunks order
     # vLLM prompt_logprobs=k: (M, K) top ids and log probs of the targets of chunks with prompt_top_n_tokens,
-    # in prompt_chunks order (M = their targets, K = the largest k)
-    prompt_top: tuple[torch.Tensor, torch.Tensor] | None = None
+    # in prompt_chunks order (M = their targets, K = the largest k), and (M,) int64 each target's rank
+    prompt_top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     beam_groups: list = field(default_factory=list)     # BeamGroups whose beams are among the rows
     beam_candidates: tuple[torch.Tensor, ...] | None = None   # beam_search.beam_candidates' 4 (G, K) tensors
     # filled by OutputProcessor.process: per group (values, parents, tokens, log probs) as lists
@@ -88,23 +88,26 @@ def plan_prompt_logprobs(sched: SchedulerOutput,
 
 
 def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None, model_out: ModelOutput
-                           ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+                           ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """Log prob of each planned target given the tokens before it: (N,) float32 on the device; and for chunks
     whose sequence asks for prompt alternatives (prompt_top_n_tokens), their targets' top ids and log probs
-    ((M, K) int64 and float32, K the largest prompt_top_n_tokens of the step), else None."""
-    values, top_ids, top_values, offset = [], [], [], 0
+    ((M, K) int64 and float32, K the largest prompt_top_n_tokens of the step) and each target's rank ((M,)
+    int64: 1 + the number of vocabulary entries with a strictly higher log prob, vLLM's definition), else None."""
+    values, top_ids, top_values, top_ranks, offset = [], [], [], [], 0
     k = max((c.seq.params.prompt_top_n_tokens for c in chunks if c.num_targets), default=0)
     for chunk in chunks:
         if chunk.num_targets:
             logp = torch.log_softmax(model_out.chunk_logits[chunk.index][:chunk.num_targets].float(), dim=-1)
             target = targets[offset:offset + chunk.num_targets, None]                    # (n, 1)
-            values.append(logp.gather(1, target).squeeze(1))
+            target_logp = logp.gather(1, target)                                            # (n, 1)
+            values.append(target_logp.squeeze(1))
             offset += chunk.num_targets
             if chunk.seq.params.prompt_top_n_tokens:
                 top = torch.topk(logp, min(k, logp.shape[1]), dim=-1)
                 top_ids.append(top.indices)
                 top_values.append(top.values)
-    top = (torch.cat(top_ids), torch.cat(top_values)) if top_ids else None
+                top_ranks.append(1 + (logp > target_logp).sum(dim=1))
+    top = (torch.cat(top_ids), torch.cat(top_values), torch.cat(top_ranks)) if top_ids else None
     return (torch.cat(values) if values else None), top
 
 
@@ -141,6 +144,8 @@ class OutputProcessor:
                     chunk.seq.prompt_top_tokens = [None]      # the first prompt token has no context
                 chunk.seq.prompt_top_tokens.extend(row[:n] for row in host.prompt_tops[top_offset:
                                                                                         top_offset + chunk.num_targets])
+                chunk.seq.prompt_token_ranks = chunk.seq.prompt_token_ranks or [None]
+                chunk.seq.prompt_token_ranks.extend(host.prompt_ranks[top_offset:top_offset + chunk.num_targets])
                 top_offset += chunk.num_targets
             if chunk.ends_prompt:
                 self._set_prompt_tokens(chunk.seq)
@@ -198,9 +203,10 @@ class OutputProcessor:
         state = self.texts[seq.request_id]
         texts = state.detokenizer.decode_prompt_tokens()
         tops = seq.prompt_top_tokens or [None] * seq.num_prompt_tokens
+        ranks = seq.prompt_token_ranks or [None] * seq.num_prompt_tokens
         state.prompt_tokens = [
-            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid), top)
-            for tid, text, lp, top in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs, tops)]
+            TokenOutput(tid, text, lp, state.detokenizer.is_special(tid), top, rank)
+            for tid, text, lp, top, rank in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs, tops, ranks)]
 
 
 def _grammar_reason(seq: Sequence, token_id: int, reason_code: int) -> int:
@@ -224,6 +230,7 @@ class _HostStep:
     prompt_logprobs: list[float]
     beams: list[tuple[list[float], list[int], list[int], list[float]]]
     prompt_tops: list[list[tuple[int, float]]]
+    prompt_ranks: list[int]
 
 
 def _to_host(step: StepSample) -> _HostStep:
@@ -247,7 +254,7 @@ def _to_host(step: StepSample) -> _HostStep:
     if step.prompt_top is not None:
         parts += [t.flatten() for t in step.prompt_top]
     if not parts:
-        return _HostStep([], [], [], None, [], [], [])
+        return _HostStep([], [], [], None, [], [], [], [])
     # host sync, the step's only one: sampled tokens, stop reasons and log probs go to Python
     flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
     token_ids = [int(t) for t in flat[:num_rows]]
@@ -269,10 +276,11 @@ def _to_host(step: StepSample) -> _HostStep:
         beams = [(values[g * k:(g + 1) * k], [int(p) for p in parents[g * k:(g + 1) * k]],
                   [int(t) for t in tokens[g * k:(g + 1) * k]], lps[g * k:(g + 1) * k]) for g in range(num_groups)]
         end += 4 * n
-    prompt_tops = []
+    prompt_tops, prompt_ranks = [], []
     if step.prompt_top is not None:
         rows, k = step.prompt_top[0].shape
         ids, lps = flat[end:end + rows * k], flat[end + rows * k:end + 2 * rows * k]
         prompt_tops = [[(int(t), lp) for t, lp in zip(ids[r * k:(r + 1) * k], lps[r * k:(r + 1) * k])]
                        for r in range(rows)]
-    return _HostStep(token_ids, logprobs, reasons, tops, prompt_logprobs, beams, prompt_tops)
+        prompt_ranks = [int(r) for r in flat[end + 2 * rows * k:end + 2 * rows * k + rows]]
+    return _HostStep(token_ids, logprobs, reasons, tops, prompt_logprobs, beams, prompt_tops, prompt_ranks)

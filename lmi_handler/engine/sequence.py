@@ -126,6 +126,7 @@ class TokenOutput:
     log_prob: float
     special_token: bool
     top_tokens: list[tuple[int, float]] | None = None  # (id, log_prob), best first
+    rank: int | None = None  # prompt tokens with prompt_top_n_tokens: 1 + ids with a strictly higher log prob (vLLM)
 
 
 @dataclass(eq=False)
@@ -160,6 +161,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     prompt_token_logprobs: list[float | None] | None = None  # first is None (no context)
     prompt_top_tokens: list[list[tuple[int, float]] | None] | None = None  # prompt_top_n_tokens; first None
+    prompt_token_ranks: list[int | None] | None = None  # prompt_top_n_tokens: each prompt token's rank; first None
     first_token_time: float | None = None          # seconds, for TTFT
     # structured output (engine/grammar.py): the compile being waited on, then this sequence's matcher
     grammar_ticket: Any = None                      # CompileTicket while the grammar compiles

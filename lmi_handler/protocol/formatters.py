@@ -156,7 +156,8 @@ class _OpenAIFormatter(Formatter):
     def prompt_logprobs(self) -> list[dict | None]:
         """vLLM prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank,
         decoded_token}} for the token itself and its k best alternatives (rank: 1-based place among the
-        alternatives, null for the token itself when it is not among them)."""
+        alternatives; the token itself: 1 + the number of vocabulary entries with a strictly higher log prob,
+        as vLLM computes it, whether or not it is among them)."""
         entries: list[dict | None] = []
         for i, token in enumerate(self.prompt_tokens or []):
             if i == 0:
@@ -164,7 +165,8 @@ class _OpenAIFormatter(Formatter):
                 continue
             top = token.top_tokens or []
             ranks = {tid: r + 1 for r, (tid, _) in enumerate(top)}
-            entry = {str(token.id): {"logprob": token.log_prob, "rank": ranks.get(token.id),
+            rank = token.rank if token.rank is not None else ranks.get(token.id)
+            entry = {str(token.id): {"logprob": token.log_prob, "rank": rank,
                                      "decoded_token": token.text}}
             for tid, lp in top:
                 text = self.plan.decode_token(tid) if self.plan.decode_token else ""

@@ -119,6 +119,31 @@ def test_prompt_log_probs_cover_every_prompt_token_across_two_chunks(tiny_tokeni
     assert "".join(t.text for t in prompt_tokens) == "The cat sat on the mat."
 
 
+def test_a_prompt_tokens_rank_counts_the_whole_vocabulary_across_chunks(tiny_tokenizer):
+    proc = OutputProcessor(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("The cat sat on the mat.")
+    seq = new_seq(proc, prompt=prompt, prompt_logprobs=True, prompt_top_n_tokens=1)
+    logits = torch.randn(len(prompt), len(tiny_tokenizer), generator=torch.Generator().manual_seed(1))
+    logp = torch.log_softmax(logits, -1)
+    # the definition (vLLM's), one position at a time: 1 + ids whose log prob is strictly higher
+    expected = [1 + sum(v > logp[p, prompt[p + 1]] for v in logp[p].tolist()) for p in range(len(prompt) - 1)]
+    assert max(expected) > 1   # some prompt tokens are not the top-1 alternative
+    outputs = []
+    for start, end in ((0, 3), (3, len(prompt))):
+        sched = SchedulerOutput(seqs=[seq], num_scheduled_tokens=[end - start])
+        seq.num_computed_tokens = start
+        chunks, targets = plan_prompt_logprobs(sched, torch.device("cpu"))
+        seq.num_computed_tokens = end
+        values, top = gather_prompt_logprobs(chunks, targets, ModelOutput(logits[end - 1:end], {0: logits[start:end]}))
+        due = [seq] if end == len(prompt) else []
+        sampled = SamplerOutput(torch.tensor([9]), torch.zeros(1), None, None) if due else None
+        codes = torch.zeros(1, dtype=torch.int8) if due else None
+        outputs += proc.process(StepSample(due, sampled, codes, chunks, values, top))
+    prompt_tokens = outputs[0].prompt_tokens
+    assert prompt_tokens[0].rank is None and [t.rank for t in prompt_tokens[1:]] == expected
+    assert [t.top_tokens[0][0] for t in prompt_tokens[1:]] == logp[:-1].argmax(-1).tolist()
+
+
 def test_a_step_copies_its_results_to_the_host_once(tiny_tokenizer, monkeypatch):
     proc = OutputProcessor(tiny_tokenizer)
     seqs = [new_seq(proc, f"r{i}", top_n_tokens=1) for i in range(4)]

@@ -359,11 +359,38 @@ def test_prompt_logprobs_take_vllms_shape(sdk, tokenizer):
     assert entries[0] is None and len(entries) == len(ids)
     for token, entry in zip(ids[1:], entries[1:]):
         assert str(token) in entry and 2 <= len(entry) <= 3
-        ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
-        assert [v["rank"] for v in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+        ranked = sorted(entry.values(), key=lambda v: v["rank"])   # the 2 best, and the token itself with its rank
+        assert [v["rank"] for v in ranked[:2]] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+        assert entry[str(token)]["rank"] >= 1
     chat = sdk.chat.completions.create(model="model", max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1},
                                        messages=[{"role": "user", "content": "hi"}])
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
+
+
+def test_a_prompt_tokens_rank_is_its_place_in_the_whole_vocabulary_even_outside_the_top_k(sdk, tokenizer, model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is Paris, and the zebra quietly ate purple spaghetti."
+    ask = dict(model="model", prompt=prompt, max_tokens=1, temperature=0)
+    one = sdk.completions.create(**ask, extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    many = sdk.completions.create(**ask, extra_body={"prompt_logprobs": 20}).choices[0].model_extra["prompt_logprobs"]
+    ids = tokenizer.encode(prompt)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    outside = 0
+    for pos, (token, small, large) in enumerate(zip(ids[1:], one[1:], many[1:]), 1):
+        rank = small[str(token)]["rank"]
+        assert isinstance(rank, int) and rank >= 1 and large[str(token)]["rank"] == rank   # the same whatever k
+        if rank <= 20:   # among the 20 best alternatives, its place there
+            assert sorted(v["rank"] for v in large.values()) == list(range(1, 21))
+        outside += rank > 1
+        target = logp[pos - 1, token]   # transformers on the same weights, within float32 noise of ours
+        above_surely = int((logp[pos - 1] > target + 1e-4).sum())
+        above_maybe = int((logp[pos - 1] > target - 1e-4).sum())
+        assert above_surely <= rank - 1 <= above_maybe
+    assert outside >= 3   # the odd words are not the model's first choice: ranks past k=1 were computed
 
 
 def test_use_beam_search_through_extra_body_answers_n_choices_on_chat(sdk):

@@ -258,6 +258,8 @@ def structured_summary(phases: dict) -> dict:
             "invalid_examples": [x for c in checks for x in c.get("invalid", [])][:5],
             "compile": res.get("compile"),
             "backend": res.get("structured_outputs_backend_used") or res.get("grammar_backend"),
+            "backend_configured": res.get("structured_outputs_backend_configured"),
+            "grammar_libraries": res.get("grammar_backend"),
             "round_tokens_per_s": _round_rates(res),
             "round_unconstrained_tokens_per_s": [r["unconstrained"]["output_tokens_per_s"] for r in rounds]}
         base = key.split("_")[0]
@@ -280,7 +282,10 @@ def structured_table(result: dict) -> list[str]:
     for eng in summary["engines"].values():
         c, u, v, comp = eng["constrained"], eng["unconstrained"] or {}, eng["validation"], eng["compile"] or {}
         backend = eng["backend"]
-        backend = ", ".join(f"{k} {n}" for k, n in backend.items()) if isinstance(backend, dict) else backend
+        if isinstance(backend, dict):   # vLLM: its configured backend, what each request resolved to, the versions
+            libraries = ", ".join(f"{k} {v}" for k, v in (eng.get("grammar_libraries") or {}).items() if v)
+            backend = (f"{eng.get('backend_configured')} → " + ", ".join(f"{k} ({n} requests)" for k, n in backend.items())
+                       + (f"; installed {libraries}" if libraries else ""))
         checked = f"{v['num_finished']} / {v['num_valid']} of {v['num_outputs']}" if v else "–"
         lines.append(f"| {eng['label']} | JSON schema | {_fmt(c['output_tokens_per_s'], '.1f')} | "
                      f"{_fmt(c['requests_per_s'], '.2f')} | {_fmt(c['mean_tokens_per_request'], '.1f')} | {checked} | "

@@ -125,7 +125,9 @@ def _phase(rates: list[tuple[float, float]], **extra) -> dict:
 def test_the_structured_ratios_are_medians_of_per_round_ratios_with_the_targets():
     phases = {"ours_structured": _phase([(95.0, 100.0), (80.0, 100.0), (90.0, 90.0)], grammar_backend="llguidance 1"),
               "vllm_structured": _phase([(100.0, 100.0), (40.0, 50.0), (45.0, 50.0)],
-                                        structured_outputs_backend_used={"xgrammar": 4})}
+                                        structured_outputs_backend_used={"xgrammar": 4},
+                                        structured_outputs_backend_configured="auto",
+                                        grammar_backend={"xgrammar": "0.2.8", "llguidance": None})}
     summary = report.structured_summary(phases)
     ours = summary["ratios"]["ours_structured_vs_ours_unconstrained"]
     assert ours["per_round"] == pytest.approx([0.95, 0.8, 1.0]) and ours["median"] == pytest.approx(0.95)
@@ -136,6 +138,10 @@ def test_the_structured_ratios_are_medians_of_per_round_ratios_with_the_targets(
     assert ours_engine["validation"] == {"num_outputs": 12, "num_finished": 9, "num_length": 3, "num_valid": 9,
                                          "num_invalid": 0}
     assert ours_engine["unconstrained"]["output_tokens_per_s"] == 100.0   # the median round by unconstrained tok/s
+    table = "\n".join(report.structured_table({"phases": phases, "workload": {"max_new_tokens": 128},
+                                                 "structured": summary}))
+    assert "backend auto → xgrammar (4 requests); installed xgrammar 0.2.8" in table
+    assert "backend llguidance 1;" in table
 
 
 def test_a_missed_target_is_reported_as_not_met_and_the_table_says_so():

@@ -127,6 +127,27 @@ def round_record(constrained: dict, unconstrained: dict, order: str) -> dict:
             "constrained_vs_unconstrained": constrained["output_tokens_per_s"] / base["output_tokens_per_s"]}
 
 
+def compile_record(first: float, first_plain: float, all_schemas: float, all_plain: float, method: str) -> dict:
+    """The compile costs as measured against the same requests unconstrained (wall seconds): the first
+    schema's 1-token request, then every request at 2 tokens with its schema."""
+    return {"first_request_s": first, "first_request_unconstrained_s": first_plain,
+            "first_compile_s": first - first_plain, "all_schemas_2_tokens_s": all_schemas,
+            "all_unconstrained_2_tokens_s": all_plain, "all_schemas_compile_s": all_schemas - all_plain,
+            "method": method}
+
+
+def structured_round(k: int, run, schemas: list[dict]) -> dict:
+    """Round k of the phase: `run(mode)` ("constrained" | "unconstrained") runs every prompt and returns
+    its figures, token ids, texts and finished_on_grammar flags; both run, in round_order(k); the
+    constrained outputs are checked (check_outputs); returns round_record's record."""
+    runs = {mode: run(mode) for mode in round_order(k)}
+    constrained, plain = runs["constrained"], runs["unconstrained"]
+    constrained["validation"] = check_outputs(constrained.pop("texts"), constrained.pop("finished_on_grammar"), schemas)
+    plain.pop("texts")
+    plain.pop("finished_on_grammar")
+    return round_record(constrained, plain, ",".join(round_order(k)))
+
+
 def round_order(k: int) -> tuple[str, str]:
     """Which run goes first in round k: unconstrained in odd rounds, constrained in even ones."""
     return ("unconstrained", "constrained") if k % 2 else ("constrained", "unconstrained")

@@ -105,18 +105,22 @@ def preload_seen() -> dict:
     return {"ld_preload": os.environ.get("LD_PRELOAD", ""), "mapped": mapped_in(["self", *children], paths)}
 
 
+def start_llm(workload: Workload, args):
+    """The LLM, its start-up seconds and its warm-up seconds (the same warm-up as our engine's)."""
+    start = time.perf_counter()
+    llm = make_llm(workload.model, args)
+    startup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
+    return llm, startup_s, time.perf_counter() - start
+
+
 def run(args) -> dict:
     import torch
     import vllm
 
     workload = Workload.load(args.workload)
-    start = time.perf_counter()
-    llm = make_llm(workload.model, args)
-    startup_s = time.perf_counter() - start
-    # warm-up, the same as our engine's
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": ids} for ids in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
-    warmup_s = time.perf_counter() - start
+    llm, startup_s, warmup_s = start_llm(workload, args)
     rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s},
                    lambda k: generate_round(llm, workload))
     return {"engine": "vllm", "vllm_version": vllm.__version__, "torch": torch.__version__,
@@ -165,16 +169,11 @@ def backends_used(params: list) -> dict:
 def run_structured(args) -> dict:
     import torch
     import vllm
-    from structured import check_outputs, round_order, round_record
+    from structured import compile_record, structured_round
 
     workload = Workload.load(args.workload)
     schemas = json.loads(args.schemas.read_text())
-    start = time.perf_counter()
-    llm = make_llm(workload.model, args)
-    startup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": x} for x in workload.warmup().prompt_token_ids], greedy(2), use_tqdm=False)
-    warmup_s = time.perf_counter() - start
+    llm, startup_s, warmup_s = start_llm(workload, args)
     ids, n = workload.prompt_token_ids, workload.max_new_tokens
     specs = [structured_params(n, s) for s in schemas]
     one_plain = structured_run(llm, ids[:1], [structured_params(1, None)])["wall_s"]
@@ -182,33 +181,23 @@ def run_structured(args) -> dict:
     all_plain = structured_run(llm, ids, [structured_params(2, None)] * len(ids))["wall_s"]
     warm = [structured_params(2, s) for s in schemas]
     all_cold = structured_run(llm, ids, warm)["wall_s"]
-    compile_record = {
-        "first_request_s": one_cold, "first_request_unconstrained_s": one_plain,
-        "first_compile_s": one_cold - one_plain, "all_schemas_2_tokens_s": all_cold,
-        "all_unconstrained_2_tokens_s": all_plain, "all_schemas_compile_s": all_cold - all_plain,
-        "method": "as ours: one 1-token request with the first schema minus the same unconstrained, then all "
-                  "requests at 2 tokens with their schemas minus the same unconstrained (vLLM's grammar "
-                  "compiler caches compiled schemas)"}
+    compiles = compile_record(one_cold, one_plain, all_cold, all_plain,
+                              "as ours: one 1-token request with the first schema minus the same unconstrained, "
+                              "then all requests at 2 tokens with their schemas minus the same unconstrained "
+                              "(vLLM's grammar compiler caches compiled schemas)")
 
-    def one_round(k: int) -> dict:
-        runs = {}
-        for mode in round_order(k):
-            runs[mode] = structured_run(llm, ids, specs if mode == "constrained" else [structured_params(n, None)] * len(ids))
-        constrained = runs["constrained"]
-        constrained["validation"] = check_outputs(constrained.pop("texts"), constrained.pop("finished_on_grammar"),
-                                                  schemas)
-        runs["unconstrained"].pop("texts")
-        runs["unconstrained"].pop("finished_on_grammar")
-        return round_record(constrained, runs["unconstrained"], ",".join(round_order(k)))
+    def run(mode: str) -> dict:
+        return structured_run(llm, ids, specs if mode == "constrained" else [structured_params(n, None)] * len(ids))
 
-    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s, "first_compile_s":
-                                      compile_record["first_compile_s"]}, one_round)
+    rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s,
+                                      "first_compile_s": compiles["first_compile_s"]},
+                   lambda k: structured_round(k, run, schemas))
     config = getattr(llm.llm_engine.vllm_config, "structured_outputs_config", None)
     return {"engine": "vllm", "vllm_version": vllm.__version__, "torch": torch.__version__,
             "torch_num_threads": torch.get_num_threads(), "startup_s": startup_s, "warmup_s": warmup_s,
             "structured_outputs_backend_configured": getattr(config, "backend", None),
             "structured_outputs_backend_used": backends_used(specs + warm),
-            "grammar_backend": grammar_versions(), "compile": compile_record,
+            "grammar_backend": grammar_versions(), "compile": compiles,
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "preload": preload_seen(),
             **summarize(rounds)}
 

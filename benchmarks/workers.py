@@ -254,7 +254,7 @@ def ours_structured(args, workload: Workload) -> dict:
     """The structured-output phase (structured.py): the workload's prompts, EOS honoured, each with its JSON
     schema (SamplingParams.structured_output, as protocol/decoding.py builds it for response_format
     json_schema) and without, both runs in every round (the order alternating); compile times first."""
-    from structured import check_outputs, round_order, round_record, schema_text
+    from structured import compile_record, schema_text, structured_round
 
     from lmi_handler.engine.sequence import GrammarKind, SamplingParams, StructuredOutputSpec
 
@@ -274,33 +274,22 @@ def ours_structured(args, workload: Workload) -> dict:
     all_plain = run_requests(engine, ids, [replace(plain, max_new_tokens=2)] * len(ids), "cau-")["wall_s"]
     drop_prefix_cache(engine.allocator)
     all_cold = run_requests(engine, ids, [replace(p, max_new_tokens=2) for p in specs], "cac-")["wall_s"]
-    compile_record = {
-        "first_request_s": one_cold, "first_request_unconstrained_s": one_plain,
-        "first_compile_s": one_cold - one_plain,
-        "all_schemas_2_tokens_s": all_cold, "all_unconstrained_2_tokens_s": all_plain,
-        "all_schemas_compile_s": all_cold - all_plain,
-        "method": "wall time of one 1-token request with the first schema (cold: the tokenizer table and its "
-                  "compile included) minus the same request unconstrained; then all requests at 2 tokens with "
-                  "their schemas (the other compiles, on the compile threads) minus the same unconstrained; "
-                  "the rounds then find every schema compiled (cached by spec)"}
+    compiles = compile_record(
+        one_cold, one_plain, all_cold, all_plain,
+        "wall time of one 1-token request with the first schema (cold: the tokenizer table and its compile "
+        "included) minus the same request unconstrained; then all requests at 2 tokens with their schemas (the "
+        "other compiles, on the compile threads) minus the same unconstrained; the rounds then find every "
+        "schema compiled (cached by spec)")
 
-    def one_round(k: int) -> dict:
-        runs = {}
-        for mode in round_order(k):
-            drop_prefix_cache(engine.allocator)
-            runs[mode] = run_requests(engine, ids, specs if mode == "constrained" else [plain] * len(ids),
-                                      f"r{k}{mode[0]}-")
-        constrained = runs["constrained"]
-        constrained["validation"] = check_outputs(constrained.pop("texts"), constrained.pop("finished_on_grammar"),
-                                                  schemas)
-        runs["unconstrained"].pop("texts")
-        runs["unconstrained"].pop("finished_on_grammar")
-        return round_record(constrained, runs["unconstrained"], ",".join(round_order(k)))
+    def run(k: int, mode: str) -> dict:
+        drop_prefix_cache(engine.allocator)
+        return run_requests(engine, ids, specs if mode == "constrained" else [plain] * len(ids), f"r{k}{mode[0]}-")
 
     rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s, **{
-        k: v for k, v in compile_record.items() if k != "method"}}, one_round)
+        k: v for k, v in compiles.items() if k != "method"}},
+                   lambda k: structured_round(k, lambda mode: run(k, mode), schemas))
     return {**engine_facts(settings, engine), "startup_s": startup_s, "warmup_s": warmup_s,
-            "grammar_backend": grammar_backend(), "compile": compile_record, **summarize(rounds)}
+            "grammar_backend": grammar_backend(), "compile": compiles, **summarize(rounds)}
 
 
 def grammar_backend() -> str:

@@ -108,6 +108,28 @@ def test_a_round_keeps_the_constrained_run_on_top_and_the_ratio_to_the_unconstra
     assert structured.round_order(2) == ("constrained", "unconstrained")
 
 
+def test_a_structured_round_runs_both_modes_in_turn_and_checks_only_the_constrained_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    ran = []
+
+    def run(mode: str) -> dict:
+        ran.append(mode)
+        texts = ['{"a": 1}', '{"a": "x"}'] if mode == "constrained" else ["free text", "more"]
+        return {**structured.run_figures(1.0, [4, 6]), "output_token_ids": [[1], [2]], "texts": texts,
+                "finished_on_grammar": [True, True]}
+
+    record = structured.structured_round(2, run, [schema, schema])
+    assert ran == ["constrained", "unconstrained"] and record["order"] == "constrained,unconstrained"
+    assert (record["validation"]["num_valid"], record["validation"]["num_invalid"]) == (1, 1)
+    assert "texts" not in record and "texts" not in record["unconstrained"]
+    assert "validation" not in record["unconstrained"] and record["constrained_vs_unconstrained"] == 1.0
+
+
+def test_the_compile_record_is_each_cold_run_minus_the_same_run_unconstrained():
+    rec = structured.compile_record(1.5, 0.5, 4.0, 3.0, "how")
+    assert (rec["first_compile_s"], rec["all_schemas_compile_s"], rec["method"]) == (1.0, 1.0, "how")
+
+
 def _phase(rates: list[tuple[float, float]], **extra) -> dict:
     """A structured phase's result from (constrained, unconstrained) tok/s per round."""
     rounds = []

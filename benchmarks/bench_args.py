@@ -73,7 +73,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true",
                    help="CI variant: 2 prompts x 8 tokens, ours offline in each --dtype + batch-1 (int8, llama.cpp "
-                        "where set up) + batch runner + server at C=2 + HF (bs 2), 1 thread unless --threads, a "
+                        "where set up) + ours structured output + batch runner + server at C=2 + HF (bs 2), 1 thread unless --threads, a "
                         "64 MiB bandwidth buffer; these sizes replace --num-prompts, --max-new-tokens, --concurrency "
                         "and --hf-batch-sizes; vLLM and the plain variant skipped unless named in --with")
     p.add_argument("--with", dest="with_", type=words, default=[], help="with --smoke: also run these (vllm,plain)")

@@ -137,15 +137,23 @@ def compile_record(first: float, first_plain: float, all_schemas: float, all_pla
 
 
 def structured_round(k: int, run, schemas: list[dict]) -> dict:
-    """Round k of the phase: `run(mode)` ("constrained" | "unconstrained") runs every prompt and returns
-    its figures, token ids, texts and finished_on_grammar flags; both run, in round_order(k); the
-    constrained outputs are checked (check_outputs); returns round_record's record."""
-    runs = {mode: run(mode) for mode in round_order(k)}
+    """Round k of the phase. `run(mode, lengths)` runs every prompt and returns its figures, token ids, texts
+    and finished_on_grammar flags, for mode "constrained" (each prompt with its schema), "unconstrained" (the
+    same max_tokens, EOS honoured) and "length_matched" (unconstrained, EOS ignored, each request exactly
+    `lengths[i]` tokens: as many as its constrained answer, so both runs have the same tokens and the same
+    batch sizes step by step, and their ratio is the grammar's cost alone). The first two run in
+    round_order(k), then the length-matched one; the constrained outputs are checked (check_outputs).
+    Returns round_record's record with "length_matched" and "constrained_vs_length_matched" added."""
+    runs = {mode: run(mode, None) for mode in round_order(k)}
     constrained, plain = runs["constrained"], runs["unconstrained"]
+    matched = run("length_matched", [len(ids) for ids in constrained["output_token_ids"]])
     constrained["validation"] = check_outputs(constrained.pop("texts"), constrained.pop("finished_on_grammar"), schemas)
-    plain.pop("texts")
-    plain.pop("finished_on_grammar")
-    return round_record(constrained, plain, ",".join(round_order(k)))
+    for other in (plain, matched):
+        for key in ("texts", "finished_on_grammar", "output_token_ids"):
+            other.pop(key, None)
+    record = round_record(constrained, plain, ",".join(round_order(k)) + ",length_matched")
+    return {**record, "length_matched": matched,
+            "constrained_vs_length_matched": constrained["output_tokens_per_s"] / matched["output_tokens_per_s"]}
 
 
 def round_order(k: int) -> tuple[str, str]:

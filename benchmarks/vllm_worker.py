@@ -186,8 +186,13 @@ def run_structured(args) -> dict:
                               "then all requests at 2 tokens with their schemas minus the same unconstrained "
                               "(vLLM's grammar compiler caches compiled schemas)")
 
-    def run(mode: str) -> dict:
-        return structured_run(llm, ids, specs if mode == "constrained" else [structured_params(n, None)] * len(ids))
+    def run(mode: str, lengths: list[int] | None) -> dict:
+        from vllm import SamplingParams
+
+        params = {"constrained": lambda: specs, "unconstrained": lambda: [structured_params(n, None)] * len(ids),
+                  "length_matched": lambda: [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                                             for m in lengths]}
+        return structured_run(llm, ids, params[mode]())
 
     rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s,
                                       "first_compile_s": compiles["first_compile_s"]},

@@ -281,13 +281,15 @@ def ours_structured(args, workload: Workload) -> dict:
         "other compiles, on the compile threads) minus the same unconstrained; the rounds then find every "
         "schema compiled (cached by spec)")
 
-    def run(k: int, mode: str) -> dict:
+    def run(k: int, mode: str, lengths: list[int] | None) -> dict:
         drop_prefix_cache(engine.allocator)
-        return run_requests(engine, ids, specs if mode == "constrained" else [plain] * len(ids), f"r{k}{mode[0]}-")
+        params = {"constrained": lambda: specs, "unconstrained": lambda: [plain] * len(ids),
+                  "length_matched": lambda: [replace(plain, max_new_tokens=n, ignore_eos=True) for n in lengths]}
+        return run_requests(engine, ids, params[mode](), f"r{k}{mode[0]}-")
 
     rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s, **{
         k: v for k, v in compiles.items() if k != "method"}},
-                   lambda k: structured_round(k, lambda mode: run(k, mode), schemas))
+                   lambda k: structured_round(k, lambda mode, lengths: run(k, mode, lengths), schemas))
     return {**engine_facts(settings, engine), "startup_s": startup_s, "warmup_s": warmup_s,
             "grammar_backend": grammar_backend(), "compile": compiles, **summarize(rounds)}
 

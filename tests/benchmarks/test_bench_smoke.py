@@ -142,6 +142,7 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     for rnd in structured["rounds"]:
         assert rnd["num_requests"] == 2 and 2 <= rnd["output_tokens"] <= tokens
         assert rnd["unconstrained"]["num_requests"] == 2 and 2 <= rnd["unconstrained"]["output_tokens"] <= tokens
+        assert rnd["length_matched"]["output_tokens"] == rnd["output_tokens"]   # each request its constrained length
         check = rnd["validation"]
         assert check["num_outputs"] == 2 and check["num_invalid"] == 0
         assert check["num_finished"] + check["num_length"] == 2 and check["num_valid"] == check["num_finished"]

@@ -108,21 +108,26 @@ def test_a_round_keeps_the_constrained_run_on_top_and_the_ratio_to_the_unconstra
     assert structured.round_order(2) == ("constrained", "unconstrained")
 
 
-def test_a_structured_round_runs_both_modes_in_turn_and_checks_only_the_constrained_outputs():
+def test_a_structured_round_runs_three_modes_and_checks_only_the_constrained_outputs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     ran = []
 
-    def run(mode: str) -> dict:
-        ran.append(mode)
+    def run(mode: str, lengths) -> dict:
+        ran.append((mode, lengths))
+        counts = {"constrained": [3, 5], "unconstrained": [8, 8], "length_matched": lengths}[mode]
         texts = ['{"a": 1}', '{"a": "x"}'] if mode == "constrained" else ["free text", "more"]
-        return {**structured.run_figures(1.0, [4, 6]), "output_token_ids": [[1], [2]], "texts": texts,
-                "finished_on_grammar": [True, True]}
+        return {**structured.run_figures(1.0 if mode == "constrained" else 0.8, counts),
+                "output_token_ids": [[1] * n for n in counts], "texts": texts, "finished_on_grammar": [True, True]}
 
     record = structured.structured_round(2, run, [schema, schema])
-    assert ran == ["constrained", "unconstrained"] and record["order"] == "constrained,unconstrained"
+    # the length-matched run asks each request for as many tokens as its constrained answer
+    assert ran == [("constrained", None), ("unconstrained", None), ("length_matched", [3, 5])]
+    assert record["order"] == "constrained,unconstrained,length_matched"
     assert (record["validation"]["num_valid"], record["validation"]["num_invalid"]) == (1, 1)
-    assert "texts" not in record and "texts" not in record["unconstrained"]
-    assert "validation" not in record["unconstrained"] and record["constrained_vs_unconstrained"] == 1.0
+    assert "texts" not in record and "texts" not in record["unconstrained"] and "texts" not in record["length_matched"]
+    assert record["length_matched"]["output_tokens"] == record["output_tokens"] == 8
+    assert record["constrained_vs_length_matched"] == pytest.approx(0.8)
+    assert record["constrained_vs_unconstrained"] == pytest.approx(8.0 / 20.0)
 
 
 def test_the_compile_record_is_each_cold_run_minus_the_same_run_unconstrained():
@@ -136,6 +141,8 @@ def _phase(rates: list[tuple[float, float]], **extra) -> dict:
     for k, (c, u) in enumerate(rates, 1):
         rounds.append({"round": k, "output_tokens_per_s": c, "constrained_vs_unconstrained": c / u,
                        "unconstrained": {"output_tokens_per_s": u, "requests_per_s": u / 100},
+                       "constrained_vs_length_matched": c / (c + 1.0),
+                       "length_matched": {"output_tokens_per_s": c + 1.0, "requests_per_s": 1.0},
                        "validation": {"num_outputs": 4, "num_finished": 3, "num_length": 1, "num_valid": 3,
                                       "num_invalid": 0, "invalid": []}})
     median = sorted(rounds, key=lambda r: r["output_tokens_per_s"])[(len(rounds) - 1) // 2]
@@ -155,7 +162,10 @@ def test_the_structured_ratios_are_medians_of_per_round_ratios_with_the_targets(
     assert ours["per_round"] == pytest.approx([0.95, 0.8, 1.0]) and ours["median"] == pytest.approx(0.95)
     assert summary["ratios"]["ours_structured_vs_vllm_structured"]["per_round"] == pytest.approx([0.95, 2.0, 2.0])
     assert summary["targets_met"] == {"ours_structured_vs_ours_unconstrained": True,
+                                      "ours_structured_vs_ours_length_matched": True,
                                       "ours_structured_vs_vllm_structured": True}
+    assert summary["ratios"]["ours_structured_vs_ours_length_matched"]["per_round"] == pytest.approx(
+        [95 / 96, 80 / 81, 90 / 91])
     ours_engine = summary["engines"]["ours_structured"]
     assert ours_engine["validation"] == {"num_outputs": 12, "num_finished": 9, "num_length": 3, "num_valid": 9,
                                          "num_invalid": 0}
@@ -172,9 +182,11 @@ def test_a_missed_target_is_reported_as_not_met_and_the_table_says_so():
     result = {"phases": phases, "workload": {"max_new_tokens": 128}}
     result["structured"] = report.structured_summary(phases)
     assert result["structured"]["targets_met"] == {"ours_structured_vs_ours_unconstrained": False,
+                                                   "ours_structured_vs_ours_length_matched": True,
                                                    "ours_structured_vs_vllm_structured": None}
     text = "\n".join(report.structured_table(result))
     assert "| ours | JSON schema | 80.0 |" in text and "| ours | unconstrained | 100.0 |" in text
+    assert "| ours | unconstrained, length-matched | 81.0 |" in text
     assert "3 / 3 of 4" in text and "target ≥ 0.9: not met" in text and "vLLM" not in text
 
 

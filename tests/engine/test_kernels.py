@@ -213,6 +213,28 @@ def test_vector_silu_mul_gives_the_scalar_loops_bits(dtype):
     assert torch.equal(vector.view(bits), scalar.view(bits))
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49157])
+def test_row_argmax_picks_torch_argmax_indices(vocab):
+    """row_argmax (the sampler's greedy pick) against torch.argmax: random rows, ties (first wins), -0 and +0,
+    NaN anywhere (the first NaN wins), all -inf, in a vector body and in the tail."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(24, vocab, generator=g)
+    x[1] = x[1].round()                                      # many ties at the max
+    x[2] = -float("inf")
+    x[3] = 0.0
+    x[3, vocab // 2:] = -0.0
+    x[4, vocab - 1] = float("nan")
+    x[5, vocab // 3] = float("nan")
+    x[5, vocab - 1] = float("nan")
+    x[6, vocab - 1] = float("inf")
+    x[7, 0] = float("inf")
+    x[7, vocab - 1] = float("inf")
+    x[8] = x[8].clamp(max=0.5)                               # the max repeated wherever x >= 0.5
+    assert cpu_kernels() is not None
+    assert torch.equal(kernels.row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels().row_argmax(x), x.argmax(dim=-1))
+
+
 def test_fused_row_ops_give_a_row_the_same_bits_alone_and_in_any_batch():
     g = torch.Generator().manual_seed(5)
     x, delta = torch.randn(150, 576, generator=g), torch.randn(150, 576, generator=g)

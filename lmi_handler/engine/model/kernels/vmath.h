@@ -106,4 +106,59 @@ inline bool vector_exp_agrees() {
 inline bool vector_exp_agrees() { return false; }
 #endif
 
+// torch.argmax's pick over one row of n >= 1 floats: the first index of the largest value, any NaN
+// counting as the largest (the first NaN wins); -0 and +0 tie (the first wins)
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t j = 0;
+  float best = -INFINITY;
+#if defined(__AVX512F__)
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
+  best = _mm512_reduce_max_ps(mx);
+  for (int64_t i = j; i < n; ++i) {
+    if (std::isnan(x[i])) nan = 1;
+    best = std::max(best, x[i]);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(x[i])) return i;
+  }
+  const __m512 b = _mm512_set1_ps(best);
+  for (j = 0; j + 16 <= n; j += 16)
+    if (const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), b, _CMP_EQ_OQ)) return j + __builtin_ctz(k);
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return n - 1;   // not reached: some element equals the max
+#else
+  int64_t arg = 0;
+  best = x[0];
+  if (std::isnan(best)) return 0;
+  for (j = 1; j < n; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > best) best = x[j], arg = j;
+  }
+  return arg;
+#endif
+}
+
+// (N, V) float32 -> (N,) int64: argmax_row of each row (rows shared over the threads: integer outputs,
+// so how they are split changes nothing)
+torch::Tensor row_argmax(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0, "x must be (N, V > 0) float32");
+  x = x.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  auto out = torch::empty({N}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_chunks(N, chunk_for(N, 1), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace

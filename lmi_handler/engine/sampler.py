@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lmi_handler.engine.logits_controls import LogitsControls, apply_token_bitmask
+from lmi_handler.engine.model.kernels import row_argmax
 from lmi_handler.engine.sequence import SamplingParams, Sequence, wrap_int64
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ class Sampler:
             logprobs = torch.empty_like(logits)
             s_ids, s_logprobs = self._sample(logits.index_select(0, sampled_rows), meta, sampled_rows)
             g_logits = logits.index_select(0, greedy_rows)
-            token_ids.index_copy_(0, sampled_rows, s_ids).index_copy_(0, greedy_rows, g_logits.argmax(dim=-1))
+            token_ids.index_copy_(0, sampled_rows, s_ids).index_copy_(0, greedy_rows, row_argmax(g_logits))
             logprobs.index_copy_(0, sampled_rows, s_logprobs)
             logprobs.index_copy_(0, greedy_rows, torch.log_softmax(g_logits, dim=-1))
         return _output(token_ids, logprobs, meta.max_top_n)
@@ -373,17 +374,18 @@ class Sampler:
             logits = apply_typical_p(logits, take(meta.typical_p))
         logprobs = torch.log_softmax(logits, dim=-1)
         noise = exponential_log_noise(take(meta.seeds), take(meta.positions), logits.shape[1])
-        return (logprobs - noise).argmax(dim=-1), logprobs    # argmax(p / E) in log space
+        return row_argmax(logprobs - noise), logprobs    # argmax(p / E) in log space
 
 
 def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
-    """All-greedy batch: argmax of the logits; log-probs from the same log_softmax the mixed path uses.
+    """All-greedy batch: argmax of the logits (row_argmax: torch.argmax's indices, a C++ pass on CPU);
+    log-probs from the same log_softmax the mixed path uses.
 
     logits: (B, V) float32. `logit - logsumexp` would be cheaper but is neither the mixed path's value
     (a greedy row's log-prob would move when a sampled row joins the step) nor row-invariant
     (torch.logsumexp splits a lone row's reduction over threads): see `row_sum`.
     """
-    return _output(logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1), max_top_n)
+    return _output(row_argmax(logits), torch.log_softmax(logits, dim=-1), max_top_n)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:

@@ -193,6 +193,48 @@ def test_fused_silu_mul_matches_pytorch_within_rounding(num_rows, intermediate):
     torch.testing.assert_close(fused_silu_mul(gate_up), reference_silu_mul(gate_up), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_silu_mul_gives_the_scalar_loops_bits(dtype):
+    """The AVX-512 silu (exp16_glibc, vmath.h) against the scalar std::exp loop it replaces: bitwise, on
+    ordinary values, on glibc's special lanes (|x| >= 88, inf, NaN, denormals, signed zeros) mixed into
+    vectors of ordinary ones, and on a tail shorter than a vector."""
+    if not cpu_kernels().vector_exp_agrees():
+        pytest.skip("no AVX-512 expf on this CPU (or its libm computes expf otherwise): the scalar loop runs")
+    g = torch.Generator().manual_seed(11)
+    gate_up = torch.randn(40, 2 * 1544, generator=g) * 4
+    gate_up[1] *= 40                                          # |g| past 88 in many lanes
+    special = [float("nan"), float("inf"), -float("inf"), 88.0, -88.0, 88.8, -88.8, 103.0, -103.0, -104.0,
+               1e-40, -1e-40, 0.0, -0.0, 87.9, -87.9]
+    gate_up[0, :len(special)] = torch.tensor(special)
+    gate_up[0, 1544:1544 + len(special)] = torch.tensor(special)   # up holds them too
+    gate_up = gate_up.to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    vector, scalar = cpu_kernels().silu_mul(gate_up, True), cpu_kernels().silu_mul(gate_up, False)
+    assert torch.equal(vector.view(bits), scalar.view(bits))
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49157])
+def test_row_argmax_picks_torch_argmax_indices(vocab):
+    """row_argmax (the sampler's greedy pick) against torch.argmax: random rows, ties (first wins), -0 and +0,
+    NaN anywhere (the first NaN wins), all -inf, in a vector body and in the tail."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(24, vocab, generator=g)
+    x[1] = x[1].round()                                      # many ties at the max
+    x[2] = -float("inf")
+    x[3] = 0.0
+    x[3, vocab // 2:] = -0.0
+    x[4, vocab - 1] = float("nan")
+    x[5, vocab // 3] = float("nan")
+    x[5, vocab - 1] = float("nan")
+    x[6, vocab - 1] = float("inf")
+    x[7, 0] = float("inf")
+    x[7, vocab - 1] = float("inf")
+    x[8] = x[8].clamp(max=0.5)                               # the max repeated wherever x >= 0.5
+    assert cpu_kernels() is not None
+    assert torch.equal(kernels.row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels().row_argmax(x), x.argmax(dim=-1))
+
+
 def test_fused_row_ops_give_a_row_the_same_bits_alone_and_in_any_batch():
     g = torch.Generator().manual_seed(5)
     x, delta = torch.randn(150, 576, generator=g), torch.randn(150, 576, generator=g)

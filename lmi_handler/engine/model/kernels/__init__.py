@@ -10,6 +10,7 @@ from lmi_handler.engine.model.kernels.build import (  # noqa: F401
     STALE_LOCK_S,
     build_extension,
     bf16_dot_native,
+    built_kernels,
     clear_stale_build_lock,
     cpu_kernels,
     empty_huge,
@@ -24,6 +25,7 @@ from lmi_handler.engine.model.kernels.packing import (  # noqa: F401
     pack_weight,
     packed_linear,
     quantize_int8,
+    row_argmax,
 )
 from lmi_handler.engine.model.kernels.reference import (  # noqa: F401
     reference_add_rmsnorm,

@@ -31,6 +31,13 @@ def cpu_kernels():
     return _state["module"]
 
 
+def built_kernels():
+    """The extension module when cpu_kernels() has built it already, else None: never builds (for the
+    fast paths outside the model, e.g. the sampler's argmax, which must not compile the kernels on the
+    plain path)."""
+    return _state.get("module")
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (e.g. avx512f, avx512_bf16, amx_bf16); empty
     where that file does not exist (not Linux)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmi_handler.engine.model.kernels.build import PANEL, bf16_dot_native, cpu_kernels, empty_huge
+from lmi_handler.engine.model.kernels.build import PANEL, bf16_dot_native, built_kernels, cpu_kernels, empty_huge
 
 KINDS = ("float32", "bfloat16", "int8")   # packed weight kinds: the panels' dtype names them
 
@@ -143,3 +143,15 @@ def fused_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = cat(gate, up) rows: (T, 2I) float32 or bfloat16 contiguous -> (T, I)."""
     return cpu_kernels().silu_mul(gate_up)
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1), the same indices (first of the largest, a NaN counting as the largest),
+    for (N, V) float32 CPU logits through the C++ kernel when it is built (vmath.h argmax_row: one vector
+    pass for the max, one for its first index; torch's CPU argmax reduces a row element by element),
+    else torch.argmax itself. Returns (N,) int64."""
+    module = built_kernels()
+    if (module is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.shape[1] == 0):
+        return logits.argmax(dim=-1)
+    return module.row_argmax(logits)

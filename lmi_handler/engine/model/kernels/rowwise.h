@@ -9,6 +9,7 @@
 
 #include "attention.h"
 #include "linear.h"
+#include "vmath.h"
 
 namespace {
 
@@ -128,13 +129,39 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 
 // silu(gate) * up on gate_up rows (T, 2I) -> (T, I): keep(keep(g / (1 + exp(-g))) * u). Lane j's result
 // depends only on g[j], u[j] (vector lanes and the scalar tail are the same per-row split for any T).
+// `vector` (AVX-512, where vector_exp_agrees): sixteen lanes at a time with exp16_glibc, the same float
+// operations and roundings as the scalar loop, so the same bits (std::exp for glibc's special lanes).
+// Measured (1 thread, thread CPU time, one 64 x 1536 call, vector and scalar interleaved in one process):
+// float32 0.33 -> 0.08 ms, bfloat16 0.67 -> 0.11 ms (30 layers: 10 and 20 ms of a 64-sequence decode step).
 template <class T>
-void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t I) {
+void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t I, bool vector) {
+  vector = vector && vector_exp_agrees();
   at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T *g = gp + t * 2 * I, *u = g + I;
       T* o = op + t * I;
       int64_t j = 0;
+#if defined(__AVX512F__)
+      if (vector) {
+        const __m512 one = _mm512_set1_ps(1.f);
+        const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+        for (; j + 16 <= I; j += 16) {
+          const __m512 gv = load16<T>(g + j);
+          const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));   // -g, exact
+          __m512 e = exp16_glibc(neg);
+          if (const __mmask16 special = exp16_special(neg)) {
+            alignas(64) float nv[16], ev[16];
+            _mm512_store_ps(nv, neg);
+            _mm512_store_ps(ev, e);
+            for (int l = 0; l < 16; ++l)
+              if (special >> l & 1) ev[l] = std::exp(nv[l]);
+            e = _mm512_load_ps(ev);
+          }
+          const __m512 s = keep16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+          store16<T>(o + j, _mm512_mul_ps(s, load16<T>(u + j)));
+        }
+      }
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {
         const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
@@ -153,16 +180,18 @@ void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t I) {
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+// `vector`: the AVX-512 lanes where they agree with std::exp (the default); false: the scalar loop
+// alone, the definition the vector form is tested against (tests/engine/test_kernels.py)
+torch::Tensor silu_mul(torch::Tensor gate_up, bool vector) {
   const bool bf = is_bf16(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous (T, 2I)");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
   if (bf) {
-    silu_mul_rows<bf16>(data_of<bf16>(gate_up), data_of<bf16>(out), T, I);
+    silu_mul_rows<bf16>(data_of<bf16>(gate_up), data_of<bf16>(out), T, I, vector);
   } else {
-    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, I);
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, I, vector);
   }
   return out;
 }
@@ -197,7 +226,7 @@ void decoder_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor qkv_w, 
   auto o = paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale);
   auto delta = linear(o.view({T, H * D}), o_w, N, o_b, o_s, bf, native);
   h = add_rmsnorm(x, delta, post_norm, eps);
-  auto act = silu_mul(linear(h, gu_w, 2 * intermediate, gu_b, gu_s, bf, native));
+  auto act = silu_mul(linear(h, gu_w, 2 * intermediate, gu_b, gu_s, bf, native), true);
   delta = linear(act, down_w, N, down_b, down_s, bf, native);
   if (bf) {
     add_in_place<bf16>(data_of<bf16>(x), data_of<bf16>(delta), T, N);

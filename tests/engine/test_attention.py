@@ -182,3 +182,25 @@ def test_paged_rows_do_not_depend_on_which_physical_blocks_hold_the_context():
     moved = list(range(200, 200 + num_blocks_needed(13, block)))
     write_kv(k_cache, v_cache, keys[0], values[0], build_slot_mapping([moved], [0], [13], block))
     assert torch.equal(attention_paged(q, k_cache, v_cache, make_meta([moved], [10], [3], block), scale), first)
+
+
+def test_bf16_paged_attention_rounds_where_torch_sdpa_does():
+    """transformers' bf16 Llama attends through torch's CPU sdpa (flash attention), which rounds the softmax
+    weights to bf16 before the weighted sum; ours rounds at the same points, so on one causal prefill most
+    outputs are bitwise sdpa's (measured 97.6 %; 79.6 % before the weights were rounded). The rest differ by
+    exp's approximation and the order of the sums."""
+    g = torch.Generator().manual_seed(0)
+    num_tokens, heads, kv_heads, head_dim, block = 70, 9, 3, 64, 16
+    q = (3 * torch.randn(num_tokens, heads, head_dim, generator=g)).bfloat16()
+    k, v = (torch.randn(num_tokens, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+    num_blocks = num_blocks_needed(num_tokens, block)
+    k_cache = torch.zeros(num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    meta = make_meta([list(range(num_blocks))], [0], [num_tokens], block)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    scale = head_dim ** -0.5
+    ours = attention_paged(q, k_cache, v_cache, meta, scale)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
+        enable_gqa=True)[0].transpose(0, 1)
+    assert (ours == sdpa).float().mean() >= 0.95

@@ -84,7 +84,9 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     are the same alone, in any batch and under any chunking (tests/engine/test_attention.py).
     q: (T, num_heads, head_dim) float32 or bfloat16 CPU; caches contiguous in q's dtype. Scores, softmax
     and the weighted sum run in float32 (bf16 K/V widened exactly); the output is rounded once to q's
-    dtype. Returns (T, num_heads, head_dim).
+    dtype. In bf16 the softmax weights are rounded to bf16 before the weighted sum and the output is
+    scaled by the reciprocal of their (float32) sum, as torch's CPU flash attention does (transformers'
+    bf16 Llama runs it through sdpa; reference_attention's `weights_dtype`). Returns (T, num_heads, head_dim).
     Raises: RuntimeError (from the kernel) on inconsistent metadata, e.g. a too-short block table.
     """
     return cpu_kernels().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
@@ -166,11 +168,14 @@ def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int
 
 
 def reference_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                        query_lens: list[int], scale: float) -> torch.Tensor:
+                        query_lens: list[int], scale: float, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pure-PyTorch reference: per-sequence causal GQA attention over contiguous K/V, in float32.
 
     q: (T, H, D); keys[i], values[i]: (context_len_i, kv_heads, D), the query tokens being the
-    last query_lens[i] positions. Returns (T, H, D) in q's dtype.
+    last query_lens[i] positions. weights_dtype: the unnormalized softmax weights exp(s - max) rounded to
+    it before the weighted sum, which is then scaled by 1 / (their unrounded sum): attention_paged's bf16
+    roundings (torch's CPU flash attention's) with torch.bfloat16; None: softmax then the weighted sum.
+    Returns (T, H, D) in q's dtype.
     """
     out, start = [], 0
     for k, v, n in zip(keys, values, query_lens):
@@ -180,6 +185,11 @@ def reference_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[
         qi = q[start:start + n].float().transpose(0, 1)                  # (H, n, D)
         scores = qi @ k.transpose(1, 2) * scale                          # (H, n, ctx)
         scores = scores.masked_fill(~_causal_mask(n, k.shape[1], q.device), float("-inf"))
-        out.append((scores.softmax(-1) @ v).transpose(0, 1))             # (n, H, D)
+        if weights_dtype is None:
+            o = scores.softmax(-1) @ v
+        else:
+            weights = (scores - scores.amax(-1, keepdim=True)).exp()
+            o = (weights.to(weights_dtype).to(weights.dtype) @ v) * (1 / weights.sum(-1, keepdim=True))
+        out.append(o.transpose(0, 1))                                    # (n, H, D)
         start += n
     return torch.cat(out).to(q.dtype)

@@ -1,5 +1,6 @@
 // Paged causal GQA attention reading K/V straight from the block cache, in float32 or bfloat16
-// storage (q, caches and output share one type T); the arithmetic is float32 either way.
+// storage (q, caches and output share one type T); the arithmetic is float32 either way, and bf16 storage
+// rounds the softmax weights to bf16 where torch's CPU flash attention does (attend_row).
 //
 // Invariance by construction: a query row's scores, softmax and weighted sum loop over its own keys
 // 0..pos in order, whatever else is in the batch and however its sequence was cut into chunks.
@@ -242,7 +243,13 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       }
     }
   }
-  for (int64_t h = h0; h < h1; ++h) denom[h] = exp_and_sum(scores + h * ld, n, mx[h]);
+  // bf16 storage rounds the softmax weights to bf16 before the weighted sum (the sum stays the float32
+  // weights') and scales the output by the sum's reciprocal: the roundings of torch's CPU flash attention,
+  // which transformers' bf16 Llama runs (sdpa). float32: keep is the identity and the output is divided.
+  for (int64_t h = h0; h < h1; ++h) {
+    denom[h] = exp_and_sum(scores + h * ld, n, mx[h]);
+    for (int64_t t = 0; t < n; ++t) scores[h * ld + t] = keep<T>(scores[h * ld + t]);
+  }
   // weighted values, block by block, the G heads of each KV head together
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* vb = vp + static_cast<int64_t>(table[j]) * block_elems;
@@ -266,8 +273,14 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       }
     }
   }
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] /= denom[h];
+  for (int64_t h = h0; h < h1; ++h) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      const float reciprocal = 1.f / denom[h];
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] *= reciprocal;
+    } else {
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] /= denom[h];
+    }
+  }
 }
 
 template <class T>

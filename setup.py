@@ -6,7 +6,7 @@ setup(
     description="LMI-style model-serving handler: continuous batching on our own PyTorch decode loop",
     packages=find_packages(include=["lmi_handler", "lmi_handler.*"]),
     # the C++ CPU kernels are compiled on first use, from the installed source
-    package_data={"lmi_handler.engine.model.kernels": ["*.cpp"], "lmi_handler.engine": ["*.cpp"]},
+    package_data={"lmi_handler.engine.model.kernels": ["*.cpp", "*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

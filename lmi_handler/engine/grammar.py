@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lmi_handler.engine.grammar_spec import GrammarError, first_lines, grammar_source
-from lmi_handler.engine.logits_controls import bitmask_words, load_bitmask_kernel
+from lmi_handler.engine.logits_controls import bitmask_words
 from lmi_handler.engine.sequence import Sequence, StructuredOutputSpec
 
 CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
@@ -49,8 +49,7 @@ class GrammarCompiler:
 
     llguidance drops the GIL while it builds a grammar, so the engine loop keeps stepping while a large
     schema compiles. The tokenizer table (~1 s for a 49k vocabulary) is built on the first compile, on a
-    worker, and so is the C++ kernel that applies the masks (logits_controls.load_bitmask_kernel; until it is
-    loaded the masks take the PyTorch path, same values). `vocab_size` is the logits width: ids past the
+    worker. `vocab_size` is the logits width: ids past the
     tokenizer's vocabulary are never allowed.
     A compile past its deadline fails only the requests waiting on it; the compile itself runs on (llguidance's
     resource limits bound it) and its result serves later requests with the same spec.
@@ -62,7 +61,6 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self._pool.submit(load_bitmask_kernel)   # the masks' C++ kernel, built or loaded off the engine loop
         self._cache: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._lltok = None

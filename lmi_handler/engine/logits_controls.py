@@ -6,21 +6,15 @@ grammar matchers that fill bitmasks to grammar.py.
 """
 from __future__ import annotations
 
-import logging
-import threading
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
+from lmi_handler.engine.model.kernels import built_kernels
 from lmi_handler.engine.sequence import Sequence
 from lmi_handler.engine.stopping import row_stop_ids
 
 NEG_INF = float("-inf")
-log = logging.getLogger(__name__)
-_KERNEL_SOURCE = Path(__file__).with_name("bitmask_kernel.cpp")
-_kernel: dict = {}
-_kernel_lock = threading.Lock()
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -70,35 +64,6 @@ def bitmask_penalties(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([penalties, pad], dim=1)
 
 
-def load_bitmask_kernel():
-    """Build (first time on a machine: torch's extension cache, keyed by the source's hash) and load the C++
-    bitmask kernel (bitmask_kernel.cpp); None when it cannot be built (logged once). Blocks while it builds:
-    call it off the engine loop (GrammarCompiler does, on a compile thread, when the engine starts).
-    Thread-safe; later calls return the loaded module."""
-    with _kernel_lock:
-        if "module" not in _kernel:
-            _kernel["module"] = _build_kernel()
-        return _kernel["module"]
-
-
-def _build_kernel():
-    import hashlib
-
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    from lmi_handler.engine.model.kernels.build import clear_stale_build_lock
-
-    digest = hashlib.sha256(_KERNEL_SOURCE.read_bytes())
-    digest.update(f"{torch.__version__}\0{Path(torch.__file__).resolve().parent}".encode())
-    name = "lmi_bitmask_" + digest.hexdigest()[:12]
-    try:
-        clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)))
-        return load(name=name, sources=[str(_KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native"])
-    except Exception as exc:  # noqa: BLE001 - no compiler, a build error: the PyTorch path still works
-        log.warning("C++ bitmask kernel unavailable, token bitmasks use the PyTorch path: %s", exc)
-        return None
-
-
 def apply_token_bitmask_reference(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
     """apply_token_bitmask in pure PyTorch, the definition the fast paths are tested against: every token the
     bitmask does not allow (ids past 32 * W included) set to -inf, the others untouched. Returns logits."""
@@ -117,12 +82,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask
     logits' device. The mask covers the full logits width: ids past the bitmask (a padded vocabulary) are masked.
     Returns logits.
 
-    On CPU, once load_bitmask_kernel has loaded it, the C++ kernel writes -inf straight from the bits (no
-    (N, V) float mask: measured 1.8 vs 14 ms of one thread's CPU time for 64 random rows of the demo vocabulary
+    On CPU, once the engine's C++ kernels are built (kernels.built_kernels; bitmask.h), -inf is written
+    straight from the bits (no (N, V) float mask: measured 1.8 vs 14 ms of one thread's CPU time for 64 random rows of the demo vocabulary
     on the loaded 2-core host); otherwise the byte-lookup penalties are added (x + 0.0 = x, x + -inf =
     -inf: the same values for finite logits). apply_token_bitmask_reference is the reference for both.
     """
-    module = _kernel.get("module")
+    module = built_kernels()
     if module is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
             and logits.stride(1) == 1:
         empty = torch.empty(0, dtype=torch.int64)

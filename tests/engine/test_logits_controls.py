@@ -9,17 +9,17 @@ import pytest
 import torch
 from transformers import MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
 
+from lmi_handler.engine import logits_controls
 from lmi_handler.engine.logits_controls import (
     LogitsControls,
-    _kernel,
     apply_token_bitmask,
     apply_token_bitmask_reference,
     bitmask_penalties,
     bitmask_words,
-    load_bitmask_kernel,
     token_ids_to_bitmask,
     unpack_bitmask,
 )
+from lmi_handler.engine.model.kernels import cpu_kernels
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence
 from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
@@ -84,14 +84,14 @@ BITMASK_SHAPES = [(70, 3), (96, 3), (49152, 1536), (100, 2), (64, 3)]
 @pytest.mark.parametrize(("vocab", "words"), BITMASK_SHAPES)
 @pytest.mark.parametrize("some_rows", [False, True])
 def test_the_cpp_bitmask_kernel_equals_the_pytorch_reference_bitwise(vocab, words, some_rows):
-    if load_bitmask_kernel() is None:
+    if cpu_kernels() is None:
         pytest.skip("no C++ compiler: the kernel is not built here")
     logits = random_logits(7, vocab, seed=vocab)
     logits[3, 5] = float("-inf")     # an already-banned logit stays banned
     rows = torch.tensor([6, 0, 3, 4, 1]) if some_rows else None
     bitmask = _random_bitmask(5 if some_rows else 7, words, seed=words)
     expected = apply_token_bitmask_reference(logits.clone(), rows, bitmask)
-    out = _kernel["module"].mask_logits_(logits.clone(), torch.empty(0, dtype=torch.int64) if rows is None else rows,
+    out = cpu_kernels().mask_logits_(logits.clone(), torch.empty(0, dtype=torch.int64) if rows is None else rows,
                                          bitmask)
     assert torch.equal(out, expected)
     assert torch.equal(apply_token_bitmask(logits.clone(), rows, bitmask), expected)   # the kernel is the path taken
@@ -99,7 +99,7 @@ def test_the_cpp_bitmask_kernel_equals_the_pytorch_reference_bitwise(vocab, word
 
 @pytest.mark.parametrize(("vocab", "words"), BITMASK_SHAPES)
 def test_the_pytorch_penalty_path_equals_the_reference_on_finite_logits(vocab, words, monkeypatch):
-    monkeypatch.delitem(_kernel, "module", raising=False)     # as before the kernel is loaded, or without a compiler
+    monkeypatch.setattr(logits_controls, "built_kernels", lambda: None)   # kernels not built, or no compiler
     logits = random_logits(4, vocab, seed=vocab + 1)
     rows = torch.tensor([2, 0, 3])
     bitmask = _random_bitmask(3, words, seed=words + 1)

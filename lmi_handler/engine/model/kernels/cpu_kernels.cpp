@@ -49,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_kv_write", &rope_kv_write, "RoPE on q, k of fused qkv rows; k, v into the cache by slot; returns q");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over (T, 2I) gate_up rows", py::arg("gate_up"),
         py::arg("vector") = true);
+  m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place");
   m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=-1) of (N, V) float32 rows");
   m.def("vector_exp_agrees", &vector_exp_agrees, "whether the AVX-512 expf gives std::exp's bits here");
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer in place on x (row-invariant C++ chain)");

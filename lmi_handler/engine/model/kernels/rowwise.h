@@ -8,6 +8,7 @@
 #pragma once
 
 #include "attention.h"
+#include "bitmask.h"
 #include "linear.h"
 #include "vmath.h"
 

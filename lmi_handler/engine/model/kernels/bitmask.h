@@ -4,20 +4,13 @@
 // 1 = allowed), the logits row rows[i] (or i when rows is empty) gets -inf at every token whose bit is 0 and
 // at every token past 32 W; allowed tokens are not touched. One pass over the bitmask, a masked store of -inf
 // per 16 tokens (AVX-512) or per token; each row is written from its own bitmask row only, in one thread.
-// The reference is logits_controls.unpack_bitmask + masked_fill_ (tests/engine/test_logits_controls.py).
-#include <torch/extension.h>
+// The reference is logits_controls.apply_token_bitmask_reference (tests/engine/test_logits_controls.py).
+#pragma once
 
-#include <cmath>
-#include <cstdint>
+#include "common.h"
+
 #include <limits>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-namespace {
-
-void mask_row(float* out, const int32_t* words, int64_t num_words, int64_t vocab) {
+inline void mask_bitmask_row(float* out, const int32_t* words, int64_t num_words, int64_t vocab) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t full_words = std::min(num_words, vocab / 32);   // words whose 32 tokens all lie in the row
 #if defined(__AVX512F__)
@@ -44,7 +37,7 @@ void mask_row(float* out, const int32_t* words, int64_t num_words, int64_t vocab
   for (int64_t t = 32 * num_words; t < vocab; ++t) out[t] = neg_inf;
 }
 
-torch::Tensor mask_logits_(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+inline torch::Tensor mask_logits_(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
   TORCH_CHECK(logits.device().is_cpu() && bitmask.device().is_cpu(), "mask_logits_: CPU tensors only");
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1,
               "mask_logits_: logits must be (B, V) float32 with contiguous rows");
@@ -62,13 +55,7 @@ torch::Tensor mask_logits_(torch::Tensor logits, torch::Tensor rows, torch::Tens
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = all_rows ? i : row_ids[i];
     TORCH_CHECK(r >= 0 && r < logits.size(0), "mask_logits_: row index ", r, " out of range");
-    mask_row(base + r * logits.stride(0), words + i * num_words, num_words, vocab);
+    mask_bitmask_row(base + r * logits.stride(0), words + i * num_words, num_words, vocab);
   }
   return logits;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place");
 }

@@ -230,41 +230,60 @@ template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
                  int64_t out_features, const Tile& tile, const Store& store) {
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
-  const int64_t NP = M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
+  const bool streaming = M <= SMALL_M && NV == 2;
+  const int64_t NP = streaming ? 2 : 1, groups = (P + NP - 1) / NP;
   const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
-  const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
+  // rows m0.. (`rows` of them) against panels p0..p0+np-1, then stored
+  auto run_item = [&](int64_t m0, int64_t rows, int64_t p0, int64_t np, float (*acc)[M_BLOCK * PANEL]) {
+    const int64_t kb = streaming ? K_rows : k_block;       // streaming: the whole K in registers
+    for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
+      const int64_t kc = std::min(kb, K_rows - k0);
+      const WT* w[2];
+      const char* next[2];
+      int64_t lines = 0;
+      for (int64_t q = 0; q < np; ++q) {
+        // the next k_block rows of panel q's stream (its next block, or the next item's first: panels
+        // are contiguous), spread over the row tiles; none past the weight's end
+        const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
+        w[q] = wp + row * row_elems;
+        next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
+        lines = std::max<int64_t>(0, std::min(k_block, total_rows - ahead)) * row_bytes / 64;
+      }
+      const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
+      for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
+        const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
+        const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
+        float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
+        tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
+      }
+    }
+    for (int64_t q = 0; q < np; ++q) {
+      const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
+      for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+    }
+  };
+  if (streaming) {
+    // one M block; share s of `shares` is panels [s P / shares, (s + 1) P / shares): shares differ by at
+    // most one panel (a split by pairs left o_proj's and down_proj's 9 pairs as 5 against 4), each
+    // streamed two panels at a time, an odd last panel alone (NP does not change an element's chain)
+    const int64_t shares = std::min(threads, P);
+    parallel_chunks(shares, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float acc[2][M_BLOCK * PANEL];
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t p_end = (s + 1) * P / shares;
+        for (int64_t p0 = s * P / shares; p0 < p_end; p0 += 2) run_item(0, M, p0, std::min<int64_t>(2, p_end - p0), acc);
+      }
+    });
+    return;
+  }
+  const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
   parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[2][M_BLOCK * PANEL];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t mb = item / groups, p0 = (item % groups) * NP, np = std::min(NP, P - p0);
-      const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
-      const int64_t kb = NP == 2 ? K_rows : k_block;       // streaming: the whole K in registers
-      for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
-        const int64_t kc = std::min(kb, K_rows - k0);
-        const WT* w[2];
-        const char* next[2];
-        int64_t lines = 0;
-        for (int64_t q = 0; q < np; ++q) {
-          // the next k_block rows of panel q's stream (its next block, or the next item's first: panels
-          // are contiguous), spread over the row tiles; none past the weight's end
-          const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
-          w[q] = wp + row * row_elems;
-          next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
-          lines = std::max<int64_t>(0, std::min(k_block, total_rows - ahead)) * row_bytes / 64;
-        }
-        const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
-        for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
-          const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
-          const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
-          float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
-          tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
-        }
-      }
-      for (int64_t q = 0; q < np; ++q) {
-        const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
-        for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
-      }
+      const int64_t m0 = mb * M_BLOCK;
+      run_item(m0, std::min(M_BLOCK, M - m0), p0, np, acc);
     }
   });
 }

@@ -222,8 +222,8 @@ class LlamaModel(nn.Module):
     rest of the batch (packed-weight C++ linears after pack_weights(), else 16-row tiled bmm; the
     paged attention kernel, else one SDPA call per sequence); False runs plain F.linear GEMMs.
 
-    After pack_weights(), `fused` (default True) runs each decoder layer as one C++ call
-    (kernels' decoder_layer: the same row-invariant ops chained without Python dispatch); False
+    After pack_weights(), `fused` (default True) runs the decoder stack as one C++ call a step
+    (kernels' DecoderStack: the same row-invariant ops chained without Python dispatch); False
     keeps the module-by-module PyTorch path, the reference it is tested against.
 
     Tensor parallelism: built with `layout` (engine/parallel/layout.ShardLayout), the model is rank

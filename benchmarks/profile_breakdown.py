@@ -53,9 +53,8 @@ def main(argv=None) -> None:
 
     from lmi_handler.config import EngineConfig
     from lmi_handler.engine.engine import Engine
-    from lmi_handler.engine.sequence import SamplingParams
-
     from lmi_handler.engine.model.kernels.build import bf16_dot_native, choose_bf16_dot
+    from lmi_handler.engine.sequence import SamplingParams
 
     choose_bf16_dot(args.bf16_dot)
     clock = time.thread_time if args.threads == 1 else time.perf_counter

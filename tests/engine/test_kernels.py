@@ -25,6 +25,7 @@ from lmi_handler.engine.model.kernels import (
     reference_rope_kv_write,
     reference_silu_mul,
 )
+from lmi_handler.engine.model.kernels.build import choose_bf16_dot
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -284,6 +285,27 @@ def test_vdpbf16ps_gives_the_bits_of_the_fma_form():
         args = (packed.panels, out_features, None, None, False)
         assert torch.equal(module.linear(x, *args, True), module.linear(x, *args, False))
     assert kernels.bf16_dot_native() in (False, bool(module.NATIVE_BF16))
+
+
+def test_the_bf16_dot_choice_obeys_its_override_and_logs_the_probe(caplog):
+    """"fma" never takes VDPBF16PS, "native" takes it wherever the build has it (it gives the documented
+    bits here), "auto" times both and logs the pick; an unknown mode raises."""
+    module = cpu_kernels()
+    try:
+        choose_bf16_dot("fma")
+        assert kernels.bf16_dot_native() is False
+        choose_bf16_dot("native")
+        assert kernels.bf16_dot_native() is bool(module.NATIVE_BF16)
+        choose_bf16_dot("auto")
+        with caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
+            picked = kernels.bf16_dot_native()
+        assert picked in (False, bool(module.NATIVE_BF16))
+        if module.NATIVE_BF16:
+            assert "start-up probe" in caplog.text
+        with pytest.raises(ValueError):
+            choose_bf16_dot("amx")
+    finally:
+        choose_bf16_dot("auto")
 
 
 @pytest.mark.parametrize("num_rows", [*range(1, 14), 64, 200])

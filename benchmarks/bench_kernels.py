@@ -55,8 +55,9 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def bench_linears(repeats: int) -> list[dict]:
-    """Per linear shape and row count: our packed kernel in each weight kind (float32, bfloat16 in the FMA
-    form and through VDPBF16PS where the CPU has it, int8) against torch's F.linear in float32 and bfloat16
+    """Per linear shape and row count: our packed kernel in each weight kind (float32, bfloat16 as
+    packed_linear picks it (build.bf16_dot_native) and, where the CPU has VDPBF16PS, through it
+    (vdpbf16ps_ms; above 4 rows) and in the FMA form (bf16_fma_ms), int8) against torch's F.linear in float32 and bfloat16
     (oneDNN/MKL, not batch-invariant) and the 16-row tiled bmm (the PyTorch fallback)."""
     module = cpu_kernels()
     rows = []
@@ -78,6 +79,7 @@ def bench_linears(repeats: int) -> list[dict]:
             if module.NATIVE_BF16:
                 p = packed["bfloat16"]
                 row["vdpbf16ps_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, True), r)
+                row["bf16_fma_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, False), r)
             rows.append(row)
             print(rows[-1], flush=True)
     return rows

@@ -1,7 +1,7 @@
 """Where a decode step goes, component by component, on the benchmark's workload (demo model, no server).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_breakdown.py [--dtype fp32|bf16] [--quantize int8]
-        [--batch 64] [--decode-steps 64] [--threads 1] [--repeats 5]
+        [--batch 64] [--decode-steps 64] [--threads 1] [--repeats 5] [--bf16-dot auto|fma|native]
 
 Adds the first `--batch` MT-bench prompts of the benchmark (workload.build_workload: chat template, 128
 greedy tokens, EOS ignored), steps the engine through their prefill and `--decode-steps` decode steps (so
@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-threads", type=int, default=2, help="threads while stepping to the measured step")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default=str(REPO / "model"))
+    p.add_argument("--bf16-dot", default="auto", choices=("auto", "fma", "native"),
+                   help="bf16 panels' dot form (kernels.build.choose_bf16_dot; the same bits either way)")
     return p.parse_args(argv)
 
 
@@ -51,8 +53,10 @@ def main(argv=None) -> None:
 
     from lmi_handler.config import EngineConfig
     from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.model.kernels.build import bf16_dot_native, choose_bf16_dot
     from lmi_handler.engine.sequence import SamplingParams
 
+    choose_bf16_dot(args.bf16_dot)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     cfg = EngineConfig(model_path=args.model, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
                        device_id=-1, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None,
@@ -69,7 +73,8 @@ def main(argv=None) -> None:
     ctx = [s.num_tokens for s in engine.seqs.values()]
     print(f"dtype {args.dtype} quantize {args.quantize} threads {torch.get_num_threads()} batch {len(ctx)}: "
           f"contexts {min(ctx)}-{max(ctx)} (mean {sum(ctx) / len(ctx):.0f}); "
-          f"{'thread CPU' if args.threads == 1 else 'wall'} ms per step, median of {args.repeats}")
+          f"{'thread CPU' if args.threads == 1 else 'wall'} ms per step, median of {args.repeats}; "
+          f"bf16 dot {args.bf16_dot}: {'VDPBF16PS' if bf16_dot_native() else 'FMA form'}")
 
     # ---- engine parts inside real steps
     times: dict[str, list[float]] = defaultdict(list)

@@ -25,6 +25,7 @@ from lmi_handler.engine.model.kernels import (
     reference_rope_kv_write,
     reference_silu_mul,
 )
+from lmi_handler.engine.model.kernels.build import choose_bf16_dot
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -304,6 +305,50 @@ def test_vdpbf16ps_gives_the_bits_of_the_fma_form():
         args = (packed.panels, out_features, None, None, False)
         assert torch.equal(module.linear(x, *args, True), module.linear(x, *args, False))
     assert kernels.bf16_dot_native() in (False, bool(module.NATIVE_BF16))
+
+
+def test_the_bf16_dot_choice_obeys_its_override_and_logs_the_probe(caplog):
+    """"fma" never takes VDPBF16PS, "native" takes it wherever the build has it (it gives the documented
+    bits here), "auto" times both and logs the pick; an unknown mode raises."""
+    module = cpu_kernels()
+    try:
+        choose_bf16_dot("fma")
+        assert kernels.bf16_dot_native() is False
+        choose_bf16_dot("native")
+        assert kernels.bf16_dot_native() is bool(module.NATIVE_BF16)
+        choose_bf16_dot("auto")
+        with caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
+            picked = kernels.bf16_dot_native()
+        assert picked in (False, bool(module.NATIVE_BF16))
+        if module.NATIVE_BF16:
+            assert "start-up probe" in caplog.text
+        with pytest.raises(ValueError):
+            choose_bf16_dot("amx")
+    finally:
+        choose_bf16_dot("auto")
+
+
+@pytest.mark.parametrize("num_rows", [*range(1, 14), 64, 200])
+def test_the_vdpbf16ps_tile_is_bitwise_the_fma_form_and_the_reference_alone_and_in_a_batch(num_rows):
+    """The native path (8-row VDPBF16PS tiles above 4 rows, where the build has AVX512_BF16) against the FMA
+    form and the PyTorch reference for every tile remainder, odd K, several K blocks (577 k = 289 pairs)
+    and a partial last panel; each row's bits the same computed alone."""
+    module = cpu_kernels()
+    g = torch.Generator().manual_seed(100 + num_rows)
+    for in_features, out_features, check_reference in ((301, 70, True), (577, 33, False)):
+        x = (torch.randn(num_rows, in_features, generator=g) * torch.logspace(-2, 2, in_features)).to(torch.bfloat16)
+        weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+        bias = torch.randn(out_features, generator=g)
+        panels = pack_weight(weight, "bfloat16").panels
+        for out_bf16 in (False, True):
+            native = module.linear(x, panels, out_features, bias, None, out_bf16, True)
+            assert torch.equal(native, module.linear(x, panels, out_features, bias, None, out_bf16, False))
+            if check_reference:
+                out_dtype = torch.bfloat16 if out_bf16 else torch.float32
+                assert torch.equal(native, reference_linear_bf16(x, weight, bias, out_dtype))
+            for row in {0, num_rows // 2, num_rows - 1}:
+                alone = module.linear(x[row:row + 1], panels, out_features, bias, None, out_bf16, True)
+                assert torch.equal(alone, native[row:row + 1]), (row, in_features)
 
 
 @pytest.mark.parametrize("num_rows,in_features,out_features", LINEAR_SHAPES)

@@ -148,10 +148,16 @@ def bf16_dot_native() -> bool:
     """Whether bf16 panels go through VDPBF16PS (else two FMAs per pair on widened values, the same bits).
 
     Only where the kernels were built with AVX512_BF16 and the instruction gives, on a probe, the bits of
-    the documented order the FMA form follows (linear.h); choose_bf16_dot("native") asks for it by hand
-    (native still needs both; the default is "fma"). Measured here (Xeon, AVX512_BF16, no AMX), one core: VDPBF16PS zmm retires 0.5 per
-    cycle (16 multiply-adds a cycle) against 2 FMAs (32), so the FMA form is the default; see
-    benchmarks/bench_kernels.py for the linear at batch 1 and 64 both ways.
+    the documented order the FMA form follows (linear.h), and then (mode "auto", the default) only when a
+    start-up timing probe finds it faster than the FMA form on one small shape (_native_is_faster; the
+    choice is logged). Both forms give the same bits, so the choice never changes an output.
+    choose_bf16_dot("native") / ("fma") skips the probe. The kernel itself takes VDPBF16PS only above
+    4 rows (fewer rows stream the weight, memory-bound, in the FMA form).
+    Measured, one core, thread CPU time (benchmarks/README.md, benchmarks/bench_kernels.py):
+      Intel Xeon (AVX512_BF16, no AMX): VDPBF16PS zmm retires 0.5 per cycle (16 multiply-adds a cycle)
+        against 2 FMAs (32): the FMA form was faster there.
+      AMD EPYC Zen 5: the 8-row VDPBF16PS tile reaches 424-453 GFLOP/s on the demo model's linears at
+        64 and 200 rows against 205-229 for the FMA form (oneDNN's bf16 matmul: 394-438).
     """
     if "bf16_native" not in _state:
         _state["bf16_native"] = _pick_bf16_dot()
@@ -159,23 +165,51 @@ def bf16_dot_native() -> bool:
 
 
 def choose_bf16_dot(mode: str) -> None:
-    """"fma" (the default) or "native" (VDPBF16PS where bf16_dot_native's conditions hold), for the
-    packings made after this call (benchmarks/bench_kernels.py compares both).
-    Raises: ValueError for another mode."""
-    if mode not in ("fma", "native"):
-        raise ValueError(f"bf16 dot mode must be 'fma' or 'native', got {mode!r}")
+    """"auto" (the default: VDPBF16PS where bf16_dot_native's conditions hold and it times faster),
+    "fma" (always the FMA form) or "native" (VDPBF16PS where the CPU has it and it gives the documented
+    bits, without timing), for the packings made after this call (benchmarks/bench_kernels.py compares
+    both). Raises: ValueError for another mode."""
+    if mode not in BF16_DOT_MODES:
+        raise ValueError(f"bf16 dot mode must be one of {BF16_DOT_MODES}, got {mode!r}")
     _state["bf16_dot_mode"] = mode
     _state.pop("bf16_native", None)
 
 
+BF16_DOT_MODES = ("auto", "fma", "native")
+
+
 def _pick_bf16_dot() -> bool:
     module = cpu_kernels()
-    if module is None or not module.NATIVE_BF16 or _state.get("bf16_dot_mode", "fma") != "native":
+    mode = _state.get("bf16_dot_mode", "auto")
+    if module is None or not module.NATIVE_BF16 or mode == "fma":
         return False
     if not _native_matches_fma(module):
         log.warning("VDPBF16PS does not give the documented bits on this CPU; bf16 linears use the FMA form")
         return False
-    return True
+    if mode == "native":
+        return True
+    native_s, fma_s = _time_bf16_dots(module)
+    log.info("bf16 linears: %s (start-up probe, 64 x 576 x 1024: VDPBF16PS %.3f ms, FMA form %.3f ms)",
+             "VDPBF16PS" if native_s < fma_s else "FMA form", native_s * 1e3, fma_s * 1e3)
+    return native_s < fma_s
+
+
+def _time_bf16_dots(module, rounds: int = 7) -> tuple[float, float]:
+    """The best of `rounds` interleaved wall-clock timings (seconds) of one (64, 576) x (576, 1024) bf16
+    linear through VDPBF16PS and through the FMA form (about 10 ms in all here). The minimum of
+    interleaved runs stands a shared machine's load; a wrong pick costs speed, never bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
+    from lmi_handler.engine.model.kernels.packing import pack_weight
+
+    panels = pack_weight(torch.randn(1024, 576, generator=g) * 0.05, "bfloat16", huge_pages=False).panels
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, native in enumerate((True, False)):
+            start = time.perf_counter()
+            module.linear(x, panels, 1024, None, None, True, native)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def _native_matches_fma(module) -> bool:

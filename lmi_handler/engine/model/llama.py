@@ -222,8 +222,8 @@ class LlamaModel(nn.Module):
     rest of the batch (packed-weight C++ linears after pack_weights(), else 16-row tiled bmm; the
     paged attention kernel, else one SDPA call per sequence); False runs plain F.linear GEMMs.
 
-    After pack_weights(), `fused` (default True) runs each decoder layer as one C++ call
-    (kernels' decoder_layer: the same row-invariant ops chained without Python dispatch); False
+    After pack_weights(), `fused` (default True) runs the decoder stack as one C++ call a step
+    (kernels' DecoderStack: the same row-invariant ops chained without Python dispatch); False
     keeps the module-by-module PyTorch path, the reference it is tested against.
 
     Tensor parallelism: built with `layout` (engine/parallel/layout.ShardLayout), the model is rank
@@ -236,6 +236,7 @@ class LlamaModel(nn.Module):
     """
 
     fused = True
+    _stack = None   # (kernels module, its DecoderStack, K caches, V caches), made by _forward_fused
 
     def __init__(self, args: LlamaArgs, layout=None):
         super().__init__()
@@ -265,6 +266,7 @@ class LlamaModel(nn.Module):
         """
         if self.embed_tokens.device.type != "cpu" or cpu_kernels() is None:
             return False
+        self._stack = None
         for layer in self.layers:
             for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"),
                                  (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
@@ -318,21 +320,34 @@ class LlamaModel(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder stack as one C++ call per layer (packed CPU weights); x: (T, hidden) float32 or
-        bfloat16, the activations' (and KV cache's) dtype."""
-        a, ops, native = self.args, cpu_kernels(), bf16_dot_native()
-        x = x.contiguous().clone()          # updated in place by every layer
-        cos, sin = cos.contiguous(), sin.contiguous()
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        """The decoder stack and final norm as one C++ call (kernels' DecoderStack over packed CPU weights,
+        bitwise one decoder_layer call per layer); x: (T, hidden) float32 or bfloat16, the activations'
+        (and KV cache's) dtype. The stack holds the weights' tensors, made at the first call after
+        pack_weights (weights replaced after that, not updated in place, need pack_weights or
+        `_stack = None`)."""
+        ops, native = cpu_kernels(), bf16_dot_native()
+        stack = self._stack
+        if stack is None or stack[0] is not ops:
+            stack = self._stack = (ops, self._make_stack(ops), [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        k_caches, v_caches = stack[2], stack[3]
+        if len(k_caches) != len(kv_caches) or any(k is not kv[0] or v is not kv[1]
+                                                  for k, v, kv in zip(k_caches, v_caches, kv_caches)):
+            k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+            self._stack = (ops, stack[1], k_caches, v_caches)
+        return stack[1].forward(x, cos, sin, k_caches, v_caches, meta.slot_mapping, meta.block_tables,
+                                meta.context_lens, meta.cu_seqlens_q, native)
+
+    def _make_stack(self, ops):
+        a, layers = self.args, []
+        for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o, gate_up, down = attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
-            ops.decoder_layer(x, layer.input_layernorm.weight, qkv.panels, qkv.scale, attn.qkv_bias,
-                              o.panels, o.scale, attn.o_bias, layer.post_attention_layernorm.weight,
-                              gate_up.panels, gate_up.scale, mlp.gate_up_bias, down.panels, down.scale, mlp.down_bias,
-                              cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                              meta.cu_seqlens_q, a.num_heads, a.num_kv_heads, a.intermediate_size,
-                              layer.input_layernorm.eps, attn.scale, native)
-        return ops.add_rmsnorm(x, None, self.norm.weight, self.norm.eps)
+            layers.append([layer.input_layernorm.weight, qkv.panels, qkv.scale, attn.qkv_bias,
+                           o.panels, o.scale, attn.o_bias, layer.post_attention_layernorm.weight,
+                           gate_up.panels, gate_up.scale, mlp.gate_up_bias, down.panels, down.scale, mlp.down_bias])
+        first = self.layers[0]
+        return ops.DecoderStack(layers, self.norm.weight, a.num_heads, a.num_kv_heads, a.intermediate_size,
+                                first.input_layernorm.eps, self.norm.eps, first.self_attn.scale)
 
     def _forward_split(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

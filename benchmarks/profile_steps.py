@@ -1,0 +1,98 @@
+"""Where the offline run's wall time goes, step by step (demo model, in-process, no server).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_steps.py [--dtype fp32|bf16] [--threads 2] [--rounds 1]
+
+Runs the benchmark's offline workload (workload.build_workload: the first 64 MT-bench prompts, 128 greedy
+tokens, EOS ignored) through one Engine as workers.ours_offline does (a 2-token warm-up, then every request
+at once, stepped to the end; the prefix cache emptied before each round) and records each Engine.step: its
+wall time (time.perf_counter), the process's CPU time over all threads (time.process_time: OpenMP workers,
+spinning included), the main thread's CPU time, the scheduled tokens and sequences, and the wall seconds of
+the step's engine parts (schedule, prepare, execute, sample, output processing, ...). Prints, per round, the
+whole run and the prefill steps (more scheduled tokens than sequences) apart from the decode steps.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers import drop_prefix_cache  # noqa: E402
+from workload import REPO, build_workload  # noqa: E402
+
+PARTS = (("scheduler", "schedule"), ("runner", "prepare"), ("", "_prepare_sampling"), ("runner", "execute"),
+         ("scheduler", "update_from_output"), ("", "_sample"), ("output", "process"), ("", "_finish"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--model", default=str(REPO / "model"))
+    args = p.parse_args(argv)
+
+    from lmi_handler.config import EngineConfig
+    from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.sequence import SamplingParams
+
+    cfg = EngineConfig(model_path=args.model, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
+                       device_id=-1, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None,
+                       block_size=16, kv_cache_bytes=1 << 30, num_threads=args.threads)
+    engine = Engine(cfg)
+    work = build_workload(Path(args.model), 64, 128)
+    step_parts: dict[str, float] = {}
+
+    def timed(obj, name):
+        fn = getattr(obj, name)
+
+        def wrap(*a, **k):
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            step_parts[name] = step_parts.get(name, 0.0) + time.perf_counter() - start
+            if name == "schedule":
+                step_parts["tokens"], step_parts["seqs"] = sum(out.num_scheduled_tokens), len(out.seqs)
+            return out
+        setattr(obj, name, wrap)
+
+    for owner, name in PARTS:
+        timed(getattr(engine, owner) if owner else engine, name)
+    warm = SamplingParams(greedy=True, max_new_tokens=2, ignore_eos=True)
+    for i, ids in enumerate(work.prompt_token_ids):
+        engine.add_request(f"warmup-{i}", ids, warm, seed=0)
+    while engine.has_unfinished:
+        engine.step()
+    params = SamplingParams(greedy=True, max_new_tokens=128, ignore_eos=True)
+    for k in range(args.rounds):
+        drop_prefix_cache(engine.allocator)
+        for i, ids in enumerate(work.prompt_token_ids):
+            engine.add_request(f"r{k}-{i}", ids, params, seed=0)
+        steps = []
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[0]
+        start, cpu = time.perf_counter(), time.process_time()
+        while engine.has_unfinished:
+            step_parts.clear()
+            wall, proc, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
+            engine.step()
+            steps.append({**step_parts, "wall": time.perf_counter() - wall, "proc": time.process_time() - proc,
+                          "main": time.thread_time() - main_cpu})
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        print(f"round {k + 1} (load {load}): wall {wall:.2f} s, process CPU {cpu:.2f} s ({cpu / wall:.2f} cores), "
+              f"{len(steps)} steps")
+        prefill = [s for s in steps if s["tokens"] > s["seqs"]]
+        decode = [s for s in steps if s["tokens"] == s["seqs"]]
+        for label, sel in (("prefill", prefill), ("decode", decode)):
+            parts = ", ".join(f"{name} {sum(s.get(name, 0.0) for s in sel):.2f}" for _, name in PARTS)
+            print(f"  {label}: {len(sel)} steps, {sum(s['tokens'] for s in sel)} tokens, wall "
+                  f"{sum(s['wall'] for s in sel):.2f} s, process CPU {sum(s['proc'] for s in sel):.2f} s, main thread "
+                  f"CPU {sum(s['main'] for s in sel):.2f} s; parts (wall s): {parts}")
+        if decode:
+            walls = [s["wall"] * 1e3 for s in decode]
+            print(f"  decode step wall ms: median {statistics.median(walls):.1f}, least {min(walls):.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -206,8 +206,9 @@ LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "000000000000000
 
 
 class RayHead:
-    """`ray start --head --block` on 127.0.0.1 for the tests (2 CPUs, no dashboard, a small object store), in a
-    session of its own; `stop()` ends it and kills whatever of its group is left."""
+    """`ray start --head --block` on 127.0.0.1 for the tests (2 CPUs, no dashboard, a small object store, token
+    auth with Ray's default token file, made here when missing), in a session of its own; `stop()` ends it and
+    kills whatever of its group is left."""
 
     def __init__(self, log_path: Path, num_cpus: int = 2):
         import tempfile
@@ -218,6 +219,10 @@ class RayHead:
         self.address = f"127.0.0.1:{self.port}"
         self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")   # short: Ray's socket paths are limited
         ray = Path(sys.executable).with_name("ray")
+        # token auth (RAY_ENV) needs a token before `ray start`: on a fresh machine nothing has made
+        # ~/.ray/auth_token yet (ray.init of a local cluster makes it; `ray start` does not)
+        subprocess.run([str(ray), "get-auth-token", "--generate"], env=ray_cli_env(), capture_output=True,
+                       check=True, timeout=120)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [str(ray), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.port}",

@@ -325,7 +325,10 @@ class LlamaModel(nn.Module):
         (and KV cache's) dtype. The stack holds the weights' tensors, made at the first call after
         pack_weights (weights replaced after that, not updated in place, need pack_weights or
         `_stack = None`)."""
-        ops, native = cpu_kernels(), bf16_dot_native()
+        # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
+        # otherwise would run its start-up probe and log a choice that applies to nothing
+        ops = cpu_kernels()
+        native = self.layers[0].self_attn.qkv_weight.kind == "bfloat16" and bf16_dot_native()
         stack = self._stack
         if stack is None or stack[0] is not ops:
             stack = self._stack = (ops, self._make_stack(ops), [k for k, _ in kv_caches], [v for _, v in kv_caches])

@@ -236,7 +236,7 @@ class LlamaModel(nn.Module):
     """
 
     fused = True
-    _stack = None   # (kernels module, its DecoderStack, K caches, V caches), made by _forward_fused
+    _stack = None   # (kernels module, its DecoderStack), made by _forward_fused
 
     def __init__(self, args: LlamaArgs, layout=None):
         super().__init__()
@@ -321,24 +321,20 @@ class LlamaModel(nn.Module):
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """The decoder stack and final norm as one C++ call (kernels' DecoderStack over packed CPU weights,
-        bitwise one decoder_layer call per layer); x: (T, hidden) float32 or bfloat16, the activations'
-        (and KV cache's) dtype. The stack holds the weights' tensors, made at the first call after
+        bitwise the layers' C++ ops called one by one, as _forward_split does); x: (T, hidden) float32 or
+        bfloat16, the activations' (and KV cache's) dtype. The stack holds the weights' tensors, made at the first call after
         pack_weights (weights replaced after that, not updated in place, need pack_weights or
         `_stack = None`)."""
         # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
         # otherwise would run its start-up probe and log a choice that applies to nothing
         ops = cpu_kernels()
         native = self.layers[0].self_attn.qkv_weight.kind == "bfloat16" and bf16_dot_native()
-        stack = self._stack
-        if stack is None or stack[0] is not ops:
-            stack = self._stack = (ops, self._make_stack(ops), [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        k_caches, v_caches = stack[2], stack[3]
-        if len(k_caches) != len(kv_caches) or any(k is not kv[0] or v is not kv[1]
-                                                  for k, v, kv in zip(k_caches, v_caches, kv_caches)):
-            k_caches, v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-            self._stack = (ops, stack[1], k_caches, v_caches)
-        return stack[1].forward(x, cos, sin, k_caches, v_caches, meta.slot_mapping, meta.block_tables,
-                                meta.context_lens, meta.cu_seqlens_q, native)
+        if self._stack is None or self._stack[0] is not ops:
+            self._stack = (ops, self._make_stack(ops))
+        # the caches as two lists: pybind converts them every call either way, so they are not cached
+        return self._stack[1].forward(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                      meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                                      native)
 
     def _make_stack(self, ops):
         a, layers = self.args, []

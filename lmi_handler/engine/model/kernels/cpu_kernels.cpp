@@ -52,7 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place");
   m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=-1) of (N, V) float32 rows");
   m.def("vector_exp_agrees", &vector_exp_agrees, "whether the AVX-512 expf gives std::exp's bits here");
-  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer in place on x (row-invariant C++ chain)");
   py::class_<DecoderStack>(m, "DecoderStack", "the decoder layers and final norm, one call a step")
       .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
                     int64_t, double, double, double>())

@@ -206,19 +206,20 @@ void add_in_place(T* xp, const T* dp, int64_t rows, int64_t N) {
 }
 
 // One decoder layer's weights: norms in x's dtype; linears packed panels of any kind (linear.h), `*_s`
-// the int8 kinds' scales and `*_b` the biases (each undefined where there is none).
+// the int8 kinds' scales and `*_b` the biases (each empty where there is none).
 struct LayerWeights {
-  torch::Tensor in_norm, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, post_norm, gu_w, gu_s, gu_b, down_w, down_s, down_b;
+  using Opt = c10::optional<torch::Tensor>;
+  torch::Tensor in_norm, qkv_w;
+  Opt qkv_s, qkv_b;
+  torch::Tensor o_w;
+  Opt o_s, o_b;
+  torch::Tensor post_norm, gu_w;
+  Opt gu_s, gu_b;
+  torch::Tensor down_w;
+  Opt down_s, down_b;
 };
 
-inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
-  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
-inline torch::Tensor or_undefined(const c10::optional<torch::Tensor>& t) {
-  return t.has_value() ? *t : torch::Tensor();
-}
-
-// The per-step inputs every layer shares (see decoder_layer)
+// The per-step inputs every layer shares (DecoderStack::forward's)
 struct StepInputs {
   torch::Tensor cos, sin, slot_mapping, block_tables, context_lens, cu_seqlens_q;
   int64_t H, KVH, intermediate;
@@ -236,13 +237,13 @@ inline void layer_forward(torch::Tensor& x, const LayerWeights& l, const torch::
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bad x");
   const int64_t T = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
   auto h = add_rmsnorm(x, c10::nullopt, l.in_norm, in.eps);
-  auto qkv = linear(h, l.qkv_w, (H + 2 * KVH) * D, opt(l.qkv_b), opt(l.qkv_s), bf, in.native);
+  auto qkv = linear(h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.native);
   auto q = rope_kv_write(qkv, in.cos, in.sin, k_cache, v_cache, in.slot_mapping, H, KVH);
   auto o = paged_attention(q, k_cache, v_cache, in.block_tables, in.context_lens, in.cu_seqlens_q, in.scale);
-  auto delta = linear(o.view({T, H * D}), l.o_w, N, opt(l.o_b), opt(l.o_s), bf, in.native);
+  auto delta = linear(o.view({T, H * D}), l.o_w, N, l.o_b, l.o_s, bf, in.native);
   h = add_rmsnorm(x, delta, l.post_norm, in.eps);
-  auto act = silu_mul(linear(h, l.gu_w, 2 * in.intermediate, opt(l.gu_b), opt(l.gu_s), bf, in.native), true);
-  delta = linear(act, l.down_w, N, opt(l.down_b), opt(l.down_s), bf, in.native);
+  auto act = silu_mul(linear(h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.native), true);
+  delta = linear(act, l.down_w, N, l.down_b, l.down_s, bf, in.native);
   if (bf) {
     add_in_place<bf16>(data_of<bf16>(x), data_of<bf16>(delta), T, N);
   } else {
@@ -250,26 +251,9 @@ inline void layer_forward(torch::Tensor& x, const LayerWeights& l, const torch::
   }
 }
 
-// One layer from Python (layer_forward; `*_s` the int8 kinds' scales, else none)
-void decoder_layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_s,
-                   c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w, c10::optional<torch::Tensor> o_s,
-                   c10::optional<torch::Tensor> o_b, torch::Tensor post_norm, torch::Tensor gu_w,
-                   c10::optional<torch::Tensor> gu_s, c10::optional<torch::Tensor> gu_b, torch::Tensor down_w,
-                   c10::optional<torch::Tensor> down_s, c10::optional<torch::Tensor> down_b, torch::Tensor cos,
-                   torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                   torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q, int64_t H,
-                   int64_t KVH, int64_t intermediate, double eps, double scale, bool native) {
-  const LayerWeights l{in_norm, qkv_w, or_undefined(qkv_s), or_undefined(qkv_b), o_w, or_undefined(o_s),
-                       or_undefined(o_b), post_norm, gu_w, or_undefined(gu_s), or_undefined(gu_b), down_w,
-                       or_undefined(down_s), or_undefined(down_b)};
-  const StepInputs in{cos, sin, slot_mapping, block_tables, context_lens, cu_seqlens_q, H, KVH, intermediate,
-                      eps, scale, native};
-  layer_forward(x, l, k_cache, v_cache, in);
-}
-
 // The whole decoder stack and the final norm, held once (the weights' tensors, not copies): one call a
-// step in place of one decoder_layer call per layer, so a decode step converts its arguments once, not
-// 28 per layer (bitwise the loop of decoder_layer calls: the same layer_forward). Built by
+// step in place of one call per layer, so a decode step converts its arguments once, not 28 per layer
+// (bitwise the layers' ops called one by one: test_the_split_layers_are_bitwise_the_fused_layer). Built by
 // LlamaModel._forward_fused after pack_weights.
 struct DecoderStack {
   std::vector<LayerWeights> layers;
@@ -277,21 +261,20 @@ struct DecoderStack {
   int64_t H, KVH, intermediate;
   double eps, norm_eps, scale;
 
-  // layers[l]: 14 tensors or None, decoder_layer's order (in_norm, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b,
+  // layers[l]: 14 tensors or None, in LayerWeights' order (in_norm, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b,
   // post_norm, gu_w, gu_s, gu_b, down_w, down_s, down_b)
   DecoderStack(const std::vector<std::vector<c10::optional<torch::Tensor>>>& ls, torch::Tensor norm_w, int64_t H_,
                int64_t KVH_, int64_t intermediate_, double eps_, double norm_eps_, double scale_)
       : norm(norm_w), H(H_), KVH(KVH_), intermediate(intermediate_), eps(eps_), norm_eps(norm_eps_), scale(scale_) {
     for (const auto& t : ls) {
       TORCH_CHECK(t.size() == 14, "a layer is 14 tensors (or None)");
-      auto u = [&](int i) { return or_undefined(t[i]); };
       TORCH_CHECK(t[0] && t[1] && t[4] && t[7] && t[8] && t[11], "norms and linear panels are required");
-      layers.push_back({u(0), u(1), u(2), u(3), u(4), u(5), u(6), u(7), u(8), u(9), u(10), u(11), u(12), u(13)});
+      layers.push_back({*t[0], *t[1], t[2], t[3], *t[4], t[5], t[6], *t[7], *t[8], t[9], t[10], *t[11], t[12], t[13]});
     }
   }
 
   // x: (T, hidden) float32 or bfloat16 (not changed); cos, sin: (T, head_dim); k_caches[l], v_caches[l]:
-  // layer l's cache; the rest as decoder_layer. Returns the final-norm hidden states (T, hidden).
+  // layer l's cache; the attention metadata as paged_attention's. Returns the final-norm hidden states (T, hidden).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
                         const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor context_lens, torch::Tensor cu_seqlens_q, bool native) const {

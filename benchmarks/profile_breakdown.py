@@ -47,22 +47,47 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+# the parts of Engine.step that profile_breakdown and profile_steps time: (owner attribute, method, label)
+ENGINE_PARTS = (("scheduler", "schedule", "schedule"), ("runner", "prepare", "prepare"),
+                ("", "_prepare_sampling", "prepare_sampling"), ("runner", "execute", "execute (forward + lm_head)"),
+                ("scheduler", "update_from_output", "scheduler update"), ("", "_sample", "sample (process, pick, stops)"),
+                ("output", "process", "output process (sync, detok)"), ("", "_finish", "finish"))
+
+
+def bench_engine(model: str, dtype: str, threads: int, quantize: str | None = None):
+    """An Engine with the benchmark's offline settings (64 sequences, 2048 tokens a step, 1 GiB of KV cache)."""
+    from lmi_handler.config import EngineConfig
+    from lmi_handler.engine.engine import Engine
+
+    return Engine(EngineConfig(model_path=model, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], device_id=-1,
+                               max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None, block_size=16,
+                               kv_cache_bytes=1 << 30, num_threads=threads, quantize=quantize))
+
+
+def time_parts(engine, clock, record, parts=ENGINE_PARTS) -> None:
+    """Wrap each of `parts` of `engine` so that every call reports record(label, its result, seconds by clock)."""
+    for owner, name, label in parts:
+        obj = getattr(engine, owner) if owner else engine
+        fn = getattr(obj, name)
+
+        def wrap(*a, _fn=fn, _label=label, **k):
+            start = clock()
+            out = _fn(*a, **k)
+            record(_label, out, clock() - start)
+            return out
+        setattr(obj, name, wrap)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
-    from lmi_handler.config import EngineConfig
-    from lmi_handler.engine.engine import Engine
     from lmi_handler.engine.model.kernels.build import bf16_dot_native, choose_bf16_dot
     from lmi_handler.engine.sequence import SamplingParams
 
     choose_bf16_dot(args.bf16_dot)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    cfg = EngineConfig(model_path=args.model, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
-                       device_id=-1, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None,
-                       block_size=16, kv_cache_bytes=1 << 30, num_threads=args.warmup_threads,
-                       quantize=args.quantize)
-    engine = Engine(cfg)
+    engine = bench_engine(args.model, args.dtype, args.warmup_threads, args.quantize)
     work = build_workload(Path(args.model), args.batch, 128)
     params = SamplingParams(greedy=True, max_new_tokens=128, ignore_eos=True)
     for i, ids in enumerate(work.prompt_token_ids):
@@ -79,25 +104,8 @@ def main(argv=None) -> None:
     # ---- engine parts inside real steps
     times: dict[str, list[float]] = defaultdict(list)
 
-    def timed(obj, name, label):
-        fn = getattr(obj, name)
-
-        def wrap(*a, **k):
-            start = clock()
-            out = fn(*a, **k)
-            times[label].append(clock() - start)
-            return out
-        setattr(obj, name, wrap)
-
-    timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.runner, "prepare", "prepare")
-    timed(engine, "_prepare_sampling", "prepare_sampling")
-    timed(engine.runner, "execute", "execute (forward + lm_head)")
-    timed(engine.scheduler, "update_from_output", "scheduler update")
-    timed(engine, "_sample", "sample (process, pick, stops)")
-    timed(engine.output, "process", "output process (sync, detok)")
-    timed(engine, "_finish", "finish")
-    timed(engine, "step", "step (all)")
+    time_parts(engine, clock, lambda label, _out, seconds: times[label].append(seconds),
+               ENGINE_PARTS + (("", "step", "step (all)"),))
     for _ in range(args.repeats):
         engine.step()
     # the sampler alone on this step's logits

@@ -19,11 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_breakdown import ENGINE_PARTS, bench_engine, time_parts  # noqa: E402
 from workers import drop_prefix_cache  # noqa: E402
 from workload import REPO, build_workload  # noqa: E402
-
-PARTS = (("scheduler", "schedule"), ("runner", "prepare"), ("", "_prepare_sampling"), ("runner", "execute"),
-         ("scheduler", "update_from_output"), ("", "_sample"), ("output", "process"), ("", "_finish"))
 
 
 def main(argv=None) -> None:
@@ -34,31 +32,18 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=str(REPO / "model"))
     args = p.parse_args(argv)
 
-    from lmi_handler.config import EngineConfig
-    from lmi_handler.engine.engine import Engine
     from lmi_handler.engine.sequence import SamplingParams
 
-    cfg = EngineConfig(model_path=args.model, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
-                       device_id=-1, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None,
-                       block_size=16, kv_cache_bytes=1 << 30, num_threads=args.threads)
-    engine = Engine(cfg)
+    engine = bench_engine(args.model, args.dtype, args.threads)
     work = build_workload(Path(args.model), 64, 128)
     step_parts: dict[str, float] = {}
 
-    def timed(obj, name):
-        fn = getattr(obj, name)
+    def record(label, out, seconds):
+        step_parts[label] = step_parts.get(label, 0.0) + seconds
+        if label == "schedule":
+            step_parts["tokens"], step_parts["seqs"] = sum(out.num_scheduled_tokens), len(out.seqs)
 
-        def wrap(*a, **k):
-            start = time.perf_counter()
-            out = fn(*a, **k)
-            step_parts[name] = step_parts.get(name, 0.0) + time.perf_counter() - start
-            if name == "schedule":
-                step_parts["tokens"], step_parts["seqs"] = sum(out.num_scheduled_tokens), len(out.seqs)
-            return out
-        setattr(obj, name, wrap)
-
-    for owner, name in PARTS:
-        timed(getattr(engine, owner) if owner else engine, name)
+    time_parts(engine, time.perf_counter, record)
     warm = SamplingParams(greedy=True, max_new_tokens=2, ignore_eos=True)
     for i, ids in enumerate(work.prompt_token_ids):
         engine.add_request(f"warmup-{i}", ids, warm, seed=0)
@@ -85,7 +70,7 @@ def main(argv=None) -> None:
         prefill = [s for s in steps if s["tokens"] > s["seqs"]]
         decode = [s for s in steps if s["tokens"] == s["seqs"]]
         for label, sel in (("prefill", prefill), ("decode", decode)):
-            parts = ", ".join(f"{name} {sum(s.get(name, 0.0) for s in sel):.2f}" for _, name in PARTS)
+            parts = ", ".join(f"{label} {sum(s.get(label, 0.0) for s in sel):.2f}" for _, _, label in ENGINE_PARTS)
             print(f"  {label}: {len(sel)} steps, {sum(s['tokens'] for s in sel)} tokens, wall "
                   f"{sum(s['wall'] for s in sel):.2f} s, process CPU {sum(s['proc'] for s in sel):.2f} s, main thread "
                   f"CPU {sum(s['main'] for s in sel):.2f} s; parts (wall s): {parts}")

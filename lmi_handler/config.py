@@ -74,6 +74,12 @@ class Settings(BaseModel):
     """CPU float32: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
     (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0
     when the properties do not set it (read in from_properties, the only place that reads it)."""
+    malloc_tuning: bool = True
+    """CPU: fix glibc malloc's mmap and trim thresholds (32 MiB, 1 GiB) at engine start so the memory a step
+    frees is reused by the next instead of being returned and faulted in again (engine/host_memory.py;
+    measured: 9,184 page faults a 64-sequence bf16 decode step without it, none with it). Up to 1 GiB of
+    freed memory may stay resident; false leaves malloc's own adaptive thresholds. A no-op under another
+    malloc (e.g. tcmalloc in LD_PRELOAD)."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True
@@ -212,6 +218,7 @@ class Settings(BaseModel):
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
                             batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
+                            malloc_tuning=self.malloc_tuning,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
                             parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
@@ -297,6 +304,7 @@ class EngineConfig:
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
     huge_pages: bool = True
+    malloc_tuning: bool = True
     quantize: str | None = None
     structured_output_compile_timeout_s: float = 30.0
     parallel: ParallelConfig = ParallelConfig()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lmi_handler.config import ConfigError, EngineConfig
+from lmi_handler.engine.host_memory import keep_freed_memory
 from lmi_handler.engine.parallel.executor import (
     RankContext,
     WorkerArgs,
@@ -58,8 +59,12 @@ class ModelRunnerSpec:
 
 def model_runner(config: EngineConfig, precision: Precision, device: torch.device, **size_and_shard):
     """A ModelRunner of config's model in `precision` on `device`, the options every rank shares applied;
-    `size_and_shard`: kv_cache_bytes (one process) or num_blocks, layout and group (a tensor-parallel rank)."""
+    `size_and_shard`: kv_cache_bytes (one process) or num_blocks, layout and group (a tensor-parallel rank).
+    On CPU with option.malloc_tuning, this rank's process first fixes malloc's thresholds (host_memory)."""
     from lmi_handler.engine.model_runner import ModelRunner
+
+    if device.type == "cpu" and config.malloc_tuning:
+        keep_freed_memory()
 
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                        batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,

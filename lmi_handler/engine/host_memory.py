@@ -33,7 +33,9 @@ def glibc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+    try:
+        libc.gnu_get_libc_version, libc.mallopt
+    except AttributeError:                          # musl and others: no such symbol
         return None
     return libc
 

@@ -34,10 +34,10 @@ def glibc() -> ctypes.CDLL | None:
         return None
     libc = ctypes.CDLL(None)
     try:
-        libc.gnu_get_libc_version, libc.mallopt
+        symbols = (libc.gnu_get_libc_version, libc.mallopt)
     except AttributeError:                          # musl and others: no such symbol
         return None
-    return libc
+    return libc if all(symbols) else None
 
 
 def keep_freed_memory() -> bool:

@@ -67,6 +67,34 @@ float exp_and_sum(float* s, int64_t n, float max) {
   return total;
 }
 
+// exp_and_sum, then each s[t] as a T holds it (keep<T>): the softmax weights bf16 storage rounds. On
+// AVX-512 the rounding is done in the same pass, to the bits of float_to_bf16 (round to nearest even;
+// exp512 never returns NaN: its input is clamped), the sum being of the unrounded values as before.
+template <class T>
+float exp_sum_keep(float* s, int64_t n, float max) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(max);
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1),
+                  high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 k = t + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+      const __m512i u = _mm512_castps_si512(e);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, half), lsb), high);
+      _mm512_mask_storeu_ps(s + t, k, _mm512_castsi512_ps(r));
+      acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  const float total = exp_and_sum(s, n, max);
+  for (int64_t t = 0; t < n; ++t) s[t] = keep<T>(s[t]);
+  return total;
+}
+
 // W cache values of type T as floats (exact)
 template <class T> inline Vec load_vec(const T* p);
 template <> inline Vec load_vec<float>(const float* p) { return Vec::load(p); }
@@ -80,7 +108,11 @@ template <> inline Vec load_vec<bf16>(const bf16* p) { return Vec::load_bf16(p);
 // the bits are unchanged). On AVX-512 the scores go sixteen keys at a time per head, their lane sums in
 // one transpose (transpose_sum16) instead of a horizontal sum per key, and exp is vectorized (exp512):
 // 64 rows x 200 keys, 1 thread, thread CPU time, old and new builds interleaved in one process:
-// float32 2.75 -> 2.39 ms a layer, bfloat16 2.32 -> 1.91 (the rest is mostly reading K/V). A score s[h * ld + t] is one dot chain over d (vector lanes, lanes summed
+// float32 2.75 -> 2.39 ms a layer, bfloat16 2.32 -> 1.91 (the rest is mostly reading K/V). Then the
+// key loop of score_group16 unrolled to sixteen register accumulators, the sums placed by one permute,
+// the softmax weights rounded to bf16 in exp's pass and the first value block prefetched during the
+// last key block (benchmarks/ab_attention.py, 64 rows x 112-240 keys, old and new interleaved, bitwise
+// equal): old/new 1.10-1.24 in bfloat16 and 1.07-1.32 in float32 over two runs at 1 and 2 threads. A score s[h * ld + t] is one dot chain over d (vector lanes, lanes summed
 // in a fixed order, scalar tail), an output lane one FMA chain over t in order from zero, stored and
 // reloaded between blocks (exact): the same operations whatever else is in the batch.
 
@@ -157,6 +189,7 @@ inline __m512 transpose_sum16(const __m512* v) {
 // where transpose_sum16 puts vector i's sum: computed once by running it on one-hot vectors
 struct Sum16Order {
   int lane_of[16];
+  __m512i index;   // lane_of as a permute index
   Sum16Order() {
     for (int i = 0; i < 16; ++i) {
       __m512 v[16];
@@ -166,6 +199,9 @@ struct Sum16Order {
       for (int l = 0; l < 16; ++l)
         if (out[l] != 0.f) lane_of[i] = l;
     }
+    alignas(64) int32_t lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = lane_of[i];
+    index = _mm512_load_si512(lanes);
   }
 };
 
@@ -176,21 +212,23 @@ template <class T>
 inline float score_group16(const float* q, const T* krows, int64_t row_stride, int64_t koff, int64_t D, int64_t cnt,
                            float scale, float* s) {
   static const Sum16Order order;
+  // sixteen chains whatever cnt is, so that the loop over keys unrolls and the accumulators stay in
+  // registers (a loop to a run-time cnt kept them in memory: a load and a store around every FMA); keys
+  // past cnt repeat the last one, their sums are never read, and a lane never mixes two vectors
+  const T* rows[16];
+  for (int i = 0; i < 16; ++i) rows[i] = krows + std::min<int64_t>(i, cnt - 1) * row_stride + koff;
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
     const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int64_t i = 0; i < cnt; ++i)
-      acc[i] = _mm512_fmadd_ps(qv, load_vec<T>(krows + i * row_stride + koff + d).v, acc[i]);
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, load_vec<T>(rows[i] + d).v, acc[i]);
   }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale)));
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < cnt; ++i) {
-    s[i] = sums[order.lane_of[i]];
-    mx = std::max(mx, s[i]);
-  }
-  return mx;
+  // key i's sum to lane i (one permute), the first cnt stored; max is exact, so the vector max is the
+  // scalar loop's
+  const __m512 sums = _mm512_permutexvar_ps(order.index, _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale)));
+  const __mmask16 k = cnt == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cnt) - 1);
+  _mm512_mask_storeu_ps(s, k, sums);
+  return _mm512_mask_reduce_max_ps(k, sums);
 }
 #endif
 
@@ -216,8 +254,11 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
     const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS);
 #if defined(__AVX512F__)
     if (D % 16 == 0) {   // sixteen keys at a time per head, their lane sums in one transpose
-      for (int64_t t = t0; t < t1; ++t)
-        if (next) prefetch_lines(next + (t - t0) * row_stride + slice_begin, 0, slice_lines);
+      // the next block's keys, or for the last block the first block's values, on their way meanwhile
+      const T* ahead = next ? next : vp + static_cast<int64_t>(table[0]) * block_elems;
+      for (int64_t t = t0; t < t1; ++t) prefetch_lines(ahead + (t - t0) * row_stride + slice_begin, 0, slice_lines);
+      // (bf16 keys widened once per block into a float buffer, instead of once per query head of their KV
+      // head, measured 0.90x: the buffer's stores cost more than the conversions saved)
       for (int64_t u = t0; u < t1; u += 16) {
         const int64_t cnt = std::min<int64_t>(16, t1 - u);
         for (int64_t h = h0; h < h1; ++h)
@@ -246,10 +287,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   // bf16 storage rounds the softmax weights to bf16 before the weighted sum (the sum stays the float32
   // weights') and scales the output by the sum's reciprocal: the roundings of torch's CPU flash attention,
   // which transformers' bf16 Llama runs (sdpa). float32: keep is the identity and the output is divided.
-  for (int64_t h = h0; h < h1; ++h) {
-    denom[h] = exp_and_sum(scores + h * ld, n, mx[h]);
-    for (int64_t t = 0; t < n; ++t) scores[h * ld + t] = keep<T>(scores[h * ld + t]);
-  }
+  for (int64_t h = h0; h < h1; ++h) denom[h] = exp_sum_keep<T>(scores + h * ld, n, mx[h]);
   // weighted values, block by block, the G heads of each KV head together
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* vb = vp + static_cast<int64_t>(table[j]) * block_elems;

@@ -1,0 +1,81 @@
+"""Interleaved A/B of the paged-attention kernel: this checkout's C++ kernels against another revision's,
+in one process (ab_kernels.old_kernels builds the old sources as an extension of their own).
+
+First checks that both give bitwise the same output on small random cases (bf16 and fp32, decode and
+prefill rows, head dims 16-64, GQA and MHA, contexts not a multiple of the block size); then times one
+layer's call on the demo model's shapes (64 decode rows, 9 query / 3 KV heads of 64, 16-token blocks,
+contexts 112-240 keys, blocks scattered over a 30-layer-sized cache in huge-page memory), old and new
+alternating, `--rounds` rounds of 10 calls each. Prints the medians (ms a call) and old/new.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/ab_attention.py --old-rev HEAD [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_kernels import old_kernels  # noqa: E402
+
+from lmi_handler.engine.model.kernels import cpu_kernels  # noqa: E402
+from lmi_handler.engine.model.kernels.build import empty_huge  # noqa: E402
+
+# (sequences, heads, kv heads, head dim, block size, least context, most context + 1, query rows each)
+CHECKS = [(7, 9, 3, 64, 16, 1, 70, 1), (5, 4, 2, 32, 16, 20, 40, 5), (3, 8, 8, 64, 16, 33, 90, 17),
+          (4, 6, 2, 48, 4, 3, 30, 2), (2, 4, 1, 16, 16, 1, 3, 1)]
+
+
+def case(g, dtype, seqs, heads, kv_heads, head_dim, block, ctx_lo, ctx_hi, query_rows, pool=2):
+    """paged_attention's arguments: random q and caches, block tables drawn from `pool` x the blocks needed."""
+    ctx = torch.randint(max(ctx_lo, query_rows), ctx_hi, (seqs,), generator=g, dtype=torch.int32)
+    max_blocks = (int(ctx.max()) + block - 1) // block
+    num_blocks = seqs * max_blocks * pool
+    caches = []
+    for _ in range(2):
+        cache = empty_huge(num_blocks, block, kv_heads, head_dim, dtype=dtype)
+        cache.copy_(torch.randn(num_blocks, block, kv_heads, head_dim, generator=g))
+        caches.append(cache)
+    tables = torch.randperm(num_blocks, generator=g)[: seqs * max_blocks].to(torch.int32).view(seqs, max_blocks)
+    cu = torch.arange(seqs + 1, dtype=torch.int32) * query_rows
+    q = (3 * torch.randn(seqs * query_rows, heads, head_dim, generator=g)).to(dtype)
+    return q, caches[0], caches[1], tables.contiguous(), ctx, cu, head_dim ** -0.5
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--old-rev", default="HEAD")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=12)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    new, old = cpu_kernels(), old_kernels(args.old_rev)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in CHECKS:
+            inputs = case(g, dtype, *shape)
+            if not torch.equal(old.paged_attention(*inputs), new.paged_attention(*inputs)):
+                raise SystemExit(f"{dtype} {shape}: the two builds differ")
+    print(f"bitwise equal: {args.old_rev} and this checkout on {2 * len(CHECKS)} cases")
+    for dtype in (torch.bfloat16, torch.float32):
+        inputs = case(g, dtype, 64, 9, 3, 64, 16, 112, 240, 1, pool=30)
+        times = {"old": [], "new": []}
+        for r in range(args.rounds):
+            order = (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))
+            for name, module in order:
+                module.paged_attention(*inputs)
+                start = time.perf_counter()
+                for _ in range(10):
+                    module.paged_attention(*inputs)
+                times[name].append((time.perf_counter() - start) / 10 * 1e3)
+        old_ms, new_ms = statistics.median(times["old"]), statistics.median(times["new"])
+        print(f"{dtype}, {args.threads} threads: old {old_ms:.3f} ms, new {new_ms:.3f} ms a call, old/new "
+              f"{old_ms / new_ms:.2f}")
+
+
+if __name__ == "__main__":
+    main()

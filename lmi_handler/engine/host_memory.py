@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
+import platform
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +29,8 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 
 
 def glibc() -> ctypes.CDLL | None:
-    """The process's C library when it is glibc (it has gnu_get_libc_version), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None)
-    try:
-        symbols = (libc.gnu_get_libc_version, libc.mallopt)
-    except AttributeError:                          # musl and others: no such symbol
-        return None
-    return libc if all(symbols) else None
+    """The process's C library when it is glibc (platform.libc_ver), else None."""
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
 def keep_freed_memory() -> bool:
@@ -48,8 +41,7 @@ def keep_freed_memory() -> bool:
     if libc is None:
         logger.info("malloc tuning skipped: the C library is not glibc")
         return False
-    libc.gnu_get_libc_version.restype = ctypes.c_char_p
-    version = libc.gnu_get_libc_version().decode()
+    version = platform.libc_ver()[1]
     done = (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
             and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
     (logger.info if done else logger.warning)(

@@ -25,7 +25,7 @@ import torch
 
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.kernels import build, cpu_kernels, pack_weight
-from lmi_handler.engine.model.kernels.build import bf16_dot_native
+from lmi_handler.engine.model.kernels.build import BF16_DP, bf16_dot_form
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 
@@ -51,7 +51,7 @@ def old_kernels(rev: str):
 
 def layer_loop(self, x, cos, sin, kv_caches, meta):
     """_forward_fused as it was before DecoderStack: one decoder_layer call per layer."""
-    a, ops, native = self.args, cpu_kernels(), bf16_dot_native()
+    a, ops, native = self.args, cpu_kernels(), bf16_dot_form() == BF16_DP   # revisions before AMX took a bool
     x = x.contiguous().clone()
     cos, sin = cos.contiguous(), sin.contiguous()
     for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged, attention_per_sequence
 from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
+from lmi_handler.engine.model.kernels.build import BF16_AMX, BF16_DP, BF16_FMA
 from lmi_handler.engine.model.llama import INVARIANT_TILE, _tiled_matmul
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
@@ -56,8 +57,9 @@ def best_ms(fn, repeats: int) -> float:
 
 def bench_linears(repeats: int) -> list[dict]:
     """Per linear shape and row count: our packed kernel in each weight kind (float32, bfloat16 as
-    packed_linear picks it (build.bf16_dot_native) and, where the CPU has VDPBF16PS, through it
-    (vdpbf16ps_ms; above 4 rows) and in the FMA form (bf16_fma_ms), int8) against torch's F.linear in float32 and bfloat16
+    packed_linear picks it (build.bf16_dot_form) and, where the CPU has VDPBF16PS, through it
+    (vdpbf16ps_ms; above 4 rows) and in the FMA form (bf16_fma_ms), through AMX tiles where it has them
+    (amx_ms), int8) against torch's F.linear in float32 and bfloat16
     (oneDNN/MKL, not batch-invariant) and the 16-row tiled bmm (the PyTorch fallback)."""
     module = cpu_kernels()
     rows = []
@@ -76,10 +78,12 @@ def bench_linears(repeats: int) -> list[dict]:
                    "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
                    "torch_bf16_ms": best_ms(lambda x=xb, w=weight_bf16: F.linear(x, w), r),
                    "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)}
+            p = packed["bfloat16"]
             if module.NATIVE_BF16:
-                p = packed["bfloat16"]
-                row["vdpbf16ps_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, True), r)
-                row["bf16_fma_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, False), r)
+                row["vdpbf16ps_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, BF16_DP), r)
+                row["bf16_fma_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, BF16_FMA), r)
+            if module.HAS_AMX and module.amx_permitted():
+                row["amx_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, BF16_AMX), r)
             rows.append(row)
             print(rows[-1], flush=True)
     return rows

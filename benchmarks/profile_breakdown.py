@@ -1,7 +1,7 @@
 """Where a decode step goes, component by component, on the benchmark's workload (demo model, no server).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_breakdown.py [--dtype fp32|bf16] [--quantize int8]
-        [--batch 64] [--decode-steps 64] [--threads 1] [--repeats 5] [--bf16-dot auto|fma|native]
+        [--batch 64] [--decode-steps 64] [--threads 1] [--repeats 5] [--bf16-dot auto|fma|native|amx]
 
 Adds the first `--batch` MT-bench prompts of the benchmark (workload.build_workload: chat template, 128
 greedy tokens, EOS ignored), steps the engine through their prefill and `--decode-steps` decode steps (so
@@ -42,8 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-threads", type=int, default=2, help="threads while stepping to the measured step")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default=str(REPO / "model"))
-    p.add_argument("--bf16-dot", default="auto", choices=("auto", "fma", "native"),
-                   help="bf16 panels' dot form (kernels.build.choose_bf16_dot; the same bits either way)")
+    p.add_argument("--bf16-dot", default="auto", choices=("auto", "fma", "native", "amx"),
+                   help="bf16 panels' dot form (kernels.build.choose_bf16_dot; fma and native give the same bits)")
     return p.parse_args(argv)
 
 
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
-    from lmi_handler.engine.model.kernels.build import bf16_dot_native, choose_bf16_dot
+    from lmi_handler.engine.model.kernels.build import bf16_dot_form, bf16_form_name, choose_bf16_dot
     from lmi_handler.engine.sequence import SamplingParams
 
     choose_bf16_dot(args.bf16_dot)
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     print(f"dtype {args.dtype} quantize {args.quantize} threads {torch.get_num_threads()} batch {len(ctx)}: "
           f"contexts {min(ctx)}-{max(ctx)} (mean {sum(ctx) / len(ctx):.0f}); "
           f"{'thread CPU' if args.threads == 1 else 'wall'} ms per step, median of {args.repeats}; "
-          f"bf16 dot {args.bf16_dot}: {'VDPBF16PS' if bf16_dot_native() else 'FMA form'}")
+          f"bf16 dot {args.bf16_dot}: {bf16_form_name(bf16_dot_form())}")
 
     # ---- engine parts inside real steps
     times: dict[str, list[float]] = defaultdict(list)

@@ -3,6 +3,7 @@ and int8 panels: bitwise, the same fixed order), the fused row-wise ops (RMSNorm
 KV write, SiLU*up) in float32 and bfloat16 against their PyTorch references, and bitwise batch invariance."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -25,12 +26,29 @@ from lmi_handler.engine.model.kernels import (
     reference_rope_kv_write,
     reference_silu_mul,
 )
-from lmi_handler.engine.model.kernels.build import choose_bf16_dot
+from lmi_handler.engine.model.kernels.build import BF16_AMX, BF16_DP, BF16_FMA, choose_bf16_dot
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built_kernels():
     assert cpu_kernels() is not None, "the C++ kernels must build on the test machines (g++ and ninja)"
+
+
+@contextlib.contextmanager
+def bf16_dot(mode: str):
+    """bf16 linears in `mode` (build.choose_bf16_dot) inside the block, "auto" again after it."""
+    choose_bf16_dot(mode)
+    try:
+        yield
+    finally:
+        choose_bf16_dot("auto")
+
+
+def needs_amx():
+    module = cpu_kernels()
+    if not (module.HAS_AMX and module.amx_permitted()):
+        pytest.skip("no AMX-BF16 here (build or OS)")
+    return module
 
 
 def random_case(num_rows: int, in_features: int, out_features: int, seed: int, with_bias: bool):
@@ -289,7 +307,8 @@ def test_bf16_packed_linear_is_bitwise_the_fixed_order_reference(num_rows, in_fe
     kernel's FMA form and the PyTorch reference do the same float32 operations; odd in_features pads."""
     x, weight, bias = random_case(num_rows, in_features, out_features, seed=num_rows + 1, with_bias=with_bias)
     x = x.to(torch.bfloat16)
-    ours = packed_linear(x, pack_weight(weight, "bfloat16"), bias, out_dtype)
+    with bf16_dot("fma"):
+        ours = packed_linear(x, pack_weight(weight, "bfloat16"), bias, out_dtype)
     assert ours.shape == (num_rows, out_features) and ours.dtype == out_dtype
     assert torch.equal(ours, reference_linear_bf16(x, weight, bias, out_dtype))
 
@@ -303,29 +322,90 @@ def test_vdpbf16ps_gives_the_bits_of_the_fma_form():
         x = (torch.randn(num_rows, in_features, generator=g) * torch.logspace(-3, 3, in_features)).to(torch.bfloat16)
         packed = pack_weight(torch.randn(out_features, in_features, generator=g), "bfloat16")
         args = (packed.panels, out_features, None, None, False)
-        assert torch.equal(module.linear(x, *args, True), module.linear(x, *args, False))
-    assert kernels.bf16_dot_native() in (False, bool(module.NATIVE_BF16))
+        assert torch.equal(module.linear(x, *args, BF16_DP), module.linear(x, *args, BF16_FMA))
+    assert kernels.bf16_dot_form() in (BF16_FMA, BF16_DP if module.NATIVE_BF16 else BF16_FMA,
+                                       BF16_AMX if module.HAS_AMX else BF16_FMA)
 
 
 def test_the_bf16_dot_choice_obeys_its_override_and_logs_the_probe(caplog):
-    """"fma" never takes VDPBF16PS, "native" takes it wherever the build has it (it gives the documented
-    bits here), "auto" times both and logs the pick; an unknown mode raises."""
+    """"fma" never takes VDPBF16PS nor AMX, "native" takes VDPBF16PS wherever the build has it (it gives the
+    documented bits here), "amx" and "auto" take AMX tiles wherever the build and the OS have them (logged),
+    else "auto" times VDPBF16PS against the FMA form and logs the pick; an unknown mode raises."""
     module = cpu_kernels()
-    try:
-        choose_bf16_dot("fma")
-        assert kernels.bf16_dot_native() is False
-        choose_bf16_dot("native")
-        assert kernels.bf16_dot_native() is bool(module.NATIVE_BF16)
-        choose_bf16_dot("auto")
-        with caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
-            picked = kernels.bf16_dot_native()
-        assert picked in (False, bool(module.NATIVE_BF16))
+    amx = bool(module.HAS_AMX and module.amx_permitted())
+    dp = BF16_DP if module.NATIVE_BF16 else BF16_FMA
+    with bf16_dot("fma"):
+        assert kernels.bf16_dot_form() == BF16_FMA
+    with bf16_dot("native"):
+        assert kernels.bf16_dot_form() == dp
+    with bf16_dot("amx"):
+        assert kernels.bf16_dot_form() == (BF16_AMX if amx else dp)
+    with bf16_dot("auto"), caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
+        picked = kernels.bf16_dot_form()
+    if amx:
+        assert picked == BF16_AMX and "AMX tiles" in caplog.text
+    else:
+        assert picked in (BF16_FMA, dp)
         if module.NATIVE_BF16:
             assert "start-up probe" in caplog.text
-        with pytest.raises(ValueError):
-            choose_bf16_dot("amx")
+    with pytest.raises(ValueError):
+        choose_bf16_dot("amx-int8")
+    assert kernels.bf16_form_name(BF16_AMX) == "AMX tiles"
+
+
+def test_a_build_or_os_without_amx_refuses_the_amx_form_by_name():
+    """Asking the kernel for AMX where it cannot run them raises (never a silent other form); where AMX
+    runs, an unknown form number raises."""
+    module = cpu_kernels()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    panels = pack_weight(torch.randn(40, 64), "bfloat16").panels
+    if module.HAS_AMX and module.amx_permitted():
+        with pytest.raises(RuntimeError, match="bf16 form must be"):
+            module.linear(x, panels, 40, None, None, False, 3)
+    else:
+        with pytest.raises(RuntimeError, match="AMX"):
+            module.linear(x, panels, 40, None, None, False, BF16_AMX)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (301, 70), (1536, 33), (64, 288)])
+def test_amx_tiles_keep_every_rows_bits_alone_at_any_position_and_thread_count(in_features, out_features):
+    """AMX tiles (where the CPU has them): each row's bits the same alone, in batches that put it at every
+    position of a 16-row tile, across 32-row blocks and 256-row chunks, over 1-3 threads; odd K (a
+    zero-padded tail step), panels streamed two at a time for one row tile (an odd last one alone),
+    a partial last panel, float32 and bf16 outputs, with a bias."""
+    module = needs_amx()
+    g = torch.Generator().manual_seed(in_features)
+    x = (torch.randn(300, in_features, generator=g) * torch.logspace(-2, 2, in_features)).to(torch.bfloat16)
+    panels = pack_weight(torch.randn(out_features, in_features, generator=g), "bfloat16").panels
+    bias = torch.randn(out_features, generator=g)
+    before = torch.get_num_threads()
+    try:
+        for out_bf16 in (False, True):
+            full = module.linear(x, panels, out_features, bias, None, out_bf16, BF16_AMX)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                for start, rows in ((37, 1), (37, 2), (30, 5), (0, 16), (9, 17), (100, 33), (0, 64), (3, 257)):
+                    part = module.linear(x[start:start + rows], panels, out_features, bias, None, out_bf16, BF16_AMX)
+                    assert torch.equal(part, full[start:start + rows]), (threads, start, rows, out_bf16)
     finally:
-        choose_bf16_dot("auto")
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_rows,in_features,out_features", LINEAR_SHAPES)
+def test_amx_tiles_agree_with_the_float64_product_within_float32_accumulation(num_rows, in_features, out_features):
+    """AMX tiles against the exact (float64) product of the bf16 values: every output within the bound of
+    float32 accumulation over K, K * 2^-24 * sum |x w| (AMX's order inside a step is its own, so the
+    reference is the exact value, not a fixed order); packed_linear takes AMX where "auto" does."""
+    needs_amx()
+    x, weight, _ = random_case(num_rows, in_features, out_features, seed=num_rows + 9, with_bias=False)
+    x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    with bf16_dot("auto"):
+        assert kernels.bf16_dot_form() == BF16_AMX
+        ours = packed_linear(x, pack_weight(weight, "bfloat16"), None, torch.float32)
+    exact = x.double() @ weight.double().T
+    bound = in_features * 2.0 ** -24 * (x.double().abs() @ weight.double().abs().T)
+    assert ((ours.double() - exact).abs() <= bound).all()
+    assert not torch.equal(ours, torch.zeros_like(ours))
 
 
 @pytest.mark.parametrize("num_rows", [*range(1, 14), 64, 200])
@@ -341,13 +421,13 @@ def test_the_vdpbf16ps_tile_is_bitwise_the_fma_form_and_the_reference_alone_and_
         bias = torch.randn(out_features, generator=g)
         panels = pack_weight(weight, "bfloat16").panels
         for out_bf16 in (False, True):
-            native = module.linear(x, panels, out_features, bias, None, out_bf16, True)
-            assert torch.equal(native, module.linear(x, panels, out_features, bias, None, out_bf16, False))
+            native = module.linear(x, panels, out_features, bias, None, out_bf16, BF16_DP)
+            assert torch.equal(native, module.linear(x, panels, out_features, bias, None, out_bf16, BF16_FMA))
             if check_reference:
                 out_dtype = torch.bfloat16 if out_bf16 else torch.float32
                 assert torch.equal(native, reference_linear_bf16(x, weight, bias, out_dtype))
             for row in {0, num_rows // 2, num_rows - 1}:
-                alone = module.linear(x[row:row + 1], panels, out_features, bias, None, out_bf16, True)
+                alone = module.linear(x[row:row + 1], panels, out_features, bias, None, out_bf16, BF16_DP)
                 assert torch.equal(alone, native[row:row + 1]), (row, in_features)
 
 

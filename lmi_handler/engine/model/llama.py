@@ -18,7 +18,7 @@ from torch import nn
 from lmi_handler.engine.model.attention import AttentionMetadata, attend, attention_paged, write_kv
 from lmi_handler.engine.model.kernels import (
     PackedWeight,
-    bf16_dot_native,
+    bf16_dot_form,
     cpu_kernels,
     fused_add_rmsnorm,
     fused_rope_kv_write,
@@ -328,13 +328,13 @@ class LlamaModel(nn.Module):
         # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
         # otherwise would run its start-up probe and log a choice that applies to nothing
         ops = cpu_kernels()
-        native = self.layers[0].self_attn.qkv_weight.kind == "bfloat16" and bf16_dot_native()
+        form = bf16_dot_form() if self.layers[0].self_attn.qkv_weight.kind == "bfloat16" else 0
         if self._stack is None or self._stack[0] is not ops:
             self._stack = (ops, self._make_stack(ops))
         # the caches as two lists: pybind converts them every call either way, so they are not cached
         return self._stack[1].forward(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
                                       meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                                      native)
+                                      form)
 
     def _make_stack(self, ops):
         a, layers = self.args, []

@@ -9,7 +9,8 @@ llama.py's and attention.py's.
 from lmi_handler.engine.model.kernels.build import (  # noqa: F401
     STALE_LOCK_S,
     build_extension,
-    bf16_dot_native,
+    bf16_dot_form,
+    bf16_form_name,
     built_kernels,
     clear_stale_build_lock,
     cpu_kernels,

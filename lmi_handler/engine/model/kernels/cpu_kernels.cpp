@@ -42,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.attr("NATIVE_BF16") = NATIVE_BF16;
+  m.attr("HAS_AMX") = HAS_AMX;
+  m.def("amx_permitted", &amx_permitted, "whether the OS grants this process AMX tile state (asks once)");
   m.def("empty_huge", &empty_huge, "uninitialised tensor in 2 MiB-aligned memory marked for huge pages");
   m.def("linear", &linear, "row-invariant x @ W^T (+ bias) over packed float32 / bfloat16 / int8 panels");
   m.def("paged_attention", &paged_attention, "causal GQA attention over the paged K/V cache (float32 or bfloat16)");

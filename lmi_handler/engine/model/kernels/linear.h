@@ -20,6 +20,11 @@
 
 #include "common.h"
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 constexpr int64_t PANEL = 32;           // output columns per packed weight panel
@@ -178,6 +183,224 @@ void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* 
 constexpr bool NATIVE_BF16 = false;
 #endif
 
+// ---- bfloat16 pair panels through AMX tiles (TDPBF16PS), where the CPU and the OS allow them -----
+// A bf16 panel row (2*PANEL words, 128 bytes) is two AMX B-tile rows side by side: columns 0..15 and
+// 16..31 of one k pair each, so sixteen panel rows at a stride of 128 bytes are a 16-pair x 16-column
+// B tile as the panels lie (no repacking). An A tile is 16 rows of x's bf16 words, 16 pairs each.
+// TDPBF16PS's own order inside a 16-pair step is not the FMA form's (measured on Intel Xeon with AMX: it
+// agrees with neither sequential order, nor one exact sum per step, on most outputs), so this is a
+// form of its own, chosen for every row count when chosen at all (build.bf16_dot_form), never mixed
+// with the others. It keeps their invariance: an output element is C[m][n] over k steps 0, 16, 32, ...
+// pairs in order, each step the same instruction on row m's words alone (rows of a tile never mix:
+// tests/engine/test_kernels.py checks a row alone, in a batch and at every tile position bitwise),
+// and a K tail is zero-padded to a whole step whatever M is. DAZ/FTZ as the instruction defines them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+constexpr bool HAS_AMX = true;
+// Linux hands a process AMX's tile data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, kernel 5.16+); false where the kernel refuses (then the other forms run)
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// GCC 12's tile intrinsics are asm statements that name no memory beyond their address registers
+// (ldtilecfg names the config's first 8 bytes only): without a compiler barrier the stores that fill a
+// buffer before a tile load, or the reads after a tile store, may be moved or dropped (seen here: a
+// zero-padded tail buffer read as garbage). Every tile load of memory written here and every tile
+// store read back goes through one.
+inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
+// eight 64-byte-wide tiles: amx_block's tmm0..3 accumulators (2 row tiles x 2 column tiles), tmm4, 5 x,
+// tmm6, 7 weights (with one row tile, tmm2, 3 and 5 take a second step's weights and x); amx_block_pair's
+// (`pair`) tmm0..3 accumulators of two panels, tmm4 x, tmm5..7 weights. Row tiles (accumulators, x) get
+// `rows` rows (fewer than 16 when M is: a tile's rows never change another row's bits), weights 16.
+inline void amx_configure(int64_t rows, bool pair = false) {
+  AmxConfig c;
+  for (int t = 0; t < 8; ++t) {
+    const bool row_tile = pair ? t <= 4 : (t == 0 || t == 1 || t == 4 || t == 5);
+    c.rows[t] = static_cast<uint8_t>(row_tile ? rows : 16);
+    c.colsb[t] = 64;
+  }
+  memory_barrier();
+  _tile_loadconfig(&c);
+}
+constexpr int64_t AMX_PAIRS = 16;    // k pairs per tile step (64 bytes of an x row)
+constexpr int64_t AMX_AHEAD = 2;     // weight steps prefetched ahead (measured: 1-4 alike at batch 1)
+constexpr int64_t AMX_ROWS = 16;     // rows per tile
+constexpr int64_t AMX_M_CHUNK = 256; // rows per work item: their x (<= 0.8 MiB at K = 1536) stays in L2 across panels
+
+// One panel's 32 columns for rows m0 .. m0 + 16 * TWO + 15 of x (bf16 words, ldx words a row, rows padded
+// to whole tiles, width a whole number of steps): C over every k step, then the finished rows to
+// `out` (32 floats a row, 128 bytes). `w`: the panel's first row; `steps` whole steps, and `tail`
+// the panel's remaining rows (< 16, copied into a zero-padded step); `prefetch`: pull the weight
+// stream AMX_AHEAD steps ahead (the first row block of an item, which reads the panel from memory).
+// UNROLL (one row tile only): two steps at a time in tiles 2, 3, 5 too. Bits: the same either way.
+template <bool TWO, bool UNROLL = !TWO>
+inline void amx_block(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, int64_t tail, bool prefetch,
+                      float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t xs = ldx * static_cast<int64_t>(sizeof(bf16));
+  int64_t s = 0;
+  if constexpr (UNROLL) {
+    // one row tile leaves tmm2, 3 and 5 free: two steps at a time in two sets of x and weight tiles, so
+    // one step's loads overlap the other's products (a tile register is not renamed: reusing one waits)
+    for (; s + 2 <= steps; s += 2) {
+      const bf16* ws = w + s * AMX_PAIRS * 2 * PANEL;
+      if (prefetch) prefetch_lines(reinterpret_cast<const char*>(ws + AMX_AHEAD * AMX_PAIRS * 2 * PANEL), 0, 64);
+      _tile_loadd(6, ws, 128);
+      _tile_loadd(7, ws + PANEL, 128);
+      _tile_loadd(4, x + s * 2 * AMX_PAIRS, xs);
+      _tile_loadd(2, ws + AMX_PAIRS * 2 * PANEL, 128);
+      _tile_loadd(3, ws + AMX_PAIRS * 2 * PANEL + PANEL, 128);
+      _tile_loadd(5, x + (s + 1) * 2 * AMX_PAIRS, xs);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(0, 5, 2);
+      _tile_dpbf16ps(1, 5, 3);
+    }
+  }
+  for (; s < steps; ++s) {
+    const bf16* ws = w + s * AMX_PAIRS * 2 * PANEL;
+    if (prefetch) prefetch_lines(reinterpret_cast<const char*>(ws + AMX_AHEAD * AMX_PAIRS * 2 * PANEL), 0, 32);
+    _tile_loadd(6, ws, 128);
+    _tile_loadd(7, ws + PANEL, 128);
+    _tile_loadd(4, x + s * 2 * AMX_PAIRS, xs);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, x + AMX_ROWS * ldx + s * 2 * AMX_PAIRS, xs);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  if (tail > 0) {
+    alignas(64) bf16 wt[AMX_PAIRS * 2 * PANEL] = {};
+    std::memcpy(wt, w + steps * AMX_PAIRS * 2 * PANEL, tail * 2 * PANEL * sizeof(bf16));
+    memory_barrier();
+    _tile_loadd(6, wt, 128);
+    _tile_loadd(7, wt + PANEL, 128);
+    _tile_loadd(4, x + steps * 2 * AMX_PAIRS, xs);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, x + AMX_ROWS * ldx + steps * 2 * AMX_PAIRS, xs);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t cs = PANEL * sizeof(float);
+  _tile_stored(0, out, cs);
+  _tile_stored(1, out + 16, cs);
+  if constexpr (TWO) {
+    _tile_stored(2, out + AMX_ROWS * PANEL, cs);
+    _tile_stored(3, out + AMX_ROWS * PANEL + 16, cs);
+  }
+  memory_barrier();
+}
+
+// amx_block<false> for two panels at once (w, then w2 = the next panel), whole steps only: four
+// accumulator chains instead of two, so that one chain's products overlap the others' (each tile's
+// chain over the steps is a dependency: TDPBF16PS on one accumulator waits for the previous). The
+// same instructions on the same tiles per accumulator as amx_block: the same bits.
+inline void amx_block_pair(const bf16* x, int64_t ldx, const bf16* w, const bf16* w2, int64_t steps, bool prefetch,
+                           float* out, float* out2) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t xs = ldx * static_cast<int64_t>(sizeof(bf16));
+  for (int64_t s = 0; s < steps; ++s) {
+    const bf16* ws = w + s * AMX_PAIRS * 2 * PANEL;
+    const bf16* ws2 = w2 + s * AMX_PAIRS * 2 * PANEL;
+    if (prefetch) {
+      prefetch_lines(reinterpret_cast<const char*>(ws + AMX_AHEAD * AMX_PAIRS * 2 * PANEL), 0, 32);
+      prefetch_lines(reinterpret_cast<const char*>(ws2 + AMX_AHEAD * AMX_PAIRS * 2 * PANEL), 0, 32);
+    }
+    _tile_loadd(4, x + s * 2 * AMX_PAIRS, xs);
+    _tile_loadd(5, ws, 128);
+    _tile_loadd(6, ws + PANEL, 128);
+    _tile_loadd(7, ws2, 128);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, ws2 + PANEL, 128);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  constexpr int64_t cs = PANEL * sizeof(float);
+  _tile_stored(0, out, cs);
+  _tile_stored(1, out + 16, cs);
+  _tile_stored(2, out2, cs);
+  _tile_stored(3, out2 + 16, cs);
+  memory_barrier();
+}
+
+// y = x @ W^T over bf16 panels (P, K_rows, 2 PANEL) through AMX; x: (M_pad, ldx) bf16 words, M_pad >= M a
+// whole number of tiles, ldx >= 2 * ceil(K_rows / 16) * 16 zero-padded. Work item = (chunk of up to
+// AMX_M_CHUNK rows, panel), panels fastest; store(m, n0, ncols, acc) as packed_gemm's.
+template <class Store>
+void amx_gemm(int64_t M, int64_t K_rows, int64_t P, const bf16* wp, const bf16* xp, int64_t ldx, int64_t out_features,
+              const Store& store) {
+  const int64_t num_mc = (M + AMX_M_CHUNK - 1) / AMX_M_CHUNK, items = num_mc * P;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t chunk = M <= 32 ? (items + threads - 1) / threads : chunk_for(items, 1);
+  const int64_t steps = K_rows / AMX_PAIRS, tail = K_rows % AMX_PAIRS;
+  if (M <= AMX_ROWS && tail == 0) {   // one row tile (decode at small batch): panels two at a time
+    const int64_t groups = (P + 1) / 2;
+    parallel_chunks(groups, (groups + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+      amx_configure(M, true);
+      alignas(64) float acc[2 * AMX_ROWS * PANEL];
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p = 2 * g;
+        const bf16* w = wp + p * K_rows * 2 * PANEL;
+        if (p + 1 < P) {
+          amx_block_pair(xp, ldx, w, w + K_rows * 2 * PANEL, steps, true, acc, acc + AMX_ROWS * PANEL);
+        } else {
+          amx_block<false, false>(xp, ldx, w, steps, 0, true, acc);   // tiles 0, 1, 4, 6, 7 only: the pair's config
+        }
+        for (int64_t q = p; q < std::min(P, p + 2); ++q) {
+          const int64_t n0 = q * PANEL, ncols = std::min(PANEL, out_features - n0);
+          for (int64_t i = 0; i < M; ++i) store(i, n0, ncols, acc + (q - p) * AMX_ROWS * PANEL + i * PANEL);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+  parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
+    amx_configure(std::min<int64_t>(M, AMX_ROWS));
+    alignas(64) float acc[2 * AMX_ROWS * PANEL];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t mc = item / P, p = item % P;
+      const int64_t n0 = p * PANEL, ncols = std::min(PANEL, out_features - n0);
+      const bf16* w = wp + p * K_rows * 2 * PANEL;
+      const int64_t m_end = std::min(M, (mc + 1) * AMX_M_CHUNK);
+      for (int64_t m0 = mc * AMX_M_CHUNK; m0 < m_end; m0 += 2 * AMX_ROWS) {
+        const bool two = m_end - m0 > AMX_ROWS, first = m0 == mc * AMX_M_CHUNK;
+        if (two) {
+          amx_block<true>(xp + m0 * ldx, ldx, w, steps, tail, first, acc);
+        } else {
+          amx_block<false>(xp + m0 * ldx, ldx, w, steps, tail, first, acc);
+        }
+        for (int64_t i = 0; i < std::min<int64_t>(2 * AMX_ROWS, m_end - m0); ++i) store(m0 + i, n0, ncols, acc + i * PANEL);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+constexpr bool HAS_AMX = false;
+inline bool amx_permitted() { return false; }
+#endif
+
 struct MicroPlain {   // float32 or int8 panels (WT)
   template <int R, int C, int NP, class WT>
   void run(const float* x, int64_t ldx, const WT* const* w, int64_t kc, float* const* buf, bool first,
@@ -316,10 +539,13 @@ inline torch::Tensor float_rows(const torch::Tensor& x, int64_t width, bool roun
 // y = x @ W^T (+ bias) for a packed weight of any kind (see the top of this file).
 // x: (M, K) float32 or bfloat16; packed: float32 (P, K, PANEL), bfloat16 (P, ceil(K/2), 2 PANEL) or
 // int8 (P, K, PANEL) with scale (out_features,) float32; bias: (out_features,) float32 or bfloat16.
-// out_bf16: y in bfloat16 (each value rounded once), else float32. native: VDPBF16PS for bf16 panels
-// at M > SMALL_M rows (same bits as the FMA form; fewer rows, or a CPU without it, use the FMA form).
+// out_bf16: y in bfloat16 (each value rounded once), else float32. form (bf16 panels only, Bf16Form):
+// BF16_FMA two FMAs per pair; BF16_DP VDPBF16PS at M > SMALL_M rows (the FMA form's bits; fewer rows, or
+// a CPU without it, use the FMA form); BF16_AMX AMX tiles at every M (bits of their own, see amx_gemm;
+// raises where the build or the OS lacks AMX).
+enum Bf16Form : int64_t { BF16_FMA = 0, BF16_DP = 1, BF16_AMX = 2 };
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> scale, bool out_bf16, bool native) {
+                     c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   is_bf16(x, "x");
   const auto kind = packed.scalar_type();
@@ -377,6 +603,22 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     } else {
       const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
       const int64_t width = 2 * K_rows;
+      TORCH_CHECK(form >= BF16_FMA && form <= BF16_AMX, "bf16 form must be 0 (FMA), 1 (VDPBF16PS) or 2 (AMX)");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+      if (form == BF16_AMX) {
+        TORCH_CHECK(amx_permitted(), "the OS refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+        // x as bf16 words, rows padded to whole tiles and columns to whole 16-pair steps, zeros around
+        const int64_t m_pad = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+        const int64_t ldx = (K_rows + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS * 2;
+        torch::Tensor xb = torch::zeros({m_pad, ldx}, x.options().dtype(torch::kBFloat16));
+        xb.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+        amx_gemm(M, K_rows, P, wp, data_of<bf16>(xb), ldx, out_features, store);
+        return;
+      }
+#else
+      TORCH_CHECK(form != BF16_AMX, "this build has no AMX (needs AMX-BF16 at build time and Linux)");
+#endif
+      const bool native = form == BF16_DP;
 #if defined(__AVX512BF16__)
       static_assert(MR_DP == 8, "the switch below covers rows 1 .. MR_DP");
       if (native && M > SMALL_M) {   // a few rows keep the FMA form's two-panel streaming (same bits)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmi_handler.engine.model.kernels.build import PANEL, bf16_dot_native, built_kernels, cpu_kernels, empty_huge
+from lmi_handler.engine.model.kernels.build import PANEL, bf16_dot_form, built_kernels, cpu_kernels, empty_huge
 
 KINDS = ("float32", "bfloat16", "int8")   # packed weight kinds: the panels' dtype names them
 
@@ -112,7 +112,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     reference_linear within rounding)."""
     out_dtype = out_dtype or x.dtype
     return cpu_kernels().linear(x, weight.panels, weight.out_features, bias, weight.scale,
-                                out_dtype == torch.bfloat16, weight.kind == "bfloat16" and bf16_dot_native())
+                                out_dtype == torch.bfloat16, bf16_dot_form() if weight.kind == "bfloat16" else 0)
 
 
 def fused_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -224,7 +224,7 @@ struct StepInputs {
   torch::Tensor cos, sin, slot_mapping, block_tables, context_lens, cu_seqlens_q;
   int64_t H, KVH, intermediate;
   double eps, scale;
-  bool native;
+  int64_t bf16_form;   // linear's form for bf16 panels (Bf16Form)
 };
 
 // One Llama decoder layer, in place on the residual stream x (T, hidden), float32 or bfloat16:
@@ -237,13 +237,13 @@ inline void layer_forward(torch::Tensor& x, const LayerWeights& l, const torch::
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bad x");
   const int64_t T = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
   auto h = add_rmsnorm(x, c10::nullopt, l.in_norm, in.eps);
-  auto qkv = linear(h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.native);
+  auto qkv = linear(h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form);
   auto q = rope_kv_write(qkv, in.cos, in.sin, k_cache, v_cache, in.slot_mapping, H, KVH);
   auto o = paged_attention(q, k_cache, v_cache, in.block_tables, in.context_lens, in.cu_seqlens_q, in.scale);
-  auto delta = linear(o.view({T, H * D}), l.o_w, N, l.o_b, l.o_s, bf, in.native);
+  auto delta = linear(o.view({T, H * D}), l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form);
   h = add_rmsnorm(x, delta, l.post_norm, in.eps);
-  auto act = silu_mul(linear(h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.native), true);
-  delta = linear(act, l.down_w, N, l.down_b, l.down_s, bf, in.native);
+  auto act = silu_mul(linear(h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form), true);
+  delta = linear(act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form);
   if (bf) {
     add_in_place<bf16>(data_of<bf16>(x), data_of<bf16>(delta), T, N);
   } else {
@@ -277,11 +277,11 @@ struct DecoderStack {
   // layer l's cache; the attention metadata as paged_attention's. Returns the final-norm hidden states (T, hidden).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
                         const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                        torch::Tensor context_lens, torch::Tensor cu_seqlens_q, bool native) const {
+                        torch::Tensor context_lens, torch::Tensor cu_seqlens_q, int64_t bf16_form) const {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "one K and V cache per layer");
     torch::Tensor h = x.contiguous().clone();        // the residual stream, updated in place by every layer
     const StepInputs in{cos.contiguous(), sin.contiguous(), slot_mapping, block_tables, context_lens, cu_seqlens_q,
-                        H, KVH, intermediate, eps, scale, native};
+                        H, KVH, intermediate, eps, scale, bf16_form};
     for (size_t l = 0; l < layers.size(); ++l) layer_forward(h, layers[l], k_caches[l], v_caches[l], in);
     return add_rmsnorm(h, c10::nullopt, norm, norm_eps);
   }

@@ -29,12 +29,15 @@ namespace {
 
 constexpr int64_t PANEL = 32;           // output columns per packed weight panel
 constexpr int NV = PANEL / Vec::W;      // vectors per panel row
-constexpr int64_t MR = 6;               // rows per register tile (float32 panels; 12 accumulators)
+constexpr int64_t MR = 6;               // rows per register tile where vectors are narrow (AVX2: 12 accumulators)
 constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of every kind's tile rows
 // bf16 and int8 panels widen each weight vector before its FMAs: taller tiles share that work over more
 // rows (AVX-512's 32 registers hold 12 rows x 2 vectors of accumulators). Measured (1 thread, thread
 // CPU time, the demo model's four linear shapes, interleaved builds): bf16 at 64 rows 82 -> 108 GFLOP/s,
-// at 200 rows 85 -> 96; int8 74 -> 81 at 64 rows; float32 gained at 64 rows and lost at 200, so it keeps 6.
+// at 200 rows 85 -> 96; int8 74 -> 81 at 64 rows. float32 gained at 64 rows and lost at 200 on AMD Zen 5;
+// on Intel Xeon (Sapphire Rapids class, 2 threads) a 64-sequence fp32 decode step, old and new kernels
+// interleaved (benchmarks/ab_kernels.py --batch 64), went 253.6 -> 236.1 ms with 12 rows, and the
+// 512-row linears 91-118 -> 119-163 GFLOP/s (not interleaved): float32 takes the tall tile too.
 constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
 constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
 static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
@@ -581,16 +584,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     if (np == 2) return tile_kernel<2, ACC>(micro, rows, x, ldx, w, col_elems, kc, buf, first, pf, n);
     tile_kernel<1, ACC>(micro, rows, x, ldx, w, col_elems, kc, buf, first, pf, n);
   };
-  using Narrow = std::integral_constant<int, 12>;
   using Wide = std::integral_constant<int, ACC_WIDE>;
   auto run = [&](auto store) {
     if (kind == torch::kFloat32) {
       const torch::Tensor xf = float_rows(x, K, false);
       const float* xp = xf.data_ptr<float>();
-      packed_gemm(M, K, P, PANEL, K_BLOCK_F32, MR, packed.data_ptr<float>(), out_features,
+      packed_gemm(M, K, P, PANEL, K_BLOCK_F32, MR_WIDE, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
-                    tiles(Narrow{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                    tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store);
     } else if (kind == torch::kInt8) {
       const torch::Tensor xf = float_rows(x, K, false);

@@ -199,3 +199,11 @@ def test_skip_structured_turns_off_both_engines_and_skip_vllm_turns_off_vllms():
     assert bench_args.skip_keys("ours_structured") == {"ours_structured", "structured"}
     assert bench_args.skip_keys("vllm_structured") == {"vllm_structured", "structured", "vllm"}
     assert "structured" in bench_args.PHASES and set(bench_args.STRUCTURED) <= set(bench_args.PHASES)
+
+
+def test_a_negative_compile_difference_is_reported_as_noise_with_both_timings():
+    assert report.compile_note({"all_schemas_compile_s": 0.57}) == "all schemas' compiles 0.57 s"
+    note = report.compile_note({"all_schemas_compile_s": -4.48, "all_schemas_2_tokens_s": 10.0,
+                                "all_unconstrained_2_tokens_s": 14.48})
+    assert note == ("all schemas' compiles below the noise (2-token runs: 10.00 s with schemas, 14.48 s without)")
+    assert "-4.48" not in note

@@ -150,8 +150,11 @@ def batch1_rows(result: dict) -> list[dict]:
                 add(f"ours {q}, activations {dtype}", q, res.get("output_tokens_per_s"),
                     (wbytes.get(q) or {}).get("bytes"), _round_rates(res), _rounds_note(res))
     if res := _ok(ph, "llamacpp_batch1"):
+        extra = res.get("extra_buffer_types")
+        note = _rounds_note(res) + ("" if not extra or extra.get("used") else
+                                    f"; extra weight buffer types off: {extra.get('reason')}")
         add("llama.cpp (llama-cpp-python)", "GGUF " + (res.get("description") or "?"), res.get("output_tokens_per_s"),
-            res.get("model_bytes"), _round_rates(res), _rounds_note(res))
+            res.get("model_bytes"), _round_rates(res), note)
     return rows
 
 

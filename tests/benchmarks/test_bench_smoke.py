@@ -134,6 +134,7 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     if _llamacpp_ready():
         assert llama["num_rounds"] == 2 and all(r["output_tokens"] == 8 for r in llama["rounds"]), llama
         assert llama["model_bytes"] > 0 and llama["output_tokens_per_s"] > 0
+        assert isinstance(llama["extra_buffer_types"]["used"], bool) and llama["extra_buffer_types"]["reason"]
     else:
         assert "is not set up" in llama["skipped"]
     structured = phases["ours_structured"]  # the structured-output phase, ours only: 2 prompts, 8 tokens, 2 rounds

@@ -274,3 +274,70 @@ def test_int8_shards_quantize_their_own_slice_so_prefill_logits_stay_close(tiny_
     _, logits = sharded_greedy(tiny_model_dir, 2, PROMPTS, 1, torch.float32, "int8")
     for rows_a, rows_b in zip(logits, want_logits):
         torch.testing.assert_close(rows_a[0], rows_b[0], rtol=0, atol=0.5)
+
+
+# ---- the GIL: the server's event loop shares the engine's process -----------------------------------------------
+
+
+def longest_stall_of_python_during(call) -> tuple[float, float]:
+    """Run `call()` on a thread while this thread ticks in Python; returns (the call's duration, the longest
+    gap between two ticks inside it), in seconds. A call that holds the GIL stalls the ticks for its whole
+    duration; one that releases it leaves only scheduling gaps."""
+    import threading
+    import time
+
+    span: list[float] = []
+
+    def work():
+        start = time.monotonic()
+        call()
+        span.extend([start, time.monotonic()])
+
+    ticks: list[float] = []
+    thread = threading.Thread(target=work)
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.monotonic())
+    start, end = span
+    inside = [start, *(t for t in ticks if start < t < end), end]
+    return end - start, max(b - a for a, b in zip(inside, inside[1:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_decoder_step_and_linear_release_the_gil_while_they_compute(tmp_path, dtype):
+    """pybind11 keeps the GIL through a bound call unless told otherwise: the fused decoder step then froze
+    the HTTP event loop for each step, and a full queue's 503 took over a second to answer on a 2-core CI
+    host (C27). Every compute binding releases it now: another Python thread runs all through the call
+    (measured: its longest gap 1-4 ms in 150-450 ms calls; with the GIL held, half the call or more)."""
+    from lmi_handler.engine.model.attention import AttentionMetadata
+    from lmi_handler.engine.model.kernels import cpu_kernels, packed_linear
+    from tests.engine.helpers import build_tiny_llama
+
+    build_tiny_llama(tmp_path, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                     num_key_value_heads=4, max_position_embeddings=1024)
+    model = load_model(tmp_path, dtype, torch.device("cpu"), pack_weights=True)
+    assert model.fused and cpu_kernels() is not None
+    a, block, n = model.args, 16, 768
+    caches = [tuple(torch.zeros(n // block, block, a.num_kv_heads, a.head_dim, dtype=dtype) for _ in range(2))
+              for _ in range(a.num_layers)]
+    positions = torch.arange(n)
+    meta = AttentionMetadata(slot_mapping=positions.clone(), block_tables=torch.arange(n // block, dtype=torch.int32)[None],
+                             context_lens=torch.tensor([n], dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), query_lens=[n],
+                             context_lens_host=[n], block_size=block)
+    tokens = torch.randint(3, TINY_VOCAB, (n,), generator=torch.Generator().manual_seed(0))
+    mlp = model.layers[0].mlp
+    x = torch.randn(2048 if dtype == torch.float32 else 8192, a.hidden_size).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # the kernel on one core, the ticking thread on the other
+    try:
+        with torch.inference_mode():
+            model(tokens, positions, caches, meta)   # warm-up: AMX permission, the stack built
+            calls = {"decoder stack": lambda: model(tokens, positions, caches, meta),
+                     "linear": lambda: packed_linear(x, mlp.gate_up_weight, mlp.gate_up_bias)}
+            for name, call in calls.items():
+                duration, stall = longest_stall_of_python_during(call)
+                assert duration >= 0.05, f"{name}: too short ({duration:.3f} s) to tell a held GIL apart"
+                assert stall < duration / 5, f"{name}: Python stalled {stall:.3f} s of a {duration:.3f} s call"
+    finally:
+        torch.set_num_threads(threads)

@@ -38,6 +38,13 @@ torch::Tensor empty_huge(std::vector<int64_t> sizes, c10::ScalarType dtype) {
 
 }  // namespace
 
+// Every compute binding runs without the GIL (its tensors are converted before, its result after): a
+// pybind11 function holds the GIL for its whole call by default, and the engine thread's decoder step
+// (tens to hundreds of ms) then stopped the server's event loop, which shares the process, from
+// answering anything, /ping and the at-once 503 refusals of a full queue (C27) included. The kernels
+// touch no Python object; TORCH_CHECK's exception crosses back once the GIL is held again.
+constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
@@ -45,17 +52,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("HAS_AMX") = HAS_AMX;
   m.def("amx_permitted", &amx_permitted, "whether the OS grants this process AMX tile state (asks once)");
   m.def("empty_huge", &empty_huge, "uninitialised tensor in 2 MiB-aligned memory marked for huge pages");
-  m.def("linear", &linear, "row-invariant x @ W^T (+ bias) over packed float32 / bfloat16 / int8 panels");
-  m.def("paged_attention", &paged_attention, "causal GQA attention over the paged K/V cache (float32 or bfloat16)");
-  m.def("add_rmsnorm", &add_rmsnorm, "x += delta (optional, in place); returns weight * rmsnorm(x) per row");
-  m.def("rope_kv_write", &rope_kv_write, "RoPE on q, k of fused qkv rows; k, v into the cache by slot; returns q");
+  m.def("linear", &linear, "row-invariant x @ W^T (+ bias) over packed float32 / bfloat16 / int8 panels", kNoGil);
+  m.def("paged_attention", &paged_attention, "causal GQA attention over the paged K/V cache (float32 or bfloat16)", kNoGil);
+  m.def("add_rmsnorm", &add_rmsnorm, "x += delta (optional, in place); returns weight * rmsnorm(x) per row", kNoGil);
+  m.def("rope_kv_write", &rope_kv_write, "RoPE on q, k of fused qkv rows; k, v into the cache by slot; returns q", kNoGil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up over (T, 2I) gate_up rows", py::arg("gate_up"),
-        py::arg("vector") = true);
-  m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place");
-  m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=-1) of (N, V) float32 rows");
+        py::arg("vector") = true, kNoGil);
+  m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place", kNoGil);
+  m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=-1) of (N, V) float32 rows", kNoGil);
   m.def("vector_exp_agrees", &vector_exp_agrees, "whether the AVX-512 expf gives std::exp's bits here");
   py::class_<DecoderStack>(m, "DecoderStack", "the decoder layers and final norm, one call a step")
       .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
                     int64_t, double, double, double>())
-      .def("forward", &DecoderStack::forward, "the decoder stack and final norm on x (not changed)");
+      .def("forward", &DecoderStack::forward, "the decoder stack and final norm on x (not changed)",
+           kNoGil);
 }

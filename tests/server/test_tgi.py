@@ -66,6 +66,21 @@ def test_generate_answers_tgi_shape_with_details_and_seed(app):
     assert set(plain.json()) == {"generated_text"}
 
 
+def test_generate_reads_temperature_zero_by_the_lmi_rule_as_greedy(app):
+    """Parameters on TGI's routes follow the LMI schema (README): temperature 0 is greedy, as on /invocations
+    and vLLM; real TGI refuses it with a 422 ("must be strictly positive"), so a TGI client never sends it and
+    nothing it sends changes meaning. A negative temperature is still refused, naming the field."""
+    server = app
+    greedy = {"max_new_tokens": 6, "details": True}
+    expected = server.post("/generate", json={"inputs": "The sky is", "parameters": greedy}).json()
+    zero = server.post("/generate", json={"inputs": "The sky is", "parameters": {**greedy, "temperature": 0}})
+    assert zero.status_code == 200
+    assert zero.json()["generated_text"] == expected["generated_text"]
+    assert zero.json()["details"]["seed"] is None          # greedy: TGI's seed is null
+    negative = server.post("/generate", json={"inputs": "The sky is", "parameters": {"temperature": -0.5}})
+    assert negative.status_code == 400 and "temperature" in negative.json()["error"]
+
+
 def test_generate_refuses_chat_messages_with_a_400_naming_them(app):
     server = app
     response = server.post("/generate", json={"messages": [{"role": "user", "content": "Hi"}]})

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -283,9 +285,6 @@ def longest_stall_of_python_during(call) -> tuple[float, float]:
     """Run `call()` on a thread while this thread ticks in Python; returns (the call's duration, the longest
     gap between two ticks inside it), in seconds. A call that holds the GIL stalls the ticks for its whole
     duration; one that releases it leaves only scheduling gaps."""
-    import threading
-    import time
-
     span: list[float] = []
 
     def work():

@@ -19,13 +19,13 @@ DTYPES = {"fp32": {"ours": "fp32", "vllm": "float32", "torch": "float32"},
 DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 QUANTIZE = ("int8",)
 # phases run once per --dtype (named <phase>_<dtype>, e.g. vllm_offline_bf16); ours_offline_plain runs in
-# the first dtype only, ours_batch1_<quantize> in each dtype
-PER_DTYPE = ("ours_offline", "vllm_offline", "ours_offline_plain", *(f"ours_batch1_{q}" for q in QUANTIZE))
+# the first dtype only; ours_batch1 (the weights in the dtype itself) and ours_batch1_<quantize> in each dtype
+PER_DTYPE = ("ours_offline", "vllm_offline", "ours_offline_plain", "ours_batch1", *(f"ours_batch1_{q}" for q in QUANTIZE))
 GROUPS = ("peak", "vllm", "ours_batch1", "llamacpp")
 # the structured-output pair (structured.py), in the first dtype; --skip structured turns both off
 STRUCTURED = ("ours_structured", "vllm_structured")
-PHASES = ("peak_start", "peak_end", *PER_DTYPE, "llamacpp_batch1", *STRUCTURED, "batch_runner", "ours_server", "hf",
-          "vllm_server", *GROUPS, "structured")
+PHASES = tuple(dict.fromkeys(("peak_start", "peak_end", *PER_DTYPE, "llamacpp_batch1", *STRUCTURED, "batch_runner",
+                              "ours_server", "hf", "vllm_server", *GROUPS, "structured")))
 SKIP_NAMES = (*PHASES, *(f"{p}_{d}" for p in PER_DTYPE for d in DTYPES))
 
 

@@ -138,12 +138,21 @@ def batch1_rows(result: dict) -> list[dict]:
                      "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": _ratio(rate, ceiling),
                      "round_tokens_per_s": rounds, "note": note})
 
+    after = "after the offline rounds, one request alone"
     for dtype in dtypes_of(result):
         for base, label in (("ours_offline", "ours"), ("vllm_offline", "vLLM CPU")):
-            if res := _ok(ph, name(base, dtype)):
-                weights = dtype or "fp32"
-                add(f"{label}{_label(dtype)}", weights, (res.get("batch1") or {}).get("decode_tokens_per_s"),
-                    (wbytes.get(weights) or {}).get("bytes"), [], "after the offline rounds, one request alone")
+            res = _ok(ph, name(base, dtype))
+            alone = _ok(ph, name("ours_batch1", dtype)) if base == "ours_offline" else None
+            if not (res or alone):
+                continue
+            weights = dtype or "fp32"
+            nbytes = (wbytes.get(weights) or {}).get("bytes")
+            single = ((res or {}).get("batch1") or {}).get("decode_tokens_per_s")
+            if alone:   # batch-1 in rounds beside the batch-1 peers: the median round is the row's figure
+                note = _rounds_note(alone) + (f"; {after}: {single:.1f} tok/s" if single else "")
+                add(f"{label}{_label(dtype)}", weights, alone.get("output_tokens_per_s"), nbytes, _round_rates(alone), note)
+            else:
+                add(f"{label}{_label(dtype)}", weights, single, nbytes, [], after)
     for q in result["config"].get("quantize") or []:
         for dtype in dtypes_of(result):
             if res := _ok(ph, f"ours_batch1_{q}_{dtype}"):

@@ -124,6 +124,12 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
         for name, nbytes in (("ours fp32", 4), ("ours bf16", 2)):
             assert batch1[name]["bytes_per_token"] == nbytes * result["weight_bytes_per_token"]["fp32"]["params"]
             assert batch1[name]["ceiling_tokens_per_s"] > 0 and batch1[name]["fraction_of_ceiling"] > 0
+    for dtype in ("fp32", "bf16"):  # batch-1 in rounds, the weights in the dtype itself
+        alone = phases[f"ours_batch1_{dtype}"]
+        assert alone["num_rounds"] == 2 and all(r["output_tokens"] == 8 for r in alone["rounds"]), alone
+        row = {r["name"]: r for r in result["batch1"]}[f"ours {dtype}"]
+        assert row["decode_tokens_per_s"] == alone["output_tokens_per_s"] and len(row["round_tokens_per_s"]) == 2
+    assert result["greedy_agreement_with_ours_offline"]["ours_batch1_fp32"] == "first 8 of 8 tokens"  # invariance
     for dtype in ("fp32", "bf16"):  # int8: refused cleanly by a build without it, or run in 2 rounds of 8 tokens
         int8 = phases[f"ours_batch1_int8_{dtype}"]
         if "skipped" in int8:

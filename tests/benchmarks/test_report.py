@@ -93,6 +93,22 @@ def test_batch1_is_held_against_weight_bytes_over_the_runs_best_read_bandwidth()
     assert llama["round_tokens_per_s"] == [100.0, 110.0, 90.0]
 
 
+def test_batch1_in_rounds_is_the_row_figure_and_the_single_after_offline_one_stays_in_its_note():
+    phases = _phases()
+    phases["ours_batch1_bf16"] = _rounds([110.0, 90.0, 105.0], output_token_ids=[[1, 2, 3]])
+    result = _result(phases)
+    report.add_summary(result)
+    rows = {r["name"]: r for r in result["batch1"]}
+    bf16 = rows["ours bf16"]  # the median round (105 of the 125 ceiling), not the 100 after the offline rounds
+    assert (bf16["decode_tokens_per_s"], bf16["fraction_of_ceiling"]) == (105.0, 0.84)
+    assert bf16["round_tokens_per_s"] == [110.0, 90.0, 105.0]
+    assert bf16["note"] == "median of 3 rounds, range 90.0–110.0 tok/s; after the offline rounds, one request alone: 100.0 tok/s"
+    assert rows["ours fp32"]["note"] == "after the offline rounds, one request alone"  # no rounds phase: as before
+    assert result["ratios"]["ours_batch1_bf16_vs_vllm_batch1_bf16"] == 1.25  # vs vLLM: both after their offline rounds
+    assert result["greedy_agreement_with_ours_offline"]["ours_batch1_bf16"] == "first 3 of 3 tokens"
+    assert "Batch-1: 3 rounds" in report.table(result)
+
+
 def test_without_a_bandwidth_figure_the_ceiling_is_unknown_not_zero():
     phases = _phases()
     phases["peak_start"], phases["peak_end"] = _peak(None), {"skipped": "--smoke"}

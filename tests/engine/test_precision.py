@@ -134,3 +134,42 @@ def test_quantized_runner_packs_int8_panels_and_keeps_the_embedding_exact(bf16_c
     ids = torch.tensor([0, 5, 511])
     assert torch.equal(model.embed(ids), plain.embed(ids))          # not read back from quantized panels
     assert runner.kv_cache.dtype == torch.float32
+
+
+def test_option_bf16_kernel_reaches_the_engine_config_and_an_unknown_one_is_refused_naming_it():
+    assert Settings.from_properties({"bf16_kernel": "FMA"}).engine_config().bf16_kernel == "fma"
+    assert Settings.from_properties({}).engine_config().bf16_kernel == "auto"
+    with pytest.raises(ConfigError, match=r"option\.bf16_kernel='avx'.*'auto', 'amx', 'native' or 'fma'"):
+        Settings.from_properties({"bf16_kernel": "avx"})
+
+
+def test_bf16_kernel_fma_is_the_form_the_engine_runs_and_it_stays_batch_invariant(bf16_checkpoint, tiny_tokenizer):
+    """option.bf16_kernel=fma: every bf16 linear of the engine takes the FMA form (kernels.bf16_dot_form),
+    a sequence's logits are bitwise the same alone and in a batch; the next engine started with auto
+    takes auto's choice again."""
+    from lmi_handler.config import EngineConfig
+    from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.model.kernels import bf16_dot_form
+    from lmi_handler.engine.model.kernels.build import BF16_FMA, choose_bf16_dot
+    from tests.engine.helpers import ENGINE_PROMPTS, assert_logits_bitwise_identical_alone_and_in_batch
+
+    _, bf16_dir = bf16_checkpoint
+    choose_bf16_dot("auto")
+    auto_form = bf16_dot_form()
+
+    def engine(kernel: str) -> Engine:
+        config = EngineConfig(model_path=bf16_dir, dtype="bfloat16", device_id=-1, max_num_seqs=4,
+                              max_num_batched_tokens=64, max_model_len=None, block_size=4, kv_cache_bytes=1 << 22,
+                              bf16_kernel=kernel)
+        return Engine(config, tokenizer=tiny_tokenizer)
+
+    try:
+        fma = engine("fma")
+        assert fma.runner.dtype == torch.bfloat16 and bf16_dot_form() == BF16_FMA
+        target, *others = ENGINE_PROMPTS
+        assert_logits_bitwise_identical_alone_and_in_batch(fma.runner, fma.allocator, target, others, 6, [2, 3])
+        assert bf16_dot_form() == BF16_FMA
+        engine("auto")
+        assert bf16_dot_form() == auto_form
+    finally:
+        choose_bf16_dot("auto")

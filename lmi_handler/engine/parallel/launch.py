@@ -60,11 +60,16 @@ class ModelRunnerSpec:
 def model_runner(config: EngineConfig, precision: Precision, device: torch.device, **size_and_shard):
     """A ModelRunner of config's model in `precision` on `device`, the options every rank shares applied;
     `size_and_shard`: kv_cache_bytes (one process) or num_blocks, layout and group (a tensor-parallel rank).
-    On CPU with option.malloc_tuning, this rank's process first fixes malloc's thresholds (host_memory)."""
+    On CPU with option.malloc_tuning, this rank's process first fixes malloc's thresholds (host_memory);
+    on CPU it sets the process's bf16 linear kernel to option.bf16_kernel (kernels.build.choose_bf16_dot)."""
     from lmi_handler.engine.model_runner import ModelRunner
 
     if device.type == "cpu" and config.malloc_tuning:
         keep_freed_memory()
+    if device.type == "cpu":
+        from lmi_handler.engine.model.kernels.build import choose_bf16_dot
+
+        choose_bf16_dot(config.bf16_kernel)
 
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                        batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,

@@ -201,6 +201,8 @@ def _pick_bf16_dot() -> int:
     module = cpu_kernels()
     mode = _state.get("bf16_dot_mode", "auto")
     if module is None or mode == "fma":
+        if module is not None:
+            log.info("bf16 linears: FMA form (chosen: %s)", mode)
         return BF16_FMA
     if mode in ("auto", "amx") and module.HAS_AMX:
         if not module.amx_permitted():
@@ -210,12 +212,16 @@ def _pick_bf16_dot() -> int:
         else:
             log.info("bf16 linears: AMX tiles (AMX-BF16, every row count)")
             return BF16_AMX
+    if mode == "amx" and not module.HAS_AMX:
+        log.warning("AMX tiles were asked for, but this build of the kernels has no AMX-BF16; bf16 linears do "
+                    "without AMX")
     if not module.NATIVE_BF16:
         return BF16_FMA
     if not _native_matches_fma(module):
         log.warning("VDPBF16PS does not give the documented bits on this CPU; bf16 linears use the FMA form")
         return BF16_FMA
     if mode in ("native", "amx"):
+        log.info("bf16 linears: VDPBF16PS above 4 rows, the FMA form below (chosen: %s)", mode)
         return BF16_DP
     native_s, fma_s = _time_bf16_dots(module)
     log.info("bf16 linears: %s (start-up probe, 64 x 576 x 1024: VDPBF16PS %.3f ms, FMA form %.3f ms)",

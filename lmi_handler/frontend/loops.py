@@ -146,6 +146,21 @@ class FrontEnd:
         with self.live_lock:
             return sum(len(clients) for clients in self.live.values())
 
+    def end_live(self, code: int, message: str) -> int:
+        """Any thread: end every live HTTP request that has not ended yet with its last chunk, the error
+        (`code`, `message`); returns how many it ended. For the engine-dead exit (server/ops.exit_when_dead),
+        which must answer them even while the loop thread is stuck inside a step (a collective waiting on a
+        tensor-parallel rank that died); the loop drops whatever that step still delivers (client.ended)."""
+        with self.live_lock:
+            clients = [client for group in self.live.values() for client in group]
+        ended = 0
+        for client in clients:
+            if not client.ended:
+                client.ended = client.cancelled = True
+                client.push(Chunk("", True, code, message))
+                ended += 1
+        return ended
+
     def cancel(self, public_id: str) -> bool:
         """End the live requests with this id (waiting or running) within one step; False if none is live."""
         with self.live_lock:
@@ -183,7 +198,9 @@ class FrontEnd:
             logger.critical("the engine is dead: failing every request from now on (%s)", dead.reason)
         self.engine_dead = dead
         for client in clients:
-            client.push(Chunk("", True, ENGINE_DEAD_CODE, str(dead)))
+            if not client.ended:          # else its error went out already (end_live, a deadline, a cancel)
+                client.ended = True
+                client.push(Chunk("", True, ENGINE_DEAD_CODE, str(dead)))
 
     def _refuse_waiting(self) -> None:
         """After the engine died: answer whatever reaches the queue (the race past alive's check) with 503."""

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from lmi_handler.frontend.loops import FrontEnd
+from lmi_handler.frontend.requests import ENGINE_DEAD_CODE
 from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.encoder import encode_bytes
 from lmi_handler.protocol.errors import RequestValidationError, error_body
@@ -142,9 +143,11 @@ ENGINE_DEAD_EXIT_CODE = 3
 def exit_when_dead(front_end: FrontEnd, exit_s: float, poll_s: float = 0.2,
                    exit_process: Callable[[int], None] = os._exit) -> threading.Thread:
     """Watch `front_end` from a daemon thread: once it fails while not stopped (the engine dead, its loop
-    thread gone), wait `exit_s` seconds (in-flight requests get their errors meanwhile, /ping says 503), then
-    end the process with ENGINE_DEAD_EXIT_CODE (os._exit: a dead CUDA context can hang a normal shutdown).
-    vLLM shuts its server down the same way when its engine dies."""
+    thread gone), end every in-flight HTTP request with a 503 naming the failure (a stream with its error
+    line: the loop thread may be stuck inside the step that found it, e.g. a collective waiting on a
+    tensor-parallel rank that died), wait `exit_s` seconds (the answers go out, /ping says 503), then end the
+    process with ENGINE_DEAD_EXIT_CODE (os._exit: a dead CUDA context can hang a normal shutdown). vLLM shuts
+    its server down the same way when its engine dies."""
 
     def watch() -> None:
         while not front_end.stopped.wait(poll_s):
@@ -152,6 +155,7 @@ def exit_when_dead(front_end: FrontEnd, exit_s: float, poll_s: float = 0.2,
             if front_end.ready.is_set() and failure is not None:
                 logger.critical("exiting in %g s with status %d so the supervisor restarts this server: %s",
                                 exit_s, ENGINE_DEAD_EXIT_CODE, failure)
+                front_end.end_live(ENGINE_DEAD_CODE, failure)
                 time.sleep(exit_s)
                 logging.shutdown()
                 sys.stdout.flush()

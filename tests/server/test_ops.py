@@ -64,6 +64,42 @@ def test_the_process_exits_with_status_3_when_the_engine_loop_dies_and_not_when_
     assert not watcher.is_alive() and exits == [3]
 
 
+def test_a_dead_engine_answers_in_flight_requests_even_while_its_step_is_stuck():
+    """The engine-dead exit ends every live request with a 503 naming the failure before the process goes,
+    though the loop thread never comes back from its step (a collective waiting on a tensor-parallel rank
+    that died: seen as a stream cut off without its error line when the step outlived exit_s)."""
+    import asyncio
+
+    from lmi_handler.frontend.requests import ClientRequest
+
+    stuck, release = threading.Event(), threading.Event()
+
+    def handle(inputs):
+        if inputs.content.size():       # a step: it never returns while the test runs
+            stuck.set()
+            release.wait(30)
+        return None
+
+    async def run() -> tuple[list, list[int]]:
+        exits: list[int] = []
+        front_end = RollingFrontEnd(handle, {}, max_batch_size=2)
+        front_end.start()
+        client = ClientRequest(b'{"inputs": "Hi"}', asyncio.get_running_loop(), public_id="a")
+        front_end.track(client)
+        front_end.submit(client)
+        await asyncio.to_thread(stuck.wait, 10)
+        front_end.engine_failure = lambda: RuntimeError("tensor-parallel rank 1 (pid 9) was killed by SIGKILL")
+        watcher = exit_when_dead(front_end, exit_s=0.2, poll_s=0.01, exit_process=exits.append)
+        chunk = await asyncio.wait_for(client.chunks.get(), 5)
+        await asyncio.to_thread(watcher.join, 10)
+        release.set()
+        return [chunk, client.ended], exits
+
+    (chunk, ended), exits = asyncio.run(run())
+    assert chunk.last and chunk.code == 503 and "rank 1" in chunk.error and ended
+    assert exits == [ENGINE_DEAD_EXIT_CODE]
+
+
 LONG = {"inputs": "Tell me a very long story.", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
 
 

@@ -564,3 +564,18 @@ def test_the_build_name_changes_with_the_torch_install_so_venvs_never_rebuild_ea
     assert _module_name(_SOURCE) == here                      # stable within one install
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
     assert _module_name(_SOURCE) != here
+
+
+@pytest.mark.parametrize("mode", ["fma", "native", "amx", "auto"])
+def test_every_bf16_form_choice_is_logged_and_a_form_the_cpu_lacks_is_a_warning(mode, caplog):
+    """option.bf16_kernel's choice (build.choose_bf16_dot) says which form runs; asking for VDPBF16PS or AMX on a
+    CPU without them runs the FMA form, with a warning naming what is missing (the AVX2-only AMD host has neither)."""
+    module = cpu_kernels()
+    with bf16_dot(mode), caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
+        form = kernels.bf16_dot_form()
+    lines = [r for r in caplog.records if "bf16 linears" in r.getMessage() or "AMX tiles were asked" in r.getMessage()]
+    assert lines, caplog.text
+    if mode == "fma" or not (module.NATIVE_BF16 or module.HAS_AMX):
+        assert form == BF16_FMA and "FMA form" in lines[-1].getMessage()
+    if mode in ("native", "amx") and not module.NATIVE_BF16 and not module.HAS_AMX:
+        assert any(r.levelno == logging.WARNING and "no AVX512_BF16" in r.getMessage() for r in lines), caplog.text

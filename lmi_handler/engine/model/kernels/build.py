@@ -216,6 +216,9 @@ def _pick_bf16_dot() -> int:
         log.warning("AMX tiles were asked for, but this build of the kernels has no AMX-BF16; bf16 linears do "
                     "without AMX")
     if not module.NATIVE_BF16:
+        (log.warning if mode != "auto" else log.info)(
+            "bf16 linears: FMA form (this CPU or build has no AVX512_BF16%s; chosen: %s)",
+            "" if mode == "native" else " nor AMX-BF16", mode)
         return BF16_FMA
     if not _native_matches_fma(module):
         log.warning("VDPBF16PS does not give the documented bits on this CPU; bf16 linears use the FMA form")

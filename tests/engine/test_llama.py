@@ -109,13 +109,32 @@ def test_fallback_tiled_gemm_rows_do_not_depend_on_the_batch(in_features, out_fe
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g)
-    x = torch.randn(70, in_features, generator=g)
-    full = linear(x, weight, None, invariant=True)
-    for num_rows, start in ((1, 0), (1, 37), (3, 5), (17, 0), (40, 30)):
-        assert torch.equal(linear(x[start:start + num_rows], weight, None, invariant=True),
-                           full[start:start + num_rows]), (num_rows, start)
+    x = torch.randn(300, in_features, generator=g)
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):   # gpu_check.sh runs CUDA
+        for dtype in (torch.float32, torch.bfloat16):
+            w, xs = weight.to(device, dtype), x.to(device, dtype)
+            full = linear(xs, w, None, invariant=True)
+            for num_rows, start in ((1, 0), (1, 37), (3, 5), (17, 0), (40, 30), (130, 150)):
+                assert torch.equal(linear(xs[start:start + num_rows], w, None, invariant=True),
+                                   full[start:start + num_rows]), (device, dtype, num_rows, start)
     plain_diff = (F_linear := torch.nn.functional.linear)(x[:1], weight)[0] - F_linear(x, weight)[0]
     assert plain_diff.abs().max() < 1e-5 * in_features ** 0.5
+
+
+@pytest.mark.parametrize("num_rows", [1, 16, 17, 129, 300])
+def test_tiled_matmul_in_fixed_size_calls_gives_one_bmms_bits(num_rows):
+    """CUDA's form of the fallback (a fixed number of 16-row tiles per bmm call, zero tiles padding the last
+    call) computes what the one-bmm form computes: the same bits here (MKL), each row within float32
+    rounding of the plain product, for row counts that fill one call, spill into the next, or leave padding."""
+    from lmi_handler.engine.model.llama import CUDA_TILES_PER_CALL, INVARIANT_TILE, _tiled_matmul
+
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(96, 64, generator=g), torch.randn(num_rows, 64, generator=g)
+    one = _tiled_matmul(x, weight, INVARIANT_TILE)
+    for per_call in (1, 2, CUDA_TILES_PER_CALL):
+        grouped = _tiled_matmul(x, weight, INVARIANT_TILE, per_call)
+        assert grouped.shape == (num_rows, 96) and torch.equal(grouped, one), per_call
+    torch.testing.assert_close(one, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_model_equals_the_unpacked_model_within_rounding(tiny_model_dir):

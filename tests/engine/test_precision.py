@@ -15,6 +15,9 @@ from lmi_handler.engine.precision import checkpoint_dtype, resolve_precision
 from tests.engine.helpers import build_tiny_llama
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda:0")
+# an engine with device_id -1 runs on CUDA where there is one (benchmarks/gpu_check.sh): the tests of what a CPU
+# engine logs and of its C++ bf16 forms do not apply there
+CPU_ENGINE_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the engine runs on CUDA here, not the CPU")
 
 
 def decide(requested, checkpoint, native=True, built=True, quantize=None, device=CPU):
@@ -109,6 +112,7 @@ def test_a_bf16_checkpoint_loaded_as_bf16_is_never_widened(bf16_checkpoint):
     assert torch.equal(model.layers[1].mlp.down_weight.panels, converted.layers[1].mlp.down_weight.panels)
 
 
+@CPU_ENGINE_ONLY
 def test_the_engine_logs_the_dtype_it_picked_and_why(bf16_checkpoint, tiny_tokenizer, caplog):
     from lmi_handler.config import EngineConfig
     from lmi_handler.engine.engine import Engine
@@ -143,6 +147,7 @@ def test_option_bf16_kernel_reaches_the_engine_config_and_an_unknown_one_is_refu
         Settings.from_properties({"bf16_kernel": "avx"})
 
 
+@CPU_ENGINE_ONLY
 def test_bf16_kernel_fma_is_the_form_the_engine_runs_and_it_stays_batch_invariant(bf16_checkpoint, tiny_tokenizer):
     """option.bf16_kernel=fma: every bf16 linear of the engine takes the FMA form (kernels.bf16_dot_form),
     a sequence's logits are bitwise the same alone and in a batch; the next engine started with auto

@@ -96,12 +96,12 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's cached K (or V) as a contiguous tensor.
 
-    cache: (num_blocks, block_size, kv_heads, head_dim); block_table: (n,) int32 with at least
+    cache: (num_blocks, block_size, kv_heads, head_dim); block_table: (n,) int32 or int64 with at least
     ceil(context_len / block_size) entries. Returns (context_len, kv_heads, head_dim).
     """
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]
+    blocks = cache[block_table[:num_blocks].long()]     # (a no-op .long() where the table already is int64)
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
 
 
@@ -120,17 +120,17 @@ def attention_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     reduction length: measured up to ~5e-7 abs difference on CPU).
     q: (T, num_heads, head_dim). Returns (T, num_heads, head_dim) in q's dtype.
     """
-    out = torch.empty_like(q)
-    start = 0
+    tables = meta.block_tables.long()                   # once, not per sequence (a kernel each on CUDA)
+    outs, start = [], 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
-        k = gather_context(k_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]
-        v = gather_context(v_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]
+        k = gather_context(k_cache, tables[i], ctx).transpose(0, 1)[None]
+        v = gather_context(v_cache, tables[i], ctx).transpose(0, 1)[None]
         qi = q[start:start + n].transpose(0, 1)[None]         # (1, H, n, D)
         mask = None if n == 1 else _causal_mask(n, ctx, q.device)
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + n] = o[0].transpose(0, 1)
+        outs.append(o[0].transpose(0, 1))                   # (n, H, D)
         start += n
-    return out
+    return torch.cat(outs) if outs else torch.empty_like(q)
 
 
 def attention_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

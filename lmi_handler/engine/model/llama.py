@@ -80,6 +80,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 INVARIANT_TILE = 16   # rows per bmm tile on the PyTorch fallback (MKL: 16-row tiles measured invariant)
+CUDA_TILES_PER_CALL = 8   # CUDA: tiles per bmm call, a fixed shape (128 rows) so cuBLAS's choice is fixed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None,
@@ -90,14 +91,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     kernel, one fixed chain of float32 operations per output, so a row's bits never depend on the
     batch. A plain weight: one F.linear when not
     `invariant` (fastest; BLAS picks kernels by row count, e.g. GEMV for one row, so bits move with
-    the batch); when `invariant`, one bmm over zero-padded 16-row tiles (the fallback where the C++
-    kernels are unavailable: every row goes through the same BLAS kernel whatever its batch).
+    the batch); when `invariant`, bmm over zero-padded 16-row tiles (the fallback where the C++ kernels
+    are unavailable, and CUDA: every row goes through the same BLAS kernel whatever its batch; _tiled_matmul).
     """
     if isinstance(weight, PackedWeight):
         return packed_linear(x, weight, bias)
     if not invariant:
         return F.linear(x, weight, bias)
-    out = _tiled_matmul(x, weight, INVARIANT_TILE)
+    out = _tiled_matmul(x, weight, INVARIANT_TILE, None if x.device.type == "cpu" else CUDA_TILES_PER_CALL)
     return out if bias is None else out + bias
 
 
@@ -131,13 +132,24 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bi
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """x @ weight.T as one bmm over zero-padded `tile`-row slices of x: (T, in) -> (T, out)."""
+def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int, tiles_per_call: int | None = None) -> torch.Tensor:
+    """x @ weight.T over zero-padded `tile`-row slices of x: (T, in) -> (T, out) in x's dtype.
+
+    CPU: one bmm over all the tiles (MKL runs every tile through the same kernel whatever their number,
+    measured): `tiles_per_call` None. CUDA: cuBLAS picks its kernel (split-K among its choices) by the whole
+    problem's shape, the batch count included, so linear() passes CUDA_TILES_PER_CALL: the tiles go that
+    many at a time, the last call padded with zero tiles, every call the same shape, so a row's bits do
+    not depend on how many rows share its step.
+    """
     num_rows = x.shape[0]
     num_tiles = -(-num_rows // tile)
-    xp = F.pad(x, (0, 0, 0, num_tiles * tile - num_rows)).view(num_tiles, tile, -1)
-    out = torch.bmm(xp, weight.t().expand(num_tiles, -1, -1))     # (num_tiles, tile, out)
-    return out.view(num_tiles * tile, -1)[:num_rows]
+    group = tiles_per_call or num_tiles
+    num_calls = -(-num_tiles // group)
+    xp = F.pad(x, (0, 0, 0, num_calls * group * tile - num_rows)).view(num_calls, group, tile, -1)
+    w = weight.t().expand(group, -1, -1)
+    outs = [torch.bmm(xp[i], w) for i in range(num_calls)]           # each (group, tile, out)
+    out = outs[0] if num_calls == 1 else torch.cat(outs)
+    return out.view(num_calls * group * tile, -1)[:num_rows]
 
 
 class RMSNorm(nn.Module):

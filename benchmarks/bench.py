@@ -435,6 +435,8 @@ def result_record(args: argparse.Namespace, bench: Bench, before: dict) -> dict:
         rates = [((p.get("by_dtype") or {}).get(dtype) or {}).get("peak_flops_per_s") for p in peaks]
         if best := max((r for r in rates if r), default=None):
             bounds[dtype] = compute_bound(flops, best)
+    fma_rates = [(p.get("fma_peak") or {}).get("best_flops_per_s") for p in peaks]
+    best_fma = max((r for r in fma_rates if r), default=None)     # float32 FMA peak (probes.fma_peak)
     return {"date": dt.datetime.now().isoformat(timespec="seconds"),
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": {**machine_info(), "before": before, "after": machine_snapshot()},
@@ -442,6 +444,7 @@ def result_record(args: argparse.Namespace, bench: Bench, before: dict) -> dict:
                          "prompt_tokens": flops["prompt_tokens"], "c1_prompts": args.c1_prompts,
                          "batch1_prompt_tokens": len(workload.prompt_token_ids[0])},
             "flops": flops, "compute_bound": bounds.get(bench.dtype), "compute_bound_by_dtype": bounds,
+            "fma_bound": compute_bound(flops, best_fma) if best_fma else None,
             "weight_bytes_per_token": {w: weight_bytes_per_token(config, w)
                                        for w in dict.fromkeys([*args.dtype, *args.quantize])},
             "vllm_preload": bench.vllm_preload, "phases": bench.phases, "tmp_dir": str(bench.tmp)}

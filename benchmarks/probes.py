@@ -1,8 +1,8 @@
 """The machine's ceilings, measured inside the run they are held against: read bandwidth and peak FLOP/s.
 
-Owns the two probes: memory read bandwidth (probes/membw.c, built with the C compiler at run time, best
-of N passes over a buffer several times the last-level cache, huge pages where the kernel gives them)
-and the peak matmul rate per dtype (torch.matmul). The ceilings' arithmetic (bytes per token / GB/s) is
+Owns the three probes: memory read bandwidth (probes/membw.c, built with the C compiler at run time, best
+of N passes over a buffer several times the last-level cache, huge pages where the kernel gives them),
+the peak matmul rate per dtype (torch.matmul) and the cores' peak float32 FMA rate (probes/fmapeak.c). The ceilings' arithmetic (bytes per token / GB/s) is
 report.py's. Run by `workers.py peak` in the project's venv, so torch is imported lazily.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from host import cache_sizes, cpu_list, omp_bind_cpus, parse_meminfo, thp_mode
 
 MEMBW_SOURCE = Path(__file__).resolve().parent / "probes" / "membw.c"
+FMAPEAK_SOURCE = Path(__file__).resolve().parent / "probes" / "fmapeak.c"
 MIN_BUFFER_BYTES = 1 << 30
 
 
@@ -29,18 +30,42 @@ def default_buffer_bytes(l3_bytes: int | None, mem_available_bytes: int | None) 
     return size
 
 
-def build_membw(out_dir: Path) -> Path:
-    """Compile probes/membw.c with `cc -O3 -march=native -fopenmp` into `out_dir`; returns the binary.
-    Raises RuntimeError (with the compiler's message) when there is no compiler or the build fails."""
+def build_membw(out_dir: Path, source: Path = MEMBW_SOURCE) -> Path:
+    """Compile a probe (probes/membw.c, or `source`) with `cc -O3 -march=native -fopenmp` into `out_dir`;
+    returns the binary. Raises RuntimeError (with the compiler's message) when there is no compiler or the
+    build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise RuntimeError("no C compiler (cc, gcc or $CC) to build probes/membw.c")
-    binary = out_dir / "membw"
-    proc = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", str(MEMBW_SOURCE), "-o", str(binary)],
+        raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build probes/{source.name}")
+    binary = out_dir / source.stem
+    proc = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", str(source), "-o", str(binary)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{cc} failed on {MEMBW_SOURCE.name}: {proc.stderr[-500:]}")
+        raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr[-500:]}")
     return binary
+
+
+def _omp_env(threads: int) -> tuple[dict, list[int]]:
+    cpus = omp_bind_cpus(threads)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "true",
+            "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus)}, cpus
+
+
+def fma_peak(threads: int, out_dir: Path, iters: int = 100_000_000, repeats: int = 5) -> dict:
+    """Peak float32 FMA rate of `threads` OpenMP threads bound as read_bandwidth's (probes/fmapeak.c:
+    independent register-resident vector FMA chains, 64-byte vectors with AVX-512, else 32). The ceiling a
+    float32 GEMM can approach; "best_flops_per_s" in FLOP/s (2 per lane per FMA). Raises RuntimeError when
+    it cannot run."""
+    env, cpus = _omp_env(threads)
+    binary = build_membw(out_dir, FMAPEAK_SOURCE)
+    proc = subprocess.run([str(binary), str(iters), str(repeats)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fmapeak exit code {proc.returncode}: {proc.stderr[-500:]}")
+    result = json.loads(proc.stdout)
+    result.pop("sink", None)
+    return {**result, "bound_cpus": cpu_list(cpus),
+            "method": "probes/fmapeak.c: register-resident vector FMA chains per thread, best of the passes"}
 
 
 def read_bandwidth(threads: int, buffer_bytes: int | None, repeats: int, out_dir: Path) -> dict:
@@ -53,9 +78,7 @@ def read_bandwidth(threads: int, buffer_bytes: int | None, repeats: int, out_dir
     size = buffer_bytes or default_buffer_bytes(caches.get("L3"), meminfo.get("mem_available_bytes"))
     thp = thp_mode()
     huge = thp in ("always", "madvise")
-    cpus = omp_bind_cpus(threads)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "true",
-           "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus)}
+    env, cpus = _omp_env(threads)
     binary = build_membw(out_dir)
     proc = subprocess.run([str(binary), str(size), str(repeats), str(int(huge))], env=env, capture_output=True,
                           text=True, timeout=600)

@@ -191,6 +191,12 @@ def add_summary(result: dict) -> None:
                          "output_tokens_per_s": bound["output_tokens_per_s"],
                          "note": f"{bound['peak_gflops_per_s']:.0f} GFLOP/s"})
         ours, vllm = name("ours_offline", dtype), name("vllm_offline", dtype)
+        if dtype == "fp32" and (fma := result.get("fma_bound")):
+            rows.append({**_row("FMA bound fp32 (workload FLOPs / the cores' float32 FMA peak)", None),
+                         "output_tokens_per_s": fma["output_tokens_per_s"],
+                         "note": f"{fma['peak_gflops_per_s']:.0f} GFLOP/s (probes/fmapeak.c)"})
+            for k in (ours, vllm):
+                ratios[f"{k}_vs_fma_bound"] = _ratio(tps.get(k), fma["output_tokens_per_s"])
         by_round = round_ratios(ph, ours, vllm)
         rounds[f"{ours}_vs_{vllm}"] = by_round
         ratios[f"{ours}_vs_{vllm}"] = by_round["median"] if by_round else _ratio(tps.get(ours), tps.get(vllm))
@@ -432,7 +438,10 @@ def host_lines(result: dict) -> list[str]:
                         f"{(mem.get('anon_huge_pages_bytes') or 0) / 2**20:.0f} MiB on huge pages"
                         + _cpu_share(mem) + ")"
                         if "best_bytes_per_s" in mem else f"read bandwidth not measured: {mem.get('skipped', '–')[:150]}")
-            lines.append(f"Probes at {p.split('_')[1]}: {one_line(res).split(';')[0]}; {mem_text}.")
+            fma = res.get("fma_peak") or {}
+            fma_text = (f"; float32 FMA peak {fma['best_flops_per_s'] / 1e9:.0f} GFLOP/s ({fma['threads']} threads, "
+                        f"{fma['lanes']}-lane vectors)" if "best_flops_per_s" in fma else "")
+            lines.append(f"Probes at {p.split('_')[1]}: {one_line(res).split(';')[0]}; {mem_text}{fma_text}.")
     if pre := result.get("vllm_preload"):
         used = pre.get("ld_preload") or "nothing"
         why = "; ".join(f"{k}: {v}" for k, v in (pre.get("why_not") or {}).items())

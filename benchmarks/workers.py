@@ -306,8 +306,9 @@ def grammar_backend() -> str:
 
 def peak(args, workload: Workload) -> dict:
     """The probes of probes.py: peak matmul FLOP/s in each of --dtypes (the first one's also at the top
-    level, as older results had it), and the memory read bandwidth (or why it could not be measured)."""
-    from probes import peak_matmul, read_bandwidth
+    level, as older results had it), the memory read bandwidth and the cores' peak float32 FMA rate (each
+    or why it could not be measured)."""
+    from probes import fma_peak, peak_matmul, read_bandwidth
 
     config = json.loads((Path(workload.model) / "config.json").read_text())
     decode_shape = (64, config["hidden_size"], config["intermediate_size"])
@@ -316,7 +317,14 @@ def peak(args, workload: Workload) -> dict:
         mem = read_bandwidth(args.threads, args.mem_bytes or None, args.mem_repeats, args.out.parent)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         mem = {"skipped": str(exc)}
-    return {**by_dtype[args.dtypes.split(",")[0]], "by_dtype": by_dtype, "mem_read": mem}
+    import torch
+
+    try:      # the CPU's ceiling: on CUDA the GPU's is the matmul probe's
+        fma = ({"skipped": "CUDA run: the float32 FMA peak is a CPU ceiling"} if torch.cuda.is_available()
+               else fma_peak(args.threads, args.out.parent, repeats=args.mem_repeats))
+    except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as exc:
+        fma = {"skipped": str(exc)}
+    return {**by_dtype[args.dtypes.split(",")[0]], "by_dtype": by_dtype, "mem_read": mem, "fma_peak": fma}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,3 +102,12 @@ def test_the_read_bandwidth_probe_builds_and_reports_every_pass(tmp_path):
     assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
     assert result["bound_cpus"] and result["huge_pages_requested"] in (0, 1)
     assert 0 < result["cpu_fraction"] <= 1.05  # thread CPU time / wall time of the best pass
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_the_fma_peak_probe_counts_two_flops_per_lane_per_fma_and_reports_every_pass(tmp_path):
+    result = probes.fma_peak(1, tmp_path, iters=2_000_000, repeats=3)
+    assert result["threads"] == 1 and result["lanes"] in (8, 16) and len(result["seconds"]) == 3
+    flops = 2 * result["lanes"] * result["chains"] * result["iters"] * result["threads"]
+    assert result["best_flops_per_s"] == pytest.approx(flops / min(result["seconds"]), rel=1e-3)
+    assert result["bound_cpus"] and 0 < result["cpu_fraction"] <= 1.05

@@ -164,3 +164,20 @@ def test_weight_bytes_per_token_count_every_matrix_once_and_int8_adds_a_scale_pe
     assert fp32["params"] == matrices and fp32["bytes"] == 4 * matrices  # tied: the embedding is lm_head, once
     assert weight_bytes_per_token(config, "bf16")["bytes"] == 2 * matrices
     assert int8["bytes"] == matrices + int8["scale_bytes"] and int8["scale_bytes"] % 4 == 0
+
+
+def test_fp32_is_also_held_against_the_cores_fma_peak_and_the_probe_line_names_it():
+    phases = _phases()
+    phases["peak_end"]["fma_peak"] = {"best_flops_per_s": 4.5e11, "threads": 2, "lanes": 16}
+    result = {**_result(phases), "fma_bound": {"output_tokens_per_s": 1000.0, "peak_gflops_per_s": 450.0}}
+    report.add_summary(result)
+    fma = next(r for r in result["rows"] if r["name"].startswith("FMA bound fp32"))
+    assert fma["output_tokens_per_s"] == 1000.0 and fma["note"].startswith("450 GFLOP/s")
+    assert result["ratios"]["ours_offline_fp32_vs_fma_bound"] == pytest.approx(0.11)   # median round 110 of 1000
+    assert result["ratios"]["vllm_offline_fp32_vs_fma_bound"] == pytest.approx(0.10)
+    assert "ours_offline_bf16_vs_fma_bound" not in result["ratios"]
+    assert "float32 FMA peak 450 GFLOP/s (2 threads, 16-lane vectors)" in report.table(result)
+    plain = _result(_phases())                       # a run without the probe: no row, no ratio
+    report.add_summary(plain)
+    assert not any(r["name"].startswith("FMA bound") for r in plain["rows"])
+    assert "ours_offline_fp32_vs_fma_bound" not in plain["ratios"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check (issue 7, item 5): on a CUDA machine, the engine's batch-invariance tests, a profile, the benchmark in
-# bf16 and the engine's tests, within 13 minutes. vLLM's CPU build is not a GPU peer, so the vLLM phases are skipped.
+# bf16 and the engine's tests, within 14 minutes. vLLM's CPU build is not a GPU peer, so the vLLM phases are skipped.
 #
 #   bash benchmarks/gpu_check.sh            # from the repo root; results under $OUT (or benchmarks/results)
 #   bash benchmarks/gpu_check.sh --prepare  # HERE, with network: fill .gpu-carry/ for a bare device machine
@@ -14,8 +14,9 @@
 #                      RANDOM with the same shapes. Throughput does not depend on weight values (EOS is
 #                      ignored), and the engine tests compare against transformers on the same weights,
 #                      but the tests that need the real demo weights are deselected; the output says so.
-# Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Budget (env, seconds): INVARIANCE_TIMEOUT
-# 120, TP 150, PROFILE_TIMEOUT 90, BENCH_TIMEOUT 200, TESTS_TIMEOUT 200: the most telling first.
+# Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Timeouts in seconds, the most telling
+# step first: INVARIANCE_TIMEOUT 120, tensor parallelism 150 (fixed), PROFILE_TIMEOUT 90, BENCH_TIMEOUT 200, the
+# kernel-refusal test alone 60 (fixed), TESTS_TIMEOUT 200: at most 820 s with the defaults.
 #
 # Status: run on one NVIDIA H200 on 2026-12-04 (benchmarks/README.md, "GPU check on an NVIDIA H200"; logs in
 # benchmarks/measurements/gpu-check-2026-12-04-h200/). The tensor-parallel step (NCCL across the visible

@@ -308,6 +308,7 @@ def peak(args, workload: Workload) -> dict:
     """The probes of probes.py: peak matmul FLOP/s in each of --dtypes (the first one's also at the top
     level, as older results had it), the memory read bandwidth and the cores' peak float32 FMA rate (each
     or why it could not be measured)."""
+    import torch
     from probes import fma_peak, peak_matmul, read_bandwidth
 
     config = json.loads((Path(workload.model) / "config.json").read_text())
@@ -317,8 +318,6 @@ def peak(args, workload: Workload) -> dict:
         mem = read_bandwidth(args.threads, args.mem_bytes or None, args.mem_repeats, args.out.parent)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         mem = {"skipped": str(exc)}
-    import torch
-
     try:      # the CPU's ceiling: on CUDA the GPU's is the matmul probe's
         fma = ({"skipped": "CUDA run: the float32 FMA peak is a CPU ceiling"} if torch.cuda.is_available()
                else fma_peak(args.threads, args.out.parent, repeats=args.mem_repeats))

@@ -132,10 +132,16 @@ def batch1_rows(result: dict) -> list[dict]:
     wbytes = result.get("weight_bytes_per_token") or {}
     rows = []
 
-    def add(label: str, weights: str, rate: float | None, nbytes: int | None, rounds: list[float], note: str = ""):
+    def add(label: str, weights: str, rate: float | None, nbytes: int | None, rounds: list[float], note: str = "",
+            res: dict | None = None):
         ceiling = bw / nbytes if bw and nbytes else None
+        own = _own_minute_fractions(res, nbytes)
+        if own:
+            note += (f"; against a read probe just before each round: {', '.join(f'{f:.2f}' for f in own)}, "
+                     f"median {statistics.median_low(own):.2f}")
         rows.append({"name": label, "weights": weights, "decode_tokens_per_s": rate, "bytes_per_token": nbytes,
                      "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": _ratio(rate, ceiling),
+                     "fraction_of_own_minute_ceiling": statistics.median_low(own) if own else None,
                      "round_tokens_per_s": rounds, "note": note})
 
     after = "after the offline rounds, one request alone"
@@ -150,14 +156,15 @@ def batch1_rows(result: dict) -> list[dict]:
             single = ((res or {}).get("batch1") or {}).get("decode_tokens_per_s")
             if alone:   # batch-1 in rounds beside the batch-1 peers: the median round is the row's figure
                 note = _rounds_note(alone) + (f"; {after}: {single:.1f} tok/s" if single else "")
-                add(f"{label}{_label(dtype)}", weights, alone.get("output_tokens_per_s"), nbytes, _round_rates(alone), note)
+                add(f"{label}{_label(dtype)}", weights, alone.get("output_tokens_per_s"), nbytes, _round_rates(alone), note,
+                    alone)
             else:
                 add(f"{label}{_label(dtype)}", weights, single, nbytes, [], after)
     for q in result["config"].get("quantize") or []:
         for dtype in dtypes_of(result):
             if res := _ok(ph, f"ours_batch1_{q}_{dtype}"):
                 add(f"ours {q}, activations {dtype}", q, res.get("output_tokens_per_s"),
-                    (wbytes.get(q) or {}).get("bytes"), _round_rates(res), _rounds_note(res))
+                    (wbytes.get(q) or {}).get("bytes"), _round_rates(res), _rounds_note(res), res)
     if res := _ok(ph, "llamacpp_batch1"):
         extra = res.get("extra_buffer_types")
         note = _rounds_note(res) + ("" if not extra or extra.get("used") else
@@ -165,6 +172,17 @@ def batch1_rows(result: dict) -> list[dict]:
         add("llama.cpp (llama-cpp-python)", "GGUF " + (res.get("description") or "?"), res.get("output_tokens_per_s"),
             res.get("model_bytes"), _round_rates(res), note)
     return rows
+
+
+def _own_minute_fractions(res: dict | None, nbytes: int | None) -> list[float]:
+    """Each batch-1 round's decode tok/s over the ceiling of the read probe run just before it (workers.py
+    read_probe_before_round): read bytes/s / weight bytes per token. [] where the rounds carry no probe."""
+    out = []
+    for r in (res or {}).get("rounds", []):
+        rate, read = r.get("output_tokens_per_s"), r.get("read_bytes_per_s")
+        if rate and read and nbytes:
+            out.append(rate / (read / nbytes))
+    return out
 
 
 def _rounds_note(res: dict) -> str:

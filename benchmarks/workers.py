@@ -142,9 +142,9 @@ def ours_offline(args, workload: Workload) -> dict:
 
 
 def ours_batch1(args, workload: Workload) -> dict | None:
-    """Batch-1 decode in rounds (round_protocol.py), beside the batch-1 peer: each "run K" decodes the
-    workload's first prompt alone from an empty prefix cache; a round's output_tokens_per_s is its decode
-    tok/s (batch1_decode). An option the engine refuses at start-up (a ConfigError, an option this build
+    """Batch-1 decode in rounds (round_protocol.py), beside the batch-1 peer: each "run K" measures the read
+    bandwidth (read_probe_before_round), then decodes the workload's first prompt alone from an empty prefix
+    cache; a round's output_tokens_per_s is its decode tok/s (batch1_decode). An option the engine refuses at start-up (a ConfigError, an option this build
     lacks) is written to ready.json as "refused" and the worker ends without a result (returns None)."""
     from lmi_handler.config import ConfigError
     from lmi_handler.engine.sequence import SamplingParams
@@ -161,11 +161,24 @@ def ours_batch1(args, workload: Workload) -> dict | None:
 
     def one_round(k: int) -> dict:
         drop_prefix_cache(engine.allocator)
+        read = read_probe_before_round(args.threads, args.control_dir)
         result = batch1_decode(engine, workload, params, f"r{k}-")
-        return {**result, "output_tokens_per_s": result["decode_tokens_per_s"]}
+        return {**result, "output_tokens_per_s": result["decode_tokens_per_s"], **read}
 
     rounds = serve(args.control_dir, {"startup_s": startup_s, "warmup_s": warmup_s}, one_round)
     return {**engine_facts(settings, engine), "startup_s": startup_s, "warmup_s": warmup_s, **summarize(rounds)}
+
+
+def read_probe_before_round(threads: int, scratch: Path) -> dict:
+    """The read bandwidth of this minute (probes.read_bandwidth, 3 passes of its default buffer, the same
+    threads), taken just before a batch-1 round so that its ceiling is the round's own: the host's bandwidth
+    moved 2x between one run's start and end probes. {"read_bytes_per_s": B/s} or {"read_probe_skipped": why}."""
+    from probes import read_bandwidth
+
+    try:
+        return {"read_bytes_per_s": read_bandwidth(threads, None, 3, scratch)["best_bytes_per_s"]}
+    except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as exc:
+        return {"read_probe_skipped": str(exc)[:300]}
 
 
 # ---------------------------------------------------------------- transformers generate()

@@ -181,3 +181,18 @@ def test_fp32_is_also_held_against_the_cores_fma_peak_and_the_probe_line_names_i
     report.add_summary(plain)
     assert not any(r["name"].startswith("FMA bound") for r in plain["rows"])
     assert "ours_offline_fp32_vs_fma_bound" not in plain["ratios"]
+
+
+def test_batch1_rounds_with_a_read_probe_each_are_also_held_against_their_own_minutes_ceiling():
+    phases = _phases()
+    phases["ours_batch1_bf16"] = _rounds([110.0, 90.0, 105.0])
+    for r, read_gb_s in zip(phases["ours_batch1_bf16"]["rounds"], (22.0, 12.5, 25.0)):
+        r["read_bytes_per_s"] = read_gb_s * 1e9           # ceilings 110, 62.5, 125 tok/s at 200 MB a token
+    result = _result(phases)
+    report.add_summary(result)
+    rows = {r["name"]: r for r in result["batch1"]}
+    bf16 = rows["ours bf16"]
+    assert bf16["fraction_of_ceiling"] == 0.84                        # the run's best probe: 105 of 125
+    assert bf16["fraction_of_own_minute_ceiling"] == pytest.approx(1.0)   # 1.0, 1.44, 0.84 -> the middle one
+    assert "against a read probe just before each round: 1.00, 1.44, 0.84, median 1.00" in bf16["note"]
+    assert rows["ours fp32"]["fraction_of_own_minute_ceiling"] is None    # no rounds with a probe

@@ -78,8 +78,10 @@ def test_c18_per_request_lengths_and_temperatures_beat_the_batch_defaults(tmp_pa
     for cid, limit in c18_limits(lines, 7).items():   # the case's two implications, not an "iff": a sampled
         reason = finish_reason(records[cid])            # line whose EOS is its last allowed token ends 'stop'
         assert reason in ("length", "stop"), (cid, reason)
-        assert reason != "length" or tokens[cid] == limit, (cid, reason, tokens[cid], limit)
-        assert tokens[cid] == limit or reason == "stop", (cid, reason, tokens[cid], limit)
+        if reason == "length":
+            assert tokens[cid] == limit, (cid, tokens[cid], limit)
+        if tokens[cid] < limit:
+            assert reason == "stop", (cid, reason, tokens[cid], limit)
     greedy = ("c-greedy", "p-mct", "p-mt", "p-none")
     hot = BatchDefaults(max_decoding_length=7, temperature=1.3)
     runner.run(source, tmp_path / "again.jsonl", defaults=hot, progress=False)

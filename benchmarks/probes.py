@@ -2,8 +2,8 @@
 
 Owns the three probes: memory read bandwidth (probes/membw.c, built with the C compiler at run time, best
 of N passes over a buffer several times the last-level cache, huge pages where the kernel gives them),
-the peak matmul rate per dtype (torch.matmul) and the cores' peak float32 FMA rate (probes/fmapeak.c). The ceilings' arithmetic (bytes per token / GB/s) is
-report.py's. Run by `workers.py peak` in the project's venv, so torch is imported lazily.
+the peak matmul rate per dtype (torch.matmul) and the cores' peak float32 FMA rate (probes/fmapeak.c).
+The ceilings' arithmetic (bytes per token / GB/s) is report.py's. Run by `workers.py peak` in the project's venv, so torch is imported lazily.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def default_buffer_bytes(l3_bytes: int | None, mem_available_bytes: int | None) 
     return size
 
 
-def build_membw(out_dir: Path, source: Path = MEMBW_SOURCE) -> Path:
-    """Compile a probe (probes/membw.c, or `source`) with `cc -O3 -march=native -fopenmp` into `out_dir`;
+def build_probe(out_dir: Path, source: Path) -> Path:
+    """Compile a C probe (probes/membw.c, probes/fmapeak.c) with `cc -O3 -march=native -fopenmp` into `out_dir`;
     returns the binary. Raises RuntimeError (with the compiler's message) when there is no compiler or the
     build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -57,7 +57,7 @@ def fma_peak(threads: int, out_dir: Path, iters: int = 100_000_000, repeats: int
     float32 GEMM can approach; "best_flops_per_s" in FLOP/s (2 per lane per FMA). Raises RuntimeError when
     it cannot run."""
     env, cpus = _omp_env(threads)
-    binary = build_membw(out_dir, FMAPEAK_SOURCE)
+    binary = build_probe(out_dir, FMAPEAK_SOURCE)
     proc = subprocess.run([str(binary), str(iters), str(repeats)], env=env, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0:
@@ -79,7 +79,7 @@ def read_bandwidth(threads: int, buffer_bytes: int | None, repeats: int, out_dir
     thp = thp_mode()
     huge = thp in ("always", "madvise")
     env, cpus = _omp_env(threads)
-    binary = build_membw(out_dir)
+    binary = build_probe(out_dir, MEMBW_SOURCE)
     proc = subprocess.run([str(binary), str(size), str(repeats), str(int(huge))], env=env, capture_output=True,
                           text=True, timeout=600)
     if proc.returncode != 0:

@@ -136,12 +136,13 @@ def batch1_rows(result: dict) -> list[dict]:
             res: dict | None = None):
         ceiling = bw / nbytes if bw and nbytes else None
         own = _own_minute_fractions(res, nbytes)
+        own_median = statistics.median_low(own) if own else None
         if own:
             note += (f"; against a read probe just before each round: {', '.join(f'{f:.2f}' for f in own)}, "
-                     f"median {statistics.median_low(own):.2f}")
+                     f"median {own_median:.2f}")
         rows.append({"name": label, "weights": weights, "decode_tokens_per_s": rate, "bytes_per_token": nbytes,
                      "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": _ratio(rate, ceiling),
-                     "fraction_of_own_minute_ceiling": statistics.median_low(own) if own else None,
+                     "fraction_of_own_minute_ceiling": own_median,
                      "round_tokens_per_s": rounds, "note": note})
 
     after = "after the offline rounds, one request alone"

@@ -144,8 +144,8 @@ def ours_offline(args, workload: Workload) -> dict:
 def ours_batch1(args, workload: Workload) -> dict | None:
     """Batch-1 decode in rounds (round_protocol.py), beside the batch-1 peer: each "run K" measures the read
     bandwidth (read_probe_before_round), then decodes the workload's first prompt alone from an empty prefix
-    cache; a round's output_tokens_per_s is its decode tok/s (batch1_decode). An option the engine refuses at start-up (a ConfigError, an option this build
-    lacks) is written to ready.json as "refused" and the worker ends without a result (returns None)."""
+    cache; a round's output_tokens_per_s is its decode tok/s (batch1_decode). An option the engine refuses
+    at start-up (a ConfigError, an option this build lacks) is written to ready.json as "refused" and the worker ends without a result (returns None)."""
     from lmi_handler.config import ConfigError
     from lmi_handler.engine.sequence import SamplingParams
 

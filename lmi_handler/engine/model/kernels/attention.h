@@ -238,7 +238,8 @@ inline float score_group16(const float* q, const T* krows, int64_t row_stride, i
 // a float32 block's 192 prefetches found the core's outstanding misses full and were as good as none
 // (measured: removing them changed nothing); spread, the 30 layers' K/V of a 64-sequence decode step
 // (112-240 keys, caches bigger than the L3) streamed at 26-29 GB/s instead of 20-22 in float32 and
-// 18-20 instead of 13-14 in bfloat16, 2 threads, AMD EPYC Zen 5.
+// 18-20 instead of 13-15 in bfloat16, 2 threads, AMD EPYC Zen 5. (A row split by KV head, batch 1, has one
+// weighted sum a block, so its value prefetch is one share: 64 lines in float32, within the misses it can hold.)
 template <class T>
 inline void spread_prefetch(const T* block, int64_t tokens, int64_t row_stride, int64_t slice_lines, int64_t BS,
                             int64_t step, int64_t steps) {
@@ -261,7 +262,8 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   float* mx = stats;
   float* denom = stats + H;
   std::fill(mx + h0, mx + h1, -INFINITY);
-  // scores, four heads at a time, block by block; each key prefetches the same token of the next block
+  // scores block by block: sixteen keys x one head a step (AVX-512), else four heads a key, each key prefetching
+  // the same token of the next block
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* kb = kp + static_cast<int64_t>(table[j]) * block_elems;
     const T* next = j + 1 < num_blocks ? kp + static_cast<int64_t>(table[j + 1]) * block_elems : nullptr;
@@ -272,7 +274,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       // tokens in shares, one before each (key group, head) step (see spread_prefetch)
       const T* ahead = (next ? next : vp + static_cast<int64_t>(table[0]) * block_elems) + slice_begin;
       const int64_t ahead_tokens = next ? std::min(BS, n - t1) : std::min(BS, n);
-      const int64_t steps = (h1 - h0) * ((BS + 15) / 16);
+      const int64_t steps = (h1 - h0) * ((t1 - t0 + 15) / 16);   // the key-group/head steps of this block
       // (bf16 keys widened once per block into a float buffer, instead of once per query head of their KV
       // head, measured 0.90x: the buffer's stores cost more than the conversions saved)
       for (int64_t u = t0; u < t1; u += 16) {

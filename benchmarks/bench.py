@@ -376,14 +376,28 @@ def machine_info() -> dict:
             "transformers": transformers.__version__}
 
 
+def source_revision(repo: Path = REPO) -> dict:
+    """The checkout a run measures, read at its start: {"commit": the full hash of HEAD, "dirty": whether tracked
+    files differ from it}; both None where git or the repository is missing (a source tarball)."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True, check=True,
+                              timeout=60).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
 def run(args: argparse.Namespace) -> dict:
     workload = build_workload(args.model, args.num_prompts, args.max_new_tokens, args.prompts)
     tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=args.out_dir))
     bench = Bench(args, workload, tmp)
     before = machine_snapshot()
+    source = source_revision()
     print(f"workload: {workload.num_prompts} prompts x {workload.max_new_tokens} tokens; dtypes {','.join(args.dtype)}; "
           f"threads {args.threads}; load {before['loadavg_1_5_15']}, other processes "
-          f"{before['other_cpu_cores_busy']:.2f} cores; logs in {tmp}", flush=True)
+          f"{before['other_cpu_cores_busy']:.2f} cores; source {source['commit']}{' (dirty)' if source['dirty'] else ''}; "
+          f"logs in {tmp}", flush=True)
 
     def wanted(name: str) -> bool:
         keys = skip_keys(name) & set(args.skip)
@@ -421,11 +435,12 @@ def run(args: argparse.Namespace) -> dict:
                                ("peak_end", bench.peak, "peak_end")]:
         if wanted(name):
             bench.phase(name, fn, *fn_args)
-    return result_record(args, bench, before)
+    return result_record(args, bench, before, source)
 
 
-def result_record(args: argparse.Namespace, bench: Bench, before: dict) -> dict:
-    """The run's JSON: config, machine, workload, FLOPs and compute bounds, batch-1 bytes per token, phases."""
+def result_record(args: argparse.Namespace, bench: Bench, before: dict, source: dict) -> dict:
+    """The run's JSON: the checkout measured (source_revision), config, machine, workload, FLOPs and compute
+    bounds, batch-1 bytes per token, phases."""
     workload = bench.workload
     config = json.loads((Path(workload.model) / "config.json").read_text())
     flops = model_flops(config, workload)
@@ -437,7 +452,7 @@ def result_record(args: argparse.Namespace, bench: Bench, before: dict) -> dict:
             bounds[dtype] = compute_bound(flops, best)
     fma_rates = [(p.get("fma_peak") or {}).get("best_flops_per_s") for p in peaks]
     best_fma = max((r for r in fma_rates if r), default=None)     # float32 FMA peak (probes.fma_peak)
-    return {"date": dt.datetime.now().isoformat(timespec="seconds"),
+    return {"date": dt.datetime.now().isoformat(timespec="seconds"), "source": source,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": {**machine_info(), "before": before, "after": machine_snapshot()},
             "workload": {"num_prompts": workload.num_prompts, "max_new_tokens": workload.max_new_tokens,

@@ -526,7 +526,10 @@ def write_readme(result: dict, source: str, readme: Path = README) -> None:
         add_summary(result)
     w, c = result["workload"], result["config"]
     dtype = ",".join(c["dtype"]) if isinstance(c["dtype"], list) else c["dtype"]
-    block = (f"{TABLE_START}\n_Run {result['date']} (`results/{source}`): {w['num_prompts']} prompts × "
+    rev = result.get("source") or {}   # bench.source_revision (runs before it have none)
+    commit = (f", commit {rev['commit'][:12]}{' with uncommitted changes' if rev.get('dirty') else ''}"
+              if rev.get("commit") else "")
+    block = (f"{TABLE_START}\n_Run {result['date']} (`results/{source}`{commit}): {w['num_prompts']} prompts × "
              f"{w['max_new_tokens']} tokens, dtype {dtype}, {c['threads']} threads._\n\n"
              f"{table(result)}\n{TABLE_END}")
     text = readme.read_text()

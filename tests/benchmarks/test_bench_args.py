@@ -84,3 +84,16 @@ def test_sigterm_unwinds_like_ctrl_c_so_finally_blocks_stop_the_engines():
             time.sleep(5)  # the handler runs here and raises
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_run_records_the_commit_it_measured_and_whether_the_tree_was_changed(tmp_path):
+    """bench.source_revision: HEAD's full hash and the tracked files' state, read with git; None for both
+    outside a repository (a source tarball), never an error."""
+    import subprocess
+
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, check=True).stdout.strip() != ""
+    assert bench.source_revision(REPO) == {"commit": head.stdout.strip(), "dirty": changed}
+    assert bench.source_revision(tmp_path) == {"commit": None, "dirty": None}
+

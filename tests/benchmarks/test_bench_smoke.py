@@ -93,6 +93,7 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     result = json.loads(json_path.read_text())
     phases = result["phases"]
     assert result["config"]["dtype"] == ["fp32", "bf16"]  # --smoke runs the dtype loop too
+    assert len(result["source"]["commit"]) == 40 and isinstance(result["source"]["dirty"], bool)  # the checkout measured
 
     tokens = 2 * 8  # 2 prompts x 8 tokens, EOS ignored: exact in every engine
     for name in ("ours_offline_fp32", "ours_offline_bf16", "hf"):

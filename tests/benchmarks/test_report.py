@@ -139,6 +139,10 @@ def test_the_table_shows_both_dtypes_batch1_ceilings_the_host_and_what_was_prelo
     report.write_readme(result, "bench-x.json", readme)
     out = readme.read_text()
     assert out.startswith("head\n") and out.endswith("tail\n") and "dtype fp32,bf16, 2 threads" in out
+    assert "(`results/bench-x.json`):" in out     # no source recorded (runs before bench.source_revision)
+    result["source"] = {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True}
+    report.write_readme(result, "bench-x.json", readme)
+    assert "(`results/bench-x.json`, commit 0123456789ab with uncommitted changes):" in readme.read_text()
     report.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 

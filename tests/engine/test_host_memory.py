@@ -90,18 +90,24 @@ params = SamplingParams(greedy=True, max_new_tokens=16, ignore_eos=True)
 def run(tag):
     engine.generate([(f"{tag}{i}", ids, params) for i, ids in enumerate(prompts)])
 run("warm")
-start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-run("measured")
-print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start}))
+faults = []
+for measured in range(2):
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    run(f"measured{measured}-")
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(json.dumps({"faults": faults}))
 """
 
 
 @pytest.mark.slow
 def test_the_demo_models_steps_fault_no_pages_once_warm_with_the_default_settings(model_dir):
+    # the fewer of two measured runs: a run now and then faults a few hundred pages that are not the steps'
+    # buffers (572 once in CI, 0-56 usually: Python's own arenas, the OS); the steps' buffers fault ~250,000
+    # a run untuned, every run
     def faults(malloc_tuning: str) -> int:
         out = subprocess.run([sys.executable, "-c", DEMO_STEPS, str(model_dir), malloc_tuning], capture_output=True,
                              text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])["faults"]
+        return min(json.loads(out.stdout.strip().splitlines()[-1])["faults"])
 
     tuned, untuned = faults("true"), faults("false")
     assert tuned < 500, (tuned, untuned)                   # 16 prefills + 15 decode steps

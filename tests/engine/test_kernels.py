@@ -104,9 +104,9 @@ def test_threads_do_not_change_the_bits():
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("out_features", [576, 288, 70, 1])
 def test_a_few_rows_split_by_panels_over_any_threads_keep_their_batch_bits(kind, out_features):
-    """At most 4 rows the linear streams each thread's contiguous share of the panels, two at a time (an
-    odd last one alone): 18, 9, 3 and 1 panels over 1-3 threads give the bits the rows get in a 64-row
-    batch (the blocked path)."""
+    """At most 4 rows the linear streams each thread's contiguous share of the panels (float32 two at a
+    time, an odd last one alone; bf16 and int8 one at a time in K blocks): 18, 9, 3 and 1 panels over 1-3
+    threads give the bits the rows get in a 64-row batch (the blocked path)."""
     x, weight, bias = random_case(64, 576, out_features, seed=5, with_bias=True)
     x = x.to(torch.bfloat16) if kind == "bfloat16" else x
     packed = pack_weight(weight, kind)

@@ -456,21 +456,24 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 
 // The blocked loop shared by every kind. Work item = (M block, NP panels), panels fastest: threads
 // split the panels of each M block (panels of one M block are contiguous in memory). A few rows (decode
-// at small batch) only stream the weight: one contiguous share per thread reads best, two panels at a
-// time (NP = 2, AVX-512) so that each row has four independent FMA chains. Many rows: small chunks of
-// one panel balance the threads. Cache blocking: a K block of one panel (k_block panel rows, 16 KiB)
+// at small batch) only stream the weight: one contiguous share per thread reads best; float32 panels
+// two at a time (NP = 2, AVX-512, the whole K in one pass: each row has four independent FMA chains),
+// bf16 and int8 panels one at a time in K blocks with the next block prefetched (`two_panels` false).
+// Measured (Zen 5, 2 threads, batch 1, the demo model's 120 layer linears + lm_head, cold, the forms
+// interleaved in one process, 30-40 rounds): bf16 0.90-0.92x the two-panel stream's time, int8 0.95-0.97x,
+// float32 1.04-1.06x. Many rows: small chunks of one panel balance the threads. Cache blocking: a K block of one panel (k_block panel rows, 16 KiB)
 // stays in L1 while the M block's rows stream past it; the M block's accumulators (M_BLOCK x PANEL
 // floats, 12 KiB a panel) stay close.
 //   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
 //     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
-constexpr int64_t SMALL_M = 4;      // at most this many rows: two panels per work item, streamed
+constexpr int64_t SMALL_M = 4;      // at most this many rows: streamed (two panels per work item where `two_panels`)
 
 template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
-                 int64_t out_features, const Tile& tile, const Store& store) {
+                 int64_t out_features, const Tile& tile, const Store& store, bool two_panels) {
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
-  const int64_t NP = M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
+  const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
   const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
   const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
@@ -593,7 +596,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
-                  }, store);
+                  }, store, true);
     } else if (kind == torch::kInt8) {
       const torch::Tensor xf = float_rows(x, K, false);
       const float* xp = xf.data_ptr<float>();
@@ -601,7 +604,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
-                  }, store);
+                  }, store, false);
     } else {
       const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
       const int64_t width = 2 * K_rows;
@@ -641,7 +644,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
                         }
 #undef LMI_DP
                       }
-                    }, store);
+                    }, store, false);
         return;
       }
 #endif
@@ -652,7 +655,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroBF16{}, np, rows, xp + m * width + 2 * k0, width, w, 2 * Vec::W, kc, buf, first, pf, n);
-                  }, store);
+                  }, store, false);
     }
   };
   if (out_bf16) {

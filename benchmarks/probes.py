@@ -7,6 +7,7 @@ The ceilings' arithmetic (bytes per token / GB/s) is report.py's. Run by `worker
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,16 +33,22 @@ def default_buffer_bytes(l3_bytes: int | None, mem_available_bytes: int | None) 
 
 def build_probe(out_dir: Path, source: Path) -> Path:
     """Compile a C probe (probes/membw.c, probes/fmapeak.c) with `cc -O3 -march=native -fopenmp` into `out_dir`;
-    returns the binary. Raises RuntimeError (with the compiler's message) when there is no compiler or the
-    build fails."""
+    returns the binary. The binary's name carries a digest of the source and the compiler, so a later call
+    with the same `out_dir` (a batch-1 round's probe, run before every round) reuses it instead of compiling
+    again. Raises RuntimeError (with the compiler's message) when there is no compiler or the build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build probes/{source.name}")
-    binary = out_dir / source.stem
-    proc = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", str(source), "-o", str(binary)],
+    digest = hashlib.sha256(source.read_bytes() + cc.encode()).hexdigest()[:12]
+    binary = out_dir / f"{source.stem}-{digest}"
+    if binary.is_file():
+        return binary
+    partial = binary.with_name(f"{binary.name}.partial")     # renamed once whole: never run half-written
+    proc = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", str(source), "-o", str(partial)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr[-500:]}")
+    partial.replace(binary)
     return binary
 
 

@@ -105,6 +105,20 @@ def test_the_read_bandwidth_probe_builds_and_reports_every_pass(tmp_path):
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_a_probe_is_compiled_once_per_source_and_reused_by_later_rounds(tmp_path):
+    first = probes.build_probe(tmp_path, probes.MEMBW_SOURCE)
+    built_at = first.stat().st_mtime_ns
+    assert probes.build_probe(tmp_path, probes.MEMBW_SOURCE) == first and first.stat().st_mtime_ns == built_at
+    probes.read_bandwidth(1, 8 << 20, 1, tmp_path)          # a round's probe: no second binary, no rebuild
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name] and first.stat().st_mtime_ns == built_at
+    edited = tmp_path / "src" / probes.MEMBW_SOURCE.name       # another source text: a binary of its own
+    edited.parent.mkdir()
+    edited.write_text(probes.MEMBW_SOURCE.read_text() + "\n/* edited */\n")
+    other = probes.build_probe(tmp_path, edited)
+    assert other != first and other.is_file() and first.is_file()
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_the_fma_peak_probe_counts_two_flops_per_lane_per_fma_and_reports_every_pass(tmp_path):
     result = probes.fma_peak(1, tmp_path, iters=2_000_000, repeats=3)
     assert result["threads"] == 1 and result["lanes"] in (8, 16) and len(result["seconds"]) == 3

@@ -11,12 +11,17 @@ from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from lmi_handler.config import read_serving_properties
+    """Exit code 2 with one line naming the option when a setting is refused at start-up (ConfigError)."""
+    from lmi_handler.config import ConfigError, read_serving_properties
     from lmi_handler.server.app import create_app
     from lmi_handler.server.ops import serve
 
     properties = read_serving_properties(args.properties)
-    app = create_app(properties)
+    try:
+        app = create_app(properties)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     serve(app, args.host, args.port, args.log_level.lower())  # uvicorn, draining on SIGTERM
     return 0
 

@@ -179,7 +179,15 @@ class Settings(BaseModel):
     @field_validator("quantize", mode="before")
     @classmethod
     def _no_quantize(cls, value):
-        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+        if value is None:
+            return None
+        text = str(value).strip().lower()
+        if text in ("", "none"):
+            return None
+        if text != "int8":
+            raise ValueError(f"must be 'int8' (per-output-channel int8 weights) or 'none' / empty / unset (no "
+                             f"quantization), got {value!r}")
+        return text
 
     @field_validator("rolling_batch")
     @classmethod

@@ -62,3 +62,15 @@ def test_ray_flags_without_ray_are_refused_before_anything_runs(tmp_path, capsys
     assert main(["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--replicas", "3"]) == 2
     assert "--address, --replicas and --shard-lines go with --ray" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("line,named", [("option.quantize=int4", "option.quantize='int4': Value error, must be 'int8'"),
+                                        ("option.dtype=fp8", "option.dtype='fp8'")])
+def test_a_refused_setting_ends_serve_with_one_line_naming_it_and_exit_code_2(tmp_path, capsys, line, named):
+    from lmi_handler.cli import main
+
+    props = tmp_path / "serving.properties"
+    props.write_text(f"engine=Python\noption.model_id=model\n{line}\n")
+    assert main(["serve", "--properties", str(props), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and "Traceback" not in err and err.count("\n") == 1

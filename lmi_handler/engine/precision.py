@@ -106,11 +106,12 @@ def _cpu_dtype(requested: str, checkpoint: torch.dtype | None, native_bf16: bool
                          f"{_why_slow_bf16(native_bf16)}; "
                          "set option.dtype=bf16 to run it in bf16 anyway, slower)")
     note = " (option.dtype=fp16: CPUs run fp16 checkpoints in bf16, as vLLM does)" if requested == "float16" else ""
+    asked = note or f" (option.dtype, checkpoint {ckpt})"
     if not native_bf16 or not kernels_built():
-        return Precision(torch.bfloat16, None, f"dtype bfloat16{note or ' (option.dtype)'}, with "
-                         f"{_why_slow_bf16(native_bf16)}: it runs, "
+        return Precision(torch.bfloat16, None, f"dtype bfloat16{asked}, with {_why_slow_bf16(native_bf16)}: it runs, "
                          "slower than on a CPU with AVX512_BF16", warn=True)
-    return Precision(torch.bfloat16, None, f"dtype bfloat16{note or ' (option.dtype)'}", warn=bool(note))
+    return Precision(torch.bfloat16, None, f"dtype bfloat16{asked}; this CPU has native bf16 dot products",
+                     warn=bool(note))
 
 
 def _why_slow_bf16(native_bf16: bool) -> str:

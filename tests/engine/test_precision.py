@@ -42,6 +42,7 @@ def test_an_explicit_dtype_is_obeyed_and_bf16_without_native_support_warns():
     assert decide("float32", torch.bfloat16).dtype == torch.float32
     p = decide("bfloat16", torch.float32)
     assert p.dtype == torch.bfloat16 and not p.warn
+    assert "option.dtype, checkpoint float32" in p.reason and "native bf16" in p.reason   # the log line says why
     slow = decide("bfloat16", torch.float32, native=False)
     assert slow.dtype == torch.bfloat16 and slow.warn and "slower" in slow.reason
 

@@ -96,4 +96,3 @@ def test_a_run_records_the_commit_it_measured_and_whether_the_tree_was_changed(t
                              capture_output=True, text=True, check=True).stdout.strip() != ""
     assert bench.source_revision(REPO) == {"commit": head.stdout.strip(), "dirty": changed}
     assert bench.source_revision(tmp_path) == {"commit": None, "dirty": None}
-

@@ -23,6 +23,14 @@ CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
 TIMEOUT_MESSAGE = "the grammar did not compile within option.structured_output_compile_timeout_s"
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compile's result: the matcher (copied per sequence) and when the compile ended (time.monotonic() s)."""
+
+    matcher: object
+    finished_at: float
+
+
 @dataclass
 class CompileTicket:
     """A request's wait for its grammar: the shared compile, and when this request stops waiting."""
@@ -33,12 +41,17 @@ class CompileTicket:
 
     def outcome(self, now: float, end_ids: tuple[int, ...]) -> "GrammarState | str | None":
         """The sequence's matcher once compiled (`end_ids`: its eos and stop ids), an error message if the
-        compile failed or ran past the deadline, else None (still compiling)."""
+        compile failed or ran past the deadline, else None (still compiling). A compile that ended after this
+        request's deadline fails it even if the engine looks only later: the outcome depends on when the compile
+        ended, not on when the engine loop came round to ask."""
         if self.future.done():
             exc = self.future.exception()
             if exc is not None:
                 return f"structured output: {exc}"
-            return GrammarState(self.future.result().deep_copy(), end_ids)
+            compiled: CompiledGrammar = self.future.result()
+            if compiled.finished_at > self.deadline:
+                return f"structured output: {TIMEOUT_MESSAGE}"
+            return GrammarState(compiled.matcher.deep_copy(), end_ids)
         if now >= self.deadline:
             return f"structured output: {TIMEOUT_MESSAGE}"
         return None
@@ -85,9 +98,11 @@ class GrammarCompiler:
         asynchronous path instead. Raises GrammarError (malformed, unsupported, or past the time limit)."""
         ticket = self.submit(spec)
         try:
-            ticket.future.result(timeout=self.compile_timeout_s)
+            compiled = ticket.future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
             raise GrammarError(TIMEOUT_MESSAGE) from None
+        if compiled.finished_at > ticket.deadline:       # this thread woke late: the compile itself ran past
+            raise GrammarError(TIMEOUT_MESSAGE)
 
     def wait_any(self, tickets: list[CompileTicket], timeout_s: float) -> None:
         """Block up to timeout_s seconds until one of the compiles ends (the engine has nothing else to run)."""
@@ -114,7 +129,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer_info(), grammar_source(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(first_lines(matcher.get_error()))
-        return matcher
+        return CompiledGrammar(matcher, time.monotonic())
 
     def fill_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
         """(len(seqs), W) int32 on CPU: row i allows what seqs[i]'s grammar accepts next. Where the grammar may

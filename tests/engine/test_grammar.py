@@ -215,6 +215,29 @@ def test_a_compile_past_the_limit_fails_only_its_request(tiny_model_dir, tiny_to
         engine.grammars.validate(schema_spec(dict(LARGE, required=["p0"])))
 
 
+def test_a_compile_that_ended_past_the_limit_fails_even_when_the_loop_asks_late(tiny_model_dir, tiny_tokenizer):
+    # the outcome follows when the compile ended, not when the engine loop came round: here the loop asks only
+    # after the compile has finished (as a long step, or a loaded machine, would make it), past the 0.05 s limit
+    config = EngineConfig(model_path=tiny_model_dir, dtype="float32", device_id=-1, max_num_seqs=4,
+                          max_num_batched_tokens=64, max_model_len=None, block_size=4, kv_cache_bytes=1 << 22,
+                          structured_output_compile_timeout_s=0.05)
+    engine = Engine(config, tokenizer=tiny_tokenizer)
+    fresh = dict(LARGE, title=f"late-{uuid.uuid4().hex}")
+    engine.add_request("late", PROMPTS[0], SamplingParams(max_new_tokens=4, structured_output=schema_spec(fresh)))
+    compiled = engine.seqs["late"].grammar_ticket.future.result(timeout=120)
+    assert compiled.finished_at > engine.seqs["late"].grammar_ticket.deadline
+    done = {}
+    while engine.has_unfinished:
+        done.update((out.request_id, out) for out in engine.step())
+    assert done["late"].finish_reason is FinishReason.ERROR and done["late"].invalid_request
+    assert "structured_output_compile_timeout_s" in done["late"].error and done["late"].new_tokens == []
+    # the same compile, cached, serves a request that arrives after it ended (its deadline is its own)
+    engine.add_request("cached", PROMPTS[0], SamplingParams(max_new_tokens=4, structured_output=schema_spec(fresh)))
+    while engine.has_unfinished:
+        done.update((out.request_id, out) for out in engine.step())
+    assert done["cached"].error is None and done["cached"].num_generated_tokens >= 1
+
+
 def test_an_invalid_grammar_fails_its_request_before_any_token(tiny_model_dir, tiny_tokenizer):
     engine = make_engine(tiny_model_dir, tiny_tokenizer)
     ids, results = run(engine, [PROMPTS[0], PROMPTS[1]],

@@ -130,6 +130,26 @@ def test_packed_weight_keeps_the_original_rows_exactly():
     assert torch.equal(packed.rows(ids), weight[ids])
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_weight_packed_into_an_arena_view_is_the_weight_packed_on_its_own(kind):
+    shapes = [(PANEL * 2 + 3, 19), (5, 8), (PANEL, 33)]
+    weights = [torch.randn(*shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
+    views = kernels.panel_arena([(kernels.panels_shape(*w.shape, kind), kind) for w in weights])
+    alone = [pack_weight(w, kind) for w in weights]
+    packed = [pack_weight(w, kind, out=view) for w, view in zip(weights, views)]
+    base = views[0].untyped_storage().data_ptr()
+    assert base % (2 << 20) == 0                                   # the arena is empty_huge's buffer
+    ends = 0
+    for a, b, view in zip(alone, packed, views):
+        assert b.panels is view and view.untyped_storage().data_ptr() == base       # one buffer
+        start = view.data_ptr() - base
+        assert start % kernels.ARENA_ALIGN == 0 and start >= ends             # aligned, in order, no overlap
+        ends = start + view.numel() * view.element_size()
+        assert torch.equal(a.panels, b.panels) and (a.scale is None or torch.equal(a.scale, b.scale))
+    with pytest.raises(ValueError, match="out must be"):
+        pack_weight(weights[0], kind, out=views[1])
+
+
 def test_huge_page_buffers_are_2mib_aligned_float32_and_freed_with_their_tensor():
     t = kernels.empty_huge(300, 7, 5)
     assert t.shape == (300, 7, 5) and t.dtype == torch.float32 and t.is_contiguous()

@@ -137,6 +137,23 @@ def test_tiled_matmul_in_fixed_size_calls_gives_one_bmms_bits(num_rows):
     torch.testing.assert_close(one, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_the_packed_panels_are_one_buffer_in_the_order_a_step_reads_them(tiny_model_dir, precision):
+    """panel_arena: every layer's qkv, o, gate_up, down panels and then lm_head's, in one (huge-page) buffer,
+    each after the last: transparent huge pages cover it all (weights allocated one by one under 2 MiB sat
+    on 4 KiB pages) and a thread's stream runs on from one weight into the next."""
+    dtype, quantize = PRECISIONS[precision]
+    model = load_model(tiny_model_dir, dtype, torch.device("cpu"), pack_weights=True, quantize=quantize)
+    panels = [w.panels for layer in model.layers
+              for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
+                        layer.mlp.down_weight)] + [model.lm_head.panels]
+    base = panels[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in panels)
+    starts = [p.data_ptr() - base for p in panels]
+    assert starts == sorted(starts) and all(
+        b >= a + p.numel() * p.element_size() for a, b, p in zip(starts, starts[1:], panels))
+
+
 def test_packed_model_equals_the_unpacked_model_within_rounding(tiny_model_dir):
     """pack_weights swaps every linear (and the tied embedding) for the C++ kernel's layout; the
     logits stay those of the plain weights up to float32 rounding, and embeddings stay exact."""

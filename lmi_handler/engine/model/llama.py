@@ -25,6 +25,8 @@ from lmi_handler.engine.model.kernels import (
     fused_silu_mul,
     pack_weight,
     packed_linear,
+    panel_arena,
+    panels_shape,
 )
 
 
@@ -279,14 +281,19 @@ class LlamaModel(nn.Module):
         if self.embed_tokens.device.type != "cpu" or cpu_kernels() is None:
             return False
         self._stack = None
-        for layer in self.layers:
-            for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"),
-                                 (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")):
-                packed = pack_weight(getattr(module, name).detach(), kind, huge_pages)
-                delattr(module, name)                     # drop the Parameter before holding both
-                setattr(module, name, packed)
+        linears = [(module, name) for layer in self.layers
+                   for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"),
+                                        (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight"))]
+        head_kind = lm_head_kind or kind
+        # every panel in one buffer, in the order a step reads them (panel_arena: huge pages throughout)
+        outs = panel_arena([(panels_shape(*getattr(m, n).shape, kind), kind) for m, n in linears]
+                           + [(panels_shape(*self.lm_head.shape, head_kind), head_kind)], huge_pages)
+        for (module, name), out in zip(linears, outs):
+            packed = pack_weight(getattr(module, name).detach(), kind, huge_pages, out=out)
+            delattr(module, name)                     # drop the Parameter before holding both
+            setattr(module, name, packed)
         tied = self.lm_head is self.embed_tokens
-        packed = pack_weight(self.lm_head.detach(), lm_head_kind or kind, huge_pages)
+        packed = pack_weight(self.lm_head.detach(), head_kind, huge_pages, out=outs[-1])
         del self.lm_head
         self.lm_head = packed
         if tied and packed.scale is None:

@@ -17,6 +17,7 @@ from lmi_handler.engine.model.kernels.build import (  # noqa: F401
     empty_huge,
 )
 from lmi_handler.engine.model.kernels.packing import (  # noqa: F401
+    ARENA_ALIGN,
     KINDS,
     PANEL,
     PackedWeight,
@@ -25,6 +26,8 @@ from lmi_handler.engine.model.kernels.packing import (  # noqa: F401
     fused_silu_mul,
     pack_weight,
     packed_linear,
+    panel_arena,
+    panels_shape,
     quantize_int8,
     row_argmax,
 )

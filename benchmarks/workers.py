@@ -98,6 +98,20 @@ def batch1_decode(engine, workload: Workload, params, prefix: str) -> dict:
             "method": "(tokens - 1) / (last token time - first token time), one request alone"}
 
 
+def restart_as_lmi_handler_would(options: dict[str, str]) -> None:
+    """Our engine's process as `lmi-handler serve` / `batch` start it: once more with glibc malloc's heap on
+    huge pages, unless option.malloc_tuning or option.huge_pages is off (engine/host_memory.py). A setting
+    the worker refuses is left for it to report."""
+    from lmi_handler.engine.host_memory import restart_with_malloc_huge_pages
+
+    try:
+        settings = our_settings(options)
+    except Exception:  # noqa: BLE001 - reported where the worker starts its engine
+        return
+    if settings.malloc_tuning and settings.huge_pages:
+        restart_with_malloc_huge_pages()
+
+
 def start_engine(options: dict[str, str]):
     """Settings from `options`, the Engine, greedy SamplingParams; and the start-up seconds."""
     from lmi_handler.engine.engine import Engine
@@ -361,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.worker} needs --control-dir")
     if args.worker == "ours-structured" and args.schemas is None:
         parser.error("ours-structured needs --schemas")
+    if argv is None and args.worker.startswith("ours-"):
+        restart_as_lmi_handler_would(dict(args.option))
     if args.threads:
         import torch
 

@@ -148,8 +148,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _restart_with_malloc_huge_pages(properties: Path) -> None:
+    """Before anything else runs: start this command again with glibc malloc's heap on huge pages
+    (engine/host_memory.py) unless option.malloc_tuning or option.huge_pages is off. Settings the engine
+    will refuse are left for it to report."""
+    from lmi_handler.config import Settings, read_serving_properties
+    from lmi_handler.engine.host_memory import restart_with_malloc_huge_pages
+
+    try:
+        settings = Settings.from_properties(read_serving_properties(properties))
+    except Exception:  # noqa: BLE001 - the command itself reports a bad file or setting
+        return
+    if settings.malloc_tuning and settings.huge_pages:
+        restart_with_malloc_huge_pages()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """argv None: the process's own command line (`lmi-handler ...`), which serve and batch may restart
+    once (_restart_with_malloc_huge_pages); a list (tests, callers in process) never restarts."""
     args = build_parser().parse_args(argv)
+    if argv is None and args.func in (_serve, _batch):
+        _restart_with_malloc_huge_pages(args.properties)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -347,6 +347,12 @@ def keep_ray_on_loopback() -> None:
     os.environ.update(RAY_LOOPBACK_SWITCH)
 
 
+def process_environment() -> dict[str, str]:
+    """A copy of this process's environment variables, for what is not a setting: the GLIBC_TUNABLES that
+    glibc reads at process start (engine/host_memory.py restarts a command with one added)."""
+    return dict(os.environ)
+
+
 def read_serving_properties(path: str | Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Read serving.properties and apply OPTION_* overrides, as the LMI container does.
 

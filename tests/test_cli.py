@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from lmi_handler.engine.host_memory import malloc_huge_pages_environ
 from tests.batch.helpers import (
     COMPLETIONS,
     batch_cli,
@@ -42,6 +43,9 @@ def test_a_runner_killed_midway_through_200_requests_finishes_on_rerun_with_each
     done = run_cli(*args)
     assert done.returncode == 0, done.stderr
     assert "resuming:" in done.stderr
+    if malloc_huge_pages_environ({}) is not None and "GLIBC_TUNABLES" not in os.environ:
+        # `lmi-handler batch` started itself again with malloc's heap on huge pages (engine/host_memory.py)
+        assert "heap on huge pages (GLIBC_TUNABLES glibc.malloc.hugetlb=1)" in done.stderr
     records = read_jsonl(out)
     assert sorted(r["custom_id"] for r in records) == [line["custom_id"] for line in lines]   # each exactly once
     assert all(r["response"]["status_code"] == 200 and completion_tokens(r) == 2 for r in records)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from lmi_handler.config import EngineConfig, Settings
 from lmi_handler.engine.engine import Engine
-from lmi_handler.engine.host_memory import glibc
+from lmi_handler.engine.host_memory import glibc, malloc_huge_pages_environ, malloc_huge_pages_state
 
 pytestmark = pytest.mark.skipif(glibc() is None, reason="glibc malloc only")
 
@@ -71,7 +72,7 @@ def test_a_cpu_engine_sets_the_thresholds_at_start_unless_malloc_tuning_is_false
     said = [r.getMessage() for r in caplog.records if r.name == "lmi_handler.engine.host_memory"]
     # device_id -1 is CUDA where there is one (gpu_check.sh): a CUDA engine leaves malloc alone
     assert said == (["malloc (glibc %s): mmap threshold 32 MiB, trim threshold 1024 MiB set (a step's freed memory "
-                     "is reused, not faulted in again)" % platform.libc_ver()[1]]
+                     "is reused, not faulted in again); %s" % (platform.libc_ver()[1], malloc_huge_pages_state())]
                     if malloc_tuning and not torch.cuda.is_available() else [])
 
 
@@ -112,3 +113,53 @@ def test_the_demo_models_steps_fault_no_pages_once_warm_with_the_default_setting
     tuned, untuned = faults("true"), faults("false")
     assert tuned < 500, (tuned, untuned)                   # 16 prefills + 15 decode steps
     assert untuned > 20 * max(tuned, 100), (tuned, untuned)
+
+
+# ---- glibc.malloc.hugetlb: the heap on transparent huge pages (restart_with_malloc_huge_pages) ----------
+
+needs_hugetlb = pytest.mark.skipif(malloc_huge_pages_environ({}) is None, reason="glibc 2.35 or later only")
+
+
+@needs_hugetlb
+def test_the_hugetlb_tunable_is_added_after_the_others_and_a_users_own_value_stands():
+    assert malloc_huge_pages_environ({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert malloc_huge_pages_environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert malloc_huge_pages_environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
+
+
+RESTART = """
+import os, sys
+from lmi_handler.engine.host_memory import restart_with_malloc_huge_pages
+print("started", os.getpid(), flush=True)
+restart_with_malloc_huge_pages()
+block = bytearray(64 << 20)       # 64 MiB from malloc, touched (zeroed)
+huge = [int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")][0]
+print("ran", os.getpid(), os.environ.get("GLIBC_TUNABLES"), huge >> 10, flush=True)
+"""
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@needs_hugetlb
+def test_a_restart_keeps_the_pid_and_puts_mallocs_memory_on_huge_pages():
+    def run(environ):
+        out = subprocess.run([sys.executable, "-c", RESTART], capture_output=True, text=True, check=True,
+                             env=environ).stdout.split("\n")
+        return [line.split() for line in out if line]
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    lines = run(base)
+    # the command ran twice (the second time with the tunable) in one process: the pid never changed
+    assert [line[0] for line in lines] == ["started", "started", "ran"] and len({line[1] for line in lines}) == 1
+    assert lines[-1][2] == "glibc.malloc.hugetlb=1"
+    if _thp_mode() != "never":
+        assert int(lines[-1][3]) >= 32, lines            # MiB of the block on huge pages
+    kept = run({**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert [line[0] for line in kept] == ["started", "ran"] and kept[-1][2] == "glibc.malloc.hugetlb=0"

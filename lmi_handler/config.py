@@ -87,7 +87,8 @@ class Settings(BaseModel):
     frees is reused by the next instead of being returned and faulted in again (engine/host_memory.py;
     measured: 9,184 page faults a 64-sequence bf16 decode step without it, none with it). Up to 1 GiB of
     freed memory may stay resident; false leaves malloc's own adaptive thresholds. A no-op under another
-    malloc (e.g. tcmalloc in LD_PRELOAD)."""
+    malloc (e.g. tcmalloc in LD_PRELOAD). With huge_pages also on, `lmi-handler serve` / `batch` restart
+    once with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (malloc's heap on huge pages; host_memory.py)."""
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True

@@ -99,13 +99,13 @@ def panel_arena(parts: list[tuple[tuple[int, int, int], str]], huge_pages: bool 
     offsets, total = [], 0
     for shape, kind in parts:
         offsets.append(total)
-        nbytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=getattr(torch, kind)).element_size()
+        nbytes = shape[0] * shape[1] * shape[2] * getattr(torch, kind).itemsize
         total += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
     arena = empty_huge(max(total, 1), dtype=torch.int8, huge_pages=huge_pages)
     views = []
     for (shape, kind), start in zip(parts, offsets):
         dtype = getattr(torch, kind)
-        nbytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape[0] * shape[1] * shape[2] * dtype.itemsize
         views.append(arena[start:start + nbytes].view(dtype).view(shape))
     return views
 

@@ -123,10 +123,15 @@ def start_engine(options: dict[str, str]):
 
 
 def engine_facts(settings, engine) -> dict:
+    """What the run was: settings, device, dtype, threads, and whether malloc's heap was on huge pages
+    (`malloc`: host_memory's phrase, from GLIBC_TUNABLES as this worker was started)."""
     import torch
 
+    from lmi_handler.engine.host_memory import malloc_huge_pages_state
+
     return {"engine": "ours", "settings": settings.model_dump(mode="json"), "device": str(engine.device),
-            "dtype": str(engine.runner.dtype), "torch_num_threads": torch.get_num_threads()}
+            "dtype": str(engine.runner.dtype), "torch_num_threads": torch.get_num_threads(),
+            "malloc": malloc_huge_pages_state()}
 
 
 def ours_offline(args, workload: Workload) -> dict:

@@ -111,6 +111,10 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     ours = phases["ours_offline_fp32"]
     assert ours["output_tokens_per_s"] == statistics.median_low(r["output_tokens_per_s"] for r in ours["rounds"])
     assert ours["torch_num_threads"] == 1
+    from lmi_handler.engine.host_memory import malloc_huge_pages_environ
+    if malloc_huge_pages_environ({}) is not None and "GLIBC_TUNABLES" not in ENV:
+        # our worker started itself again as `lmi-handler serve` does: malloc's heap on huge pages
+        assert ours["malloc"].startswith("heap on huge pages"), ours["malloc"]
     (level,) = phases["ours_server"]["levels"]
     assert (level["concurrency"], level["num_errors"], level["output_tokens"]) == (2, 0, tokens)
     assert level["ttft_s"]["p99"] >= level["ttft_s"]["p50"] > 0 and level["itl_s"]["n"] == 2 * 7

@@ -213,6 +213,7 @@ class RollingBatch:
                             if m.request_id in outputs_of and outputs_of[m.request_id].invalid_request), None)
             hit = next((failed[m.request_id] for m in request.members if m.request_id in failed), None)
             if refused is not None:
+                logger.info("request %s refused (400): %s", request.request_id, refused.error)
                 self._end(request, refused_message(request.plan, refused), 400)
             elif hit is not None:
                 logger.error("request %s failed: %s", request.request_id, hit)

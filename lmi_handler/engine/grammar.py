@@ -20,7 +20,10 @@ from lmi_handler.engine.logits_controls import bitmask_words
 from lmi_handler.engine.sequence import Sequence, StructuredOutputSpec
 
 CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
-TIMEOUT_MESSAGE = "the grammar did not compile within option.structured_output_compile_timeout_s"
+def timeout_message(seconds: float) -> str:
+    """The error of a compile past its limit: names the option and its value, and what a retry gets."""
+    return (f"the grammar did not compile within option.structured_output_compile_timeout_s ({seconds:g} s); "
+            "its compile goes on, and the same schema sent again once it is done is served from the cache")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class CompileTicket:
     spec: StructuredOutputSpec
     future: Future
     deadline: float            # time.monotonic() seconds
+    timeout_s: float           # the limit the deadline came from (for the error message)
 
     def outcome(self, now: float, end_ids: tuple[int, ...]) -> "GrammarState | str | None":
         """The sequence's matcher once compiled (`end_ids`: its eos and stop ids), an error message if the
@@ -50,10 +54,10 @@ class CompileTicket:
                 return f"structured output: {exc}"
             compiled: CompiledGrammar = self.future.result()
             if compiled.finished_at > self.deadline:
-                return f"structured output: {TIMEOUT_MESSAGE}"
+                return f"structured output: {timeout_message(self.timeout_s)}"
             return GrammarState(compiled.matcher.deep_copy(), end_ids)
         if now >= self.deadline:
-            return f"structured output: {TIMEOUT_MESSAGE}"
+            return f"structured output: {timeout_message(self.timeout_s)}"
         return None
 
 
@@ -89,7 +93,7 @@ class GrammarCompiler:
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(spec)
-        return CompileTicket(spec, future, time.monotonic() + self.compile_timeout_s)
+        return CompileTicket(spec, future, time.monotonic() + self.compile_timeout_s, self.compile_timeout_s)
 
     def validate(self, spec: StructuredOutputSpec) -> None:
         """Compile `spec` now (or wait for its compile), for a 400 before the request is queued; the result is
@@ -100,9 +104,9 @@ class GrammarCompiler:
         try:
             compiled = ticket.future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
-            raise GrammarError(TIMEOUT_MESSAGE) from None
+            raise GrammarError(timeout_message(self.compile_timeout_s)) from None
         if compiled.finished_at > ticket.deadline:       # this thread woke late: the compile itself ran past
-            raise GrammarError(TIMEOUT_MESSAGE)
+            raise GrammarError(timeout_message(self.compile_timeout_s))
 
     def wait_any(self, tickets: list[CompileTicket], timeout_s: float) -> None:
         """Block up to timeout_s seconds until one of the compiles ends (the engine has nothing else to run)."""

@@ -48,7 +48,7 @@ def glibc() -> ctypes.CDLL | None:
     return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(huge_pages: bool = True) -> bool:
     """Fix glibc malloc's mmap threshold at MMAP_THRESHOLD_BYTES and its trim threshold at
     TRIM_THRESHOLD_BYTES (bytes) for the whole process (module docstring); returns whether both were set.
     Never raises: another C library or a refused setting leaves malloc as it was (logged)."""
@@ -62,7 +62,7 @@ def keep_freed_memory() -> bool:
     (logger.info if done else logger.warning)(
         "malloc (glibc %s): mmap threshold %d MiB, trim threshold %d MiB %s; %s", version, MMAP_THRESHOLD_BYTES >> 20,
         TRIM_THRESHOLD_BYTES >> 20, "set (a step's freed memory is reused, not faulted in again)" if done
-        else "refused by mallopt; malloc keeps its own thresholds", malloc_huge_pages_state())
+        else "refused by mallopt; malloc keeps its own thresholds", malloc_huge_pages_state(huge_pages))
     return done
 
 
@@ -103,13 +103,16 @@ def restart_with_malloc_huge_pages() -> None:
         logger.warning("could not restart with %s=1 (%s); malloc's heap stays on the default pages", HUGETLB_TUNABLE, exc)
 
 
-def malloc_huge_pages_state() -> str:
-    """A log phrase: whether this process's malloc puts its heap on huge pages (GLIBC_TUNABLES)."""
+def malloc_huge_pages_state(huge_pages: bool = True) -> str:
+    """A log phrase: whether this process's malloc puts its heap on huge pages (GLIBC_TUNABLES), and why
+    not where it does not (`huge_pages`: option.huge_pages, with which the commands leave the heap alone)."""
     values = [item.split("=", 1)[1] for item in process_environment().get("GLIBC_TUNABLES", "").split(":")
               if item.startswith(f"{HUGETLB_TUNABLE}=")]
     if values and values[-1] != "0":
         return f"heap on huge pages (GLIBC_TUNABLES {HUGETLB_TUNABLE}={values[-1]})"
     if values:
         return f"heap on the kernel's default pages (GLIBC_TUNABLES {HUGETLB_TUNABLE}=0)"
+    if not huge_pages:
+        return "heap on the kernel's default pages (option.huge_pages is off)"
     return (f"heap on the kernel's default pages (`lmi-handler serve` / `batch` add GLIBC_TUNABLES="
             f"{HUGETLB_TUNABLE}=1; elsewhere set it in the environment)")

@@ -208,7 +208,7 @@ def test_a_compile_past_the_limit_fails_only_its_request(tiny_model_dir, tiny_to
         SamplingParams(max_new_tokens=6, ignore_eos=True), SamplingParams(max_new_tokens=6, structured_output=SPECS[0])])
     failed = results["r0"][-1]
     assert failed.finish_reason is FinishReason.ERROR and failed.invalid_request and ids["r0"] == []
-    assert "structured_output_compile_timeout_s" in failed.error
+    assert "structured_output_compile_timeout_s (0.05 s)" in failed.error
     assert results["r1"][-1].num_generated_tokens == 6
     assert results["r2"][-1].finish_reason is not FinishReason.ERROR
     with pytest.raises(GrammarError, match="structured_output_compile_timeout_s"):

@@ -163,3 +163,9 @@ def test_a_restart_keeps_the_pid_and_puts_mallocs_memory_on_huge_pages():
         assert int(lines[-1][3]) >= 32, lines            # MiB of the block on huge pages
     kept = run({**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
     assert [line[0] for line in kept] == ["started", "ran"] and kept[-1][2] == "glibc.malloc.hugetlb=0"
+
+
+@pytest.mark.skipif("GLIBC_TUNABLES" in os.environ, reason="the phrase follows GLIBC_TUNABLES when it is set")
+def test_the_malloc_log_phrase_says_why_the_heap_is_not_on_huge_pages():
+    assert malloc_huge_pages_state(huge_pages=False) == "heap on the kernel's default pages (option.huge_pages is off)"
+    assert "`lmi-handler serve` / `batch` add GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in malloc_huge_pages_state()

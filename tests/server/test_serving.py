@@ -594,6 +594,8 @@ def test_a_long_compile_fails_its_request_alone_while_another_stream_keeps_sendi
         answered = time.monotonic()
         runner.join(300)
         assert slow.status_code == 400 and "`response_format`" in slow.text and "did not compile within" in slow.text
+        # OpenAI's error object names the field in `param` too, and the message gives the limit
+        assert slow.json()["error"]["param"] == "response_format" and "(0.2 s)" in slow.text
         assert done.is_set() and len(arrivals) == 120      # one line per token, none lost
         assert any(sent < t < answered for t in arrivals), "the stream paused while the grammar compiled"
         again = httpx.post(server.url + "/invocations", timeout=300,

@@ -65,7 +65,7 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
     from lmi_handler.engine.model_runner import ModelRunner
 
     if device.type == "cpu" and config.malloc_tuning:
-        keep_freed_memory()
+        keep_freed_memory(config.huge_pages)
     if device.type == "cpu":
         from lmi_handler.engine.model.kernels.build import choose_bf16_dot
 

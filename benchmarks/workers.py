@@ -108,8 +108,7 @@ def restart_as_lmi_handler_would(options: dict[str, str]) -> None:
         settings = our_settings(options)
     except Exception:  # noqa: BLE001 - reported where the worker starts its engine
         return
-    if settings.malloc_tuning and settings.huge_pages:
-        restart_with_malloc_huge_pages()
+    restart_with_malloc_huge_pages(settings.malloc_tuning, settings.huge_pages)
 
 
 def start_engine(options: dict[str, str]):

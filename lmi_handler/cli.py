@@ -159,8 +159,7 @@ def _restart_with_malloc_huge_pages(properties: Path) -> None:
         settings = Settings.from_properties(read_serving_properties(properties))
     except Exception:  # noqa: BLE001 - the command itself reports a bad file or setting
         return
-    if settings.malloc_tuning and settings.huge_pages:
-        restart_with_malloc_huge_pages()
+    restart_with_malloc_huge_pages(settings.malloc_tuning, settings.huge_pages)
 
 
 def main(argv: list[str] | None = None) -> int:

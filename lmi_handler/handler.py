@@ -72,6 +72,7 @@ class ActiveRequest:
     members: list[Member] = field(default_factory=list)    # n / best_of: the engine sequences
     error: str | None = None          # set when the request failed; answered once with last=true
     error_code: int = GENERATION_ERROR_CODE   # 400 when the engine found the request itself invalid
+    error_param: str | None = None    # the field a 400 names (OpenAI's `param`)
     done: bool = False
     cancelled: bool = False           # the client went away: answered once with last=true, no data
     handover: Handover | None = None  # in-process: where the whole answer's object goes too
@@ -103,11 +104,15 @@ class ActiveRequest:
         return encode([body], Wire.JSON), True
 
 
+def refused_field(plan: RequestPlan) -> str:
+    """The field a refusal names: where the request's structured-output constraint came."""
+    return plan.constraint_field or "structured_outputs"
+
+
 def refused_message(plan: RequestPlan, out: RequestOutput) -> str:
     """The 400's message for a request the engine refused before any token (its grammar did not compile,
     or not within option.structured_output_compile_timeout_s), naming the field the constraint came in."""
-    field = plan.constraint_field or "structured_outputs"
-    return f"Invalid parameter `{field}`: {out.error}"
+    return f"Invalid parameter `{refused_field(plan)}`: {out.error}"
 
 
 def _refused(members: list[list[Member]], results: dict) -> list[RequestOutput]:
@@ -214,15 +219,16 @@ class RollingBatch:
             hit = next((failed[m.request_id] for m in request.members if m.request_id in failed), None)
             if refused is not None:
                 logger.info("request %s refused (400): %s", request.request_id, refused.error)
-                self._end(request, refused_message(request.plan, refused), 400)
+                self._end(request, refused_message(request.plan, refused), 400, refused_field(request.plan))
             elif hit is not None:
                 logger.error("request %s failed: %s", request.request_id, hit)
                 self._end(request, hit)
         return outputs_of
 
-    def _end(self, request: ActiveRequest, error: str, code: int = GENERATION_ERROR_CODE) -> None:
+    def _end(self, request: ActiveRequest, error: str, code: int = GENERATION_ERROR_CODE,
+             param: str | None = None) -> None:
         """Fail the request as a whole (n / best_of: every sibling sequence stops too); answered next."""
-        request.error, request.error_code = error, code
+        request.error, request.error_code, request.error_param = error, code, param
         self._abort_members(request)
 
     def _abort_members(self, request: ActiveRequest) -> None:
@@ -244,6 +250,8 @@ class RollingBatch:
         elif request.error is not None:
             entry.update(last="true", code=str(request.error_code), error=request.error,
                          content_type="application/json")
+            if request.error_param:
+                entry["param"] = request.error_param
             request.done = True
         else:
             data, last = request.data(outputs)
@@ -288,7 +296,7 @@ class DynamicBatch:
                 body = error_body(dialect_of(item.get_property(ROUTE_PROPERTY)), plan, GENERATION_ERROR_CODE)
                 answer.add_property(f"batch_{index}_code", str(GENERATION_ERROR_CODE))
             elif refused:
-                body = error_body(plan.dialect, refused_message(plan, refused[0]), 400, plan.constraint_field)
+                body = error_body(plan.dialect, refused_message(plan, refused[0]), 400, refused_field(plan))
                 answer.add_property(f"batch_{index}_code", "400")
             else:
                 body = response_body(plan, members_of[plan.request_id], results)

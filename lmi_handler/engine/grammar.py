@@ -20,6 +20,8 @@ from lmi_handler.engine.logits_controls import bitmask_words
 from lmi_handler.engine.sequence import Sequence, StructuredOutputSpec
 
 CACHE_SIZE = 256   # compiled specs kept (least recently used dropped first)
+
+
 def timeout_message(seconds: float) -> str:
     """The error of a compile past its limit: names the option and its value, and what a retry gets."""
     return (f"the grammar did not compile within option.structured_output_compile_timeout_s ({seconds:g} s); "

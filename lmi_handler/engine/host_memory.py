@@ -87,12 +87,13 @@ def malloc_huge_pages_environ(environ: Mapping[str, str]) -> dict[str, str] | No
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGETLB_TUNABLE}=1" if tunables else f"{HUGETLB_TUNABLE}=1"}
 
 
-def restart_with_malloc_huge_pages() -> None:
-    """Replace this process (os.execve: the same pid, command line and interpreter options, sys.orig_argv)
-    with one whose environment adds glibc.malloc.hugetlb=1 (malloc_huge_pages_environ); returns only where
-    that does not apply or exec fails (then nothing changed). Call it first thing in a command's main,
+def restart_with_malloc_huge_pages(malloc_tuning: bool = True, huge_pages: bool = True) -> None:
+    """Unless option.malloc_tuning or option.huge_pages is off (the arguments), replace this process
+    (os.execve: the same pid, command line and interpreter options, sys.orig_argv) with one whose
+    environment adds glibc.malloc.hugetlb=1 (malloc_huge_pages_environ); returns only where that does not
+    apply or exec fails (then nothing changed). Call it first thing in a command's main,
     before any thread or open resource: nothing of this process survives the exec."""
-    environ = malloc_huge_pages_environ(process_environment())
+    environ = malloc_huge_pages_environ(process_environment()) if malloc_tuning and huge_pages else None
     if environ is None:
         return
     sys.stdout.flush()

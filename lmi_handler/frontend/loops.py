@@ -324,7 +324,8 @@ class RollingFrontEnd(FrontEnd):
         if client.ended:  # its last chunk went out already (deadline, cancel): drop the rest
             return last or "code" in entry
         if "code" in entry:
-            client.push(Chunk(entry.get("data", ""), True, int(entry["code"]), entry.get("error", "")))
+            client.push(Chunk(entry.get("data", ""), True, int(entry["code"]), entry.get("error", ""),
+                              entry.get("param")))
             return True
         if entry.get("data") or last:
             client.push(Chunk(entry.get("data", ""), last))

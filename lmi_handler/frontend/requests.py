@@ -40,6 +40,7 @@ class Chunk:
     last: bool
     code: int | None = None
     error: str | None = None
+    param: str | None = None   # the request field a failure names (OpenAI's `param`), where there is one
 
 
 @dataclass

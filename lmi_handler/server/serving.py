@@ -183,10 +183,7 @@ def _queue_full(front_end: FrontEnd, dialect: Dialect) -> Response:
 def _failed(chunk: Chunk, plan: RequestPlan) -> Response:
     if chunk.error is None and chunk.data:  # the handler answered the item's own error body
         return Response(chunk.data, status_code=chunk.code, media_type="application/json")
-    # a 400 here is the engine refusing the request before any token (its structured-output constraint did
-    # not compile: handler.refused_message), whose message names the constraint's field: so does `param`
-    field = plan.constraint_field if chunk.code == 400 else None
-    return error_response(plan.dialect, chunk.error or "inference failed", chunk.code, field)
+    return error_response(plan.dialect, chunk.error or "inference failed", chunk.code, chunk.param)
 
 
 async def _next_chunk(request: Request, client: ClientRequest, poll_s: float = 0.5) -> Chunk | None:

@@ -275,8 +275,9 @@ class LlamaModel(nn.Module):
         bfloat16 convert them). lm_head_kind: lm_head's panels (default `kind`). Only on CPU with the
         kernels built. The panels of every layer and lm_head share one buffer (panel_arena, step order),
         reserved first; its pages are touched only as each weight is packed and replaced, one copy held at a
-        time, so peak memory grows by about one weight. A tied lm_head packed as float32 or bfloat16 replaces the embedding too (its rows are
-        read back from the panels, exactly); packed as int8 it leaves the embedding as it is.
+        time, so peak memory grows by about one weight. A tied lm_head packed as float32 or bfloat16
+        replaces the embedding too (its rows are read back from the panels, exactly); packed as int8 it
+        leaves the embedding as it is.
         `huge_pages`: the panels in huge-page memory (kernels.empty_huge).
         """
         if self.embed_tokens.device.type != "cpu" or cpu_kernels() is None:

@@ -462,8 +462,8 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 // Measured (Zen 5, 2 threads, batch 1, the demo model's 120 layer linears + lm_head, cold, the forms
 // interleaved in one process, 30-40 rounds): bf16 0.90-0.92x the two-panel stream's time, int8 0.95-0.97x,
 // float32 1.04-1.06x. Many rows: small chunks of one panel balance the threads. Cache blocking: a K block
-// of one panel (k_block panel rows, 16 KiB) stays in L1 while the M block's rows stream past it; the M block's accumulators (M_BLOCK x PANEL
-// floats, 12 KiB a panel) stay close.
+// of one panel (k_block panel rows, 16 KiB) stays in L1 while the M block's rows stream past it; the M
+// block's accumulators (M_BLOCK x PANEL floats, 12 KiB a panel) stay close.
 //   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
 //     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1

@@ -76,12 +76,17 @@ def test_a_cpu_engine_sets_the_thresholds_at_start_unless_malloc_tuning_is_false
                     if malloc_tuning and not torch.cuda.is_available() else [])
 
 
+# The demo model's steps, from a malloc told first to hand back everything over 1 MiB (as STEP_PATTERN): left
+# to glibc's adaptive thresholds the untuned control faulted ~250,000 pages a run most times and 1,678 or 0 in
+# others (CI), so it could not show the tuning's effect; malloc_tuning=true must override that start.
 DEMO_STEPS = """
-import json, resource, sys
-from lmi_handler.config import EngineConfig, Settings
+import ctypes, json, resource, sys
+from lmi_handler.config import Settings
 from lmi_handler.engine.engine import Engine
-from lmi_handler.engine.engine import Engine
+from lmi_handler.engine.host_memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 from lmi_handler.engine.sequence import SamplingParams
+libc = ctypes.CDLL(None)
+assert libc.mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 20) == 1
 settings = Settings.from_properties({"model_id": sys.argv[1], "dtype": "fp32", "num_threads": "2",
                                      "max_rolling_batch_size": "16", "enable_prefix_caching": "false",
                                      "malloc_tuning": sys.argv[2]})
@@ -103,8 +108,8 @@ print(json.dumps({"faults": faults}))
 @pytest.mark.slow
 def test_the_demo_models_steps_fault_no_pages_once_warm_with_the_default_settings(model_dir):
     # the fewer of two measured runs: a run now and then faults a few hundred pages that are not the steps'
-    # buffers (572 once in CI, 0-56 usually: Python's own arenas, the OS); the steps' buffers fault ~250,000
-    # a run untuned, every run
+    # buffers (572 once in CI, 0-56 usually: Python's own arenas, the OS); from DEMO_STEPS' start the steps'
+    # buffers fault their pages again every run untuned
     def faults(malloc_tuning: str) -> int:
         out = subprocess.run([sys.executable, "-c", DEMO_STEPS, str(model_dir), malloc_tuning], capture_output=True,
                              text=True, check=True)

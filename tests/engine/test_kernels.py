@@ -88,15 +88,24 @@ def assert_rows_alone_match_the_batch(x, packed, bias):
                                full[start:start + num_rows]), (num_rows, start)
 
 
-def test_threads_do_not_change_the_bits():
-    x, weight, _ = random_case(50, 576, 960, seed=2, with_bias=False)
-    packed = pack_weight(weight)
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_threads_do_not_change_the_bits(kind):
+    """Past 8 rows the work items (M block x panel) go to the threads by parallel_walk: each walks its own
+    share and then takes items from the back of the others'. Over 2-5 threads on these cores (more threads
+    than cores: shares finish unevenly, so items are taken from others) every item runs once and the
+    output is the 1-thread one, bit for bit: a skipped item would leave torch.empty's memory in place."""
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = packed_linear(x, packed, None)
-        torch.set_num_threads(max(2, before))
-        assert torch.equal(packed_linear(x, packed, None), one)
+        for num_rows, in_features, out_features in ((50, 576, 960), (9, 576, 70), (230, 300, 130)):
+            x, weight, _ = random_case(num_rows, in_features, out_features, seed=2, with_bias=False)
+            x = x.to(torch.bfloat16) if kind == "bfloat16" else x
+            packed = pack_weight(weight, kind)
+            torch.set_num_threads(1)
+            one = packed_linear(x, packed, None)
+            for threads in (2, 3, 5):
+                torch.set_num_threads(threads)
+                for _ in range(3):
+                    assert torch.equal(packed_linear(x, packed, None), one), (num_rows, out_features, threads)
     finally:
         torch.set_num_threads(before)
 

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -45,6 +46,60 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
     if (failed.load(std::memory_order_relaxed)) continue;
     try {
       f(c * chunk, std::min(n, (c + 1) * chunk));
+    } catch (...) {
+#pragma omp critical(lmi_parallel_chunks_error)
+      if (!error) error = std::current_exception();
+      failed.store(true, std::memory_order_relaxed);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// Items 0..n-1 over torch's OpenMP threads, each thread walking a contiguous share of its own in order
+// and, when its share is done, taking items one at a time from the back of another thread's share.
+// For loops that prefetch the item after the one they run (packed_gemm: the next panel's first K block):
+// handed out dynamically one at a time (parallel_chunks), a thread's next item is seldom the next one, and
+// the line it prefetched is the other thread's work (measured: a 64-row fp32 decode step's linears scaled
+// 1.36-1.70x from 1 to 2 threads, o_proj's 18 panels the worst). A share's state is one 64-bit word (front
+// in the low half, back in the high half) changed by compare-and-swap, so each item runs exactly once.
+// f(item) for each item; exceptions as in parallel_chunks.
+template <class F>
+void parallel_walk(int64_t n, const F& f) {
+  if (n <= 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+  if (threads <= 1 || at::in_parallel_region() || n >= (int64_t{1} << 31)) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  struct alignas(64) Share { std::atomic<uint64_t> state; };
+  std::vector<Share> shares(threads);
+  for (int t = 0; t < threads; ++t) {
+    const uint64_t front = static_cast<uint64_t>(n * t / threads), back = static_cast<uint64_t>(n * (t + 1) / threads);
+    shares[t].state.store(front | back << 32, std::memory_order_relaxed);
+  }
+  // the item at the front (own share) or back (another's) of share `t`, or -1 when it is empty
+  auto take = [&](int t, bool own) -> int64_t {
+    uint64_t s = shares[t].state.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = s & 0xffffffffu, back = s >> 32;
+      if (front >= back) return -1;
+      const uint64_t next = own ? (front + 1) | back << 32 : front | (back - 1) << 32;
+      if (shares[t].state.compare_exchange_weak(s, next, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(own ? front : back - 1);
+      }
+    }
+  };
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+#pragma omp parallel num_threads(threads)
+  {
+    const int me = omp_get_thread_num();
+    try {
+      for (int64_t i; !failed.load(std::memory_order_relaxed) && (i = take(me, true)) >= 0;) f(i);
+      for (int d = 1; d < threads; ++d) {
+        const int t = (me + d) % threads;
+        for (int64_t i; !failed.load(std::memory_order_relaxed) && (i = take(t, false)) >= 0;) f(i);
+      }
     } catch (...) {
 #pragma omp critical(lmi_parallel_chunks_error)
       if (!error) error = std::current_exception();

@@ -461,13 +461,15 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 // bf16 and int8 panels one at a time in K blocks with the next block prefetched (`two_panels` false).
 // Measured (Zen 5, 2 threads, batch 1, the demo model's 120 layer linears + lm_head, cold, the forms
 // interleaved in one process, 30-40 rounds): bf16 0.90-0.92x the two-panel stream's time, int8 0.95-0.97x,
-// float32 1.04-1.06x. Many rows: small chunks of one panel balance the threads. Cache blocking: a K block
+// float32 1.04-1.06x. Many rows: parallel_walk (common.h), each thread walking its own share of the items
+// in order, so the next item's first K block it prefetched is its own. Cache blocking: a K block
 // of one panel (k_block panel rows, 16 KiB) stays in L1 while the M block's rows stream past it; the M
 // block's accumulators (M_BLOCK x PANEL floats, 12 KiB a panel) stay close.
 //   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
 //     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
 constexpr int64_t SMALL_M = 4;      // at most this many rows: streamed (two panels per work item where `two_panels`)
+constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K block is prefetched (L1: 48 KiB)
 
 template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
@@ -475,41 +477,47 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
   const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
   const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
-  const int64_t chunk = M <= 8 ? (items + threads - 1) / threads : chunk_for(items, 1);
+  const int64_t chunk = (items + threads - 1) / threads;   // M <= 8: one contiguous share per thread
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
-  parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
+  auto run_item = [&](int64_t item) {
     alignas(64) float acc[2][M_BLOCK * PANEL];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t mb = item / groups, p0 = (item % groups) * NP, np = std::min(NP, P - p0);
-      const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
-      const int64_t kb = NP == 2 ? K_rows : k_block;       // streaming: the whole K in registers
-      for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
-        const int64_t kc = std::min(kb, K_rows - k0);
-        const WT* w[2];
-        const char* next[2];
-        int64_t lines = 0;
-        for (int64_t q = 0; q < np; ++q) {
-          // the next k_block rows of panel q's stream (its next block, or the next item's first: panels
-          // are contiguous), spread over the row tiles; none past the weight's end
-          const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
-          w[q] = wp + row * row_elems;
-          next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
-          lines = std::max<int64_t>(0, std::min(k_block, total_rows - ahead)) * row_bytes / 64;
-        }
-        const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
-        for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
-          const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
-          const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
-          float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
-          tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
-        }
-      }
+    const int64_t mb = item / groups, p0 = (item % groups) * NP, np = std::min(NP, P - p0);
+    const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
+    const int64_t kb = NP == 2 ? K_rows : k_block;       // streaming: the whole K in registers
+    for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
+      const int64_t kc = std::min(kb, K_rows - k0);
+      const WT* w[2];
+      const char* next[2];
+      int64_t lines = 0;
       for (int64_t q = 0; q < np; ++q) {
-        const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
-        for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+        // the next k_block rows (PREFETCH_BYTES at most) of panel q's stream (its next block, or the next
+        // item's first: panels are contiguous), spread over the row tiles; none past the weight's end
+        const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
+        w[q] = wp + row * row_elems;
+        next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
+        lines = std::max<int64_t>(0, std::min(std::min(k_block, PREFETCH_BYTES / row_bytes), total_rows - ahead)) *
+                row_bytes / 64;
+      }
+      const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
+      for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
+        const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
+        const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
+        float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
+        tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
       }
     }
-  });
+    for (int64_t q = 0; q < np; ++q) {
+      const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
+      for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+    }
+  };
+  if (M <= 8) {
+    parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) run_item(item);
+    });
+  } else {
+    parallel_walk(items, run_item);
+  }
 }
 
 // y[m, n0 + j] = out(acc[j] * scale[n0 + j] (int8 only) + bias[n0 + j] (when given)), one rounding each
@@ -530,7 +538,11 @@ struct StoreRows {
   }
 };
 
-// K blocks in panel rows: 16 KiB of one panel per block for every kind
+// K blocks in panel rows: 16 KiB of one panel per block for every kind. Float32 over more than one M block
+// (prefill) takes the whole K in one pass instead: its panels are re-read from L2 / L3 by every M block, and
+// no accumulator goes to memory and back between blocks. Measured (Zen 5, 2 threads, the demo model's
+// four linears x 30 layers, interleaved builds): 1882 rows 0.91x the time; 64 rows (one M block, weights
+// from DRAM) 1.02x, so one M block keeps the blocks. Same bits either way (see the top of this file).
 constexpr int64_t K_BLOCK_F32 = 128, K_BLOCK_BF16 = 128, K_BLOCK_I8 = 512;
 
 // x as float32 rows, `width` >= K columns (zero-padded): x itself when it is float32 of that width,
@@ -592,7 +604,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     if (kind == torch::kFloat32) {
       const torch::Tensor xf = float_rows(x, K, false);
       const float* xp = xf.data_ptr<float>();
-      packed_gemm(M, K, P, PANEL, K_BLOCK_F32, MR_WIDE, packed.data_ptr<float>(), out_features,
+      packed_gemm(M, K, P, PANEL, M > M_BLOCK ? K : K_BLOCK_F32, MR_WIDE, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);

@@ -46,9 +46,23 @@ static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
 // spread over its k loop. The linear prefetches the next K block of its stream while the current one
 // is computed: without it a decode step waits on DRAM for every layer's weights (measured 161 vs 84 ms
 // for the 30 layers' fp32 linears at M=64, weights cold vs in cache). No effect on the arithmetic.
-inline void prefetch_share(const char* pf, int64_t pf_lines, int64_t per_k, int64_t k) {
-  prefetch_lines(pf, k * per_k, std::min(pf_lines, (k + 1) * per_k));
-}
+// The lines go evenly over the k loop: one every kc / pf_lines steps, or ceil(pf_lines / kc) a step when there
+// are more lines than steps. (Issued a line a step from the loop's start, a 12-row tile's 43 lines were all in
+// flight within ~45 steps: more than the core's L1 miss buffers hold.)
+struct PrefetchSpread {
+  const char* pf;
+  int64_t lines, per_step, stride, line = 0, next_k = 0;
+  PrefetchSpread(const char* p, int64_t pf_lines, int64_t kc)
+      : pf(p), lines(pf_lines), per_step(pf_lines > kc ? (pf_lines + kc - 1) / kc : 1),
+        stride(pf_lines > 0 && pf_lines <= kc ? kc / pf_lines : 1) {}
+  inline void at(int64_t k) {
+    if (k != next_k || line >= lines) return;
+    const int64_t end = std::min(lines, line + per_step);
+    prefetch_lines(pf, line, end);
+    line = end;
+    next_k += stride;
+  }
+};
 
 // Streaming (NP = 2, a few rows, the whole K in one pass): each panel's stream prefetches the lines
 // STREAM_AHEAD bytes past the panel row it reads, one prefetch per 64 bytes consumed. Cheaper than the
@@ -80,16 +94,17 @@ inline Vec load_panel(const int8_t* p) { return Vec::load_i8(p); }
 template <int R, int C, int NP, class WT>
 void micro_plain(const float* x, int64_t ldx, const WT* const* w, int64_t kc, float* const* buf, bool first,
                  const char* const* pf, int64_t pf_lines) {
-  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  PrefetchSpread spread(pf[0], NP == 2 ? 0 : pf_lines, kc);
   Vec acc[R][NP][C];
   for (int i = 0; i < R; ++i)
     for (int q = 0; q < NP; ++q)
       for (int j = 0; j < C; ++j)
         acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
   for (int64_t k = 0; k < kc; ++k) {
-    for (int q = 0; q < NP; ++q) {
-      if constexpr (NP == 2) prefetch_ahead<PANEL * static_cast<int>(sizeof(WT))>(w[q] + k * PANEL, k);
-      else prefetch_share(pf[q], pf_lines, per_k, k);
+    if constexpr (NP == 2) {
+      for (int q = 0; q < NP; ++q) prefetch_ahead<PANEL * static_cast<int>(sizeof(WT))>(w[q] + k * PANEL, k);
+    } else {
+      spread.at(k);
     }
     Vec b[NP][C];
     for (int q = 0; q < NP; ++q)
@@ -111,16 +126,17 @@ void micro_plain(const float* x, int64_t ldx, const WT* const* w, int64_t kc, fl
 template <int R, int C, int NP>
 void micro_bf16(const float* x, int64_t ldx, const bf16* const* w, int64_t kc, float* const* buf, bool first,
                 const char* const* pf, int64_t pf_lines) {
-  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  PrefetchSpread spread(pf[0], NP == 2 ? 0 : pf_lines, kc);
   Vec acc[R][NP][C];
   for (int i = 0; i < R; ++i)
     for (int q = 0; q < NP; ++q)
       for (int j = 0; j < C; ++j)
         acc[i][q][j] = first ? Vec::zero() : Vec::load(buf[q] + i * PANEL + j * Vec::W);
   for (int64_t k = 0; k < kc; ++k) {
-    for (int q = 0; q < NP; ++q) {
-      if constexpr (NP == 2) prefetch_ahead<PANEL * 4>(w[q] + k * 2 * PANEL, k);
-      else prefetch_share(pf[q], pf_lines, per_k, k);
+    if constexpr (NP == 2) {
+      for (int q = 0; q < NP; ++q) prefetch_ahead<PANEL * 4>(w[q] + k * 2 * PANEL, k);
+    } else {
+      spread.at(k);
     }
     Vec lo[NP][C], hi[NP][C];
     for (int q = 0; q < NP; ++q)
@@ -158,7 +174,7 @@ template <int R>
 void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* buf, bool first,
                   const char* pf, int64_t pf_lines) {
   static_assert(R >= 1 && R <= 12, "at most 12 rows (24 accumulators)");
-  const int64_t per_k = pf_lines > 0 ? (pf_lines + kc - 1) / kc : 0;
+  PrefetchSpread spread(pf, pf_lines, kc);
   __m512 a0[R], a1[R];
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
@@ -166,7 +182,7 @@ void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* 
     a1[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(buf + i * PANEL + 16);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    prefetch_share(pf, pf_lines, per_k, k);
+    spread.at(k);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + k * 2 * PANEL);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + k * 2 * PANEL + 32);
 #pragma GCC unroll 12

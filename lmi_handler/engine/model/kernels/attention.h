@@ -240,11 +240,14 @@ inline float score_group16(const float* q, const T* krows, int64_t row_stride, i
 // (112-240 keys, caches bigger than the L3) streamed at 26-29 GB/s instead of 20-22 in float32 and
 // 18-20 instead of 13-15 in bfloat16, 2 threads, AMD EPYC Zen 5. (A row split by KV head, batch 1, has one
 // weighted sum a block, so its value prefetch is one share: 64 lines in float32, within the misses it can hold.)
-template <class T>
+// The block after the next goes to L2 in the same shares (LEVEL 2: its misses wait in L2's buffers, not
+// L1's): measured (ab_attention.py, 12 interleaved rounds, 2 threads) 1.17-1.18x the K/V rate in bfloat16,
+// 1.04-1.05x in float32; three blocks ahead gave the same.
+template <int LEVEL = 1, class T>
 inline void spread_prefetch(const T* block, int64_t tokens, int64_t row_stride, int64_t slice_lines, int64_t BS,
                             int64_t step, int64_t steps) {
   const int64_t end = std::min(tokens, (step + 1) * BS / steps);
-  for (int64_t t = step * BS / steps; t < end; ++t) prefetch_lines(block + t * row_stride, 0, slice_lines);
+  for (int64_t t = step * BS / steps; t < end; ++t) prefetch_lines<LEVEL>(block + t * row_stride, 0, slice_lines);
 }
 
 // One query row, the query heads of KV heads g0..g1-1: q (H, D) the row's queries as floats, keys
@@ -262,6 +265,14 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   float* mx = stats;
   float* denom = stats + H;
   std::fill(mx + h0, mx + h1, -INFINITY);
+  // block i of the row's stream (keys 0..num_blocks-1, then values) at this slice, and its tokens; the
+  // stream's block two ahead of the one being read goes to L2 (spread as the next one's to L1)
+  auto stream_block = [&](int64_t i) -> const T* {
+    if (i >= 2 * num_blocks) return nullptr;
+    const T* base = i < num_blocks ? kp : vp;
+    return base + static_cast<int64_t>(table[i % num_blocks]) * block_elems + slice_begin;
+  };
+  auto stream_tokens = [&](int64_t i) { return i < 2 * num_blocks ? std::min(BS, n - (i % num_blocks) * BS) : 0; };
   // scores block by block: sixteen keys x one head a step (AVX-512), else four heads a key, each key prefetching
   // the same token of the next block
   for (int64_t j = 0; j < num_blocks; ++j) {
@@ -277,10 +288,14 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       const int64_t steps = (h1 - h0) * ((t1 - t0 + 15) / 16);   // the key-group/head steps of this block
       // (bf16 keys widened once per block into a float buffer, instead of once per query head of their KV
       // head, measured 0.90x: the buffer's stores cost more than the conversions saved)
+      const T* far = stream_block(j + 2);
+      const int64_t far_tokens = stream_tokens(j + 2);
       for (int64_t u = t0; u < t1; u += 16) {
         const int64_t cnt = std::min<int64_t>(16, t1 - u);
         for (int64_t h = h0; h < h1; ++h) {
-          spread_prefetch(ahead, ahead_tokens, row_stride, slice_lines, BS, ((u - t0) / 16) * (h1 - h0) + h - h0, steps);
+          const int64_t step = ((u - t0) / 16) * (h1 - h0) + h - h0;
+          spread_prefetch(ahead, ahead_tokens, row_stride, slice_lines, BS, step, steps);
+          spread_prefetch<2>(far, far_tokens, row_stride, slice_lines, BS, step, steps);
           mx[h] = std::max(mx[h], score_group16<T>(q + h * D, kb + (u - t0) * row_stride, row_stride, (h / G) * D, D,
                                                    cnt, scale, scores + h * ld + u));
         }
@@ -315,8 +330,11 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
     // the next block's values in shares, one before each KV head's weighted sum
     const T* vn = vp + static_cast<int64_t>(table[std::min(j + 1, num_blocks - 1)]) * block_elems + slice_begin;
     const int64_t vn_tokens = j + 1 < num_blocks ? std::min(BS, n - t1) : 0;
+    const T* far = stream_block(num_blocks + j + 2);
+    const int64_t far_tokens = stream_tokens(num_blocks + j + 2);
     for (int64_t g = g0; g < g1; ++g) {
       spread_prefetch(vn, vn_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
+      spread_prefetch<2>(far, far_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
       const float* p = scores + g * G * ld;
       float* o = out + g * G * D;
       const T* vg = vb + g * D;

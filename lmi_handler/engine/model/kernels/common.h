@@ -228,10 +228,11 @@ struct Vec {
 };
 #endif
 
+template <int LEVEL = 1>   // the cache level the lines go to: 1 (_MM_HINT_T0) or 2 (_MM_HINT_T1)
 inline void prefetch_lines(const void* p, int64_t first_line, int64_t last_line) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   const char* c = static_cast<const char*>(p);
-  for (int64_t l = first_line; l < last_line; ++l) _mm_prefetch(c + l * 64, _MM_HINT_T0);
+  for (int64_t l = first_line; l < last_line; ++l) _mm_prefetch(c + l * 64, LEVEL == 1 ? _MM_HINT_T0 : _MM_HINT_T1);
 #endif
 }
 

@@ -88,12 +88,33 @@ def assert_rows_alone_match_the_batch(x, packed, bias):
                                full[start:start + num_rows]), (num_rows, start)
 
 
+def test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share():
+    """parallel_walk (the linears' split of their items over threads): each item runs exactly once whatever
+    the thread count (more threads than these 2 cores, more than items, none), and when the first share is
+    slow (each of its items spins 500 us) the other thread takes items from its back and still none runs
+    twice or never."""
+    ops = cpu_kernels()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 5, 8):
+            torch.set_num_threads(threads)
+            for n in (0, 1, 2, 3, 7, 64, 1000):
+                counts, _ = ops.walk_counts(n, 0.0)
+                assert counts.tolist() == [1] * n, (threads, n)
+        torch.set_num_threads(2)
+        counts, taken = ops.walk_counts(64, 500.0)    # share 0: 32 items x 0.5 ms; share 1 done at once
+        assert counts.tolist() == [1] * 64
+        assert 0 < taken < 32
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 def test_threads_do_not_change_the_bits(kind):
     """Past 8 rows the work items (M block x panel) go to the threads by parallel_walk: each walks its own
     share and then takes items from the back of the others'. Over 2-5 threads on these cores (more threads
-    than cores: shares finish unevenly, so items are taken from others) every item runs once and the
-    output is the 1-thread one, bit for bit: a skipped item would leave torch.empty's memory in place."""
+    than cores: shares finish unevenly) the output is the 1-thread one, bit for bit (that every item runs
+    exactly once, test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share)."""
     before = torch.get_num_threads()
     try:
         for num_rows, in_features, out_features in ((50, 576, 960), (9, 576, 70), (230, 300, 130)):

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -71,34 +72,42 @@ void parallel_walk(int64_t n, const F& f) {
     for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
   struct alignas(64) Share { std::atomic<uint64_t> state; };
   std::vector<Share> shares(threads);
   for (int t = 0; t < threads; ++t) {
     const uint64_t front = static_cast<uint64_t>(n * t / threads), back = static_cast<uint64_t>(n * (t + 1) / threads);
     shares[t].state.store(front | back << 32, std::memory_order_relaxed);
   }
-  // the item at the front (own share) or back (another's) of share `t`, or -1 when it is empty
-  auto take = [&](int t, bool own) -> int64_t {
+  // the item at the front (own share) or back (another's) of share `t`; none when it is empty
+  auto take = [&](int t, bool own) -> std::optional<int64_t> {
     uint64_t s = shares[t].state.load(std::memory_order_relaxed);
     for (;;) {
       const uint64_t front = s & 0xffffffffu, back = s >> 32;
-      if (front >= back) return -1;
+      if (front >= back) return std::nullopt;
       const uint64_t next = own ? (front + 1) | back << 32 : front | (back - 1) << 32;
       if (shares[t].state.compare_exchange_weak(s, next, std::memory_order_relaxed)) {
         return static_cast<int64_t>(own ? front : back - 1);
       }
     }
   };
-  std::exception_ptr error;
-  std::atomic<bool> failed{false};
+  auto running = [&] { return !failed.load(std::memory_order_relaxed); };
 #pragma omp parallel num_threads(threads)
   {
     const int me = omp_get_thread_num();
     try {
-      for (int64_t i; !failed.load(std::memory_order_relaxed) && (i = take(me, true)) >= 0;) f(i);
-      for (int d = 1; d < threads; ++d) {
-        const int t = (me + d) % threads;
-        for (int64_t i; !failed.load(std::memory_order_relaxed) && (i = take(t, false)) >= 0;) f(i);
+      while (running()) {
+        const auto item = take(me, true);
+        if (!item) break;
+        f(*item);
+      }
+      for (int d = 1; d < threads && running(); ++d) {
+        while (running()) {
+          const auto item = take((me + d) % threads, false);
+          if (!item) break;
+          f(*item);
+        }
       }
     } catch (...) {
 #pragma omp critical(lmi_parallel_chunks_error)
@@ -230,9 +239,11 @@ struct Vec {
 
 template <int LEVEL = 1>   // the cache level the lines go to: 1 (_MM_HINT_T0) or 2 (_MM_HINT_T1)
 inline void prefetch_lines(const void* p, int64_t first_line, int64_t last_line) {
+  static_assert(LEVEL == 1 || LEVEL == 2, "prefetch to L1 or L2");
 #if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr _mm_hint hint = LEVEL == 1 ? _MM_HINT_T0 : _MM_HINT_T1;
   const char* c = static_cast<const char*>(p);
-  for (int64_t l = first_line; l < last_line; ++l) _mm_prefetch(c + l * 64, LEVEL == 1 ? _MM_HINT_T0 : _MM_HINT_T1);
+  for (int64_t l = first_line; l < last_line; ++l) _mm_prefetch(c + l * 64, hint);
 #endif
 }
 

@@ -8,6 +8,7 @@
 // reads only its own row's inputs (see each header), whatever M is and wherever the row sits.
 #include "rowwise.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <new>
 #if defined(__linux__)
@@ -36,6 +37,31 @@ torch::Tensor empty_huge(std::vector<int64_t> sizes, c10::ScalarType dtype) {
   return torch::from_blob(p, sizes, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(dtype));
 }
 
+// parallel_walk's check (tests): how many times each of n items ran, and how many ran on a thread other
+// than their share's owner (taken from its back). The first share's items each spin `slow_us` microseconds,
+// so that with two or more threads the others finish first and take from it. Returns (counts (n,) int64,
+// items taken).
+std::tuple<torch::Tensor, int64_t> walk_counts(int64_t n, double slow_us) {
+  TORCH_CHECK(n >= 0 && n < (int64_t{1} << 24), "n must be in [0, 2^24)");
+  std::vector<std::atomic<int64_t>> counts(n);
+  std::atomic<int64_t> taken{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));   // as parallel_walk
+  parallel_walk(n, [&](int64_t item) {
+    counts[item].fetch_add(1, std::memory_order_relaxed);
+    int64_t owner = 0;
+    while (owner + 1 < threads && n * (owner + 1) / threads <= item) ++owner;
+    if (owner != omp_get_thread_num()) taken.fetch_add(1, std::memory_order_relaxed);
+    if (owner == 0) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(slow_us);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    }
+  });
+  torch::Tensor out = torch::empty({n}, torch::kInt64);
+  for (int64_t i = 0; i < n; ++i) out.data_ptr<int64_t>()[i] = counts[i].load();
+  return {out, taken.load()};
+}
+
 }  // namespace
 
 // Every compute binding runs without the GIL (its tensors are converted before, its result after): a
@@ -60,6 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vector") = true, kNoGil);
   m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place", kNoGil);
   m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=-1) of (N, V) float32 rows", kNoGil);
+  m.def("walk_counts", &walk_counts, "parallel_walk's check: (runs of each item, items taken from another's share)",
+        kNoGil);
   m.def("vector_exp_agrees", &vector_exp_agrees, "whether the AVX-512 expf gives std::exp's bits here");
   py::class_<DecoderStack>(m, "DecoderStack", "the decoder layers and final norm, one call a step")
       .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,

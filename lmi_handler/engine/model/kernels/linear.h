@@ -470,8 +470,8 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 #undef LMI_ROWS
 }
 
-// The blocked loop shared by every kind. Work item = (M block, NP panels), panels fastest: threads
-// split the panels of each M block (panels of one M block are contiguous in memory). A few rows (decode
+// The blocked loop shared by every kind. Work item = (M block, NP panels), panels fastest (panels of one M
+// block are contiguous in memory). A few rows (decode
 // at small batch) only stream the weight: one contiguous share per thread reads best; float32 panels
 // two at a time (NP = 2, AVX-512, the whole K in one pass: each row has four independent FMA chains),
 // bf16 and int8 panels one at a time in K blocks with the next block prefetched (`two_panels` false).
@@ -479,8 +479,9 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 // interleaved in one process, 30-40 rounds): bf16 0.90-0.92x the two-panel stream's time, int8 0.95-0.97x,
 // float32 1.04-1.06x. Many rows: parallel_walk (common.h), each thread walking its own share of the items
 // in order, so the next item's first K block it prefetched is its own. Cache blocking: a K block
-// of one panel (k_block panel rows, 16 KiB) stays in L1 while the M block's rows stream past it; the M
-// block's accumulators (M_BLOCK x PANEL floats, 12 KiB a panel) stay close.
+// of one panel (k_block panel rows, 16 KiB) stays in L1 while the M block's rows stream past it (float32
+// past one M block: the whole K, the panel in L2, see K_BLOCK_F32); the M block's accumulators (M_BLOCK x
+// PANEL floats, 12 KiB a panel) stay close.
 //   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
 //     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
@@ -493,7 +494,6 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
   const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
   const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
-  const int64_t chunk = (items + threads - 1) / threads;   // M <= 8: one contiguous share per thread
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
   auto run_item = [&](int64_t item) {
     alignas(64) float acc[2][M_BLOCK * PANEL];
@@ -517,7 +517,9 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
       const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
       for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
         const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
-        const char* pf[2] = {next[0] + t * per_tile * 64, np > 1 ? next[1] + t * per_tile * 64 : nullptr};
+        // (no address past the lines: with few of them, the later tiles own none)
+        const int64_t skip = own > 0 ? t * per_tile * 64 : 0;
+        const char* pf[2] = {next[0] + skip, np > 1 ? next[1] + skip : nullptr};
         float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
         tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
       }
@@ -527,8 +529,8 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
       for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
     }
   };
-  if (M <= 8) {
-    parallel_chunks(items, chunk, [&](int64_t begin, int64_t end) {
+  if (M <= 8) {   // one contiguous share per thread
+    parallel_chunks(items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) run_item(item);
     });
   } else {

@@ -18,6 +18,7 @@ from lmi_handler.engine.model.kernels import (
     fused_silu_mul,
     pack_weight,
     packed_linear,
+    packed_linear_silu,
     quantize_int8,
     reference_add_rmsnorm,
     reference_linear,
@@ -300,6 +301,40 @@ def test_vector_silu_mul_gives_the_scalar_loops_bits(dtype):
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     vector, scalar = cpu_kernels().silu_mul(gate_up, True), cpu_kernels().silu_mul(gate_up, False)
     assert torch.equal(vector.view(bits), scalar.view(bits))
+
+
+@pytest.mark.parametrize("kind,x_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                           ("int8", torch.float32), ("int8", torch.bfloat16)])
+@pytest.mark.parametrize("form", ["fma", "native"])
+def test_the_gate_up_linear_with_silu_in_its_store_is_bitwise_the_two_calls(kind, x_dtype, form):
+    """packed_linear_silu (linear.h's paired form: gate panel p and up panel p + P/2 in one work item, silu * up
+    in the store) against fused_silu_mul(packed_linear(...)), bitwise: every row count's path (1-4 rows stream
+    two panels at once, up to 8 one share a thread, more walk M blocks), bias or none, 1-3 threads, both bf16
+    dot forms, K odd (a padded bf16 pair), and I not a whole number of panels (the two calls inside)."""
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(5)
+    try:
+        with bf16_dot(form):
+            for intermediate, in_features in ((1536, 576), (96, 71), (40, 33)):
+                packed = pack_weight(torch.randn(2 * intermediate, in_features, generator=g) * 0.1, kind)
+                bias = torch.randn(2 * intermediate, generator=g).to(x_dtype)
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    for num_rows in (1, 2, 3, 4, 5, 8, 9, 64, 200):
+                        x = (torch.randn(num_rows, in_features, generator=g) * 3).to(x_dtype)
+                        for b in (None, bias):
+                            fused = packed_linear_silu(x, packed, b)
+                            assert fused.shape == (num_rows, intermediate) and fused.dtype == x_dtype
+                            assert torch.equal(fused, fused_silu_mul(packed_linear(x, packed, b))), \
+                                (intermediate, in_features, threads, num_rows, b is None)
+    finally:
+        torch.set_num_threads(before)
+    module = cpu_kernels()
+    if kind == "bfloat16" and module.HAS_AMX and module.amx_permitted():   # AMX tiles: the two calls inside
+        x = torch.randn(7, 576, generator=g).to(torch.bfloat16)
+        packed = pack_weight(torch.randn(3072, 576, generator=g), "bfloat16")
+        assert torch.equal(module.linear_silu(x, packed.panels, 3072, None, None, True, BF16_AMX),
+                           module.silu_mul(module.linear(x, packed.panels, 3072, None, None, True, BF16_AMX)))
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49157])

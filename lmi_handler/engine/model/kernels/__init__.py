@@ -26,6 +26,7 @@ from lmi_handler.engine.model.kernels.packing import (  # noqa: F401
     fused_silu_mul,
     pack_weight,
     packed_linear,
+    packed_linear_silu,
     panel_arena,
     panels_shape,
     quantize_int8,

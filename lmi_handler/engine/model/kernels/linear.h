@@ -20,6 +20,8 @@
 
 #include "common.h"
 
+#include <type_traits>
+
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -485,48 +487,71 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 //   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
 //     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
+// paired (a store taking two accumulator rows, StorePairs; P even): an item is panel p and panel p + P/2 for the same rows (gate and up columns of a
+// fused gate_up weight), done one after the other (or together where two panels stream as one), and
+// store(m, n0, ncols, acc_p, acc_p_plus_half) gets both; items are (M block, p < P/2). The same tile calls
+// on the same blocks as unpaired, so each accumulator holds the same bits.
 constexpr int64_t SMALL_M = 4;      // at most this many rows: streamed (two panels per work item where `two_panels`)
 constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K block is prefetched (L1: 48 KiB)
 
 template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
                  int64_t out_features, const Tile& tile, const Store& store, bool two_panels) {
+  // paired: a store of two accumulator rows (StorePairs)
+  constexpr bool paired = std::is_invocable_v<const Store&, int64_t, int64_t, int64_t, const float*, const float*>;
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
-  const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1, groups = (P + NP - 1) / NP;
+  const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1;
+  const int64_t span = paired ? 2 : NP, stride = paired ? P / 2 : 1;   // an item's panels: p0 + j * stride, j < span
+  const int64_t groups = paired ? P / 2 : (P + NP - 1) / NP;
   const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
   auto run_item = [&](int64_t item) {
     alignas(64) float acc[2][M_BLOCK * PANEL];
-    const int64_t mb = item / groups, p0 = (item % groups) * NP, np = std::min(NP, P - p0);
+    const int64_t mb = item / groups, p0 = paired ? item % groups : (item % groups) * NP;
+    const int64_t in_item = paired ? 2 : std::min(NP, P - p0);
     const int64_t m0 = mb * M_BLOCK, rows = std::min(M_BLOCK, M - m0);
     const int64_t kb = NP == 2 ? K_rows : k_block;       // streaming: the whole K in registers
-    for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
-      const int64_t kc = std::min(kb, K_rows - k0);
-      const WT* w[2];
-      const char* next[2];
-      int64_t lines = 0;
-      for (int64_t q = 0; q < np; ++q) {
-        // the next k_block rows (PREFETCH_BYTES at most) of panel q's stream (its next block, or the next
-        // item's first: panels are contiguous), spread over the row tiles; none past the weight's end
-        const int64_t row = (p0 + q) * K_rows + k0, ahead = k0 + kc < K_rows ? row + kc : row + kc + (np - 1) * K_rows;
-        w[q] = wp + row * row_elems;
-        next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
-        lines = std::max<int64_t>(0, std::min(std::min(k_block, PREFETCH_BYTES / row_bytes), total_rows - ahead)) *
-                row_bytes / 64;
-      }
-      const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
-      for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
-        const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
-        // (no address past the lines: with few of them, the later tiles own none)
-        const int64_t skip = own > 0 ? t * per_tile * 64 : 0;
-        const char* pf[2] = {next[0] + skip, np > 1 ? next[1] + skip : nullptr};
-        float* bufs[2] = {acc[0] + i * PANEL, acc[1] + i * PANEL};
-        tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
+    for (int64_t j0 = 0; j0 < in_item; j0 += NP) {      // passes of NP panels (paired, one panel a pass: two)
+      const int64_t np = std::min(NP, in_item - j0);
+      for (int64_t k0 = 0; k0 < K_rows; k0 += kb) {
+        const int64_t kc = std::min(kb, K_rows - k0);
+        const WT* w[2];
+        const char* next[2];
+        int64_t lines = 0;
+        for (int64_t q = 0; q < np; ++q) {
+          // the next k_block rows (PREFETCH_BYTES at most) of panel q's stream: its next block, or the first
+          // block of the next panel this thread reads (the item's next pass, else the next item's panel q:
+          // panels are contiguous); none past the weight's end
+          const int64_t panel = p0 + (j0 + q) * stride, row = panel * K_rows + k0;
+          int64_t ahead = row + kc;
+          if (k0 + kc >= K_rows) {
+            const int64_t next_panel = !paired ? panel + np : (j0 + np < in_item ? p0 + (j0 + np) * stride : p0 + 1 + q * stride);
+            ahead = next_panel * K_rows;
+          }
+          w[q] = wp + row * row_elems;
+          next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
+          lines = std::max<int64_t>(0, std::min(std::min(k_block, PREFETCH_BYTES / row_bytes), total_rows - ahead)) *
+                  row_bytes / 64;
+        }
+        const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
+        for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
+          const int64_t own = std::max<int64_t>(0, std::min(per_tile, lines - t * per_tile));
+          // (no address past the lines: with few of them, the later tiles own none)
+          const int64_t skip = own > 0 ? t * per_tile * 64 : 0;
+          const char* pf[2] = {next[0] + skip, np > 1 ? next[1] + skip : nullptr};
+          float* bufs[2] = {acc[j0] + i * PANEL, acc[j0 + np - 1] + i * PANEL};
+          tile(np, std::min(mr, rows - i), m0 + i, k0, w, kc, bufs, k0 == 0, pf, own);
+        }
       }
     }
-    for (int64_t q = 0; q < np; ++q) {
-      const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
-      for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+    if constexpr (paired) {
+      const int64_t n0 = p0 * PANEL, ncols = std::min(PANEL, out_features / 2 - n0);
+      for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[0] + i * PANEL, acc[1] + i * PANEL);
+    } else {
+      for (int64_t q = 0; q < in_item; ++q) {
+        const int64_t n0 = (p0 + q) * PANEL, ncols = std::min(PANEL, out_features - n0);
+        for (int64_t i = 0; i < rows; ++i) store(m0 + i, n0, ncols, acc[q] + i * PANEL);
+      }
     }
   };
   if (M <= 8) {   // one contiguous share per thread
@@ -556,6 +581,31 @@ struct StoreRows {
   }
 };
 
+// The paired form's store (packed_gemm `paired`): row m's gate values (columns n0.., from acc_g) and up
+// values (columns half + n0.., from acc_u) rounded as StoreRows rounds them, then Op::apply(g, u, out, ncols)
+// writes y[m, n0 .. n0 + ncols) from them (rowwise.h's SiluMul: silu(g) * up).
+template <class OT, class Op>
+struct StorePairs {
+  OT* y;
+  int64_t ld, half;
+  const float* scale;
+  const float* bias;
+  void operator()(int64_t m, int64_t n0, int64_t ncols, const float* acc_g, const float* acc_u) const {
+    // ncols is PANEL (the paired form needs whole panels): loops of a fixed count, so the compiler's
+    // vector code needs no masks (masked reloads of the just-stored accumulators measured 2.8x slower)
+    TORCH_CHECK(ncols == PANEL, "paired store needs whole panels");
+    alignas(64) float a[PANEL], b[PANEL];
+    alignas(64) OT g[PANEL], u[PANEL];
+    for (int64_t j = 0; j < PANEL; ++j) a[j] = acc_g[j], b[j] = acc_u[j];
+    if (scale)   // StoreRows' operations, in its order
+      for (int64_t j = 0; j < PANEL; ++j) a[j] = a[j] * scale[n0 + j], b[j] = b[j] * scale[half + n0 + j];
+    if (bias)
+      for (int64_t j = 0; j < PANEL; ++j) a[j] = a[j] + bias[n0 + j], b[j] = b[j] + bias[half + n0 + j];
+    for (int64_t j = 0; j < PANEL; ++j) store_scalar<OT>(g + j, a[j]), store_scalar<OT>(u + j, b[j]);
+    Op::apply(g, u, y + m * ld + n0, PANEL);
+  }
+};
+
 // K blocks in panel rows: 16 KiB of one panel per block for every kind. Float32 over more than one M block
 // (prefill) takes the whole K in one pass instead: its panels are re-read from L2 / L3 by every M block, and
 // no accumulator goes to memory and back between blocks. Measured (Zen 5, 2 threads, the demo model's
@@ -580,8 +630,13 @@ inline torch::Tensor float_rows(const torch::Tensor& x, int64_t width, bool roun
 // a CPU without it, use the FMA form); BF16_AMX AMX tiles at every M (bits of their own, see amx_gemm;
 // raises where the build or the OS lacks AMX).
 enum Bf16Form : int64_t { BF16_FMA = 0, BF16_DP = 1, BF16_AMX = 2 };
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
+// linear_impl<Op>: the paired form (packed_gemm `paired`, StorePairs): y (M, out_features / 2) =
+// Op::apply(gate, up) of the two halves' outputs, each half's values the bits linear gives them; needs
+// out_features / 2 a whole number of panels and not the AMX form (rowwise.h's linear_silu checks both).
+template <class PairOp = void>
+torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
+  constexpr bool paired = !std::is_void_v<PairOp>;
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   is_bf16(x, "x");
   const auto kind = packed.scalar_type();
@@ -605,7 +660,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     s_f = scale->contiguous();
     TORCH_CHECK(s_f.scalar_type() == torch::kFloat32 && s_f.numel() == out_features, "scale must be (out_features,) float32");
   }
-  auto y = torch::empty({M, out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  TORCH_CHECK(!paired || (out_features % (2 * PANEL) == 0 && form != BF16_AMX),
+              "the paired form needs whole panels in each half and no AMX");
+  auto y = torch::empty({M, paired ? out_features / 2 : out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   if (M == 0) return y;
   const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
   const float* sp = s_f.defined() ? s_f.data_ptr<float>() : nullptr;
@@ -647,7 +704,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
         const int64_t ldx = (K_rows + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS * 2;
         torch::Tensor xb = torch::zeros({m_pad, ldx}, x.options().dtype(torch::kBFloat16));
         xb.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
-        amx_gemm(M, K_rows, P, wp, data_of<bf16>(xb), ldx, out_features, store);
+        if constexpr (!paired) amx_gemm(M, K_rows, P, wp, data_of<bf16>(xb), ldx, out_features, store);
         return;
       }
 #else
@@ -688,12 +745,24 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
                   }, store, false);
     }
   };
-  if (out_bf16) {
+  if constexpr (paired) {
+    const int64_t half = out_features / 2;
+    if (out_bf16) {
+      run(StorePairs<bf16, PairOp>{data_of<bf16>(y), half, half, sp, bp});
+    } else {
+      run(StorePairs<float, PairOp>{y.data_ptr<float>(), half, half, sp, bp});
+    }
+  } else if (out_bf16) {
     run(StoreRows<bf16>{data_of<bf16>(y), out_features, sp, bp});
   } else {
     run(StoreRows<float>{y.data_ptr<float>(), out_features, sp, bp});
   }
   return y;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
+                     c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
+  return linear_impl<void>(x, packed, out_features, bias, scale, out_bf16, form);
 }
 
 }  // namespace

@@ -156,6 +156,15 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
                                 out_dtype == torch.bfloat16, bf16_dot_form() if weight.kind == "bfloat16" else 0)
 
 
+def packed_linear_silu(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of a fused gate_up linear in one pass: bitwise fused_silu_mul(packed_linear(x, weight,
+    bias)), without writing the (M, 2I) gate_up output. x: (M, in) float32 or bfloat16 CPU; weight: the
+    packed cat(gate, up) rows, (2I, in); returns (M, I) in x's dtype. I not a multiple of the panel width
+    (32 columns) or AMX bf16 panels take the two calls instead (same result)."""
+    return cpu_kernels().linear_silu(x, weight.panels, weight.out_features, bias, weight.scale,
+                                     x.dtype == torch.bfloat16, bf16_dot_form() if weight.kind == "bfloat16" else 0)
+
+
 def fused_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += delta in place (when given), then weight * x / sqrt(mean(x^2) + eps) per row, in one pass.
 

@@ -219,14 +219,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool vector) {
   return out;
 }
 
-// x = keep(x + delta) in place, row-wise
-template <class T>
-void add_in_place(T* xp, const T* dp, int64_t rows, int64_t N) {
-  at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * N; i < end * N; ++i) store_scalar<T>(xp + i, load_scalar<T>(xp + i) + load_scalar<T>(dp + i));
-  });
-}
-
 // One decoder layer's weights: norms in x's dtype; linears packed panels of any kind (linear.h), `*_s`
 // the int8 kinds' scales and `*_b` the biases (each empty where there is none).
 struct LayerWeights {
@@ -249,28 +241,25 @@ struct StepInputs {
   int64_t bf16_form;   // linear's form for bf16 panels (Bf16Form)
 };
 
-// One Llama decoder layer, in place on the residual stream x (T, hidden), float32 or bfloat16:
-//   h = rmsnorm(x) -> qkv linear -> rope + KV write -> paged attention -> o linear;
-//   x += o; h = rmsnorm(x) -> gate_up linear -> silu * up -> down linear; x += down.
+// One Llama decoder layer on the residual stream x (T, hidden), float32 or bfloat16, in place:
+//   x += delta (the previous layer's down output, when given); h = rmsnorm(x) -> qkv linear -> rope + KV
+//   write -> paged attention -> o linear; x += o; h = rmsnorm(x) -> gate_up linear with silu * up -> down.
+// Returns the down output: the next layer's first norm (or the final norm) adds it to x, as _forward_split
+// does, so x is read and written once a layer less (the same operations as adding it here).
 // Every stage is one of the row-invariant ops above, so the layer is too. Linears write x's dtype.
-inline void layer_forward(torch::Tensor& x, const LayerWeights& l, const torch::Tensor& k_cache,
-                          const torch::Tensor& v_cache, const StepInputs& in) {
+inline torch::Tensor layer_forward(torch::Tensor& x, const c10::optional<torch::Tensor>& delta_in, const LayerWeights& l,
+                                   const torch::Tensor& k_cache, const torch::Tensor& v_cache, const StepInputs& in) {
   const bool bf = is_bf16(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bad x");
   const int64_t T = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
-  auto h = add_rmsnorm(x, c10::nullopt, l.in_norm, in.eps);
+  auto h = add_rmsnorm(x, delta_in, l.in_norm, in.eps);
   auto qkv = linear(h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form);
   auto q = rope_kv_write(qkv, in.cos, in.sin, k_cache, v_cache, in.slot_mapping, H, KVH);
   auto o = paged_attention(q, k_cache, v_cache, in.block_tables, in.context_lens, in.cu_seqlens_q, in.scale);
   auto delta = linear(o.view({T, H * D}), l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form);
   h = add_rmsnorm(x, delta, l.post_norm, in.eps);
   auto act = linear_silu(h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form);
-  delta = linear(act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form);
-  if (bf) {
-    add_in_place<bf16>(data_of<bf16>(x), data_of<bf16>(delta), T, N);
-  } else {
-    add_in_place<float>(x.data_ptr<float>(), delta.data_ptr<float>(), T, N);
-  }
+  return linear(act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form);
 }
 
 // The whole decoder stack and the final norm, held once (the weights' tensors, not copies): one call a
@@ -304,8 +293,9 @@ struct DecoderStack {
     torch::Tensor h = x.contiguous().clone();        // the residual stream, updated in place by every layer
     const StepInputs in{cos.contiguous(), sin.contiguous(), slot_mapping, block_tables, context_lens, cu_seqlens_q,
                         H, KVH, intermediate, eps, scale, bf16_form};
-    for (size_t l = 0; l < layers.size(); ++l) layer_forward(h, layers[l], k_caches[l], v_caches[l], in);
-    return add_rmsnorm(h, c10::nullopt, norm, norm_eps);
+    c10::optional<torch::Tensor> delta;   // the last layer's down output, not yet in h
+    for (size_t l = 0; l < layers.size(); ++l) delta = layer_forward(h, delta, layers[l], k_caches[l], v_caches[l], in);
+    return add_rmsnorm(h, delta, norm, norm_eps);
   }
 };
 

@@ -41,7 +41,8 @@ def main(argv=None) -> None:
     params = SamplingParams(greedy=True, max_new_tokens=128, ignore_eos=True)
     for i, ids in enumerate(work.prompt_token_ids):
         engine.add_request(f"r{i}", ids, params, seed=0)
-    for _ in range(4 + args.decode_steps if args.decode_steps else 0):   # past the 4 prefill steps
+    steps = 4 + args.decode_steps if args.decode_steps else 0     # the 4 prefill steps, then N decode steps
+    for _ in range(steps):
         engine.step()
     sched = engine.scheduler.schedule()
     model_input = engine.runner.prepare(sched)
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
                 out = engine.runner.execute(model_input)        # rewrites the same K/V slots each time
                 times[name].append(time.perf_counter() - start)
                 logits.setdefault(name, out.logits)
-    model._forward_fused = fused_forward
+    del model._forward_fused             # the class's method again
     assert torch.equal(logits["fused"], logits["split"]), "the fused stack and the split ops differ"
     fused, split = (statistics.median(times[k]) for k in ("fused", "split"))
     print(f"fused {fused * 1e3:.1f} ms, split {split * 1e3:.1f} ms: fused / split {fused / split:.3f} "

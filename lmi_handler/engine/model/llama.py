@@ -342,7 +342,8 @@ class LlamaModel(nn.Module):
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """The decoder stack and final norm as one C++ call (kernels' DecoderStack over packed CPU weights,
-        bitwise the layers' C++ ops called one by one, as _forward_split does); x: (T, hidden) float32 or
+        bitwise _forward_split's C++ ops called one by one; the stack's gate_up linear applies silu * up in
+        its store, linear_silu, the same bits as linear then silu_mul); x: (T, hidden) float32 or
         bfloat16, the activations' (and KV cache's) dtype. The stack holds the weights' tensors, made at the first call after
         pack_weights (weights replaced after that, not updated in place, need pack_weights or
         `_stack = None`)."""
@@ -371,7 +372,8 @@ class LlamaModel(nn.Module):
 
     def _forward_split(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """_forward_fused's C++ ops called one by one, so that a tensor-parallel shard can all-reduce after
+        """_forward_fused's computation as C++ ops called one by one (the gate_up linear, then silu_mul,
+        where the stack fuses them), so that a tensor-parallel shard can all-reduce after
         o_proj and down_proj (row_parallel_linear). Each residual add is folded into the next norm (as
         in the fused layer); with group None the result is bitwise _forward_fused's."""
         a, group = self.args, self.group

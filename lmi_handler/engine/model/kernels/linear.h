@@ -472,8 +472,8 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 #undef LMI_ROWS
 }
 
-// The blocked loop shared by every kind. Work item = (M block, NP panels), panels fastest (panels of one M
-// block are contiguous in memory). A few rows (decode
+// The blocked loop shared by every kind. Work item = (M block, NP panels) (paired: see below), panels fastest
+// (panels of one M block are contiguous in memory). A few rows (decode
 // at small batch) only stream the weight: one contiguous share per thread reads best; float32 panels
 // two at a time (NP = 2, AVX-512, the whole K in one pass: each row has four independent FMA chains),
 // bf16 and int8 panels one at a time in K blocks with the next block prefetched (`two_panels` false).
@@ -487,10 +487,11 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 //   tile(np, rows, m, k0, w, kc, buf, first, pf, pf_lines): rows m.. of panel rows k0..k0+kc-1 of the
 //     np panels at w[0..np-1], accumulators in buf[0..np-1], prefetching pf_lines lines at each pf[q]
 //   store(m, n0, ncols, acc): the finished accumulators of row m, columns n0..n0+ncols-1
-// paired (a store taking two accumulator rows, StorePairs; P even): an item is panel p and panel p + P/2 for the same rows (gate and up columns of a
-// fused gate_up weight), done one after the other (or together where two panels stream as one), and
-// store(m, n0, ncols, acc_p, acc_p_plus_half) gets both; items are (M block, p < P/2). The same tile calls
-// on the same blocks as unpaired, so each accumulator holds the same bits.
+// paired (a store taking two accumulator rows, StorePairs; P even): an item is panel p and panel p + P/2 for
+// the same rows (gate and up columns of a fused gate_up weight), done one after the other (or together where a
+// few rows stream two panels as one), and store(m, n0, ncols, acc_p, acc_p_plus_half) gets both; items are
+// (M block, p < P/2). Each panel's accumulators go through the same chain over k as unpaired (the tile forms
+// give the same bits whichever panels share a call), so each holds the same bits.
 constexpr int64_t SMALL_M = 4;      // at most this many rows: streamed (two panels per work item where `two_panels`)
 constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K block is prefetched (L1: 48 KiB)
 
@@ -501,7 +502,7 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
   constexpr bool paired = std::is_invocable_v<const Store&, int64_t, int64_t, int64_t, const float*, const float*>;
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
   const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1;
-  const int64_t span = paired ? 2 : NP, stride = paired ? P / 2 : 1;   // an item's panels: p0 + j * stride, j < span
+  const int64_t stride = paired ? P / 2 : 1;   // an item's panels: p0 + j * stride, j < 2 paired, else j < NP
   const int64_t groups = paired ? P / 2 : (P + NP - 1) / NP;
   const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
@@ -525,7 +526,11 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
           const int64_t panel = p0 + (j0 + q) * stride, row = panel * K_rows + k0;
           int64_t ahead = row + kc;
           if (k0 + kc >= K_rows) {
-            const int64_t next_panel = !paired ? panel + np : (j0 + np < in_item ? p0 + (j0 + np) * stride : p0 + 1 + q * stride);
+            // (paired, the last item of an M block: the next is the next block's gate panel 0, not prefetched,
+            // as unpaired prefetches nothing past its last panel)
+            const int64_t next_panel = !paired ? panel + np
+                                               : j0 + np < in_item ? p0 + (j0 + np) * stride
+                                               : p0 + 1 < groups   ? p0 + 1 + q * stride : P;
             ahead = next_panel * K_rows;
           }
           w[q] = wp + row * row_elems;
@@ -660,7 +665,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
     s_f = scale->contiguous();
     TORCH_CHECK(s_f.scalar_type() == torch::kFloat32 && s_f.numel() == out_features, "scale must be (out_features,) float32");
   }
-  TORCH_CHECK(!paired || (out_features % (2 * PANEL) == 0 && form != BF16_AMX),
+  TORCH_CHECK(!paired || (out_features % (2 * PANEL) == 0 && !(kind == torch::kBFloat16 && form == BF16_AMX)),
               "the paired form needs whole panels in each half and no AMX");
   auto y = torch::empty({M, paired ? out_features / 2 : out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   if (M == 0) return y;

@@ -1,13 +1,16 @@
-"""Interleaved A/B of one step's forward: the fused decoder stack (kernels' DecoderStack, one C++ call: the
-gate_up linear with silu * up in its store, each layer's residual add in the next norm) against
-llama._forward_split (the same C++ ops called one by one from Python: the gate_up linear, then silu_mul),
-in one process on one engine, alternating, the order flipping each round. Both give the same bits (checked
-on the first round: the logits of the step are compared with torch.equal).
+"""Interleaved A/B of one step's forward: the fused decoder stack against the same C++ ops called one by one.
+
+The fused stack is kernels' DecoderStack, one C++ call (the gate_up linear with silu * up in its store, each
+layer's residual add in the next norm); the other side is llama._forward_split, the same C++ ops called one by
+one from Python (the gate_up linear, then silu_mul). One process, one engine, the two alternating, the order
+flipping each round. Both give the same bits (after the rounds, the first round's logits of each are compared
+with torch.equal).
 
 The step is the benchmark's first (workload.build_workload: 64 MT-bench prompts, the engine's 2048-token
 budget: a prefill of 1882 tokens from 24 prompts), or with `--decode-steps N` a decode step of the 64
-sequences after N steps. Prints the median ms of each and fused / split. The split path also pays ~30 x 9
-Python calls a step (~0.1-0.3 ms), so at a decode step the difference is within that.
+sequences after the 4 prefill steps and N decode steps. Prints the median ms of each and fused / split. The
+split path also pays ~30 x 9 Python calls a step (~0.1-0.3 ms), so at a decode step the difference is within
+that.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/ab_prefill.py [--dtype fp32] [--rounds 6] [--decode-steps 0]
 """
@@ -28,10 +31,11 @@ from workload import REPO, build_workload  # noqa: E402
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--decode-steps", type=int, default=0)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the engine's dtype (activations, KV cache)")
+    p.add_argument("--threads", type=int, default=2, help="torch / kernel threads")
+    p.add_argument("--rounds", type=int, default=6, help="rounds, each times the fused and the split forward once")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="0: time the first (prefill) step; N: a decode step after the 4 prefill and N decode steps")
     args = p.parse_args(argv)
 
     from lmi_handler.engine.sequence import SamplingParams

@@ -587,18 +587,17 @@ struct StoreRows {
 };
 
 // The paired form's store (packed_gemm `paired`): row m's gate values (columns n0.., from acc_g) and up
-// values (columns half + n0.., from acc_u) rounded as StoreRows rounds them, then Op::apply(g, u, out, ncols)
-// writes y[m, n0 .. n0 + ncols) from them (rowwise.h's SiluMul: silu(g) * up).
+// values (columns half + n0.., from acc_u) rounded as StoreRows rounds them, then Op::apply(g, u, out, PANEL)
+// writes y[m, n0 .. n0 + PANEL) from them (rowwise.h's SiluMul: silu(g) * up). y is (M, half): its row stride
+// is half. ncols is always PANEL (pairable() asks for whole panels): loops of a fixed count, so the compiler's
+// vector code needs no masks (masked reloads of the just-stored accumulators measured 2.8x slower).
 template <class OT, class Op>
 struct StorePairs {
   OT* y;
-  int64_t ld, half;
+  int64_t half;
   const float* scale;
   const float* bias;
-  void operator()(int64_t m, int64_t n0, int64_t ncols, const float* acc_g, const float* acc_u) const {
-    // ncols is PANEL (the paired form needs whole panels): loops of a fixed count, so the compiler's
-    // vector code needs no masks (masked reloads of the just-stored accumulators measured 2.8x slower)
-    TORCH_CHECK(ncols == PANEL, "paired store needs whole panels");
+  void operator()(int64_t m, int64_t n0, int64_t /*ncols: PANEL*/, const float* acc_g, const float* acc_u) const {
     alignas(64) float a[PANEL], b[PANEL];
     alignas(64) OT g[PANEL], u[PANEL];
     for (int64_t j = 0; j < PANEL; ++j) a[j] = acc_g[j], b[j] = acc_u[j];
@@ -607,7 +606,7 @@ struct StorePairs {
     if (bias)
       for (int64_t j = 0; j < PANEL; ++j) a[j] = a[j] + bias[n0 + j], b[j] = b[j] + bias[half + n0 + j];
     for (int64_t j = 0; j < PANEL; ++j) store_scalar<OT>(g + j, a[j]), store_scalar<OT>(u + j, b[j]);
-    Op::apply(g, u, y + m * ld + n0, PANEL);
+    Op::apply(g, u, y + m * half + n0, PANEL);
   }
 };
 
@@ -635,9 +634,14 @@ inline torch::Tensor float_rows(const torch::Tensor& x, int64_t width, bool roun
 // a CPU without it, use the FMA form); BF16_AMX AMX tiles at every M (bits of their own, see amx_gemm;
 // raises where the build or the OS lacks AMX).
 enum Bf16Form : int64_t { BF16_FMA = 0, BF16_DP = 1, BF16_AMX = 2 };
+// Whether linear_impl's paired form serves this weight: each half a whole number of panels, and not AMX
+// tiles (amx_gemm has no paired store; the bf16 form is ignored by other kinds)
+inline bool pairable(c10::ScalarType kind, int64_t out_features, int64_t form) {
+  return out_features % (2 * PANEL) == 0 && !(kind == torch::kBFloat16 && form == BF16_AMX);
+}
 // linear_impl<Op>: the paired form (packed_gemm `paired`, StorePairs): y (M, out_features / 2) =
 // Op::apply(gate, up) of the two halves' outputs, each half's values the bits linear gives them; needs
-// out_features / 2 a whole number of panels and not the AMX form (rowwise.h's linear_silu checks both).
+// pairable() (rowwise.h's linear_silu takes the two calls otherwise).
 template <class PairOp = void>
 torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
@@ -665,8 +669,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
     s_f = scale->contiguous();
     TORCH_CHECK(s_f.scalar_type() == torch::kFloat32 && s_f.numel() == out_features, "scale must be (out_features,) float32");
   }
-  TORCH_CHECK(!paired || (out_features % (2 * PANEL) == 0 && !(kind == torch::kBFloat16 && form == BF16_AMX)),
-              "the paired form needs whole panels in each half and no AMX");
+  TORCH_CHECK(!paired || pairable(kind, out_features, form), "the paired form needs whole panels in each half and no AMX");
   auto y = torch::empty({M, paired ? out_features / 2 : out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   if (M == 0) return y;
   const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
@@ -753,9 +756,9 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   if constexpr (paired) {
     const int64_t half = out_features / 2;
     if (out_bf16) {
-      run(StorePairs<bf16, PairOp>{data_of<bf16>(y), half, half, sp, bp});
+      run(StorePairs<bf16, PairOp>{data_of<bf16>(y), half, sp, bp});
     } else {
-      run(StorePairs<float, PairOp>{y.data_ptr<float>(), half, half, sp, bp});
+      run(StorePairs<float, PairOp>{y.data_ptr<float>(), half, sp, bp});
     }
   } else if (out_bf16) {
     run(StoreRows<bf16>{data_of<bf16>(y), out_features, sp, bp});

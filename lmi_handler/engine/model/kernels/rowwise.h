@@ -198,8 +198,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up, bool vector);
 inline torch::Tensor linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                                  c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale, bool out_bf16,
                                  int64_t form) {
-  const bool amx = packed.scalar_type() == torch::kBFloat16 && form == BF16_AMX;
-  if (out_features % (2 * PANEL) != 0 || amx) return silu_mul(linear(x, packed, out_features, bias, scale, out_bf16, form), true);
+  if (!pairable(packed.scalar_type(), out_features, form)) {
+    return silu_mul(linear(x, packed, out_features, bias, scale, out_bf16, form), true);
+  }
   return linear_impl<SiluMul>(x, packed, out_features, bias, scale, out_bf16, form);
 }
 

@@ -617,13 +617,34 @@ struct StorePairs {
 // from DRAM) 1.02x, so one M block keeps the blocks. Same bits either way (see the top of this file).
 constexpr int64_t K_BLOCK_F32 = 128, K_BLOCK_BF16 = 128, K_BLOCK_I8 = 512;
 
-// x as float32 rows, `width` >= K columns (zero-padded): x itself when it is float32 of that width,
-// else a converted copy; `round`: the values rounded to bf16 first (the bf16 kind's activations)
-inline torch::Tensor float_rows(const torch::Tensor& x, int64_t width, bool round) {
+// x as float32 rows of `width` >= K columns (zero-padded), at `data`: x itself when it is contiguous float32
+// of that width and needs no rounding, else a converted copy (`round`: the values rounded to bf16 first, the
+// bf16 kind's activations). A few rows of bf16 (batch-1 decode) are widened into this thread's scratch
+// buffer (exact, as .to(float32) is), without a tensor: the dispatcher's conversion cost ~1 us a call, 120
+// calls a decode step. Valid until the thread's next float_rows.
+struct FloatRows {
+  torch::Tensor owned;   // the converted copy, when one was made as a tensor
+  const float* data;
+};
+constexpr int64_t SCRATCH_ROWS_FLOATS = int64_t{1} << 16;   // 256 KiB: rows widened without a tensor
+inline FloatRows float_rows(const torch::Tensor& x, int64_t width, bool round) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.is_contiguous() && x.scalar_type() == torch::kFloat32 && width == K && !round) return {x, x.data_ptr<float>()};
+  if (x.is_contiguous() && x.scalar_type() == torch::kBFloat16 && M * width <= SCRATCH_ROWS_FLOATS) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < M * width) scratch.resize(M * width);
+    const bf16* src = data_of<bf16>(x);
+    for (int64_t m = 0; m < M; ++m) {
+      float* dst = scratch.data() + m * width;
+      for (int64_t k = 0; k < K; ++k) dst[k] = bf16_to_float(src[m * K + k]);
+      std::fill(dst + K, dst + width, 0.f);
+    }
+    return {torch::Tensor(), scratch.data()};
+  }
   torch::Tensor xf = round && x.scalar_type() != torch::kBFloat16 ? x.to(torch::kBFloat16) : x;
   xf = xf.to(torch::kFloat32).contiguous();
   if (width != xf.size(1)) xf = torch::constant_pad_nd(xf, {0, width - xf.size(1)});
-  return xf;
+  return {xf, xf.data_ptr<float>()};
 }
 
 // y = x @ W^T (+ bias) for a packed weight of any kind (see the top of this file).
@@ -685,16 +706,16 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   using Wide = std::integral_constant<int, ACC_WIDE>;
   auto run = [&](auto store) {
     if (kind == torch::kFloat32) {
-      const torch::Tensor xf = float_rows(x, K, false);
-      const float* xp = xf.data_ptr<float>();
+      const FloatRows xf = float_rows(x, K, false);
+      const float* xp = xf.data;
       packed_gemm(M, K, P, PANEL, M > M_BLOCK ? K : K_BLOCK_F32, MR_WIDE, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store, true);
     } else if (kind == torch::kInt8) {
-      const torch::Tensor xf = float_rows(x, K, false);
-      const float* xp = xf.data_ptr<float>();
+      const FloatRows xf = float_rows(x, K, false);
+      const float* xp = xf.data;
       packed_gemm(M, K, P, PANEL, K_BLOCK_I8, MR_WIDE, packed.data_ptr<int8_t>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
@@ -744,8 +765,8 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
       }
 #endif
       (void)native;
-      const torch::Tensor xf = float_rows(x, width, true);
-      const float* xp = xf.data_ptr<float>();
+      const FloatRows xf = float_rows(x, width, true);
+      const float* xp = xf.data;
       packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, MR_WIDE, wp, out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {

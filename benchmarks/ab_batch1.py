@@ -1,24 +1,34 @@
-"""Interleaved A/B of whole-engine batch-1 decode: this checkout against another revision, two worker processes
-taking turns (engine, scheduler, sampler and output processing included, not only the kernels).
+"""Interleaved A/B of whole-engine batch-1 decode, this checkout against another revision, in two worker processes.
 
-Each side is a worker process holding its own Engine (the benchmark's offline settings,
-profile_breakdown.bench_engine) over the demo model, from its own tree: this checkout, and `--old-rev` checked out
-into a temporary git worktree (its C++ kernels built on first use, as any checkout builds them). The parent
-sends each worker "go" in turn, the order flipping each round; a worker runs one request alone (the
-workload's first MT-bench prompt, its ids taken modulo the model's vocabulary so that
-profile_fixed_costs.py's skeleton model can be the `--model`, `--tokens` greedy tokens, EOS ignored) and reports its decode rate: (tokens - 1)
-/ (last token time - first token time), as workers.batch1_decode measures it. While one runs the other waits
-on a pipe (its OpenMP threads asleep), so both see the same minutes of the host. Prints each side's median
-tokens a second, new / old per round and their median, and whether the two sides' tokens were equal.
+Engine, scheduler, sampler and output processing are all included, not only the kernels. Each side is a worker
+process holding its own Engine (the benchmark's offline settings, profile_breakdown.bench_engine, so the old
+revision must have it: a586f2a, 2026-12-02, or later) over `--model`, from its own tree: this checkout, and
+`--old-rev` checked out into a temporary git worktree (`<tmp>/lmi-ab-batch1-<commit>`, removed at the end). The
+old tree's C++ kernels are built on first use into `<tmp>/lmi-ab-batch1-extensions` (TORCH_EXTENSIONS_DIR), so they
+never replace this checkout's build (a build is named by its sources, and the two trees' builds would otherwise
+take turns rebuilding each other); a second run against the same revision reuses it.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/ab_batch1.py [--old-rev HEAD] [--dtype bf16] [--rounds 12]
-        [--tokens 128] [--threads 2]
+The parent sends each worker "go" in turn, the order flipping each round; a worker runs one request alone (the
+workload's first MT-bench prompt, its ids taken modulo the model's vocabulary so that profile_fixed_costs.py's
+skeleton model can be the `--model`; `--tokens` greedy tokens, EOS ignored) and reports two rates: the benchmark's,
+(tokens - 1) / (last token time - first token time) as workers.batch1_decode measures it, and one over the median
+interval between tokens (a stall of the host moves it less). While one runs the other waits on a pipe (its OpenMP
+threads asleep), so both see the same minutes of the host. Prints per round both sides' rates and new / old, then
+the medians, the load average before and after (a busy host, e.g. a test suite running, makes single rounds swing
+several-fold: read the medians, and rerun when the load was high), and whether the two sides' tokens were equal.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/ab_batch1.py --old-rev REV [--model model] [--dtype bf16]
+        [--rounds 12] [--tokens 128] [--threads 2]
+
+With `--model /tmp/lmi-skeleton-model` (profile_fixed_costs.py's skeleton, written by its first run) the weights
+stay in cache, and a change to what a step costs besides its weights shows above the noise of their stream.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
-import json, sys, time
+import json, statistics, sys, time
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 from profile_breakdown import bench_engine
 from workload import build_workload
@@ -38,8 +48,7 @@ model, dtype, threads, tokens = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(
 engine = bench_engine(model, dtype, threads)
 prompt = [t % engine.runner.config.vocab_size for t in build_workload(Path(model), 1, tokens).prompt_token_ids[0]]
 params = SamplingParams(greedy=True, max_new_tokens=tokens, ignore_eos=True)
-huge = [l.split()[1] for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
-print(json.dumps({"ready": True, "anon_huge_kib": int(huge[0]) if huge else None}), flush=True)
+print(json.dumps({"ready": True}), flush=True)
 for n, line in enumerate(sys.stdin):
     engine.add_request(f"r{n}", prompt, params, seed=0)
     times, ids = [], []
@@ -49,64 +58,95 @@ for n, line in enumerate(sys.stdin):
             for token in out.new_tokens:
                 times.append(now)
                 ids.append(token.id)
-    print(json.dumps({"rate": (len(times) - 1) / (times[-1] - times[0]), "ids": list(ids)}), flush=True)
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    print(json.dumps({"rate": (len(times) - 1) / (times[-1] - times[0]), "median_rate": 1 / statistics.median(gaps),
+                      "ids": ids}), flush=True)
 """
 
 
-def start_worker(tree: Path, args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+def start_worker(tree: Path, args, env_extra: dict[str, str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(tree), **env_extra)
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(tree), args.model, args.dtype, str(args.threads),
                              str(args.tokens)], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     line = proc.stdout.readline()
     if not line or not json.loads(line).get("ready"):
-        raise RuntimeError(f"the worker in {tree} did not start")
-    print(f"worker in {tree}: {json.loads(line)['anon_huge_kib'] / 1024:.0f} MiB of anonymous huge pages", flush=True)
+        raise RuntimeError(f"the worker in {tree} did not start (its error is above)")
     return proc
 
 
 def run_round(proc: subprocess.Popen) -> dict:
     proc.stdin.write("go\n")
     proc.stdin.flush()
-    return json.loads(proc.stdout.readline())
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError("a worker ended in the middle of a round (its error is above)")
+    return json.loads(line)
+
+
+def git(*argv: str) -> str:
+    """git's output; its own message in the error when it fails."""
+    done = subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"git {' '.join(argv)}: {done.stderr.strip()}")
+    return done.stdout.strip()
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--old-rev", default="HEAD", help="the revision to compare this checkout against")
-    p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="the engines' dtype")
     p.add_argument("--rounds", type=int, default=12, help="rounds; each runs one request on each side")
-    p.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (EOS ignored)")
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (EOS ignored), at least 2")
     p.add_argument("--threads", type=int, default=2, help="torch / kernel threads of each worker")
-    p.add_argument("--model", default=str(REPO / "model"))
+    p.add_argument("--model", default=str(REPO / "model"), help="a Llama checkpoint with a chat template")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.tokens < 2:
+        p.error("--rounds must be at least 1 and --tokens at least 2")
 
-    old_tree = Path(tempfile.mkdtemp(prefix="ab-batch1-"))
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old_tree), args.old_rev], check=True,
-                   capture_output=True)
+    commit = git("rev-parse", "--verify", f"{args.old_rev}^{{commit}}")
+    tmp = Path(tempfile.gettempdir())
+    old_tree = tmp / f"lmi-ab-batch1-{commit[:12]}"
+    if old_tree.exists():                       # left by a run that was killed
+        if (old_tree / ".git").exists():
+            git("worktree", "remove", "--force", str(old_tree))
+        else:
+            shutil.rmtree(old_tree)
+    git("worktree", "add", "--detach", str(old_tree), commit)
+    sides: dict[str, subprocess.Popen] = {}
+    load_before = os.getloadavg()
     try:
-        sides = {"new": start_worker(REPO, args), "old": start_worker(old_tree, args)}
+        sides["new"] = start_worker(REPO, args, {})
+        sides["old"] = start_worker(old_tree, args, {"TORCH_EXTENSIONS_DIR": str(tmp / "lmi-ab-batch1-extensions")})
         for proc in sides.values():              # one untimed request each (first-use costs)
             run_round(proc)
-        rates: dict[str, list[float]] = {"new": [], "old": []}
-        ids = {}
+        rates: dict[str, list[dict]] = {"new": [], "old": []}
         for r in range(args.rounds):
             for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
-                out = run_round(sides[name])
-                rates[name].append(out["rate"])
-                ids.setdefault(name, out["ids"])
-            print(f"round {r}: new {rates['new'][-1]:.1f}, old {rates['old'][-1]:.1f} tok/s, "
-                  f"new / old {rates['new'][-1] / rates['old'][-1]:.3f}", flush=True)
-        for proc in sides.values():
-            proc.stdin.close()
-            proc.wait()
+                rates[name].append(run_round(sides[name]))
+            new, old = rates["new"][-1], rates["old"][-1]
+            print(f"round {r}: new {new['rate']:.1f}, old {old['rate']:.1f} tok/s, new / old {new['rate'] / old['rate']:.3f}; "
+                  f"over the median interval new {new['median_rate']:.1f}, old {old['median_rate']:.1f}, "
+                  f"{new['median_rate'] / old['median_rate']:.3f}", flush=True)
     finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old_tree)], capture_output=True)
-    ratios = [a / b for a, b in zip(rates["new"], rates["old"])]
-    print(f"{args.dtype}, {args.threads} threads, {args.tokens} tokens, old = {args.old_rev}: new "
-          f"{statistics.median(rates['new']):.1f}, old {statistics.median(rates['old']):.1f} tokens a second (median); "
-          f"new / old median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f}); "
-          f"same tokens: {ids['new'] == ids['old']}")
+        for proc in sides.values():
+            if proc.poll() is None:
+                proc.stdin.close()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        git("worktree", "remove", "--force", str(old_tree))
+    load_after = os.getloadavg()
+    print(f"{args.dtype}, {args.threads} threads, {args.tokens} tokens, model {args.model}, old = {args.old_rev} "
+          f"({commit[:12]}); load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    for key, label in (("rate", "tokens a second"), ("median_rate", "over the median interval between tokens")):
+        ratios = [a[key] / b[key] for a, b in zip(rates["new"], rates["old"])]
+        print(f"  {label}: new {statistics.median(x[key] for x in rates['new']):.1f}, old "
+              f"{statistics.median(x[key] for x in rates['old']):.1f} (medians); new / old median "
+              f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"  same tokens: {rates['new'][0]['ids'] == rates['old'][0]['ids']}")
 
 
 if __name__ == "__main__":

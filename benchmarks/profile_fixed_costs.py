@@ -1,23 +1,33 @@
-"""What a batch-1 decode step costs besides streaming its weights: the demo model's step against a model of
-the same layer geometry whose weights stay in cache, and the read probe, taking turns in one process.
+"""What a batch-1 decode step costs besides streaming its weights, measured against a same-geometry model in cache.
 
-The "skeleton" is a random Llama with the demo model's 30 layers, 9 query heads, 3 KV heads and head_dim 64,
-but hidden size 144, intermediate size 64 and a 512-token vocabulary (written once with transformers to
-`--skeleton-dir`, the demo model's tokenizer and chat template beside it): its step runs every op the demo model's does, at
-the same contexts (the same prompt's length, its ids taken modulo 512, and the same number of tokens), with about 14 MB of weights (bf16), so its
-time is the per-step cost that does not scale with the weights' bytes: the engine's Python, the decoder
-stack's attention, norms, RoPE, allocations and thread hand-offs. The demo model's step adds to that the
-streaming of 269 MB (bf16). Each round: the read probe (probes.read_bandwidth, as the benchmark takes it
-before a batch-1 round), one request alone on the demo model, one on the skeleton (`--tokens` greedy tokens,
-EOS ignored, the order flipping each round). Per round it prints each engine's step (wall ms, median over the
-decode steps), the ceiling step (weight bytes / read bandwidth), the demo step's fraction of that ceiling,
-and (demo - skeleton) against the ceiling: how close the weight streaming alone comes to the probe.
+In one process, taking turns each round: the read probe, a request alone on `--model` (the demo model by
+default), and the same request on a "skeleton", a random Llama with the model's layers, query heads, KV heads and
+head_dim but hidden size 16 x heads, intermediate size 64 and a 512-token vocabulary (the demo model's skeleton:
+15.1 MB of bf16 weights, which stay in the L3; in fp32 twice that, nearly the whole 32 MiB L3 of the host this was
+written on). The skeleton is written once with transformers to `--skeleton-dir` (default
+`<tmp>/lmi-skeleton-model`), the model's tokenizer files and chat template beside it, and rewritten when its
+config.json no longer matches the model's geometry. Its step runs every op the model's does, at the same contexts
+(the same prompt's length, its ids taken modulo 512, and the same number of tokens), so its time is what a step
+costs that does not scale with the weights' bytes: the engine's Python, the decoder stack's attention, norms,
+RoPE, allocations and thread hand-offs. The model's step adds the streaming of its weights (269 MB a token for
+the demo model in bf16).
 
-Writes the rounds and the host's load to `--out` (JSON, default benchmarks/results/fixed-costs-<date>.json) and a
-plot beside it (.png: per round, the ceiling step, the demo step and the skeleton step).
+Each round: the read probe (probes.read_bandwidth, as the benchmark takes it before a batch-1 round), one
+request alone on the model and one on the skeleton (`--tokens` greedy tokens, EOS ignored, the order flipping
+each round). Per round it prints the read bandwidth, the ceiling step (weight bytes / read bandwidth), the
+model's step (wall ms, median over the decode steps) and its fraction of that ceiling, the skeleton's step, and
+(model - skeleton) against the ceiling: how close the weight streaming alone comes to the probe. A fraction
+above 1 means the probe caught the host busier than the round did (it is flagged); rerun on a quieter host.
+Then the medians over the rounds.
+
+Writes the rounds, the host (CPU model, load average before and after) and the source commit to `--out` (JSON,
+default benchmarks/results/fixed-costs-<UTC date>.json: commit it only as a cited run of record) and a plot
+beside it (.png: per round the ceiling step, the model's step and the skeleton's).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_fixed_costs.py [--dtype bf16] [--rounds 6] [--tokens 128]
-        [--out FILE.json]
+        [--threads 2] [--model model] [--skeleton-dir DIR] [--out FILE.json]
+
+(The run of record in benchmarks/README.md, "What a batch-1 step costs besides its weights": `--rounds 8`.)
 """
 from __future__ import annotations
 
@@ -37,21 +47,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_breakdown import bench_engine  # noqa: E402
 from workload import REPO, build_workload, weight_bytes_per_token  # noqa: E402
 
-SKELETON = dict(hidden_size=144, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
-                num_key_value_heads=3, head_dim=64, vocab_size=512, max_position_embeddings=2048,
-                rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+SKELETON_VOCAB = 512
 
 
-def write_skeleton(path: Path, model_dir: Path) -> None:
-    """The skeleton checkpoint (random weights, seed 0, bf16) and the demo model's tokenizer files."""
+def skeleton_config(model_config: dict) -> dict:
+    """The skeleton's config.json fields: the model's attention geometry (layers, query and KV heads, head_dim,
+    positions, RoPE, norm eps) with small hidden (16 x heads), intermediate (64) and vocabulary (512) sizes."""
+    heads = model_config["num_attention_heads"]
+    geometry = {k: model_config[k] for k in ("num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+                                             "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters")
+                if k in model_config}
+    return {**geometry, "num_key_value_heads": model_config.get("num_key_value_heads", heads),
+            "head_dim": model_config.get("head_dim") or model_config["hidden_size"] // heads,
+            "hidden_size": 16 * heads, "intermediate_size": 64, "vocab_size": SKELETON_VOCAB,
+            "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def ensure_skeleton(path: Path, model_dir: Path, config: dict) -> None:
+    """The skeleton checkpoint at `path` (random weights, seed 0, bf16) with the model's tokenizer files and chat
+    template; (re)written unless its config.json already holds `config`'s values."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    written = path / "config.json"
+    if written.is_file():
+        old = json.loads(written.read_text())
+        if all(old.get(k) == v for k, v in config.items() if not k.startswith("rope_")):   # (RoPE: normalised on save)
+            return
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SKELETON)).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, path / name)
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name (platform.processor() is empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def step_times(engine, prompt: list[int], tokens: int, request_id: str) -> list[float]:
@@ -68,80 +107,87 @@ def step_times(engine, prompt: list[int], tokens: int, request_id: str) -> list[
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (EOS ignored)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default=str(REPO / "model"))
-    p.add_argument("--out", default=None, help="results JSON (a .png of the same name beside it)")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="the engines' dtype")
+    p.add_argument("--rounds", type=int, default=6, help="rounds (probe, model, skeleton); at least 1")
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (EOS ignored); at least 3")
+    p.add_argument("--threads", type=int, default=2, help="torch / kernel threads")
+    p.add_argument("--model", default=str(REPO / "model"), help="a Llama checkpoint with a chat template")
+    p.add_argument("--out", help="results JSON, a .png of the same name beside it",
+                   default=str(REPO / "benchmarks" / "results" / f"fixed-costs-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json"))
     p.add_argument("--skeleton-dir", default=str(Path(tempfile.gettempdir()) / "lmi-skeleton-model"),
                    help="where the skeleton checkpoint is written (once) and read")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.tokens < 3:
+        p.error("--rounds must be at least 1 and --tokens at least 3 (two decode steps)")
 
     from probes import read_bandwidth
 
     model_dir, skeleton_dir = Path(args.model), Path(args.skeleton_dir)
-    if not (skeleton_dir / "config.json").is_file():
-        skeleton_dir.mkdir(parents=True, exist_ok=True)
-        write_skeleton(skeleton_dir, model_dir)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((model_dir / "config.json").read_text())
+    ensure_skeleton(skeleton_dir, model_dir, skeleton_config(config))
     nbytes = weight_bytes_per_token(config, args.dtype)["bytes"]
-    engines = {"demo": bench_engine(str(model_dir), args.dtype, args.threads),
+    source = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip()
+    engines = {"model": bench_engine(str(model_dir), args.dtype, args.threads),
                "skeleton": bench_engine(str(skeleton_dir), args.dtype, args.threads)}
     prompt = build_workload(model_dir, 1, args.tokens).prompt_token_ids[0]
     # the same length (so the same contexts) in the skeleton's vocabulary
-    prompts = {"demo": prompt, "skeleton": [t % SKELETON["vocab_size"] for t in prompt]}
+    prompts = {"model": prompt, "skeleton": [t % SKELETON_VOCAB for t in prompt]}
     for name, engine in engines.items():                # first-use costs, untimed
         step_times(engine, prompts[name], 4, f"warm-{name}")
     print(f"{args.dtype}, {args.threads} threads, {args.tokens} tokens a request, {nbytes / 1e6:.1f} MB of weights "
           f"a token; per round: step ms (median over the decode steps)")
-    rows, scratch = [], Path(tempfile.mkdtemp(prefix="lmi-probe-"))
+    rows = []
     load_before = os.getloadavg()
-    for r in range(args.rounds):
-        gbs = read_bandwidth(args.threads, None, 3, scratch)["best_bytes_per_s"] / 1e9
-        step = {}
-        for name in (("demo", "skeleton") if r % 2 == 0 else ("skeleton", "demo")):
-            step[name] = statistics.median(step_times(engines[name], prompts[name], args.tokens, f"r{r}-{name}"))
-        ceiling = nbytes / (gbs * 1e9)
-        demo, skeleton = step["demo"], step["skeleton"]
-        rows.append({"read_gb_per_s": gbs, "ceiling_step_s": ceiling, "demo_step_s": demo, "skeleton_step_s": skeleton,
-                     "demo_fraction_of_ceiling": ceiling / demo, "streaming_fraction_of_ceiling": ceiling / (demo - skeleton)})
-        print(f"round {r}: read {gbs:.1f} GB/s, ceiling step {ceiling * 1e3:.2f}; demo {demo * 1e3:.2f} "
-              f"({ceiling / demo:.2f} of the ceiling), skeleton {skeleton * 1e3:.2f}; demo - skeleton "
-              f"{(demo - skeleton) * 1e3:.2f} ({ceiling / (demo - skeleton):.2f} of the ceiling)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="lmi-probe-") as scratch:
+        for r in range(args.rounds):
+            gbs = read_bandwidth(args.threads, None, 3, Path(scratch))["best_bytes_per_s"] / 1e9
+            step = {}
+            for name in (("model", "skeleton") if r % 2 == 0 else ("skeleton", "model")):
+                step[name] = statistics.median(step_times(engines[name], prompts[name], args.tokens, f"r{r}-{name}"))
+            ceiling = nbytes / (gbs * 1e9)
+            whole, skeleton = step["model"], step["skeleton"]
+            rows.append({"read_gb_per_s": gbs, "ceiling_step_s": ceiling, "demo_step_s": whole,
+                         "skeleton_step_s": skeleton, "demo_fraction_of_ceiling": ceiling / whole,
+                         "streaming_fraction_of_ceiling": ceiling / (whole - skeleton)})
+            flag = "  (above 1: the probe caught a busier host than the round)" if ceiling > whole - skeleton else ""
+            print(f"round {r}: read {gbs:.1f} GB/s, ceiling step {ceiling * 1e3:.2f}; model {whole * 1e3:.2f} "
+                  f"({ceiling / whole:.2f} of the ceiling), skeleton {skeleton * 1e3:.2f}; model - skeleton "
+                  f"{(whole - skeleton) * 1e3:.2f} ({ceiling / (whole - skeleton):.2f} of the ceiling){flag}", flush=True)
     median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-    print(f"median: demo step {median['demo_step_s'] * 1e3:.2f} ms = {median['demo_fraction_of_ceiling']:.2f} of its "
-          f"round's ceiling; skeleton step {median['skeleton_step_s'] * 1e3:.2f} ms; streaming (demo - skeleton) at "
+    print(f"median: model step {median['demo_step_s'] * 1e3:.2f} ms = {median['demo_fraction_of_ceiling']:.2f} of its "
+          f"round's ceiling; skeleton step {median['skeleton_step_s'] * 1e3:.2f} ms; streaming (model - skeleton) at "
           f"{median['streaming_fraction_of_ceiling']:.2f} of the ceiling")
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"fixed-costs-{time.strftime('%Y-%m-%d-%H%M')}.json")
-    source = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
     out.write_text(json.dumps({
-        "what": __doc__.splitlines()[0], "dtype": args.dtype, "threads": args.threads, "tokens": args.tokens,
-        "weight_bytes_per_token": nbytes, "skeleton_config": SKELETON, "source": source,
-        "load_before": load_before, "load_after": os.getloadavg(), "cpu": platform.processor() or platform.machine(),
+        "what": __doc__.splitlines()[0], "model": str(model_dir), "dtype": args.dtype, "threads": args.threads,
+        "tokens": args.tokens, "weight_bytes_per_token": nbytes, "skeleton_config": skeleton_config(config),
+        "source": source, "load_before": load_before, "load_after": os.getloadavg(), "cpu": cpu_model(),
         "rounds": rows, "median": median}, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"), args.dtype)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def plot(rows: list[dict], path: Path, dtype: str) -> None:
-    """Per round: the ceiling step, the demo model's step and the skeleton's (ms), as grouped bars."""
+    """Per round: the ceiling step, the model's step and the skeleton's (ms), as grouped bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     width = 0.27
     for i, (key, label) in enumerate((("ceiling_step_s", "ceiling (weight bytes / read bandwidth)"),
-                                      ("demo_step_s", "demo model step"),
-                                      ("skeleton_step_s", "skeleton step (weights in cache)"))):
+                                      ("demo_step_s", "the model's step"),
+                                      ("skeleton_step_s", "the skeleton's step (weights in cache)"))):
         ax.bar([r + (i - 1) * width for r in range(len(rows))], [row[key] * 1e3 for row in rows], width, label=label)
+    ax.set_xticks(range(len(rows)))
     ax.set_xlabel("round")
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"Batch-1 decode step, {dtype}: what is not weight streaming")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

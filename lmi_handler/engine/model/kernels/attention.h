@@ -374,7 +374,13 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
   // of a few rows (batch-1 decode) splits each row by KV head instead, so that every thread has work
   const int64_t parts = T_rows < 4 * std::max(1, at::get_num_threads()) ? KVH : 1;
   parallel_chunks(T_rows * parts, chunk_for(T_rows * parts, 1), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(H * max_ctx), stats(2 * H), qf(H * D), of(H * D);
+    // each thread's own buffers, kept between calls (zeroed as fresh vectors are): a decode step's 30 layers
+    // each ran a malloc and free of four vectors per chunk on both threads
+    thread_local std::vector<float> scores, stats, qf, of;
+    scores.assign(H * max_ctx, 0.f);
+    stats.assign(2 * H, 0.f);
+    qf.assign(H * D, 0.f);
+    of.assign(H * D, 0.f);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / parts, part = item % parts, s = seq_of_row[r];
       const int64_t g0 = part * KVH / parts, g1 = (part + 1) * KVH / parts, G = H / KVH;
@@ -389,6 +395,60 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
   });
 }
 
+// A step's attention metadata, checked once, shared by every layer (DecoderStack) and each paged_attention
+// call: block_tables (S, MB) int32 (made contiguous, held here), context_lens (S,) int32, cu_seqlens_q
+// (S+1,) int32 for T query rows in cache blocks of BS tokens. Raises (TORCH_CHECK) on a bad dtype, a
+// context longer than its table or cu_seqlens_q[-1] != T.
+struct AttentionPlan {
+  torch::Tensor block_tables, context_lens, cu_seqlens_q;   // held: the pointers below are theirs
+  const int32_t *tables, *ctx, *cu;
+  std::vector<int32_t> seq_of_row;   // (T,) each query row's sequence
+  int64_t MB, max_ctx;
+
+  AttentionPlan(int64_t T, int64_t BS, torch::Tensor block_tables_, torch::Tensor context_lens_,
+                torch::Tensor cu_seqlens_q_)
+      : block_tables(block_tables_.contiguous()), context_lens(context_lens_.contiguous()),
+        cu_seqlens_q(cu_seqlens_q_.contiguous()) {
+    TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+                cu_seqlens_q.scalar_type() == torch::kInt32, "metadata must be int32");
+    const int64_t S = context_lens.size(0);
+    MB = block_tables.size(1);
+    TORCH_CHECK(cu_seqlens_q.numel() == S + 1, "cu_seqlens_q must be (S + 1,)");
+    tables = block_tables.data_ptr<int32_t>();
+    ctx = context_lens.data_ptr<int32_t>();
+    cu = cu_seqlens_q.data_ptr<int32_t>();
+    TORCH_CHECK(cu[S] == T, "cu_seqlens_q[-1] must equal the number of query rows");
+    seq_of_row.assign(T, 0);
+    max_ctx = 1;
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK(ctx[s] >= cu[s + 1] - cu[s] && (ctx[s] + BS - 1) / BS <= MB, "bad context length");
+      for (int64_t r = cu[s]; r < cu[s + 1]; ++r) seq_of_row[r] = static_cast<int32_t>(s);
+      max_ctx = std::max<int64_t>(max_ctx, ctx[s]);
+    }
+  }
+};
+
+// paged attention of q (T, H, D) contiguous into out (T, H, D), q's dtype, over one layer's caches
+inline void paged_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const AttentionPlan& plan, double scale, torch::Tensor& out) {
+  const bool bf = is_bf16(q, "q");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_attention needs q and the caches in one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "q and out must be contiguous (T, H, D) of one dtype");
+  TORCH_CHECK(q.size(0) == static_cast<int64_t>(plan.seq_of_row.size()), "q's rows must be the plan's");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes mismatch");
+  const float fscale = static_cast<float>(scale);
+  if (bf) {
+    paged_attention_typed<bf16>(q, k_cache, v_cache, plan.tables, plan.ctx, plan.cu, plan.seq_of_row, plan.MB,
+                                plan.max_ctx, fscale, out);
+  } else {
+    paged_attention_typed<float>(q, k_cache, v_cache, plan.tables, plan.ctx, plan.cu, plan.seq_of_row, plan.MB,
+                                 plan.max_ctx, fscale, out);
+  }
+}
+
 // q: (T, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D), all float32 or all bfloat16;
 // block_tables: (S, max_blocks) int32; context_lens: (S,) int32; cu_seqlens_q: (S+1,) int32. Row r of
 // sequence s sits at position context_lens[s] - query_len[s] + (r - cu_seqlens_q[s]) and attends to
@@ -396,36 +456,12 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor context_lens,
                               torch::Tensor cu_seqlens_q, double scale) {
-  const bool bf = is_bf16(q, "q");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_attention needs q and the caches in one dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
-              cu_seqlens_q.scalar_type() == torch::kInt32, "metadata must be int32");
+  is_bf16(q, "q");
   q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t S = context_lens.size(0), MB = block_tables.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head shapes mismatch");
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
-  TORCH_CHECK(cu[S] == T, "cu_seqlens_q[-1] must equal the number of query rows");
-  std::vector<int32_t> seq_of_row(T);
-  int64_t max_ctx = 1;
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(ctx[s] >= cu[s + 1] - cu[s] && (ctx[s] + BS - 1) / BS <= MB, "bad context length");
-    for (int64_t r = cu[s]; r < cu[s + 1]; ++r) seq_of_row[r] = static_cast<int32_t>(s);
-    max_ctx = std::max<int64_t>(max_ctx, ctx[s]);
-  }
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be (T, H, D) and the caches (blocks, BS, KVH, D)");
+  const AttentionPlan plan(q.size(0), k_cache.size(1), block_tables, context_lens, cu_seqlens_q);
   auto out = torch::empty_like(q);
-  const float fscale = static_cast<float>(scale);
-  if (bf) {
-    paged_attention_typed<bf16>(q, k_cache, v_cache, tables, ctx, cu, seq_of_row, MB, max_ctx, fscale, out);
-  } else {
-    paged_attention_typed<float>(q, k_cache, v_cache, tables, ctx, cu, seq_of_row, MB, max_ctx, fscale, out);
-  }
+  paged_attention_into(q, k_cache, v_cache, plan, scale, out);
   return out;
 }
 

@@ -647,7 +647,8 @@ inline FloatRows float_rows(const torch::Tensor& x, int64_t width, bool round) {
   return {xf, xf.data_ptr<float>()};
 }
 
-// y = x @ W^T (+ bias) for a packed weight of any kind (see the top of this file).
+// y = x @ W^T (+ bias) for a packed weight of any kind (see the top of this file), in `out` when given
+// (contiguous (M, out_features) of y's dtype; (M, out_features / 2) in the paired form), else a new tensor.
 // x: (M, K) float32 or bfloat16; packed: float32 (P, K, PANEL), bfloat16 (P, ceil(K/2), 2 PANEL) or
 // int8 (P, K, PANEL) with scale (out_features,) float32; bias: (out_features,) float32 or bfloat16.
 // out_bf16: y in bfloat16 (each value rounded once), else float32. form (bf16 panels only, Bf16Form):
@@ -665,7 +666,7 @@ inline bool pairable(c10::ScalarType kind, int64_t out_features, int64_t form) {
 // pairable() (rowwise.h's linear_silu takes the two calls otherwise).
 template <class PairOp = void>
 torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
+                          c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form, const torch::Tensor* out = nullptr) {
   constexpr bool paired = !std::is_void_v<PairOp>;
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   is_bf16(x, "x");
@@ -691,7 +692,16 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
     TORCH_CHECK(s_f.scalar_type() == torch::kFloat32 && s_f.numel() == out_features, "scale must be (out_features,) float32");
   }
   TORCH_CHECK(!paired || pairable(kind, out_features, form), "the paired form needs whole panels in each half and no AMX");
-  auto y = torch::empty({M, paired ? out_features / 2 : out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  const int64_t y_cols = paired ? out_features / 2 : out_features;
+  const auto y_dtype = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor y;
+  if (out) {   // the caller's buffer (DecoderStack's workspace): no allocation a call
+    TORCH_CHECK(out->dim() == 2 && out->size(0) == M && out->size(1) == y_cols && out->is_contiguous() &&
+                out->scalar_type() == y_dtype, "out must be contiguous (M, ", y_cols, ") ", y_dtype);
+    y = *out;
+  } else {
+    y = torch::empty({M, y_cols}, x.options().dtype(y_dtype));
+  }
   if (M == 0) return y;
   const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
   const float* sp = s_f.defined() ? s_f.data_ptr<float>() : nullptr;

@@ -21,7 +21,8 @@ namespace {
 template <class T>
 void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t N, float eps) {
   at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(N);
+    thread_local std::vector<float> xf;   // kept between calls: no malloc and free per call
+    if (static_cast<int64_t>(xf.size()) < N) xf.resize(N);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * N;
       if (delta) {
@@ -234,33 +235,74 @@ struct LayerWeights {
   Opt down_s, down_b;
 };
 
-// The per-step inputs every layer shares (DecoderStack::forward's)
+// A step's intermediate tensors, made once by DecoderStack::forward and reused by every layer (each op
+// used to make its output tensor: 8 a layer, 240 a demo-model step, each a posix_memalign and a free,
+// which with the caches cold from the weights' stream cost more than the op itself at batch 1).
+// T rows, x's dtype: h (T, hidden) a norm's output; qkv (T, (H + 2 KVH) D); q and attn (T, H, D); delta
+// (T, hidden) the o and then the down linear's output (each consumed by the next norm before the next
+// linear writes it); act (T, intermediate) silu(gate) * up. Bits: the same operations as the ops' own outputs.
+struct Workspace {
+  torch::Tensor h, qkv, q, attn, attn_rows, delta, act;   // attn_rows: attn as (T, H D)
+  Workspace(const torch::Tensor& x, int64_t H, int64_t KVH, int64_t D, int64_t intermediate) {
+    const int64_t T = x.size(0);
+    auto opt = x.options();
+    h = torch::empty_like(x);
+    qkv = torch::empty({T, (H + 2 * KVH) * D}, opt);
+    q = torch::empty({T, H, D}, opt);
+    attn = torch::empty({T, H, D}, opt);
+    attn_rows = attn.view({T, H * D});
+    delta = torch::empty_like(x);
+    act = torch::empty({T, intermediate}, opt);
+  }
+};
+
+// x (T, N) += delta (when given, in place); ws.h = weight * rmsnorm(x) (add_rmsnorm's operations)
+template <class T>
+inline void add_rmsnorm_into(torch::Tensor& x, const torch::Tensor* delta, const torch::Tensor& weight, double eps,
+                             torch::Tensor& h) {
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be (N,) contiguous in x's dtype");
+  add_rmsnorm_rows<T>(data_of<T>(x), delta ? data_of<T>(*delta) : nullptr, data_of<T>(weight), data_of<T>(h), x.size(0),
+                      x.size(1), static_cast<float>(eps));
+}
+
+// The per-step inputs every layer shares (DecoderStack::forward's), checked once a step
 struct StepInputs {
-  torch::Tensor cos, sin, slot_mapping, block_tables, context_lens, cu_seqlens_q;
+  torch::Tensor cos, sin, slot_mapping;
+  const AttentionPlan& plan;
   int64_t H, KVH, intermediate;
   double eps, scale;
   int64_t bf16_form;   // linear's form for bf16 panels (Bf16Form)
 };
 
 // One Llama decoder layer on the residual stream x (T, hidden), float32 or bfloat16, in place:
-//   x += delta (the previous layer's down output, when given); h = rmsnorm(x) -> qkv linear -> rope + KV
-//   write -> paged attention -> o linear; x += o; h = rmsnorm(x) -> gate_up linear with silu * up -> down.
-// Returns the down output: the next layer's first norm (or the final norm) adds it to x, as _forward_split
-// does, so x is read and written once a layer less (the same operations as adding it here).
-// Every stage is one of the row-invariant ops above, so the layer is too. Linears write x's dtype.
-inline torch::Tensor layer_forward(torch::Tensor& x, const c10::optional<torch::Tensor>& delta_in, const LayerWeights& l,
-                                   const torch::Tensor& k_cache, const torch::Tensor& v_cache, const StepInputs& in) {
-  const bool bf = is_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bad x");
-  const int64_t T = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
-  auto h = add_rmsnorm(x, delta_in, l.in_norm, in.eps);
-  auto qkv = linear(h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form);
-  auto q = rope_kv_write(qkv, in.cos, in.sin, k_cache, v_cache, in.slot_mapping, H, KVH);
-  auto o = paged_attention(q, k_cache, v_cache, in.block_tables, in.context_lens, in.cu_seqlens_q, in.scale);
-  auto delta = linear(o.view({T, H * D}), l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form);
-  h = add_rmsnorm(x, delta, l.post_norm, in.eps);
-  auto act = linear_silu(h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form);
-  return linear(act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form);
+//   x += delta (the previous layer's down output, when `add_delta`); h = rmsnorm(x) -> qkv linear -> rope +
+//   KV write -> paged attention -> o linear; x += o; h = rmsnorm(x) -> gate_up linear with silu * up -> down.
+// Leaves the down output in ws.delta: the next layer's first norm (or the final norm) adds it to x, as
+// _forward_split does, so x is read and written once a layer less (the same operations as adding it here).
+// Every stage is one of the row-invariant ops above (their functions, into the workspace's tensors), so the
+// layer is too, and bitwise the ops called one by one. Linears write x's dtype.
+template <class T>
+inline void layer_forward(torch::Tensor& x, bool add_delta, const LayerWeights& l, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const StepInputs& in, Workspace& ws) {
+  constexpr bool bf = std::is_same_v<T, bf16>;
+  const int64_t T_rows = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == x.scalar_type() &&
+              v_cache.scalar_type() == x.scalar_type() && k_cache.size(2) == KVH && D == ws.q.size(2) &&
+              v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, BS, KVH, D) in x's dtype");
+  add_rmsnorm_into<T>(x, add_delta ? &ws.delta : nullptr, l.in_norm, in.eps, ws.h);
+  linear_impl<void>(ws.h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form, &ws.qkv);
+  rope_kv_write_rows<T>(data_of<T>(ws.qkv), data_of<T>(in.cos), data_of<T>(in.sin), data_of<T>(k_cache),
+                        data_of<T>(v_cache), in.slot_mapping.data_ptr<int64_t>(), data_of<T>(ws.q), T_rows, H, KVH, D);
+  paged_attention_into(ws.q, k_cache, v_cache, in.plan, in.scale, ws.attn);
+  linear_impl<void>(ws.attn_rows, l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form, &ws.delta);
+  add_rmsnorm_into<T>(x, &ws.delta, l.post_norm, in.eps, ws.h);
+  if (pairable(l.gu_w.scalar_type(), 2 * in.intermediate, in.bf16_form)) {
+    linear_impl<SiluMul>(ws.h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &ws.act);
+  } else {
+    ws.act.copy_(silu_mul(linear(ws.h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form), true));
+  }
+  linear_impl<void>(ws.act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form, &ws.delta);
 }
 
 // The whole decoder stack and the final norm, held once (the weights' tensors, not copies): one call a
@@ -281,7 +323,13 @@ struct DecoderStack {
     for (const auto& t : ls) {
       TORCH_CHECK(t.size() == 14, "a layer is 14 tensors (or None)");
       TORCH_CHECK(t[0] && t[1] && t[4] && t[7] && t[8] && t[11], "norms and linear panels are required");
-      layers.push_back({*t[0], *t[1], t[2], t[3], *t[4], t[5], t[6], *t[7], *t[8], t[9], t[10], *t[11], t[12], t[13]});
+      // biases held as float32 (exact), the form linear converts them to at every call otherwise
+      auto f32 = [](const c10::optional<torch::Tensor>& b) -> c10::optional<torch::Tensor> {
+        if (!b.has_value() || !b->defined()) return b;
+        return b->to(torch::kFloat32).contiguous();
+      };
+      layers.push_back({*t[0], *t[1], t[2], f32(t[3]), *t[4], t[5], f32(t[6]), *t[7], *t[8], t[9], f32(t[10]), *t[11],
+                        t[12], f32(t[13])});
     }
   }
 
@@ -291,12 +339,34 @@ struct DecoderStack {
                         const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor context_lens, torch::Tensor cu_seqlens_q, int64_t bf16_form) const {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "one K and V cache per layer");
+    const bool bf = is_bf16(x, "x");
+    TORCH_CHECK(x.dim() == 2 && !layers.empty(), "x must be (T, hidden) and the stack have a layer");
     torch::Tensor h = x.contiguous().clone();        // the residual stream, updated in place by every layer
-    const StepInputs in{cos.contiguous(), sin.contiguous(), slot_mapping, block_tables, context_lens, cu_seqlens_q,
-                        H, KVH, intermediate, eps, scale, bf16_form};
-    c10::optional<torch::Tensor> delta;   // the last layer's down output, not yet in h
-    for (size_t l = 0; l < layers.size(); ++l) delta = layer_forward(h, delta, layers[l], k_caches[l], v_caches[l], in);
-    return add_rmsnorm(h, delta, norm, norm_eps);
+    const int64_t T = h.size(0), D = k_caches[0].size(3);
+    TORCH_CHECK(k_caches[0].dim() == 4 && H % KVH == 0 && D % 2 == 0, "bad cache or head shapes");
+    // the step's inputs, checked once for every layer (rope_kv_write's and paged_attention's checks)
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.scalar_type() == h.scalar_type() &&
+                sin.scalar_type() == h.scalar_type(), "cos/sin must be (T, head_dim) in x's dtype");
+    slot_mapping = slot_mapping.contiguous();
+    TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == T, "slot_mapping must be (T,) int64");
+    const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+    for (const auto& c : k_caches) TORCH_CHECK(c.dim() == 4 && c.size(0) * c.size(1) == num_slots, "caches differ in size");
+    const AttentionPlan plan(T, k_caches[0].size(1), block_tables, context_lens, cu_seqlens_q);
+    const StepInputs in{cos, sin, slot_mapping, plan, H, KVH, intermediate, eps, scale, bf16_form};
+    TORCH_CHECK(layers[0].qkv_w.dim() == 3, "bad packed qkv");
+    Workspace ws(h, H, KVH, D, intermediate);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      if (bf) {
+        layer_forward<bf16>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws);
+      } else {
+        layer_forward<float>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws);
+      }
+    }
+    return add_rmsnorm(h, ws.delta, norm, norm_eps);   // the last down output, then the final norm
   }
 };
 

@@ -253,6 +253,33 @@ def test_the_split_layers_are_bitwise_the_fused_layer(tiny_model_dir, precision)
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(fused_logits, split_logits) for a, b in zip(rows_a, rows_b))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model_dir, precision, num_prompts):
+    """A decode step of a few rows runs the fused stack's layers in one OpenMP region with barriers (team
+    mode, rowwise.h DecoderStack::forward_team: each thread its share of every op, its own rope + K/V write
+    for the attention items it owns). With 2 threads it must run (team_steps counts it) and give the bits of
+    the same C++ ops called one by one (_forward_split, each op its own region), batch 1 and batch 3."""
+    dtype, quantize = PRECISIONS[precision]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for split in (False, True):
+            runner = ModelRunner(tiny_model_dir, dtype, torch.device("cpu"), block_size=4, num_blocks=64,
+                                 quantize=quantize)
+            if split:
+                runner.model._forward_fused = runner.model._forward_split
+            results.append(greedy_generate(runner, BlockAllocator(64, 4), PROMPTS[:num_prompts], 6))
+            if not split:
+                assert runner.model._stack[1].team_steps >= 5    # every decode step after the prefill
+    finally:
+        torch.set_num_threads(threads)
+    (team_tokens, team_logits), (split_tokens, split_logits) = results
+    assert team_tokens == split_tokens
+    assert all(torch.equal(a, b) for rows_a, rows_b in zip(team_logits, split_logits) for a, b in zip(rows_a, rows_b))
+
+
 def test_a_rank_loads_only_its_shard_and_its_embedding_and_logits_are_exact(tiny_model_dir):
     """Rank r of 2 holds 2 of the 4 query heads, 1 of the 2 KV heads, half the MLP columns and half the
     vocabulary; its embedding rows and rank 0's gathered logits are bitwise the one-process model's."""

@@ -359,6 +359,12 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   }
 }
 
+// paged_attention_typed's work items: T_rows * parts, item = (row, part), part p of a row its KV heads
+// [p * KVH / parts, (p + 1) * KVH / parts). One query row with all its heads, so each cache block is read as
+// one stream; a step of a few rows (batch-1 decode) splits each row by KV head instead, so that every thread
+// has work.
+inline int64_t attention_parts(int64_t T_rows, int64_t KVH) { return T_rows < 4 * team_threads() ? KVH : 1; }
+
 template <class T>
 void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const int32_t* tables, const int32_t* ctx, const int32_t* cu,
@@ -370,9 +376,7 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
   const T* kp = data_of<T>(k_cache);
   const T* vp = data_of<T>(v_cache);
   T* op = data_of<T>(out);
-  // work item = one query row with all its heads, so each cache block is read as one stream; a step
-  // of a few rows (batch-1 decode) splits each row by KV head instead, so that every thread has work
-  const int64_t parts = T_rows < 4 * std::max(1, at::get_num_threads()) ? KVH : 1;
+  const int64_t parts = attention_parts(T_rows, KVH);
   parallel_chunks(T_rows * parts, chunk_for(T_rows * parts, 1), [&](int64_t begin, int64_t end) {
     // each thread's own buffers, kept between calls (zeroed as fresh vectors are): a decode step's 30 layers
     // each ran a malloc and free of four vectors per chunk on both threads

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <exception>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -21,6 +22,26 @@
 #endif
 
 namespace {
+
+// Team mode: DecoderStack runs a few-row step's layers in one OpenMP region, every thread calling the same
+// ops with barriers between them (rowwise.h, DecoderStack::forward_team). While a thread's `team_share` is set,
+// parallel_chunks and parallel_walk open no region: they run this thread's contiguous share of the items,
+// [n * me / threads, n * (me + 1) / threads), and the other threads run theirs. Which thread runs an item never
+// changes its bits (items write disjoint outputs).
+struct TeamShare {
+  int64_t me = 0, threads = 0;   // threads 0: not in team mode
+};
+inline thread_local TeamShare team_share;
+
+// the threads an op's work is split over: the team's in team mode, else torch's pool
+inline int64_t team_threads() {
+  return team_share.threads > 0 ? team_share.threads : std::max(1, at::get_num_threads());
+}
+
+// this thread's share [begin, end) of n items in team mode
+inline std::pair<int64_t, int64_t> team_range(int64_t n) {
+  return {n * team_share.me / team_share.threads, n * (team_share.me + 1) / team_share.threads};
+}
 
 // Work items handed out on demand, `chunk` at a time, over torch's OpenMP threads (the same pool where
 // torch's wheel ships `libgomp.so.1`, as its CPU wheel does: the loader reuses it; a wheel with a renamed
@@ -33,6 +54,11 @@ namespace {
 template <class F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   if (n <= 0) return;
+  if (team_share.threads > 0) {   // team mode: this thread's share, in this thread
+    const auto [begin, end] = team_range(n);
+    if (begin < end) f(begin, end);
+    return;
+  }
   chunk = std::max<int64_t>(1, chunk);
   const int64_t num_chunks = (n + chunk - 1) / chunk;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_chunks));
@@ -67,6 +93,11 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
 template <class F>
 void parallel_walk(int64_t n, const F& f) {
   if (n <= 0) return;
+  if (team_share.threads > 0) {   // team mode: this thread's share, in this thread
+    const auto [begin, end] = team_range(n);
+    for (int64_t i = begin; i < end; ++i) f(i);
+    return;
+  }
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
   if (threads <= 1 || at::in_parallel_region() || n >= (int64_t{1} << 31)) {
     for (int64_t i = 0; i < n; ++i) f(i);

@@ -95,5 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
                     int64_t, double, double, double>())
       .def("forward", &DecoderStack::forward, "the decoder stack and final norm on x (not changed)",
-           kNoGil);
+           kNoGil)
+      .def_property_readonly("team_steps", [](const DecoderStack& s) { return s.team_steps.load(); },
+                             "steps run in team mode (a few-row decode step's layers in one OpenMP region)");
 }

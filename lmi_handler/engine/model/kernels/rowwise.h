@@ -98,6 +98,29 @@ void rope_kv_write_rows(const T* xp, const T* cp, const T* sp, T* kc, T* vc, con
   });
 }
 
+// rope_kv_write_rows for the paged attention's work items [i0, i1) of the rows (attention_parts: item = (row,
+// part), `parts` a row): each item's query heads into q, its KV heads' k (rotated) and v into the cache. The
+// same rope_row calls as rope_kv_write_rows, so the same bits; in team mode the thread that attends an item
+// writes its rows of q and the cache itself, with no barrier in between (DecoderStack::forward_team).
+template <class T>
+void rope_kv_write_items(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp, int64_t H,
+                         int64_t KVH, int64_t D, int64_t parts, int64_t i0, int64_t i1) {
+  const int64_t width = (H + 2 * KVH) * D, G = H / KVH;
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t t = item / parts, part = item % parts;
+    const int64_t g0 = part * KVH / parts, g1 = (part + 1) * KVH / parts;
+    const T* row = xp + t * width;
+    const T *c = cp + t * D, *s = sp + t * D;
+    for (int64_t h = g0 * G; h < g1 * G; ++h) rope_row(row + h * D, c, s, D, qp + (t * H + h) * D);
+    T* kdst = kc + slots[t] * KVH * D;
+    T* vdst = vc + slots[t] * KVH * D;
+    for (int64_t g = g0; g < g1; ++g) {
+      rope_row(row + (H + g) * D, c, s, D, kdst + g * D);
+      std::copy(row + (H + KVH + g) * D, row + (H + KVH + g + 1) * D, vdst + g * D);
+    }
+  }
+}
+
 // qkv: (T, (H + 2 KVH) D); cos, sin: (T, D); k/v rows go to cache slot slot_mapping[t]; all one dtype
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH) {
@@ -312,6 +335,7 @@ inline void layer_forward(torch::Tensor& x, bool add_delta, const LayerWeights& 
 struct DecoderStack {
   std::vector<LayerWeights> layers;
   torch::Tensor norm;
+  mutable std::atomic<int64_t> team_steps{0};   // steps run in team mode (the tests' check that it runs)
   int64_t H, KVH, intermediate;
   double eps, norm_eps, scale;
 
@@ -331,6 +355,98 @@ struct DecoderStack {
       layers.push_back({*t[0], *t[1], t[2], f32(t[3]), *t[4], t[5], f32(t[6]), *t[7], *t[8], t[9], f32(t[10]), *t[11],
                         t[12], f32(t[13])});
     }
+  }
+
+  // Team mode (common.h) serves a step of at most TEAM_MAX_ROWS rows, one per sequence (decode), with two or
+  // more threads: its 5 region starts and joins a layer (the linears' and the attention's, ~150 a step) become
+  // 5 barriers of one region. Not with the AMX form (amx_gemm splits its own work) nor a gate_up that
+  // linear_silu cannot pair (its fallback makes whole tensors).
+  static constexpr int64_t TEAM_MAX_ROWS = 8;
+  bool team_fits(int64_t T, const AttentionPlan& plan, int64_t bf16_form) const {
+    if (T > TEAM_MAX_ROWS || at::get_num_threads() < 2 || at::in_parallel_region()) return false;
+    if (static_cast<int64_t>(plan.seq_of_row.size()) != plan.context_lens.size(0)) return false;   // a row each
+    for (const auto& l : layers) {
+      if (l.qkv_w.scalar_type() == torch::kBFloat16 && bf16_form == BF16_AMX) return false;
+      if (!pairable(l.gu_w.scalar_type(), 2 * intermediate, bf16_form)) return false;
+    }
+    return true;
+  }
+
+  // The layers of a few-row decode step in one OpenMP region (team mode): every thread runs every op on
+  // its share of the op's items (common.h team_share), a barrier after each op whose outputs the next op
+  // reads across shares. Each thread keeps its own copy of the residual stream and of the norms' output (both
+  // computed by every thread, the same bits), and the q rows of the attention items it owns, whose rope and
+  // K/V write it does itself (rope_kv_write_items: no barrier between them and the attention; a row per
+  // sequence, so an item reads no key another thread writes this step). Per layer:
+  //   norm -> qkv | rope + K/V write + attention | o | norm -> gate_up with silu * up | down |   (| a barrier)
+  // The same ops on the same values as layer_forward, so the same bits. x: the residual stream (T, hidden),
+  // updated in place; the last down output is left in ws.delta. An error in any thread (none is expected:
+  // the shapes were checked before) skips the rest of every op, the barriers still met, and is raised after.
+  template <class T>
+  void forward_team(torch::Tensor& x, const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                    const StepInputs& in, Workspace& ws) const {
+    constexpr bool bf = std::is_same_v<T, bf16>;
+    const int threads = at::get_num_threads();
+    const int64_t T_rows = x.size(0), N = x.size(1), D = ws.q.size(2), H = in.H, KVH = in.KVH;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+                  k_caches[l].scalar_type() == x.scalar_type() && v_caches[l].scalar_type() == x.scalar_type() &&
+                  k_caches[l].size(2) == KVH && k_caches[l].size(3) == D && v_caches[l].sizes() == k_caches[l].sizes(),
+                  "caches must be contiguous (blocks, BS, KVH, D) in x's dtype");
+    }
+    std::vector<torch::Tensor> xs(threads), hs(threads), qs(threads);   // each thread's own
+    for (int t = 0; t < threads; ++t) {
+      xs[t] = t == 0 ? x : x.clone();
+      hs[t] = torch::empty_like(x);
+      qs[t] = torch::empty_like(ws.q);
+    }
+    const int64_t* slots = in.slot_mapping.data_ptr<int64_t>();
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+#pragma omp parallel num_threads(threads)
+    {
+      const int me = omp_get_thread_num();
+      team_share = {me, omp_get_num_threads()};
+      auto run = [&](const auto& op) {
+        if (failed.load(std::memory_order_relaxed)) return;
+        try {
+          op();
+        } catch (...) {
+#pragma omp critical(lmi_parallel_chunks_error)
+          if (!error) error = std::current_exception();
+          failed.store(true, std::memory_order_relaxed);
+        }
+      };
+      torch::Tensor &xm = xs[me], &hm = hs[me], &qm = qs[me];
+      for (size_t li = 0; li < layers.size(); ++li) {
+        const LayerWeights& l = layers[li];
+        const torch::Tensor &kc = k_caches[li], &vc = v_caches[li];
+        run([&] {
+          add_rmsnorm_into<T>(xm, li > 0 ? &ws.delta : nullptr, l.in_norm, in.eps, hm);
+          linear_impl<void>(hm, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form, &ws.qkv);
+        });
+#pragma omp barrier
+        run([&] {
+          const int64_t parts = attention_parts(T_rows, KVH);   // the attention's own items (team threads)
+          const auto [i0, i1] = team_range(T_rows * parts);
+          rope_kv_write_items<T>(data_of<T>(ws.qkv), data_of<T>(in.cos), data_of<T>(in.sin), data_of<T>(kc),
+                                 data_of<T>(vc), slots, data_of<T>(qm), H, KVH, D, parts, i0, i1);
+          paged_attention_into(qm, kc, vc, in.plan, in.scale, ws.attn);
+        });
+#pragma omp barrier
+        run([&] { linear_impl<void>(ws.attn_rows, l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form, &ws.delta); });
+#pragma omp barrier
+        run([&] {
+          add_rmsnorm_into<T>(xm, &ws.delta, l.post_norm, in.eps, hm);
+          linear_impl<SiluMul>(hm, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &ws.act);
+        });
+#pragma omp barrier
+        run([&] { linear_impl<void>(ws.act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form, &ws.delta); });
+#pragma omp barrier
+      }
+      team_share = {};
+    }
+    if (error) std::rethrow_exception(error);
   }
 
   // x: (T, hidden) float32 or bfloat16 (not changed); cos, sin: (T, head_dim); k_caches[l], v_caches[l]:
@@ -359,6 +475,15 @@ struct DecoderStack {
     const StepInputs in{cos, sin, slot_mapping, plan, H, KVH, intermediate, eps, scale, bf16_form};
     TORCH_CHECK(layers[0].qkv_w.dim() == 3, "bad packed qkv");
     Workspace ws(h, H, KVH, D, intermediate);
+    if (team_fits(T, plan, bf16_form)) {
+      team_steps.fetch_add(1, std::memory_order_relaxed);
+      if (bf) {
+        forward_team<bf16>(h, k_caches, v_caches, in, ws);
+      } else {
+        forward_team<float>(h, k_caches, v_caches, in, ws);
+      }
+      return add_rmsnorm(h, ws.delta, norm, norm_eps);
+    }
     for (size_t l = 0; l < layers.size(); ++l) {
       if (bf) {
         layer_forward<bf16>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws);

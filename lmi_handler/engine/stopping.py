@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmi_handler.engine.model.kernels.build import built_kernels
 from lmi_handler.engine.sequence import FinishReason, Sequence
 
 # Codes returned by token_stop_reasons, (B,) int8.
@@ -57,7 +58,19 @@ def token_stop_reasons(token_ids: torch.Tensor, stop_ids: torch.Tensor, num_outp
     num_output_tokens: (B,) int64 counting the new token; max_new_tokens: (B,) int64;
     is_eos: (B, S) bool from build_stop_ids, or None to report every stop id as STOP_EOS.
     Returns (B,) int8: STOP_NONE, STOP_EOS, STOP_TOKEN or STOP_LENGTH. A stop token wins over length.
+    On CPU with the C++ kernels built, their stop_reasons (vmath.h) gives the same codes in one call (a batch
+    of a few rows spent more on these ops' dispatch than on their arithmetic); token_stop_reasons_reference
+    is this function's tensor-op form, kept for other devices and as the test's reference.
     """
+    module = built_kernels()
+    if module is not None and token_ids.device.type == "cpu":
+        return module.stop_reasons(token_ids, stop_ids, num_output_tokens, max_new_tokens, is_eos)
+    return token_stop_reasons_reference(token_ids, stop_ids, num_output_tokens, max_new_tokens, is_eos)
+
+
+def token_stop_reasons_reference(token_ids: torch.Tensor, stop_ids: torch.Tensor, num_output_tokens: torch.Tensor,
+                                 max_new_tokens: torch.Tensor, is_eos: torch.Tensor | None = None) -> torch.Tensor:
+    """token_stop_reasons as tensor ops (no loop over rows): any device."""
     hits = stop_ids == token_ids[:, None]                                             # (B, S) bool
     reasons = torch.where(num_output_tokens >= max_new_tokens, STOP_LENGTH, STOP_NONE)
     if is_eos is None:

@@ -33,6 +33,35 @@ def test_rope_inv_freq_matches_transformers(variant):
     assert torch.equal(rope_inv_freq(args_from_config(cfg.to_dict())), expected)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_are_one_position_s_rows_whatever_the_step(head_dim, dtype):
+    """The packed CPU forward takes RoPE's cos / sin rows from a table grown in slabs (LlamaModel._rope_rows):
+    a position's row is the same bits in every step whatever else the step holds, before and after the table
+    grows, and (head_dim a multiple of 32: no scalar tail in a step's (T, head_dim)) the row rope_cos_sin
+    computes for the step itself."""
+    from lmi_handler.engine.model.llama import ROPE_SLAB, LlamaArgs, LlamaModel, rope_cos_sin
+
+    args = LlamaArgs(vocab_size=8, hidden_size=2 * head_dim, intermediate_size=8, num_layers=1, num_heads=2,
+                     num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                     rope_theta=5e5)
+    model = LlamaModel(args)
+    whole = rope_cos_sin(torch.arange(4 * ROPE_SLAB), model.inv_freq, dtype)
+    gen = torch.Generator().manual_seed(head_dim)
+    for steps, bound in ((5, 40), (5, 3 * ROPE_SLAB + 7), (3, 90)):       # grows on the second
+        for _ in range(steps):
+            t = int(torch.randint(1, 70, (1,), generator=gen))
+            pos = torch.randint(0, bound, (t,), generator=gen)
+            cos, sin = model._rope_rows(pos, int(pos.max()) + 1, dtype)
+            assert cos.dtype == sin.dtype == dtype and cos.shape == (t, head_dim) and cos.is_contiguous()
+            assert torch.equal(cos, whole[0][pos]) and torch.equal(sin, whole[1][pos])
+            if head_dim % 32 == 0:
+                want_cos, want_sin = rope_cos_sin(pos, model.inv_freq, dtype)
+                assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    rows = model._rope_table[0].shape[0]
+    assert rows >= 3 * ROPE_SLAB + 7 and rows % ROPE_SLAB == 0          # grew, in whole slabs
+
+
 def test_config_reads_old_and_new_rope_keys():
     base = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4)
     assert args_from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5

@@ -221,6 +221,37 @@ def test_prepare_flattens_a_mixed_step_in_the_scheduler_order(runner):
     assert mi.num_chunk_rows == 5 and mi.chunk_spans == {1: (0, 5)}
 
 
+def decode_step() -> SchedulerOutput:
+    """Three decodes (one row each): the last prompt token, an output token at a block's first offset, and one
+    deep in a longer table; no prompt-logprob chunk, no block copy."""
+    first = seq("first", [5, 6, 7], [], computed=2, blocks=[9])
+    edge = seq("edge", [1, 2, 3, 4, 5, 6], [40, 41, 42], computed=8, blocks=[20, 21, 4])
+    deep = seq("deep", list(range(30)), [50, 51], computed=31, blocks=[1, 2, 3, 5, 6, 7, 8, 10, 11])
+    return SchedulerOutput(seqs=[first, edge, deep], num_scheduled_tokens=[1, 1, 1])
+
+
+def test_a_decode_step_takes_the_list_path_with_the_general_paths_values(runner):
+    """prepare_host builds a decode step (a row per sequence) from Python lists (_prepare_decode); every field
+    must equal what the general path (_prepare_general, tensor ops) builds for the same step, dtypes included."""
+    sched = decode_step()
+    starts = [s.num_computed_tokens for s in sched.seqs]
+    token_ids = [7, 42, 51]
+    fast = runner.prepare_host(sched)
+    general = runner._prepare_general(sched, starts, token_ids)
+    assert fast.input_ids.tolist() == token_ids
+    assert fast.attn.slot_mapping.tolist() == reference_slot_mapping([s.block_table for s in sched.seqs], starts, [1] * 3)
+    for name in ("input_ids", "positions", "logit_rows"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name in ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q"):
+        a, b = getattr(fast.attn, name), getattr(general.attn, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.attn.query_lens == general.attn.query_lens and fast.attn.context_lens_host == general.attn.context_lens_host
+    assert (fast.num_chunk_rows, fast.chunk_spans, fast.blocks_to_copy) == (0, {}, None)
+    assert (general.num_chunk_rows, general.chunk_spans, general.blocks_to_copy) == (0, {}, None)
+    assert torch.equal(runner.execute(fast).logits, runner.execute(general).logits)
+
+
 def test_plain_mode_builds_the_same_step(tiny_model_dir):
     plain = ModelRunner(tiny_model_dir, torch.float32, torch.device("cpu"), block_size=BLOCK, num_blocks=64,
                         batch_invariant=False)

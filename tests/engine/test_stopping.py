@@ -18,10 +18,26 @@ from lmi_handler.engine.stopping import (
     StopStringMatcher,
     build_stop_ids,
     token_stop_reasons,
+    token_stop_reasons_reference,
 )
 
 CPU = torch.device("cpu")
 EOS = (2,)
+
+
+def kernel_stop_reasons(*args):
+    """The C++ kernels' stop_reasons (vmath.h), built if need be: token_stop_reasons' CPU path."""
+    from lmi_handler.engine.model.kernels import cpu_kernels
+
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ kernels are not built here")
+    return module.stop_reasons(*args)
+
+
+# token_stop_reasons itself, its tensor-op form and the kernel it calls on CPU: all three give the same codes
+IMPLS = pytest.mark.parametrize("reasons", [token_stop_reasons, token_stop_reasons_reference, kernel_stop_reasons],
+                                ids=["dispatch", "reference", "kernel"])
 
 
 def seq(**kw) -> Sequence:
@@ -54,18 +70,34 @@ def test_build_stop_ids_of_an_empty_batch_has_one_column():
     ({"stop_token_ids": (2,)}, 2, 3, 30, STOP_EOS),           # eos listed again by the user stays eos
     ({}, 5, 31, 30, STOP_LENGTH),
 ])
-def test_token_stop_reasons_table(params, token, num_out, max_new, expected):
+@IMPLS
+def test_token_stop_reasons_table(params, token, num_out, max_new, expected, reasons):
     stop_ids, is_eos = build_stop_ids([seq(**params)], EOS, CPU)
-    got = token_stop_reasons(torch.tensor([token]), stop_ids, torch.tensor([num_out]), torch.tensor([max_new]), is_eos)
+    got = reasons(torch.tensor([token]), stop_ids, torch.tensor([num_out]), torch.tensor([max_new]), is_eos)
     assert got.dtype == torch.int8 and got.tolist() == [expected]
 
 
-def test_token_stop_reasons_is_batched_and_reports_eos_without_is_eos():
+@IMPLS
+def test_token_stop_reasons_is_batched_and_reports_eos_without_is_eos(reasons):
     seqs = [seq(), seq(stop_token_ids=(7,)), seq(max_new_tokens=3), seq(ignore_eos=True)]
     stop_ids, is_eos = build_stop_ids(seqs, EOS, CPU)
     args = (torch.tensor([2, 7, 4, 2]), stop_ids, torch.tensor([1, 1, 3, 1]), torch.tensor([30, 30, 3, 30]))
-    assert token_stop_reasons(*args, is_eos).tolist() == [STOP_EOS, STOP_TOKEN, STOP_LENGTH, STOP_NONE]
-    assert token_stop_reasons(*args).tolist() == [STOP_EOS, STOP_EOS, STOP_LENGTH, STOP_NONE]
+    assert reasons(*args, is_eos).tolist() == [STOP_EOS, STOP_TOKEN, STOP_LENGTH, STOP_NONE]
+    assert reasons(*args).tolist() == [STOP_EOS, STOP_EOS, STOP_LENGTH, STOP_NONE]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(st.lists(st.integers(-1, 6), min_size=1, max_size=4), st.integers(0, 6),
+                               st.integers(0, 5), st.integers(0, 5), st.integers(0, 2**16)), min_size=1, max_size=9),
+       width=st.integers(1, 4))
+def test_the_kernel_gives_the_reference_codes(rows, width):
+    """Random stop tables, tokens, counts and eos marks: the C++ stop_reasons equals the tensor ops, with is_eos
+    and without."""
+    ids = torch.tensor([(r[0] * width)[:width] for r in rows], dtype=torch.int64)
+    eos = torch.tensor([[bool(r[4] >> j & 1) for j in range(width)] for r in rows])
+    args = (torch.tensor([r[1] for r in rows]), ids, torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]))
+    assert torch.equal(kernel_stop_reasons(*args, eos), token_stop_reasons_reference(*args, eos))
+    assert torch.equal(kernel_stop_reasons(*args), token_stop_reasons_reference(*args))
 
 
 def test_reason_codes_map_to_lmi_finish_reasons():

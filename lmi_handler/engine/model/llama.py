@@ -81,6 +81,16 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """RoPE's cos and sin rows, rotate-half layout (transformers' LlamaRotaryEmbedding's values, computed in
+    float32, then cast): positions (T,) int64 -> ((T, head_dim), (T, head_dim)) in `dtype`."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]      # (T, D/2) float32
+    emb = torch.cat((freqs, freqs), dim=-1)                              # (T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+ROPE_SLAB = 256   # positions per slab of LlamaModel's RoPE table (256 * head_dim floats: whole 32-float vectors)
+
 INVARIANT_TILE = 16   # rows per bmm tile on the PyTorch fallback (MKL: 16-row tiles measured invariant)
 CUDA_TILES_PER_CALL = 8   # CUDA: tiles per bmm call, a fixed shape (128 rows) so cuBLAS's choice is fixed
 
@@ -328,16 +338,37 @@ class LlamaModel(nn.Module):
         """input_ids, positions: (T,) int64. kv_caches[l]: (K, V), each (num_blocks, block_size,
         num_kv_heads, head_dim). Writes this step's K/V; returns final-norm hidden states (T, hidden)."""
         x = self.embed(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # (T, D/2) float32
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                 # (T, 1, D)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         if self.fused and isinstance(self.layers[0].self_attn.qkv_weight, PackedWeight) \
                 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
             forward = self._forward_fused if self.group is None else self._forward_split
-            return forward(x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1), kv_caches, meta)
+            cos, sin = self._rope_rows(positions, max(meta.context_lens_host, default=0), x.dtype)
+            return forward(x, cos, sin, kv_caches, meta)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]                         # (T, 1, D)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, invariant, self.group)
         return self.norm(x)
+
+    _rope_table = None   # (cos, sin) of positions 0 .. len - 1, (len, head_dim) in one dtype; see _rope_rows
+
+    def _rope_rows(self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype):
+        """rope_cos_sin(positions) as rows of a table of every position below `num_positions` (the step's
+        longest context), grown in slabs of ROPE_SLAB positions when a step needs more: two index_selects a
+        step instead of the ~10 ops of computing them (on CPU a step's few rows cost more in dispatch than in
+        arithmetic). A slab's elements are computed as a step's are (rope_cos_sin, ROPE_SLAB * head_dim
+        elements: whole vectors, no scalar tail, one thread), so a position's row is the one the step would
+        compute wherever its (T, head_dim) has no tail (head_dim a multiple of 32), and the same for every
+        batch always. positions: (T,) int64 CPU -> (T, head_dim) cos, sin in `dtype`."""
+        table = self._rope_table
+        if table is None or table[0].dtype != dtype or table[0].shape[0] < num_positions:
+            have = 0 if table is None or table[0].dtype != dtype else table[0].shape[0]
+            want = -(-max(num_positions, 2 * have, ROPE_SLAB) // ROPE_SLAB) * ROPE_SLAB
+            slabs = [rope_cos_sin(torch.arange(start, start + ROPE_SLAB), self.inv_freq, dtype)
+                     for start in range(have, want, ROPE_SLAB)]
+            cos = torch.cat(([table[0]] if have else []) + [c for c, _ in slabs])
+            sin = torch.cat(([table[1]] if have else []) + [s for _, s in slabs])
+            table = self._rope_table = (cos, sin)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -161,4 +161,43 @@ torch::Tensor row_argmax(torch::Tensor x) {
   return out;
 }
 
+// stopping.token_stop_reasons in one pass over a few rows (its tensor ops are ~8 dispatcher calls a step,
+// each costing more than the arithmetic when the caches are cold from the weights' stream). Same codes:
+// token_ids (B,) int64; stop_ids (B, S) int64 padded with -1; num_output_tokens, max_new_tokens (B,) int64;
+// is_eos (B, S) bool or absent (every stop id counts as eos). Returns (B,) int8: 0 go on, 1 eos, 2 length,
+// 3 a user stop id; an eos hit wins over a stop id, a stop id over length.
+torch::Tensor stop_reasons(torch::Tensor token_ids, torch::Tensor stop_ids, torch::Tensor num_output_tokens,
+                           torch::Tensor max_new_tokens, c10::optional<torch::Tensor> is_eos) {
+  token_ids = token_ids.contiguous();
+  stop_ids = stop_ids.contiguous();
+  num_output_tokens = num_output_tokens.contiguous();
+  max_new_tokens = max_new_tokens.contiguous();
+  const int64_t B = token_ids.numel();
+  TORCH_CHECK(token_ids.scalar_type() == torch::kInt64 && stop_ids.scalar_type() == torch::kInt64 &&
+              num_output_tokens.scalar_type() == torch::kInt64 && max_new_tokens.scalar_type() == torch::kInt64,
+              "token ids, stop ids and counts must be int64");
+  TORCH_CHECK(stop_ids.dim() == 2 && stop_ids.size(0) == B && num_output_tokens.numel() == B &&
+              max_new_tokens.numel() == B, "stop_ids must be (B, S), the counts (B,)");
+  const int64_t S = stop_ids.size(1);
+  torch::Tensor eos;
+  if (is_eos.has_value() && is_eos->defined()) {
+    eos = is_eos->contiguous();
+    TORCH_CHECK(eos.scalar_type() == torch::kBool && eos.sizes() == stop_ids.sizes(), "is_eos must be (B, S) bool");
+  }
+  auto out = torch::empty({B}, token_ids.options().dtype(torch::kInt8));
+  const int64_t *tok = token_ids.data_ptr<int64_t>(), *ids = stop_ids.data_ptr<int64_t>();
+  const int64_t *n = num_output_tokens.data_ptr<int64_t>(), *mx = max_new_tokens.data_ptr<int64_t>();
+  const bool* ep = eos.defined() ? eos.data_ptr<bool>() : nullptr;
+  int8_t* op = out.data_ptr<int8_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    bool eos_hit = false, stop_hit = false;
+    for (int64_t j = 0; j < S; ++j) {
+      if (ids[b * S + j] != tok[b]) continue;
+      if (!ep || ep[b * S + j]) eos_hit = true; else stop_hit = true;
+    }
+    op[b] = eos_hit ? 1 : stop_hit ? 3 : n[b] >= mx[b] ? 2 : 0;
+  }
+  return out;
+}
+
 }  // namespace

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lmi_handler.engine.logits_controls import LogitsControls, apply_token_bitmask
-from lmi_handler.engine.model.kernels import row_argmax
+from lmi_handler.engine.model.kernels import built_kernels, row_argmax
 from lmi_handler.engine.sequence import SamplingParams, Sequence, wrap_int64
 
 # ---------------------------------------------------------------------------------------------
@@ -383,8 +383,15 @@ def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
 
     logits: (B, V) float32. `logit - logsumexp` would be cheaper but is neither the mixed path's value
     (a greedy row's log-prob would move when a sampled row joins the step) nor row-invariant
-    (torch.logsumexp splits a lone row's reduction over threads): see `row_sum`.
+    (torch.logsumexp splits a lone row's reduction over threads): see `row_sum`. On CPU with the kernels built,
+    the argmax, the log_softmax (torch's own kernel, called from C++) and the chosen ids' log-probs come from one
+    call (vmath.h greedy_pick: the same values; a batch-1 step spent more on these ops' dispatch than on them).
     """
+    module = built_kernels()
+    if module is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.shape[1] > 0:
+        token_ids, logprobs, chosen = module.greedy_pick(logits)
+        return _output(token_ids, logprobs, max_top_n, chosen)
     return _output(row_argmax(logits), torch.log_softmax(logits, dim=-1), max_top_n)
 
 
@@ -408,9 +415,12 @@ def row_entropy(logp: torch.Tensor) -> torch.Tensor:
     return -row_sum(torch.where(logp == float("-inf"), 0.0, logp * logp.exp()))
 
 
-def _output(token_ids: torch.Tensor, logprobs: torch.Tensor, max_top_n: int) -> SamplerOutput:
-    """Gather the chosen log-probs and the top-n alternatives from (B, V) float32 log-probs."""
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+def _output(token_ids: torch.Tensor, logprobs: torch.Tensor, max_top_n: int,
+            chosen: torch.Tensor | None = None) -> SamplerOutput:
+    """Gather the chosen log-probs (unless given, (B,) float32) and the top-n alternatives from (B, V) float32
+    log-probs."""
+    if chosen is None:
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     if max_top_n == 0:
         return SamplerOutput(token_ids, chosen, None, None)
     top = torch.topk(logprobs, min(max_top_n, logprobs.shape[1]), dim=-1)

@@ -561,6 +561,23 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch_for_every_kind(kind, in_
     assert_rows_alone_match_the_batch(x.to(torch.bfloat16), pack_weight(weight, kind), bias)
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+@pytest.mark.parametrize("in_features", [19, 64])
+def test_the_cpp_row_copy_is_the_tensor_ops_rows(kind, in_features):
+    """PackedWeight.rows on CPU copies rows in one C++ call (linear.h packed_rows): the same values and dtype
+    as its tensor-op form (rows_reference) for every row, odd widths (bf16's padded pair) included; an id
+    outside the weight is refused."""
+    weight = torch.randn(PANEL * 3 + 5, in_features)
+    packed = pack_weight(weight, kind)
+    ids = torch.arange(weight.shape[0]).flip(0)
+    got, want = packed.rows(ids), packed.rows_reference(ids)
+    assert got.dtype == want.dtype == packed.panels.dtype and torch.equal(got, want)
+    assert torch.equal(got, weight.to(packed.panels.dtype)[ids])
+    assert packed.rows(ids[:0]).shape == (0, in_features)
+    with pytest.raises(RuntimeError, match="out of range"):
+        packed.rows(torch.tensor([weight.shape[0]]))
+
+
 def test_bf16_and_int8_panels_keep_the_rows_the_embedding_reads():
     weight = torch.randn(PANEL * 3 + 5, 19)
     packed = pack_weight(weight, "bfloat16")                  # odd in_features: padded pairs

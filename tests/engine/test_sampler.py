@@ -372,6 +372,31 @@ def test_greedy_sample_reports_log_softmax_of_the_chosen_token():
     assert math.isclose(float(out.logprobs[0]), float(torch.log_softmax(logits, -1)[0, 1]), rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("top_n", [0, 3])
+def test_greedy_sample_s_one_kernel_call_gives_the_tensor_ops_values(top_n):
+    """On CPU an all-greedy batch takes its ids, log_softmax and chosen log-probs from one C++ call
+    (vmath.h greedy_pick, torch's log_softmax kernel inside): bitwise torch.argmax, torch.log_softmax and
+    their gather, ties and -inf logits included."""
+    from lmi_handler.engine.model.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels are not built here")
+    torch.manual_seed(5)
+    logits = torch.randn(5, 1000) * 4
+    logits[1, 10] = logits[1, 20] = 50.0                    # a tie: the first index
+    logits[2, :500] = float("-inf")
+    out = greedy_sample(logits, top_n)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = torch.argmax(logits, dim=-1)
+    assert torch.equal(out.token_ids, ids) and out.token_ids[1] == 10
+    assert torch.equal(out.logprobs, logprobs.gather(1, ids[:, None]).squeeze(1))
+    if top_n:
+        top = torch.topk(logprobs, top_n, dim=-1)
+        assert torch.equal(out.top_ids, top.indices) and torch.equal(out.top_logprobs, top.values)
+    else:
+        assert out.top_ids is None
+
+
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax_and_its_log_softmax():
     torch.manual_seed(4)
     logits = torch.randn(4, 300)

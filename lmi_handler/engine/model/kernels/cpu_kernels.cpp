@@ -88,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vector") = true, kNoGil);
   m.def("mask_logits_", &mask_logits_, "set logits to -inf where the token bitmask does not allow them, in place", kNoGil);
   m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=-1) of (N, V) float32 rows", kNoGil);
+  m.def("greedy_pick", &greedy_pick, "(argmax ids, log_softmax, the ids' log-probs) of (N, V) float32 rows", kNoGil);
+  m.def("packed_rows", &packed_rows, "rows of a packed float32 / bfloat16 weight (exact copies)", kNoGil);
   m.def("stop_reasons", &stop_reasons, "stopping.token_stop_reasons' codes in one pass", py::arg("token_ids"),
         py::arg("stop_ids"), py::arg("num_output_tokens"), py::arg("max_new_tokens"), py::arg("is_eos") = py::none());
   m.def("walk_counts", &walk_counts, "parallel_walk's check: (runs of each item, items taken from another's share)",

@@ -799,6 +799,38 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   return y;
 }
 
+// Rows `ids` of a packed float32 or bfloat16 weight (PackedWeight.rows: an embedding lookup on a tied
+// lm_head), exact copies in the panels' dtype: ids (n,) int64 in [0, out_features) -> (n, in_features).
+// float32 panels (P, K, PANEL): row id = panels[id / PANEL][k][id % PANEL]; bfloat16 (P, Kp, 2 PANEL): element
+// 2i + e of row id = panels[id / PANEL][i][2 (id % PANEL) + e].
+torch::Tensor packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t out_features, int64_t in_features) {
+  const auto kind = packed.scalar_type();
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (kind == torch::kFloat32 || kind == torch::kBFloat16),
+              "packed must be contiguous float32 or bfloat16 panels");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "ids must be (n,) int64");
+  ids = ids.contiguous();
+  const int64_t n = ids.size(0), P = packed.size(0), rows = packed.size(1), width = packed.size(2);
+  const bool bf = kind == torch::kBFloat16;
+  TORCH_CHECK(width == (bf ? 2 * PANEL : PANEL) && out_features <= P * PANEL &&
+              in_features <= (bf ? 2 * rows : rows), "panels do not match out / in features");
+  auto out = torch::empty({n, in_features}, packed.options());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < out_features, "id ", ip[r], " out of range");
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t p = ip[r] / PANEL, j = ip[r] % PANEL;
+    if (bf) {
+      const bf16* src = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>()) + p * rows * width + 2 * j;
+      bf16* dst = data_of<bf16>(out) + r * in_features;
+      for (int64_t k = 0; k < in_features; ++k) dst[k] = src[(k / 2) * width + (k % 2)];
+    } else {
+      const float* src = packed.data_ptr<float>() + p * rows * width + j;
+      float* dst = out.data_ptr<float>() + r * in_features;
+      for (int64_t k = 0; k < in_features; ++k) dst[k] = src[k * width];
+    }
+  }
+  return out;
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias,
                      c10::optional<torch::Tensor> scale, bool out_bf16, int64_t form) {
   return linear_impl<void>(x, packed, out_features, bias, scale, out_bf16, form);

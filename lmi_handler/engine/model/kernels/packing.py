@@ -46,7 +46,17 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (an embedding lookup on a tied lm_head): (len(ids), in), in the
-        panels' dtype (exact copies) except int8, whose rows come back dequantized in float32."""
+        panels' dtype (exact copies) except int8, whose rows come back dequantized in float32. On CPU with
+        the kernels built, float32 and bfloat16 rows are copied by one C++ call (linear.h packed_rows, the same
+        values as the tensor ops below, `rows_reference`)."""
+        module = built_kernels()
+        if (module is not None and self.scale is None and self.panels.device.type == "cpu" and ids.dtype == torch.int64
+                and ids.dim() == 1):
+            return module.packed_rows(self.panels, ids, self.out_features, self.in_features)
+        return self.rows_reference(ids)
+
+    def rows_reference(self, ids: torch.Tensor) -> torch.Tensor:
+        """rows() as tensor ops, any device and kind."""
         p, j = ids // PANEL, ids % PANEL
         if self.kind == "bfloat16":
             pairs = self.panels.view(self.panels.shape[0], -1, PANEL, 2)[p, :, j]      # (n, ceil(in/2), 2)

@@ -161,6 +161,24 @@ torch::Tensor row_argmax(torch::Tensor x) {
   return out;
 }
 
+// sampler.greedy_sample's tensors in one call: (ids (N,) int64 = row_argmax(x), logprobs (N, V) float32 =
+// at::log_softmax(x, -1) (torch.log_softmax's kernel, so its bits), chosen (N,) float32 = logprobs[r, ids[r]]).
+// x: (N, V > 0) float32. The Python form was four dispatcher calls a step, each costing more than its work at
+// batch 1 with the caches cold from the weights' stream.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> greedy_pick(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0, "x must be (N, V > 0) float32");
+  x = x.contiguous();
+  auto ids = row_argmax(x);
+  auto logprobs = at::log_softmax(x, -1).contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  auto chosen = torch::empty({N}, x.options());
+  const float* lp = logprobs.data_ptr<float>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  float* cp = chosen.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r) cp[r] = lp[r * V + ip[r]];
+  return {ids, logprobs, chosen};
+}
+
 // stopping.token_stop_reasons in one pass over a few rows (its tensor ops are ~8 dispatcher calls a step,
 // each costing more than the arithmetic when the caches are cold from the weights' stream). Same codes:
 // token_ids (B,) int64; stop_ids (B, S) int64 padded with -1; num_output_tokens, max_new_tokens (B,) int64;

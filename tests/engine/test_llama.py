@@ -309,6 +309,37 @@ def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(team_logits, split_logits) for a, b in zip(rows_a, rows_b))
 
 
+def test_team_mode_serves_only_steps_of_one_row_per_sequence(tiny_model_dir):
+    """Team mode's RoPE + K/V write and attention share no barrier, so a step where a sequence has two rows (the
+    second reads the first's keys, written by whichever thread owns them) or none must take the regions path:
+    with cu_seqlens_q [0, 2, 2] (T == S, but not a row each) team_steps stays put, and the rows equal the ops
+    called one by one."""
+    from lmi_handler.engine.model.attention import AttentionMetadata
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for split in (False, True):
+            model = load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"), pack_weights=True)
+            if split:
+                model._forward_fused = model._forward_split
+            a, block = model.args, 4
+            caches = [tuple(torch.zeros(4, block, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16) for _ in range(2))
+                      for _ in range(a.num_layers)]
+            meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1]), block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+                                     context_lens=torch.tensor([2, 0], dtype=torch.int32),
+                                     cu_seqlens_q=torch.tensor([0, 2, 2], dtype=torch.int32), query_lens=[2, 0],
+                                     context_lens_host=[2, 0], block_size=block)
+            with torch.inference_mode():
+                outs.append(model(torch.tensor([5, 9]), torch.tensor([0, 1]), caches, meta))
+            if not split:
+                assert model._stack[1].team_steps == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_rank_loads_only_its_shard_and_its_embedding_and_logits_are_exact(tiny_model_dir):
     """Rank r of 2 holds 2 of the 4 query heads, 1 of the 2 KV heads, half the MLP columns and half the
     vocabulary; its embedding rows and rank 0's gathered logits are bitwise the one-process model's."""

@@ -363,8 +363,9 @@ struct DecoderStack {
   // linear_silu cannot pair (its fallback makes whole tensors).
   static constexpr int64_t TEAM_MAX_ROWS = 8;
   bool team_fits(int64_t T, const AttentionPlan& plan, int64_t bf16_form) const {
-    if (T > TEAM_MAX_ROWS || at::get_num_threads() < 2 || at::in_parallel_region()) return false;
-    if (static_cast<int64_t>(plan.seq_of_row.size()) != plan.context_lens.size(0)) return false;   // a row each
+    if (T < 1 || T > TEAM_MAX_ROWS || at::get_num_threads() < 2 || at::in_parallel_region()) return false;
+    for (int64_t s = 0; s < plan.context_lens.size(0); ++s)
+      if (plan.cu[s + 1] - plan.cu[s] != 1) return false;   // exactly one row for every sequence
     for (const auto& l : layers) {
       if (l.qkv_w.scalar_type() == torch::kBFloat16 && bf16_form == BF16_AMX) return false;
       if (!pairable(l.gu_w.scalar_type(), 2 * intermediate, bf16_form)) return false;

@@ -199,8 +199,8 @@ class ModelRunner:
         """prepare_host's ModelInput for a step of one row per sequence, no prompt-logprob chunk and no block
         copy (decode): the same values, each tensor made once from Python lists (the general path's slot
         arithmetic as tensor ops costs more than the ints of a few rows; measured here, batch 1 with the caches
-        cold from the weights' stream: ~0.2 ms a step, a few percent of it). slot = block_table[pos // bs] *
-        bs + pos % bs, block_tables padded with block 0 (build_block_tables)."""
+        cold from the weights' stream: prepare 0.20 -> 0.08 ms a step). slot = block_table[pos // bs] * bs +
+        pos % bs, block_tables padded with block 0 (build_block_tables)."""
         bs, n = self.block_size, len(seqs)
         slots = [seq.block_table[pos // bs] * bs + pos % bs for seq, pos in zip(seqs, starts)]
         block_tables = build_block_tables([s.block_table for s in seqs])

@@ -81,27 +81,10 @@ inline void rope_row(const T* x, const T* c, const T* s, int64_t D, T* out) {
   }
 }
 
-template <class T>
-void rope_kv_write_rows(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp,
-                        int64_t rows, int64_t H, int64_t KVH, int64_t D) {
-  const int64_t width = (H + 2 * KVH) * D;
-  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* row = xp + t * width;
-      const T *c = cp + t * D, *s = sp + t * D;
-      for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, s, D, qp + (t * H + h) * D);
-      T* kdst = kc + slots[t] * KVH * D;
-      T* vdst = vc + slots[t] * KVH * D;
-      for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, s, D, kdst + g * D);
-      std::copy(row + (H + KVH) * D, row + width, vdst);
-    }
-  });
-}
-
-// rope_kv_write_rows for the paged attention's work items [i0, i1) of the rows (attention_parts: item = (row,
-// part), `parts` a row): each item's query heads into q, its KV heads' k (rotated) and v into the cache. The
-// same rope_row calls as rope_kv_write_rows, so the same bits; in team mode the thread that attends an item
-// writes its rows of q and the cache itself, with no barrier in between (DecoderStack::forward_team).
+// RoPE + K/V write for the paged attention's work items [i0, i1) of the rows (attention_parts: item = (row,
+// part), `parts` a row; parts 1: whole rows): each item's query heads into q, its KV heads' k (rotated) and v
+// into the cache. In team mode the thread that attends an item writes its rows of q and the cache itself, with
+// no barrier in between (DecoderStack::forward_team); rope_kv_write_rows is whole rows over torch's threads.
 template <class T>
 void rope_kv_write_items(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp, int64_t H,
                          int64_t KVH, int64_t D, int64_t parts, int64_t i0, int64_t i1) {
@@ -119,6 +102,14 @@ void rope_kv_write_items(const T* xp, const T* cp, const T* sp, T* kc, T* vc, co
       std::copy(row + (H + KVH + g) * D, row + (H + KVH + g + 1) * D, vdst + g * D);
     }
   }
+}
+
+template <class T>
+void rope_kv_write_rows(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp,
+                        int64_t rows, int64_t H, int64_t KVH, int64_t D) {
+  at::parallel_for(0, rows, row_grain((H + 2 * KVH) * D), [&](int64_t begin, int64_t end) {
+    rope_kv_write_items<T>(xp, cp, sp, kc, vc, slots, qp, H, KVH, D, 1, begin, end);
+  });
 }
 
 // qkv: (T, (H + 2 KVH) D); cos, sin: (T, D); k/v rows go to cache slot slot_mapping[t]; all one dtype
@@ -310,9 +301,6 @@ inline void layer_forward(torch::Tensor& x, bool add_delta, const LayerWeights& 
                           const torch::Tensor& v_cache, const StepInputs& in, Workspace& ws) {
   constexpr bool bf = std::is_same_v<T, bf16>;
   const int64_t T_rows = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == x.scalar_type() &&
-              v_cache.scalar_type() == x.scalar_type() && k_cache.size(2) == KVH && D == ws.q.size(2) &&
-              v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, BS, KVH, D) in x's dtype");
   add_rmsnorm_into<T>(x, add_delta ? &ws.delta : nullptr, l.in_norm, in.eps, ws.h);
   linear_impl<void>(ws.h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form, &ws.qkv);
   rope_kv_write_rows<T>(data_of<T>(ws.qkv), data_of<T>(in.cos), data_of<T>(in.sin), data_of<T>(k_cache),
@@ -389,12 +377,6 @@ struct DecoderStack {
     constexpr bool bf = std::is_same_v<T, bf16>;
     const int threads = at::get_num_threads();
     const int64_t T_rows = x.size(0), N = x.size(1), D = ws.q.size(2), H = in.H, KVH = in.KVH;
-    for (size_t l = 0; l < layers.size(); ++l) {
-      TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
-                  k_caches[l].scalar_type() == x.scalar_type() && v_caches[l].scalar_type() == x.scalar_type() &&
-                  k_caches[l].size(2) == KVH && k_caches[l].size(3) == D && v_caches[l].sizes() == k_caches[l].sizes(),
-                  "caches must be contiguous (blocks, BS, KVH, D) in x's dtype");
-    }
     std::vector<torch::Tensor> xs(threads), hs(threads), qs(threads);   // each thread's own
     for (int t = 0; t < threads; ++t) {
       xs[t] = t == 0 ? x : x.clone();
@@ -471,7 +453,13 @@ struct DecoderStack {
     const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-    for (const auto& c : k_caches) TORCH_CHECK(c.dim() == 4 && c.size(0) * c.size(1) == num_slots, "caches differ in size");
+    for (size_t l = 0; l < layers.size(); ++l) {   // every layer's caches, once for both paths
+      const torch::Tensor &k = k_caches[l], &v = v_caches[l];
+      TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.scalar_type() == h.scalar_type() &&
+                  v.scalar_type() == h.scalar_type() && k.size(2) == KVH && k.size(3) == D && v.sizes() == k.sizes() &&
+                  k.size(0) * k.size(1) == num_slots,
+                  "caches must be contiguous (blocks, BS, KVH, D) in x's dtype, every layer's the same size");
+    }
     const AttentionPlan plan(T, k_caches[0].size(1), block_tables, context_lens, cu_seqlens_q);
     const StepInputs in{cos, sin, slot_mapping, plan, H, KVH, intermediate, eps, scale, bf16_form};
     TORCH_CHECK(layers[0].qkv_w.dim() == 3, "bad packed qkv");

@@ -132,6 +132,32 @@ def test_threads_do_not_change_the_bits(kind):
         torch.set_num_threads(before)
 
 
+def test_the_float32_tile_height_does_not_change_the_bits():
+    """float32 tiles of 8 rows (AMD Zen 4's choice) and of 12 (every other AVX-512 CPU's) give every row the same
+    bits at row counts that cut the M blocks differently, fold a row into another tile and take the whole-K pass
+    past one M block; 0 restores this CPU's choice. Another count is refused by name."""
+    module = cpu_kernels()
+    choice = module.f32_tile_rows()
+    if choice not in (8, 12):
+        pytest.skip(f"an AVX2 build ({choice}-row float32 tiles only)")
+    try:
+        for num_rows, in_features, out_features in ((64, 576, 960), (23, 300, 130), (200, 129, 70)):
+            x, weight, bias = random_case(num_rows, in_features, out_features, seed=9, with_bias=True)
+            packed = pack_weight(weight, "float32")
+            outs = []
+            for rows in (8, 12):
+                module.set_f32_tile_rows(rows)
+                assert module.f32_tile_rows() == rows
+                outs.append(packed_linear(x, packed, bias))
+            assert torch.equal(outs[0], outs[1]), num_rows
+            assert torch.equal(outs[0][5:6], packed_linear(x[5:6], packed, bias))   # and a row alone
+    finally:
+        module.set_f32_tile_rows(0)
+    assert module.f32_tile_rows() == choice
+    with pytest.raises(RuntimeError, match="float32 tile rows must be 0 or 12 or 8"):
+        module.set_f32_tile_rows(7)
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("out_features", [576, 288, 70, 1])
 def test_a_few_rows_split_by_panels_over_any_threads_keep_their_batch_bits(kind, out_features):

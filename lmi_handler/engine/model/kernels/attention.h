@@ -242,7 +242,10 @@ inline float score_group16(const float* q, const T* krows, int64_t row_stride, i
 // weighted sum a block, so its value prefetch is one share: 64 lines in float32, within the misses it can hold.)
 // The block after the next goes to L2 in the same shares (LEVEL 2: its misses wait in L2's buffers, not
 // L1's): measured (ab_attention.py, 12 interleaved rounds, 2 threads) 1.17-1.18x the K/V rate in bfloat16,
-// 1.04-1.05x in float32; three blocks ahead gave the same.
+// 1.04-1.05x in float32; three blocks ahead gave the same (AMD Zen 5). float32 sends the block three ahead to L2
+// as well (FAR_BLOCKS in attend_row): on AMD Zen 4 (ab_attention.py, 10 rounds) 1.13x the K/V rate, where four
+// ahead gave 1.10-1.12x and six 1.05x (too many prefetches in flight stall the loop); bfloat16 gained nothing
+// from three or four (0.97-1.00x) and keeps two.
 template <int LEVEL = 1, class T>
 inline void spread_prefetch(const T* block, int64_t tokens, int64_t row_stride, int64_t slice_lines, int64_t BS,
                             int64_t step, int64_t steps) {
@@ -259,6 +262,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
                 int64_t H, int64_t KVH, int64_t D, int64_t g0, int64_t g1, float scale, float* scores, int64_t ld,
                 float* stats, float* out) {
   const int64_t G = H / KVH, row_stride = KVH * D, block_elems = BS * row_stride;
+  constexpr int64_t FAR_BLOCKS = sizeof(T) == 4 ? 3 : 2;   // the last block the stream sends to L2 (spread_prefetch)
   const int64_t num_blocks = (n + BS - 1) / BS, h0 = g0 * G, h1 = g1 * G;
   // cache lines of one token's slice (KV heads g0..g1-1) from its start
   const int64_t slice_begin = g0 * D, slice_lines = ((g1 - g0) * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
@@ -266,7 +270,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   float* denom = stats + H;
   std::fill(mx + h0, mx + h1, -INFINITY);
   // block i of the row's stream (keys 0..num_blocks-1, then values) at this slice, and its tokens; the
-  // stream's block two ahead of the one being read goes to L2 (spread as the next one's to L1)
+  // stream's blocks two (float32: two and three) ahead of the one being read go to L2 (spread as the next one's to L1)
   auto stream_block = [&](int64_t i) -> const T* {
     if (i >= 2 * num_blocks) return nullptr;
     const T* base = i < num_blocks ? kp : vp;
@@ -296,6 +300,8 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
           const int64_t step = ((u - t0) / 16) * (h1 - h0) + h - h0;
           spread_prefetch(ahead, ahead_tokens, row_stride, slice_lines, BS, step, steps);
           spread_prefetch<2>(far, far_tokens, row_stride, slice_lines, BS, step, steps);
+          for (int64_t x = 3; x <= FAR_BLOCKS; ++x)
+            spread_prefetch<2>(stream_block(j + x), stream_tokens(j + x), row_stride, slice_lines, BS, step, steps);
           mx[h] = std::max(mx[h], score_group16<T>(q + h * D, kb + (u - t0) * row_stride, row_stride, (h / G) * D, D,
                                                    cnt, scale, scores + h * ld + u));
         }
@@ -335,6 +341,9 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
     for (int64_t g = g0; g < g1; ++g) {
       spread_prefetch(vn, vn_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
       spread_prefetch<2>(far, far_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
+      for (int64_t x = 3; x <= FAR_BLOCKS; ++x)
+        spread_prefetch<2>(stream_block(num_blocks + j + x), stream_tokens(num_blocks + j + x), row_stride, slice_lines,
+                           BS, g - g0, g1 - g0);
       const float* p = scores + g * G * ld;
       float* o = out + g * G * D;
       const T* vg = vb + g * D;

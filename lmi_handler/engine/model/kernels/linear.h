@@ -22,6 +22,10 @@
 
 #include <type_traits>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -42,6 +46,37 @@ constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of e
 // 512-row linears 91-118 -> 119-163 GFLOP/s (not interleaved): float32 takes the tall tile too.
 constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
 constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
+
+// Rows per float32 tile past a few rows: MR_WIDE, but 8 (16 accumulators, both row counts divide M_BLOCK) on AMD
+// family 19h (Zen 4), whose AVX-512 runs each 512-bit operation as two 256-bit halves. The tile's height
+// changes which rows share a k loop, never an element's chain, so the bits are the same (tested). Measured on
+// Zen 4 (EPYC, 2 threads, benchmarks/ab_linears.py, the demo model's 120 layer linears from DRAM, interleaved):
+// 8 rows 0.965x the 12-row time at 64 rows (10 rounds), 0.976x at 1882 (4 rounds); on Zen 5 8 rows measured
+// 1.00x at 64 rows and 1.04x slower at 1882, so it keeps 12. set_f32_tile_rows overrides it (the tests).
+inline int64_t cpu_f32_tile_rows() {
+#if defined(__x86_64__) || defined(__i386__)
+  if constexpr (NV == 2) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __cpuid(0, a, b, c, d);
+    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   // "AuthenticAMD"
+    __cpuid(1, a, b, c, d);
+    const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+    if (amd && family == 0x19) return 8;
+  }
+#endif
+  return MR_WIDE;
+}
+inline std::atomic<int64_t>& f32_tile_rows_slot() {
+  static std::atomic<int64_t> rows{cpu_f32_tile_rows()};
+  return rows;
+}
+inline int64_t f32_tile_rows() { return f32_tile_rows_slot().load(std::memory_order_relaxed); }
+// rows 0: this CPU's choice again; else 8 or MR_WIDE. Returns the previous value. Raises on another count.
+inline int64_t set_f32_tile_rows(int64_t rows) {
+  TORCH_CHECK(rows == 0 || rows == MR_WIDE || (rows == 8 && NV == 2), "float32 tile rows must be 0 or ", MR_WIDE,
+              NV == 2 ? " or 8" : "");
+  return f32_tile_rows_slot().exchange(rows == 0 ? cpu_f32_tile_rows() : rows);
+}
 static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
 
 // Prefetch: `pf`, `pf_lines` are cache lines (64 bytes) of weights to pull in while a tile runs,
@@ -718,7 +753,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
     if (kind == torch::kFloat32) {
       const FloatRows xf = float_rows(x, K, false);
       const float* xp = xf.data;
-      packed_gemm(M, K, P, PANEL, M > M_BLOCK ? K : K_BLOCK_F32, MR_WIDE, packed.data_ptr<float>(), out_features,
+      packed_gemm(M, K, P, PANEL, M > M_BLOCK ? K : K_BLOCK_F32, f32_tile_rows(), packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);

@@ -132,30 +132,40 @@ def test_threads_do_not_change_the_bits(kind):
         torch.set_num_threads(before)
 
 
-def test_the_float32_tile_height_does_not_change_the_bits():
-    """float32 tiles of 8 rows (AMD Zen 4's choice) and of 12 (every other AVX-512 CPU's) give every row the same
-    bits at row counts that cut the M blocks differently, fold a row into another tile and take the whole-K pass
-    past one M block; 0 restores this CPU's choice. Another count is refused by name."""
+@pytest.mark.parametrize("kind,form", [("float32", "auto"), ("bfloat16", "native")])
+def test_narrow_tiles_do_not_change_the_bits(kind, form):
+    """The narrow tiles (AMD Zen 4's choice: float32 8 rows, VDPBF16PS 6) and the wide ones (every other AVX-512
+    CPU's: 12 and 8) give every row the same bits, at row counts that cut the M blocks differently, leave a
+    short last tile and take the whole-K pass past one M block, and a row alone its batch bits; -1 restores
+    this CPU's choice. Another mode is refused by name."""
     module = cpu_kernels()
-    choice = module.f32_tile_rows()
-    if choice not in (8, 12):
-        pytest.skip(f"an AVX2 build ({choice}-row float32 tiles only)")
+    if kind == "bfloat16" and not module.NATIVE_BF16:
+        pytest.skip("no AVX512_BF16 in this build")
+    choice = module.narrow_tiles()
     try:
-        for num_rows, in_features, out_features in ((64, 576, 960), (23, 300, 130), (200, 129, 70)):
-            x, weight, bias = random_case(num_rows, in_features, out_features, seed=9, with_bias=True)
-            packed = pack_weight(weight, "float32")
-            outs = []
-            for rows in (8, 12):
-                module.set_f32_tile_rows(rows)
-                assert module.f32_tile_rows() == rows
-                outs.append(packed_linear(x, packed, bias))
-            assert torch.equal(outs[0], outs[1]), num_rows
-            assert torch.equal(outs[0][5:6], packed_linear(x[5:6], packed, bias))   # and a row alone
+        module.set_narrow_tiles(1)
+    except RuntimeError as exc:
+        assert "AVX-512" in str(exc)
+        pytest.skip("an AVX2 build: wide tiles only")
+    try:
+        with bf16_dot(form):
+            for num_rows, in_features, out_features in ((64, 576, 960), (23, 300, 130), (200, 129, 70)):
+                x, weight, bias = random_case(num_rows, in_features, out_features, seed=9, with_bias=True)
+                x = x.to(torch.bfloat16) if kind == "bfloat16" else x
+                packed = pack_weight(weight, kind)
+                outs = []
+                for narrow in (1, 0):
+                    module.set_narrow_tiles(narrow)
+                    assert module.narrow_tiles() == bool(narrow)
+                    outs.append(packed_linear(x, packed, bias))
+                assert torch.equal(outs[0], outs[1]), num_rows
+                module.set_narrow_tiles(1)
+                assert torch.equal(outs[0][5:10], packed_linear(x[5:10], packed, bias)), num_rows
     finally:
-        module.set_f32_tile_rows(0)
-    assert module.f32_tile_rows() == choice
-    with pytest.raises(RuntimeError, match="float32 tile rows must be 0 or 12 or 8"):
-        module.set_f32_tile_rows(7)
+        module.set_narrow_tiles(-1)
+    assert module.narrow_tiles() == choice
+    with pytest.raises(RuntimeError, match="narrow tiles mode must be -1"):
+        module.set_narrow_tiles(2)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])

@@ -81,8 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "row-invariant x @ W^T (+ bias) over packed float32 / bfloat16 / int8 panels", kNoGil);
   m.def("linear_silu", &linear_silu, "silu(gate) * up of a packed gate_up linear in one pass (linear's bits)",
         kNoGil);
-  m.def("f32_tile_rows", &f32_tile_rows, "rows per float32 register tile past a few rows (8 on AMD Zen 4, else 12)");
-  m.def("set_f32_tile_rows", &set_f32_tile_rows, "override f32_tile_rows (0: the CPU's choice); returns the previous value");
+  m.def("narrow_tiles", &narrow_tiles, "whether float32 and VDPBF16PS tiles are the narrow ones (AMD Zen 4)");
+  m.def("set_narrow_tiles", &set_narrow_tiles, "narrow tiles: -1 the CPU's choice, 0 wide, 1 narrow; returns the previous");
   m.def("paged_attention", &paged_attention, "causal GQA attention over the paged K/V cache (float32 or bfloat16)", kNoGil);
   m.def("add_rmsnorm", &add_rmsnorm, "x += delta (optional, in place); returns weight * rmsnorm(x) per row", kNoGil);
   m.def("rope_kv_write", &rope_kv_write, "RoPE on q, k of fused qkv rows; k, v into the cache by slot; returns q", kNoGil);

@@ -47,37 +47,40 @@ constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of e
 constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
 constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
 
-// Rows per float32 tile past a few rows: MR_WIDE, but 8 (16 accumulators, both row counts divide M_BLOCK) on AMD
-// family 19h (Zen 4), whose AVX-512 runs each 512-bit operation as two 256-bit halves. The tile's height
-// changes which rows share a k loop, never an element's chain, so the bits are the same (tested). Measured on
-// Zen 4 (EPYC, 2 threads, benchmarks/ab_linears.py, the demo model's 120 layer linears from DRAM, interleaved):
-// 8 rows 0.965x the 12-row time at 64 rows (10 rounds), 0.976x at 1882 (4 rounds); on Zen 5 8 rows measured
-// 1.00x at 64 rows and 1.04x slower at 1882, so it keeps 12. set_f32_tile_rows overrides it (the tests).
-inline int64_t cpu_f32_tile_rows() {
+// Narrow tiles on AMD family 19h (Zen 4), whose AVX-512 runs each 512-bit operation as two 256-bit halves:
+// float32 tiles of 8 rows instead of MR_WIDE's 12 past a few rows, VDPBF16PS tiles of 6 instead of MR_DP's 8
+// (f32_tile_rows, dp_tile_rows; every count divides M_BLOCK). A tile's height changes which rows share a k
+// loop, never an element's chain, so the bits are the same (tested). Measured on Zen 4 (EPYC, 2 threads,
+// benchmarks/ab_linears.py: the demo model's 120 layer linears from DRAM, old and new interleaved): float32 8
+// rows 0.965x the 12-row time at 64 rows (10 rounds), 0.976x at 1882 (4 rounds); bf16 6 rows 0.959x the 8-row
+// time at 64 rows (8 rounds; 4 rows 0.970x, 12 rows 1.028x slower), 0.970x at 1882. On Zen 5 the wide tiles
+// were measured best (float32 8 rows 1.00x at 64 rows and 1.04x slower at 1882; bf16 see MR_DP), so every
+// other CPU keeps them. set_narrow_tiles overrides the choice (the tests).
+inline bool cpu_prefers_narrow_tiles() {
 #if defined(__x86_64__) || defined(__i386__)
-  if constexpr (NV == 2) {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    __cpuid(0, a, b, c, d);
-    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   // "AuthenticAMD"
-    __cpuid(1, a, b, c, d);
-    const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
-    if (amd && family == 0x19) return 8;
-  }
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __cpuid(0, a, b, c, d);
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   // "AuthenticAMD"
+  __cpuid(1, a, b, c, d);
+  const unsigned base = (a >> 8) & 0xF, family = base + (base == 0xF ? (a >> 20) & 0xFF : 0);
+  return NV == 2 && amd && family == 0x19;
+#else
+  return false;
 #endif
-  return MR_WIDE;
 }
-inline std::atomic<int64_t>& f32_tile_rows_slot() {
-  static std::atomic<int64_t> rows{cpu_f32_tile_rows()};
-  return rows;
+inline std::atomic<int64_t>& narrow_tiles_slot() {
+  static std::atomic<int64_t> narrow{cpu_prefers_narrow_tiles() ? 1 : 0};
+  return narrow;
 }
-inline int64_t f32_tile_rows() { return f32_tile_rows_slot().load(std::memory_order_relaxed); }
-// rows 0: this CPU's choice again; else 8 or MR_WIDE. Returns the previous value. Raises on another count.
-inline int64_t set_f32_tile_rows(int64_t rows) {
-  TORCH_CHECK(rows == 0 || rows == MR_WIDE || (rows == 8 && NV == 2), "float32 tile rows must be 0 or ", MR_WIDE,
-              NV == 2 ? " or 8" : "");
-  return f32_tile_rows_slot().exchange(rows == 0 ? cpu_f32_tile_rows() : rows);
+inline bool narrow_tiles() { return narrow_tiles_slot().load(std::memory_order_relaxed) != 0; }
+// mode -1: this CPU's choice again, 0: the wide tiles, 1: the narrow ones (AVX-512 builds only). Returns the
+// previous setting (0 or 1); raises on another mode.
+inline int64_t set_narrow_tiles(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "narrow tiles mode must be -1 (the CPU's choice), 0 or 1, got ", mode);
+  TORCH_CHECK(mode != 1 || NV == 2, "narrow tiles need an AVX-512 build");
+  return narrow_tiles_slot().exchange(mode == -1 ? (cpu_prefers_narrow_tiles() ? 1 : 0) : mode);
 }
-static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
+inline int64_t f32_tile_rows() { return narrow_tiles() ? 8 : MR_WIDE; }
 
 // Prefetch: `pf`, `pf_lines` are cache lines (64 bytes) of weights to pull in while a tile runs,
 // spread over its k loop. The linear prefetches the next K block of its stream while the current one
@@ -206,7 +209,8 @@ constexpr bool NATIVE_BF16 = true;
 // (16 accumulators) 446 GFLOP/s at gate_up M=64 and 424 at M=200, against 357 / 411 with 12 rows
 // (64 rows make 5 tiles of 12 and one of 4) and 150 for the former 6-row array form; oneDNN 407 / 409.
 constexpr int64_t MR_DP = 8;
-static_assert(M_BLOCK % MR_DP == 0, "M_BLOCK must be whole tiles");
+static_assert(M_BLOCK % MR_DP == 0 && M_BLOCK % 6 == 0, "M_BLOCK must be whole tiles");
+inline int64_t dp_tile_rows() { return narrow_tiles() ? 6 : MR_DP; }   // see narrow_tiles
 template <int R>
 void micro_dpbf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kc, float* buf, bool first,
                   const char* pf, int64_t pf_lines) {
@@ -791,7 +795,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
         torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
         if (width != K) xb = torch::constant_pad_nd(xb, {0, width - K});
         const bf16* xp = data_of<bf16>(xb);
-        packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, MR_DP, wp, out_features,
+        packed_gemm(M, K_rows, P, 2 * PANEL, K_BLOCK_BF16, dp_tile_rows(), wp, out_features,
                     [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
                         float* const* buf, bool first, const char* const* pf, int64_t n) {
                       const bf16* xr = xp + m * width + 2 * k0;

@@ -373,19 +373,26 @@ def test_greedy_sample_reports_log_softmax_of_the_chosen_token():
 
 
 @pytest.mark.parametrize("top_n", [0, 3])
-def test_greedy_sample_s_one_kernel_call_gives_the_tensor_ops_values(top_n):
+@pytest.mark.parametrize("rows,vocab,threads", [(5, 1000, 2), (67, 4099, 1), (67, 4099, 2), (67, 4099, 3)])
+def test_greedy_sample_s_one_kernel_call_gives_the_tensor_ops_values(top_n, rows, vocab, threads):
     """On CPU an all-greedy batch takes its ids, log_softmax and chosen log-probs from one C++ call
-    (vmath.h greedy_pick, torch's log_softmax kernel inside): bitwise torch.argmax, torch.log_softmax and
-    their gather, ties and -inf logits included."""
+    (vmath.h greedy_pick: each thread its own rows, torch's log_softmax kernel on them): bitwise torch.argmax,
+    torch.log_softmax over the whole batch and their gather, ties and -inf logits included, whatever the
+    number of threads the rows are split over."""
     from lmi_handler.engine.model.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the C++ kernels are not built here")
     torch.manual_seed(5)
-    logits = torch.randn(5, 1000) * 4
+    logits = torch.randn(rows, vocab) * 4
     logits[1, 10] = logits[1, 20] = 50.0                    # a tie: the first index
     logits[2, :500] = float("-inf")
-    out = greedy_sample(logits, top_n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = greedy_sample(logits, top_n)
+    finally:
+        torch.set_num_threads(before)
     logprobs = torch.log_softmax(logits, dim=-1)
     ids = torch.argmax(logits, dim=-1)
     assert torch.equal(out.token_ids, ids) and out.token_ids[1] == 10

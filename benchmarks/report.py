@@ -437,11 +437,17 @@ def host_lines(result: dict) -> list[str]:
     cpu = m.get("cpu") if isinstance(m.get("cpu"), dict) else {"model": m.get("cpu")}
     threads = next((r.get("torch_num_threads") for r in map(lambda d: _ok(ph, name("ours_offline", d)),
                                                              dtypes_of(result)) if r), None)
-    l3 = (m.get("caches_bytes") or {}).get("L3")
-    lines = [f"Machine: {cpu.get('model')}, {m['affinity_cpus']} CPUs"
+    caches = m.get("caches_bytes") or {}
+    l3 = caches.get("L3")
+    # the model name alone can hide the generation (a VM's "AMD EPYC" was Zen 4 in one run, Zen 5 in another)
+    fms = cpu.get("family_model_stepping") or []
+    generation = (f" (family {fms[0]} model {fms[1]} stepping {fms[2]})"
+                  if len(fms) == 3 and all(x is not None for x in fms) else "")
+    small = "".join(f", {level} {caches[level] // 1024} KiB" for level in ("L1d", "L2") if caches.get(level))
+    lines = [f"Machine: {cpu.get('model')}{generation}, {m['affinity_cpus']} CPUs"
              + (f" ({m['physical_cores_in_affinity']} physical cores)" if m.get("physical_cores_in_affinity") else "")
              + (f", {m['mem_total_bytes'] / 2**30:.1f} GiB" if m.get("mem_total_bytes") else "")
-             + (f", L3 {l3 / 2**20:.0f} MiB" if l3 else "") + (f", THP {m['thp']}" if m.get("thp") else "")
+             + small + (f", L3 {l3 / 2**20:.0f} MiB" if l3 else "") + (f", THP {m['thp']}" if m.get("thp") else "")
              + (", a VM (hypervisor flag)" if cpu.get("hypervisor") else "")
              + (f"; flags {' '.join(cpu['flags_of_interest'])}" if cpu.get("flags_of_interest") is not None else "")
              + f"; --threads {result['config']['threads']} (torch threads seen in our engine: "

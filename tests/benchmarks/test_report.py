@@ -35,9 +35,10 @@ def _result(phases: dict) -> dict:
             "weight_bytes_per_token": {"fp32": {"bytes": 400_000_000}, "bf16": {"bytes": 200_000_000},
                                        "int8": {"bytes": 100_000_000}},
             "compute_bound_by_dtype": {"fp32": {"output_tokens_per_s": 500.0, "peak_gflops_per_s": 100.0}},
-            "machine": {"cpu": {"model": "Test CPU", "flags_of_interest": ["avx512_bf16"], "hypervisor": True},
+            "machine": {"cpu": {"model": "Test CPU", "flags_of_interest": ["avx512_bf16"], "hypervisor": True,
+                                "family_model_stepping": ["25", "17", "1"]},
                         "affinity_cpus": 2, "physical_cores_in_affinity": 2, "mem_total_bytes": 24 << 30,
-                        "caches_bytes": {"L3": 260 << 20}, "thp": "madvise",
+                        "caches_bytes": {"L1d": 32 << 10, "L2": 1 << 20, "L3": 260 << 20}, "thp": "madvise",
                         "before": {"loadavg_1_5_15": [0, 0, 0], "other_cpu_cores_busy": 0.0},
                         "after": {"loadavg_1_5_15": [0, 0, 0]}},
             "vllm_preload": {"ld_preload": "/usr/lib/libtcmalloc_minimal.so.4", "why_not": {"iomp5": "no libiomp5.so"}}}
@@ -130,7 +131,8 @@ def test_the_table_shows_both_dtypes_batch1_ceilings_the_host_and_what_was_prelo
     assert "its threads on the CPU 50 % of the pass: a busy machine, the figure is its share" in text
     assert "ours_offline_bf16 / vllm_offline_bf16 per round 1.50, 1.10, 0.90: median 1.10" in text
     assert "ours_batch1_int8_bf16 / llamacpp_batch1 per round 2.00, 2.00, 2.00" in text
-    assert "Machine: Test CPU, 2 CPUs (2 physical cores), 24.0 GiB, L3 260 MiB, THP madvise, a VM" in text
+    assert ("Machine: Test CPU (family 25 model 17 stepping 1), 2 CPUs (2 physical cores), 24.0 GiB, L1d 32 KiB, "
+            "L2 1024 KiB, L3 260 MiB, THP madvise, a VM") in text
     assert "flags avx512_bf16" in text
     assert "vLLM LD_PRELOAD: /usr/lib/libtcmalloc_minimal.so.4 (not preloaded: iomp5: no libiomp5.so)" in text
     assert "Skipped ours_batch1_int8_fp32: option.quantize=int8: not supported by this engine build" in text

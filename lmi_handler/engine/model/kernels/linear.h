@@ -47,15 +47,17 @@ constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of e
 constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
 constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
 
-// Narrow tiles on AMD family 19h (Zen 4), whose AVX-512 runs each 512-bit operation as two 256-bit halves:
+// Narrow tiles on AMD family 19h with AVX-512, i.e. Zen 4 (Zen 3, the same family, has no AVX-512 and builds take
+// the AVX2 tiles there), whose AVX-512 runs each 512-bit operation as two 256-bit halves:
 // float32 tiles of 8 rows instead of MR_WIDE's 12 past a few rows, VDPBF16PS tiles of 6 instead of MR_DP's 8
 // (f32_tile_rows, dp_tile_rows; every count divides M_BLOCK). A tile's height changes which rows share a k
 // loop, never an element's chain, so the bits are the same (tested). Measured on Zen 4 (EPYC, 2 threads,
 // benchmarks/ab_linears.py: the demo model's 120 layer linears from DRAM, old and new interleaved): float32 8
 // rows 0.965x the 12-row time at 64 rows (10 rounds), 0.976x at 1882 (4 rounds); bf16 6 rows 0.959x the 8-row
-// time at 64 rows (8 rounds; 4 rows 0.970x, 12 rows 1.028x slower), 0.970x at 1882. On Zen 5 the wide tiles
-// were measured best (float32 8 rows 1.00x at 64 rows and 1.04x slower at 1882; bf16 see MR_DP), so every
-// other CPU keeps them. set_narrow_tiles overrides the choice (the tests).
+// time at 64 rows (8 rounds; 4 rows 0.970x, 12 rows 1.028x slower), 0.970x at 1882. Every other CPU keeps the
+// wide tiles: float32's 12 rows were measured best on Zen 5 (8 rows 1.00x at 64 rows and 1.04x slower at 1882);
+// the 6-row VDPBF16PS tile was not measured there, so Zen 5 keeps the 8 rows it was tuned with (see MR_DP).
+// set_narrow_tiles overrides the choice (the tests).
 inline bool cpu_prefers_narrow_tiles() {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a = 0, b = 0, c = 0, d = 0;

@@ -277,6 +277,13 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
     return base + static_cast<int64_t>(table[i % num_blocks]) * block_elems + slice_begin;
   };
   auto stream_tokens = [&](int64_t i) { return i < 2 * num_blocks ? std::min(BS, n - (i % num_blocks) * BS) : 0; };
+  // the stream's blocks 2 .. FAR_BLOCKS past block i and their tokens, looked up once a block (look_far)
+  constexpr int FAR = FAR_BLOCKS - 1;
+  const T* far[FAR];
+  int64_t far_tokens[FAR];
+  auto look_far = [&](int64_t i) {
+    for (int x = 0; x < FAR; ++x) far[x] = stream_block(i + 2 + x), far_tokens[x] = stream_tokens(i + 2 + x);
+  };
   // scores block by block: sixteen keys x one head a step (AVX-512), else four heads a key, each key prefetching
   // the same token of the next block
   for (int64_t j = 0; j < num_blocks; ++j) {
@@ -292,16 +299,13 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       const int64_t steps = (h1 - h0) * ((t1 - t0 + 15) / 16);   // the key-group/head steps of this block
       // (bf16 keys widened once per block into a float buffer, instead of once per query head of their KV
       // head, measured 0.90x: the buffer's stores cost more than the conversions saved)
-      const T* far = stream_block(j + 2);
-      const int64_t far_tokens = stream_tokens(j + 2);
+      look_far(j);
       for (int64_t u = t0; u < t1; u += 16) {
         const int64_t cnt = std::min<int64_t>(16, t1 - u);
         for (int64_t h = h0; h < h1; ++h) {
           const int64_t step = ((u - t0) / 16) * (h1 - h0) + h - h0;
           spread_prefetch(ahead, ahead_tokens, row_stride, slice_lines, BS, step, steps);
-          spread_prefetch<2>(far, far_tokens, row_stride, slice_lines, BS, step, steps);
-          for (int64_t x = 3; x <= FAR_BLOCKS; ++x)
-            spread_prefetch<2>(stream_block(j + x), stream_tokens(j + x), row_stride, slice_lines, BS, step, steps);
+          for (int x = 0; x < FAR; ++x) spread_prefetch<2>(far[x], far_tokens[x], row_stride, slice_lines, BS, step, steps);
           mx[h] = std::max(mx[h], score_group16<T>(q + h * D, kb + (u - t0) * row_stride, row_stride, (h / G) * D, D,
                                                    cnt, scale, scores + h * ld + u));
         }
@@ -336,14 +340,11 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
     // the next block's values in shares, one before each KV head's weighted sum
     const T* vn = vp + static_cast<int64_t>(table[std::min(j + 1, num_blocks - 1)]) * block_elems + slice_begin;
     const int64_t vn_tokens = j + 1 < num_blocks ? std::min(BS, n - t1) : 0;
-    const T* far = stream_block(num_blocks + j + 2);
-    const int64_t far_tokens = stream_tokens(num_blocks + j + 2);
+    look_far(num_blocks + j);
     for (int64_t g = g0; g < g1; ++g) {
       spread_prefetch(vn, vn_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
-      spread_prefetch<2>(far, far_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
-      for (int64_t x = 3; x <= FAR_BLOCKS; ++x)
-        spread_prefetch<2>(stream_block(num_blocks + j + x), stream_tokens(num_blocks + j + x), row_stride, slice_lines,
-                           BS, g - g0, g1 - g0);
+      for (int x = 0; x < FAR; ++x)
+        spread_prefetch<2>(far[x], far_tokens[x], row_stride, slice_lines, BS, g - g0, g1 - g0);
       const float* p = scores + g * G * ld;
       float* o = out + g * G * D;
       const T* vg = vb + g * D;

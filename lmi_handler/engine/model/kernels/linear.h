@@ -46,6 +46,7 @@ constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of e
 // 512-row linears 91-118 -> 119-163 GFLOP/s (not interleaved): float32 takes the tall tile too.
 constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
 constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
+static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
 
 // Narrow tiles on AMD family 19h with AVX-512, i.e. Zen 4 (Zen 3, the same family, has no AVX-512 and builds take
 // the AVX2 tiles there), whose AVX-512 runs each 512-bit operation as two 256-bit halves:

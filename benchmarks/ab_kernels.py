@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -142,6 +143,9 @@ def main() -> None:
         print(f"{name:10s} batch {args.batch}: old {old:6.2f} ms (min {min(times[(name, 'old')]):6.2f}), new {new:6.2f} "
               f"ms (min {min(times[(name, 'new')]):6.2f}); ceiling {ceiling:6.1f} tok/s: old {1e3 / old / ceiling:.2f}, "
               f"new {1e3 / new / ceiling:.2f}", flush=True)
+        ratios = [b / a for a, b in zip(times[(name, "old")], times[(name, "new")])]
+        print(f"{'':10s} new/old per round {[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

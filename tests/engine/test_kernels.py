@@ -168,6 +168,33 @@ def test_narrow_tiles_do_not_change_the_bits(kind, form):
         module.set_narrow_tiles(2)
 
 
+@pytest.mark.parametrize("in_features", [1, 8, 15, 17, 129])
+def test_float32_rows_copied_into_the_tile_layout_keep_their_bits(in_features):
+    """Past 8 rows, with 64 panels or more (or past one M block), the float32 linear first copies x into its
+    tiles' layout (linear.h pack_row_tiles: a tile's rows interleaved per k, an 8-row tile through 8 x 8 register
+    transposes, the rest one value at a time) and runs the whole K in one pass. Each row of 9-97 rows, with tall
+    (12-row) and narrow (8-row) tiles, gets the bits it gets alone (2 rows: the row-major streaming path) and
+    matches the float64 product: in_features around the 8-wide transpose and its tail, row counts leaving every
+    short last tile, 67 panels (the last one short)."""
+    module = cpu_kernels()
+    x, weight, bias = random_case(97, in_features, 66 * 32 + 6, seed=in_features, with_bias=True)
+    packed = pack_weight(weight)
+    alone = torch.cat([packed_linear(x[r:r + 2], packed, bias)[:1] for r in range(97)])
+    torch.testing.assert_close(alone, reference_linear(x, weight, bias), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+    try:
+        for narrow in (1, 0):
+            try:
+                module.set_narrow_tiles(narrow)
+            except RuntimeError:   # an AVX2 build: its own tiles only
+                continue
+            for num_rows in (9, 12, 13, 16, 17, 24, 31, 96, 97):
+                for start in (0, 97 - num_rows):
+                    got = packed_linear(x[start:start + num_rows], packed, bias)
+                    assert torch.equal(got, alone[start:start + num_rows]), (narrow, num_rows, start)
+    finally:
+        module.set_narrow_tiles(-1)
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("out_features", [576, 288, 70, 1])
 def test_a_few_rows_split_by_panels_over_any_threads_keep_their_batch_bits(kind, out_features):

@@ -91,7 +91,9 @@ inline int64_t f32_tile_rows() { return narrow_tiles() ? 8 : MR_WIDE; }
 // for the 30 layers' fp32 linears at M=64, weights cold vs in cache). No effect on the arithmetic.
 // The lines go evenly over the k loop: one every kc / pf_lines steps, or ceil(pf_lines / kc) a step when there
 // are more lines than steps. (Issued a line a step from the loop's start, a 12-row tile's 43 lines were all in
-// flight within ~45 steps: more than the core's L1 miss buffers hold.)
+// flight within ~45 steps: more than the core's L1 miss buffers hold.) LEVEL 2: to L2 (the tiled float32 form's
+// next panel, see pack_row_tiles).
+template <int LEVEL = 1>
 struct PrefetchSpread {
   const char* pf;
   int64_t lines, per_step, stride, line = 0, next_k = 0;
@@ -101,7 +103,7 @@ struct PrefetchSpread {
   inline void at(int64_t k) {
     if (k != next_k || line >= lines) return;
     const int64_t end = std::min(lines, line + per_step);
-    prefetch_lines(pf, line, end);
+    prefetch_lines<LEVEL>(pf, line, end);
     line = end;
     next_k += stride;
   }
@@ -134,10 +136,12 @@ inline void prefetch_ahead(const void* row, int64_t k) {
 inline Vec load_panel(const float* p) { return Vec::load(p); }
 inline Vec load_panel(const int8_t* p) { return Vec::load_i8(p); }
 
-template <int R, int C, int NP, class WT>
+// x is row-major (row i's k at x[i * ldx + k]), or with TILED the tile's own layout (pack_row_tiles: row i's k at
+// x[k * R + i], ldx unused).
+template <int R, int C, int NP, class WT, bool TILED = false>
 void micro_plain(const float* x, int64_t ldx, const WT* const* w, int64_t kc, float* const* buf, bool first,
                  const char* const* pf, int64_t pf_lines) {
-  PrefetchSpread spread(pf[0], NP == 2 ? 0 : pf_lines, kc);
+  PrefetchSpread<TILED ? 2 : 1> spread(pf[0], NP == 2 ? 0 : pf_lines, kc);
   Vec acc[R][NP][C];
   for (int i = 0; i < R; ++i)
     for (int q = 0; q < NP; ++q)
@@ -153,7 +157,7 @@ void micro_plain(const float* x, int64_t ldx, const WT* const* w, int64_t kc, fl
     for (int q = 0; q < NP; ++q)
       for (int j = 0; j < C; ++j) b[q][j] = load_panel(w[q] + k * PANEL + j * Vec::W);
     for (int i = 0; i < R; ++i) {
-      const Vec a = Vec::bcast(x[i * ldx + k]);
+      const Vec a = Vec::bcast(TILED ? x[k * R + i] : x[i * ldx + k]);
       for (int q = 0; q < NP; ++q)
         for (int j = 0; j < C; ++j) acc[i][q][j] = Vec::fma(a, b[q][j], acc[i][q][j]);
     }
@@ -464,10 +468,11 @@ constexpr bool HAS_AMX = false;
 inline bool amx_permitted() { return false; }
 #endif
 
-struct MicroPlain {   // float32 or int8 panels (WT)
+template <bool TILED = false>
+struct MicroPlain {   // float32 or int8 panels (WT); TILED: x in pack_row_tiles' layout
   template <int R, int C, int NP, class WT>
   void run(const float* x, int64_t ldx, const WT* const* w, int64_t kc, float* const* buf, bool first,
-           const char* const* pf, int64_t n) const { micro_plain<R, C, NP>(x, ldx, w, kc, buf, first, pf, n); }
+           const char* const* pf, int64_t n) const { micro_plain<R, C, NP, WT, TILED>(x, ldx, w, kc, buf, first, pf, n); }
 };
 struct MicroBF16 {
   template <int R, int C, int NP>
@@ -539,7 +544,8 @@ constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K b
 
 template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
-                 int64_t out_features, const Tile& tile, const Store& store, bool two_panels) {
+                 int64_t out_features, const Tile& tile, const Store& store, bool two_panels,
+                 int64_t prefetch_bytes = PREFETCH_BYTES) {
   // paired: a store of two accumulator rows (StorePairs)
   constexpr bool paired = std::is_invocable_v<const Store&, int64_t, int64_t, int64_t, const float*, const float*>;
   const int64_t num_mb = (M + M_BLOCK - 1) / M_BLOCK;
@@ -577,7 +583,7 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
           }
           w[q] = wp + row * row_elems;
           next[q] = reinterpret_cast<const char*>(wp + std::min(ahead, total_rows) * row_elems);
-          lines = std::max<int64_t>(0, std::min(std::min(k_block, PREFETCH_BYTES / row_bytes), total_rows - ahead)) *
+          lines = std::max<int64_t>(0, std::min(std::min(k_block, prefetch_bytes / row_bytes), total_rows - ahead)) *
                   row_bytes / 64;
         }
         const int64_t tiles = (rows + mr - 1) / mr, per_tile = (lines + tiles - 1) / tiles;
@@ -689,6 +695,64 @@ inline FloatRows float_rows(const torch::Tensor& x, int64_t width, bool round) {
   return {xf, xf.data_ptr<float>()};
 }
 
+// x (M, K) float32 row-major in the float32 tiles' layout: the tile of rows m0 .. m0 + r - 1 (m0 a multiple of
+// mr, r = min(mr, M - m0)) at out + m0 * K, its row i's k at [k * r + i], so that a tile's k loop reads x from one
+// pointer as one stream. Row-major, a tile's 8 row pointers and the prefetch spread's state outgrow the 16
+// general registers: GCC kept some in vector registers and moved one back every k step. The values are copied
+// exactly, so no output's bits change (a tile's height or layout never changes an element's chain). Returns the
+// calling thread's buffer, valid until its next call; the copy is split over the threads by tiles.
+//
+// The float32 linear takes this layout, the whole K in one pass (no K blocks: the tile's accumulators stay in
+// registers over all of K, its x stays in L1 and the panel streams from L2) and the next panel (64 KiB at most)
+// prefetched to L2 over the tiles, where there are more than TILED_MIN_ROWS rows and either more than one M block
+// (prefill) or at least TILED_MIN_PANELS panels. Measured (AMD Zen 4, 2 threads): a copy of the k loop, one
+// thread, weights in cache, 64 rows: row-major in K blocks of 128 104 GFLOP/s, this layout in K blocks 108-110,
+// this layout over the whole K 112-115 (FMA peak 117); the packed linear with the weight in cache at 64 rows
+// 184-204 -> 202-220 GFLOP/s on 2 threads. From DRAM (ab_linears.py, the demo model's 120 layer linears,
+// interleaved): at 64 rows gate_up 0.961x the time and the 576-column linears (o, down: 18 panels, each thread's
+// first panel cold, now whole) 1.00-1.03x slower with this form, so fewer panels keep the K blocks; at 1882 rows
+// all four 0.969x. The engine's round (profile_steps.py, HEAD and this tree alternating in 4 pairs of
+// processes): 0.962x the time, prefill 0.975x, decode 0.96x.
+constexpr int64_t TILED_MIN_ROWS = 8;     // a few-row step (team mode included) keeps the row-major streaming forms
+constexpr int64_t TILED_MIN_PANELS = 64;  // 2048 output columns: gate_up and the lm_head of the demo model
+constexpr int64_t TILED_PREFETCH_BYTES = 65536;   // of the next panel, to L2 (the whole 192 KiB panel of down cost)
+inline const float* pack_row_tiles(const float* x, int64_t M, int64_t K, int64_t mr) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < M * K) buf.resize(M * K);
+  float* out = buf.data();
+  const int64_t tiles = (M + mr - 1) / mr;
+  parallel_chunks(tiles, chunk_for(tiles, 1), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = t * mr, r = std::min(mr, M - m0);
+      const float* src = x + m0 * K;
+      float* dst = out + m0 * K;
+      int64_t k = 0;
+#if defined(__AVX2__)
+      if (r == 8) {   // 8 x 8 blocks through registers
+        for (; k + 8 <= K; k += 8) {
+          __m256 v[8], u[8];
+          for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(src + i * K + k);
+          for (int i = 0; i < 8; i += 2) u[i] = _mm256_unpacklo_ps(v[i], v[i + 1]), u[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+          for (int i = 0; i < 8; i += 4) {
+            v[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
+            v[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xEE);
+            v[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+            v[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+          }
+          for (int i = 0; i < 4; ++i) {
+            _mm256_storeu_ps(dst + (k + i) * 8, _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+            _mm256_storeu_ps(dst + (k + i + 4) * 8, _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+          }
+        }
+      }
+#endif
+      for (; k < K; ++k)
+        for (int64_t i = 0; i < r; ++i) dst[k * r + i] = src[i * K + k];
+    }
+  });
+  return out;
+}
+
 // y = x @ W^T (+ bias) for a packed weight of any kind (see the top of this file), in `out` when given
 // (contiguous (M, out_features) of y's dtype; (M, out_features / 2) in the paired form), else a new tensor.
 // x: (M, K) float32 or bfloat16; packed: float32 (P, K, PANEL), bfloat16 (P, ceil(K/2), 2 PANEL) or
@@ -759,19 +823,29 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   auto run = [&](auto store) {
     if (kind == torch::kFloat32) {
       const FloatRows xf = float_rows(x, K, false);
-      const float* xp = xf.data;
-      packed_gemm(M, K, P, PANEL, M > M_BLOCK ? K : K_BLOCK_F32, f32_tile_rows(), packed.data_ptr<float>(), out_features,
+      const int64_t mr = f32_tile_rows();
+      // x in the tiles' own layout where pack_row_tiles says; a tile at row m (a multiple of mr) of r rows finds
+      // its k0.. at m * K + k0 * r there
+      // (never in team mode: there parallel_chunks would copy only this thread's share of the tiles)
+      const bool tiled = M > TILED_MIN_ROWS && (M > M_BLOCK || P >= TILED_MIN_PANELS) && team_share.threads == 0;
+      const float* xp = tiled ? pack_row_tiles(xf.data, M, K, mr) : xf.data;
+      packed_gemm(M, K, P, PANEL, M > M_BLOCK || tiled ? K : K_BLOCK_F32, mr, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
-                    tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
-                  }, store, true);
+                    if (tiled) {
+                      tiles(Wide{}, MicroPlain<true>{}, np, rows, xp + m * K + k0 * rows, rows, w, Vec::W, kc, buf,
+                            first, pf, n);
+                    } else {
+                      tiles(Wide{}, MicroPlain<>{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                    }
+                  }, store, true, tiled ? TILED_PREFETCH_BYTES : PREFETCH_BYTES);
     } else if (kind == torch::kInt8) {
       const FloatRows xf = float_rows(x, K, false);
       const float* xp = xf.data;
       packed_gemm(M, K, P, PANEL, K_BLOCK_I8, MR_WIDE, packed.data_ptr<int8_t>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
-                    tiles(Wide{}, MicroPlain{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
+                    tiles(Wide{}, MicroPlain<>{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
                   }, store, false);
     } else {
       const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());

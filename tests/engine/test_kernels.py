@@ -170,12 +170,13 @@ def test_narrow_tiles_do_not_change_the_bits(kind, form):
 
 @pytest.mark.parametrize("in_features", [1, 8, 15, 17, 129])
 def test_float32_rows_copied_into_the_tile_layout_keep_their_bits(in_features):
-    """Past 8 rows, with 64 panels or more (or past one M block), the float32 linear first copies x into its
-    tiles' layout (linear.h pack_row_tiles: a tile's rows interleaved per k, an 8-row tile through 8 x 8 register
-    transposes, the rest one value at a time) and runs the whole K in one pass. Each row of 9-97 rows, with tall
-    (12-row) and narrow (8-row) tiles, gets the bits it gets alone (2 rows: the row-major streaming path) and
-    matches the float64 product: in_features around the 8-wide transpose and its tail, row counts leaving every
-    short last tile, 67 panels (the last one short)."""
+    """With narrow tiles (Zen 4's), past 8 rows, with 64 panels or more (or past one M block), the float32 linear
+    first copies x into its tiles' layout (linear.h pack_row_tiles: a tile's rows interleaved per k, an 8-row tile
+    through 8 x 8 register transposes, the rest one value at a time) and runs the whole K in one pass; the wide
+    tiles keep x row-major. Each row of 9-97 rows gets the bits it gets alone (2 rows: the row-major streaming path)
+    in both modes and matches the float64 product: in_features around the 8-wide transpose and its tail, row counts
+    leaving short last tiles (1, 4, 5 and 7 rows of an 8-row tile; 1, 4, 5, 7 and 9 of a 12-row one), 67 panels
+    (the last one short). Both modes on AVX-512 builds (an AVX2 build refuses the narrow one and keeps its own)."""
     module = cpu_kernels()
     x, weight, bias = random_case(97, in_features, 66 * 32 + 6, seed=in_features, with_bias=True)
     packed = pack_weight(weight)

@@ -703,12 +703,13 @@ inline FloatRows float_rows(const torch::Tensor& x, int64_t width, bool round) {
 // calling thread's buffer, valid until its next call; the copy is split over the threads by tiles.
 //
 // The float32 linear takes this layout, the whole K in one pass (no K blocks: the tile's accumulators stay in
-// registers over all of K, its x stays in L1 and the panel streams from L2) and the next panel (64 KiB at most)
-// prefetched to L2 over the tiles, where there are more than TILED_MIN_ROWS rows and either more than one M block
-// (prefill) or at least TILED_MIN_PANELS panels. Measured (AMD Zen 4, 2 threads): a copy of the k loop, one
-// thread, weights in cache, 64 rows: row-major in K blocks of 128 104 GFLOP/s, this layout in K blocks 108-110,
-// this layout over the whole K 112-115 (FMA peak 117); the packed linear with the weight in cache at 64 rows
-// 184-204 -> 202-220 GFLOP/s on 2 threads. From DRAM (ab_linears.py, the demo model's 120 layer linears,
+// registers over all of K, x is read as one stream and the panel streams from L2) and the next panel (64 KiB at
+// most) prefetched to L2 over the tiles, where the tiles are narrow (narrow_tiles: Zen 4, where this was measured;
+// other CPUs keep the forms measured best on them) and there are more than TILED_MIN_ROWS rows and either more than
+// one M block (prefill) or at least TILED_MIN_PANELS panels. Measured (AMD Zen 4, 2 threads): a copy of the k loop, one
+// thread, weights in cache, 64 rows: row-major in K blocks of 128 98-104 GFLOP/s, this layout in K blocks 106-110,
+// this layout over the whole K 112-115 (FMA peak 117); the packed linear with the weight in cache at 64 rows, 2
+// threads: gate_up's shape 202 -> 220 GFLOP/s, the lm_head's 195 -> 206. From DRAM (ab_linears.py, the demo model's 120 layer linears,
 // interleaved): at 64 rows gate_up 0.961x the time and the 576-column linears (o, down: 18 panels, each thread's
 // first panel cold, now whole) 1.00-1.03x slower with this form, so fewer panels keep the K blocks; at 1882 rows
 // all four 0.969x. The engine's round (profile_steps.py, HEAD and this tree alternating in 4 pairs of
@@ -827,7 +828,8 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
       // x in the tiles' own layout where pack_row_tiles says; a tile at row m (a multiple of mr) of r rows finds
       // its k0.. at m * K + k0 * r there
       // (never in team mode: there parallel_chunks would copy only this thread's share of the tiles)
-      const bool tiled = M > TILED_MIN_ROWS && (M > M_BLOCK || P >= TILED_MIN_PANELS) && team_share.threads == 0;
+      const bool tiled = narrow_tiles() && M > TILED_MIN_ROWS && (M > M_BLOCK || P >= TILED_MIN_PANELS) &&
+                         team_share.threads == 0;
       const float* xp = tiled ? pack_row_tiles(xf.data, M, K, mr) : xf.data;
       packed_gemm(M, K, P, PANEL, M > M_BLOCK || tiled ? K : K_BLOCK_F32, mr, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,

@@ -256,11 +256,13 @@ inline void spread_prefetch(const T* block, int64_t tokens, int64_t row_stride, 
 // One query row, the query heads of KV heads g0..g1-1: q (H, D) the row's queries as floats, keys
 // 0..n-1 of the sequence with block table `table`; writes those heads of out (H, D) floats. Scratch
 // (indexed by head): scores H x ld floats (ld >= n), stats 2 H floats. A head's bits do not depend
-// on g0, g1.
+// on g0, g1. `next_table` / `next_n`: the block table and key count of the row the caller runs next
+// over the same KV heads (nullptr: none), whose first key blocks the stream prefetches during this
+// row's last value blocks (prefetches only: no value changes).
 template <class T>
 void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, int64_t n, int64_t BS,
                 int64_t H, int64_t KVH, int64_t D, int64_t g0, int64_t g1, float scale, float* scores, int64_t ld,
-                float* stats, float* out) {
+                float* stats, float* out, const int32_t* next_table = nullptr, int64_t next_n = 0) {
   const int64_t G = H / KVH, row_stride = KVH * D, block_elems = BS * row_stride;
   constexpr int64_t FAR_BLOCKS = sizeof(T) == 4 ? 3 : 2;   // the last block the stream sends to L2 (spread_prefetch)
   const int64_t num_blocks = (n + BS - 1) / BS, h0 = g0 * G, h1 = g1 * G;
@@ -269,14 +271,25 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   float* mx = stats;
   float* denom = stats + H;
   std::fill(mx + h0, mx + h1, -INFINITY);
-  // block i of the row's stream (keys 0..num_blocks-1, then values) at this slice, and its tokens; the
-  // stream's blocks two (float32: two and three) ahead of the one being read go to L2 (spread as the next one's to L1)
+  // block i of the row's stream (keys 0..num_blocks-1, then values, then the next row's keys) at this slice,
+  // and its tokens; the stream's blocks two (float32: two and three) ahead of the one being read go to L2
+  // (spread as the next one's to L1)
+  const int64_t next_blocks = next_table ? (next_n + BS - 1) / BS : 0;
   auto stream_block = [&](int64_t i) -> const T* {
-    if (i >= 2 * num_blocks) return nullptr;
+    if (i >= 2 * num_blocks) {
+      const int64_t b = i - 2 * num_blocks;
+      return b < next_blocks ? kp + static_cast<int64_t>(next_table[b]) * block_elems + slice_begin : nullptr;
+    }
     const T* base = i < num_blocks ? kp : vp;
     return base + static_cast<int64_t>(table[i % num_blocks]) * block_elems + slice_begin;
   };
-  auto stream_tokens = [&](int64_t i) { return i < 2 * num_blocks ? std::min(BS, n - (i % num_blocks) * BS) : 0; };
+  auto stream_tokens = [&](int64_t i) {
+    if (i >= 2 * num_blocks) {
+      const int64_t b = i - 2 * num_blocks;
+      return b < next_blocks ? std::min(BS, next_n - b * BS) : int64_t{0};
+    }
+    return std::min(BS, n - (i % num_blocks) * BS);
+  };
   // the stream's blocks 2 .. FAR_BLOCKS past block i and their tokens, looked up once a block (look_far)
   constexpr int FAR = FAR_BLOCKS - 1;
   const T* far[FAR];
@@ -337,9 +350,10 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* vb = vp + static_cast<int64_t>(table[j]) * block_elems;
     const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS);
-    // the next block's values in shares, one before each KV head's weighted sum
-    const T* vn = vp + static_cast<int64_t>(table[std::min(j + 1, num_blocks - 1)]) * block_elems + slice_begin;
-    const int64_t vn_tokens = j + 1 < num_blocks ? std::min(BS, n - t1) : 0;
+    // the next block's values (after the last, the next row's first keys) in shares, one before each KV
+    // head's weighted sum
+    const T* vn = stream_block(num_blocks + j + 1);
+    const int64_t vn_tokens = stream_tokens(num_blocks + j + 1);
     look_far(num_blocks + j);
     for (int64_t g = g0; g < g1; ++g) {
       spread_prefetch(vn, vn_tokens, row_stride, slice_lines, BS, g - g0, g1 - g0);
@@ -395,14 +409,20 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
     stats.assign(2 * H, 0.f);
     qf.assign(H * D, 0.f);
     of.assign(H * D, 0.f);
+    // keys 0..pos of row r
+    auto keys_of = [&](int64_t r, int64_t s) { return ctx[s] - (cu[s + 1] - cu[s]) + (r - cu[s]) + 1; };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / parts, part = item % parts, s = seq_of_row[r];
       const int64_t g0 = part * KVH / parts, g1 = (part + 1) * KVH / parts, G = H / KVH;
-      const int64_t n = ctx[s] - (cu[s + 1] - cu[s]) + (r - cu[s]) + 1;  // keys 0..pos
+      const int64_t n = keys_of(r, s);
+      // this thread's next row, whose first key blocks this row's stream runs into (whole rows only: a
+      // row split by KV head has its next item over other heads)
+      const bool next = parts == 1 && item + 1 < end;
+      const int64_t next_s = next ? seq_of_row[r + 1] : 0;
       const T* qr = qp + r * H * D;
       for (int64_t e = g0 * G * D; e < g1 * G * D; ++e) qf[e] = load_scalar<T>(qr + e);
       attend_row<T>(qf.data(), kp, vp, tables + s * MB, n, BS, H, KVH, D, g0, g1, scale, scores.data(), max_ctx,
-                    stats.data(), of.data());
+                    stats.data(), of.data(), next ? tables + next_s * MB : nullptr, next ? keys_of(r + 1, next_s) : 0);
       T* orow = op + r * H * D;
       for (int64_t e = g0 * G * D; e < g1 * G * D; ++e) store_scalar<T>(orow + e, of[e]);
     }

@@ -18,7 +18,7 @@ the medians, the load average before and after (a busy host, e.g. a test suite r
 several-fold: read the medians, and rerun when the load was high), and whether the two sides' tokens were equal.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/ab_batch1.py --old-rev REV [--model model] [--dtype bf16]
-        [--rounds 12] [--tokens 128] [--threads 2]
+        [--quantize int8] [--rounds 12] [--tokens 128] [--threads 2]
 
 With `--model /tmp/lmi-skeleton-model` (profile_fixed_costs.py's skeleton, written by its first run) the weights
 stay in cache, and a change to what a step costs besides its weights shows above the noise of their stream.
@@ -45,7 +45,7 @@ from workload import build_workload
 from pathlib import Path
 from lmi_handler.engine.sequence import SamplingParams
 model, dtype, threads, tokens = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-engine = bench_engine(model, dtype, threads)
+engine = bench_engine(model, dtype, threads, sys.argv[6] or None)
 prompt = [t % engine.runner.config.vocab_size for t in build_workload(Path(model), 1, tokens).prompt_token_ids[0]]
 params = SamplingParams(greedy=True, max_new_tokens=tokens, ignore_eos=True)
 print(json.dumps({"ready": True}), flush=True)
@@ -67,7 +67,7 @@ for n, line in enumerate(sys.stdin):
 def start_worker(tree: Path, args, env_extra: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree), **env_extra)
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(tree), args.model, args.dtype, str(args.threads),
-                             str(args.tokens)], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             str(args.tokens), args.quantize or ""], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     line = proc.stdout.readline()
     if not line or not json.loads(line).get("ready"):
@@ -97,6 +97,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--old-rev", default="HEAD", help="the revision to compare this checkout against")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="the engines' dtype")
+    p.add_argument("--quantize", choices=("int8",), help="option.quantize of both sides (weights only)")
     p.add_argument("--rounds", type=int, default=12, help="rounds; each runs one request on each side")
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (EOS ignored), at least 2")
     p.add_argument("--threads", type=int, default=2, help="torch / kernel threads of each worker")
@@ -139,7 +140,7 @@ def main(argv=None) -> None:
                     proc.kill()
         git("worktree", "remove", "--force", str(old_tree))
     load_after = os.getloadavg()
-    print(f"{args.dtype}, {args.threads} threads, {args.tokens} tokens, model {args.model}, old = {args.old_rev} "
+    print(f"{args.dtype}{' int8' if args.quantize else ''}, {args.threads} threads, {args.tokens} tokens, model {args.model}, old = {args.old_rev} "
           f"({commit[:12]}); load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     for key, label in (("rate", "tokens a second"), ("median_rate", "over the median interval between tokens")):
         ratios = [a[key] / b[key] for a, b in zip(rates["new"], rates["old"])]

@@ -201,19 +201,31 @@ def test_float32_rows_copied_into_the_tile_layout_keep_their_bits(in_features):
 def test_a_few_rows_split_by_panels_over_any_threads_keep_their_batch_bits(kind, out_features):
     """At most 4 rows the linear streams each thread's contiguous share of the panels (float32 two at a
     time, an odd last one alone; bf16 and int8 one at a time in K blocks): 18, 9, 3 and 1 panels over 1-3
-    threads give the bits the rows get in a 64-row batch (the blocked path)."""
+    threads give the bits the rows get in a 64-row batch (the blocked path). On AVX-512 builds both tile
+    modes run: with the narrow tiles (Zen 4) bf16 and int8 stream a few rows with no software prefetch
+    (linear.h few_rows_prefetch), with the wide ones the next K block prefetched."""
+    module = cpu_kernels()
     x, weight, bias = random_case(64, 576, out_features, seed=5, with_bias=True)
     x = x.to(torch.bfloat16) if kind == "bfloat16" else x
     packed = pack_weight(weight, kind)
     full = packed_linear(x, packed, bias)
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            for num_rows in (1, 2, 3, 4):
-                assert torch.equal(packed_linear(x[7:7 + num_rows], packed, bias), full[7:7 + num_rows]), (threads, num_rows)
+        module.set_narrow_tiles(1)
+        modes = (1, 0)
+    except RuntimeError:
+        modes = (-1,)   # an AVX2 build: wide tiles only
+    try:
+        for narrow in modes:
+            module.set_narrow_tiles(narrow)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                for num_rows in (1, 2, 3, 4):
+                    assert torch.equal(packed_linear(x[7:7 + num_rows], packed, bias), full[7:7 + num_rows]), \
+                        (narrow, threads, num_rows)
     finally:
         torch.set_num_threads(before)
+        module.set_narrow_tiles(-1)
 
 
 def test_packed_weight_keeps_the_original_rows_exactly():

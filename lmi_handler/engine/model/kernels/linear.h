@@ -542,6 +542,16 @@ void tile_kernel(const Micro& micro, int64_t rows, const float* x, int64_t ldx, 
 constexpr int64_t SMALL_M = 4;      // at most this many rows: streamed (two panels per work item where `two_panels`)
 constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K block is prefetched (L1: 48 KiB)
 
+// packed_gemm's prefetch_bytes for bf16 and int8 panels at M rows: none for a few rows (M <= SMALL_M, the
+// weight streamed once) where the tiles are narrow (narrow_tiles: AMD Zen 4, where this was measured), the
+// hardware's prefetchers alone; PREFETCH_BYTES otherwise. Measured on Zen 4 (benchmarks/ab_batch1.py, the whole
+// engine at batch 1 against the next K block prefetched to L1, 10-12 rounds each): bf16 1.062x and 1.063x the
+// rate, int8 weights (bf16 activations) 1.103x; 4 KiB of the next block instead of 16 was 0.957x. A plain read
+// of the same weights in the same call pattern (benchmarks/probes/linears_read.c) ran at ~0.9 of the read probe
+// there with no software prefetch. (Why the prefetches slowed the stream was not measured; a likely reason: each
+// L1 prefetch holds one of the core's few L1 miss buffers until its line arrives.) Prefetches change no value.
+inline int64_t few_rows_prefetch(int64_t M) { return M <= SMALL_M && narrow_tiles() ? 0 : PREFETCH_BYTES; }
+
 template <class WT, class Tile, class Store>
 void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_t k_block, int64_t mr, const WT* wp,
                  int64_t out_features, const Tile& tile, const Store& store, bool two_panels,
@@ -848,7 +858,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const int8_t* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroPlain<>{}, np, rows, xp + m * K + k0, K, w, Vec::W, kc, buf, first, pf, n);
-                  }, store, false);
+                  }, store, false, few_rows_prefetch(M));
     } else {
       const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
       const int64_t width = 2 * K_rows;
@@ -899,7 +909,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const bf16* const* w, int64_t kc,
                       float* const* buf, bool first, const char* const* pf, int64_t n) {
                     tiles(Wide{}, MicroBF16{}, np, rows, xp + m * width + 2 * k0, width, w, 2 * Vec::W, kc, buf, first, pf, n);
-                  }, store, false);
+                  }, store, false, few_rows_prefetch(M));
     }
   };
   if constexpr (paired) {

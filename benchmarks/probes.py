@@ -1,8 +1,9 @@
 """The machine's ceilings, measured inside the run they are held against: read bandwidth and peak FLOP/s.
 
-Owns the three probes: memory read bandwidth (probes/membw.c, built with the C compiler at run time, best
+Owns the probes: memory read bandwidth (probes/membw.c, built with the C compiler at run time, best
 of N passes over a buffer several times the last-level cache, huge pages where the kernel gives them),
-the peak matmul rate per dtype (torch.matmul) and the cores' peak float32 FMA rate (probes/fmapeak.c).
+the peak matmul rate per dtype (torch.matmul), the cores' peak float32 FMA rate (probes/fmapeak.c) and a
+plain read of a batch-1 step's weights in the step's call pattern (probes/step_read.c).
 The ceilings' arithmetic (bytes per token / GB/s) is report.py's. Run by `workers.py peak` in the project's venv, so torch is imported lazily.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from host import cache_sizes, cpu_list, omp_bind_cpus, parse_meminfo, thp_mode
 
 MEMBW_SOURCE = Path(__file__).resolve().parent / "probes" / "membw.c"
 FMAPEAK_SOURCE = Path(__file__).resolve().parent / "probes" / "fmapeak.c"
+STEP_READ_SOURCE = Path(__file__).resolve().parent / "probes" / "step_read.c"
 MIN_BUFFER_BYTES = 1 << 30
 
 
@@ -95,6 +97,31 @@ def read_bandwidth(threads: int, buffer_bytes: int | None, repeats: int, out_dir
     result.pop("sink", None)
     return {**result, "bound_cpus": cpu_list(cpus), "thp": thp, "l3_bytes": caches.get("L3"),
             "method": "probes/membw.c: uint64 sum over the buffer, each thread its own slice, best of the passes"}
+
+
+def step_read_args(config: dict, weight_bytes: int) -> list[str]:
+    """probes/step_read.c's LAYERS TAIL SIZE... for an HF Llama config.json's model at `weight_bytes` bytes a
+    weight: per layer the bytes of the engine's four linears (qkv, o, gate_up, down), the lm_head's as the tail;
+    their sum is workload.weight_bytes_per_token's bytes (int8's scales left out)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    layer = [(heads + 2 * kv_heads) * head_dim * hidden, hidden * heads * head_dim, 2 * inter * hidden, hidden * inter]
+    return [str(config["num_hidden_layers"]), str(config["vocab_size"] * hidden * weight_bytes)] + \
+        [str(n * weight_bytes) for n in layer]
+
+
+def step_read(threads: int, config: dict, weight_bytes: int, sweeps: int, out_dir: Path) -> dict:
+    """A plain read of one batch-1 decode step's weights in the step's call pattern (probes/step_read.c, built
+    into `out_dir` once): one OpenMP region per linear in layer order, then the lm_head, from DRAM. Returns its
+    JSON: bytes, threads, sweeps, regions, best_s / median_s (seconds a sweep), best / median_bytes_per_s.
+    Raises RuntimeError when the probe cannot be built, CalledProcessError when it fails."""
+    binary = build_probe(out_dir, STEP_READ_SOURCE)
+    env, _ = _omp_env(threads)
+    done = subprocess.run([str(binary), str(sweeps), *step_read_args(config, weight_bytes)], env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
 
 
 def peak_matmul(dtype_name: str, size: int, threads: int, decode_shape: tuple[int, int, int] | None = None) -> dict:

@@ -12,13 +12,16 @@ costs that does not scale with the weights' bytes: the engine's Python, the deco
 RoPE, allocations and thread hand-offs. The model's step adds the streaming of its weights (269 MB a token for
 the demo model in bf16).
 
-Each round: the read probe (probes.read_bandwidth, as the benchmark takes it before a batch-1 round), one
-request alone on the model and one on the skeleton (`--tokens` greedy tokens, EOS ignored, the order flipping
-each round). Per round it prints the read bandwidth, the ceiling step (weight bytes / read bandwidth), the
-model's step (wall ms, median over the decode steps) and its fraction of that ceiling, the skeleton's step, and
-(model - skeleton) against the ceiling: how close the weight streaming alone comes to the probe. A fraction
-above 1 means the probe caught the host busier than the round did (it is flagged); rerun on a quieter host.
-Then the medians over the rounds.
+Each round: the read probe (probes.read_bandwidth, as the benchmark takes it before a batch-1 round), a plain
+read of the model's weights in a step's call pattern (probes.step_read: one OpenMP region per linear, then the
+lm_head, no arithmetic; best of 5 sweeps), one request alone on the model and one on the skeleton (`--tokens`
+greedy tokens, EOS ignored, the order flipping each round). Per round it prints the read bandwidth, the ceiling
+step (weight bytes / read bandwidth), the model's step (wall ms, median over the decode steps) and its fraction
+of that ceiling, the skeleton's step, (model - skeleton) against the ceiling: how close the weight streaming
+alone comes to the probe, and the plain read's time and the plain read plus the skeleton's step against the
+ceiling: the fraction a step reaches if its weights stream as fast as a plain read can and none of its other
+work overlaps them. A fraction above 1 means the probe caught the host busier than the round did (it is
+flagged); rerun on a quieter host. Then the medians over the rounds.
 
 Writes the rounds, the host (CPU model, load average before and after) and the source commit to `--out` (JSON,
 default benchmarks/results/fixed-costs-<UTC date>.json: commit it only as a cited run of record) and a plot
@@ -45,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_breakdown import bench_engine  # noqa: E402
-from workload import REPO, build_workload, weight_bytes_per_token  # noqa: E402
+from workload import REPO, WEIGHT_BYTES, build_workload, weight_bytes_per_token  # noqa: E402
 
 SKELETON_VOCAB = 512
 
@@ -122,7 +125,7 @@ def main(argv=None) -> None:
     if args.rounds < 1 or args.tokens < 3:
         p.error("--rounds must be at least 1 and --tokens at least 3 (two decode steps)")
 
-    from probes import read_bandwidth
+    from probes import read_bandwidth, step_read
 
     model_dir, skeleton_dir = Path(args.model), Path(args.skeleton_dir)
     out = Path(args.out)
@@ -146,22 +149,31 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="lmi-probe-") as scratch:
         for r in range(args.rounds):
             gbs = read_bandwidth(args.threads, None, 3, Path(scratch))["best_bytes_per_s"] / 1e9
+            plain = step_read(args.threads, config, WEIGHT_BYTES[args.dtype], 5, Path(scratch))
             step = {}
             for name in (("model", "skeleton") if r % 2 == 0 else ("skeleton", "model")):
                 step[name] = statistics.median(step_times(engines[name], prompts[name], args.tokens, f"r{r}-{name}"))
             ceiling = nbytes / (gbs * 1e9)
             whole, skeleton = step["model"], step["skeleton"]
+            read_step = plain["best_s"]
             rows.append({"read_gb_per_s": gbs, "ceiling_step_s": ceiling, "demo_step_s": whole,
                          "skeleton_step_s": skeleton, "demo_fraction_of_ceiling": ceiling / whole,
-                         "streaming_fraction_of_ceiling": ceiling / (whole - skeleton)})
+                         "streaming_fraction_of_ceiling": ceiling / (whole - skeleton),
+                         "plain_read_step_s": read_step, "plain_read_gb_per_s": plain["best_bytes_per_s"] / 1e9,
+                         "plain_read_fraction_of_ceiling": ceiling / read_step,
+                         "unoverlapped_fraction_of_ceiling": ceiling / (read_step + skeleton)})
             flag = "  (above 1: the probe caught a busier host than the round)" if ceiling > whole - skeleton else ""
             print(f"round {r}: read {gbs:.1f} GB/s, ceiling step {ceiling * 1e3:.2f}; model {whole * 1e3:.2f} "
                   f"({ceiling / whole:.2f} of the ceiling), skeleton {skeleton * 1e3:.2f}; model - skeleton "
-                  f"{(whole - skeleton) * 1e3:.2f} ({ceiling / (whole - skeleton):.2f} of the ceiling){flag}", flush=True)
+                  f"{(whole - skeleton) * 1e3:.2f} ({ceiling / (whole - skeleton):.2f} of the ceiling){flag}; plain read "
+                  f"of the weights in the step's calls {read_step * 1e3:.2f} ({ceiling / read_step:.2f}), + skeleton "
+                  f"{(read_step + skeleton) * 1e3:.2f} ({ceiling / (read_step + skeleton):.2f})", flush=True)
     median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     print(f"median: model step {median['demo_step_s'] * 1e3:.2f} ms = {median['demo_fraction_of_ceiling']:.2f} of its "
           f"round's ceiling; skeleton step {median['skeleton_step_s'] * 1e3:.2f} ms; streaming (model - skeleton) at "
-          f"{median['streaming_fraction_of_ceiling']:.2f} of the ceiling")
+          f"{median['streaming_fraction_of_ceiling']:.2f} of the ceiling; a plain read of the weights in the step's "
+          f"calls at {median['plain_read_fraction_of_ceiling']:.2f}, with the skeleton's step after it (nothing "
+          f"overlapped) {median['unoverlapped_fraction_of_ceiling']:.2f}")
     out.write_text(json.dumps({
         "what": __doc__.splitlines()[0], "model": str(model_dir), "dtype": args.dtype, "threads": args.threads,
         "tokens": args.tokens, "weight_bytes_per_token": nbytes, "skeleton_config": skeleton_config(config),
@@ -172,22 +184,23 @@ def main(argv=None) -> None:
 
 
 def plot(rows: list[dict], path: Path, dtype: str) -> None:
-    """Per round: the ceiling step, the model's step and the skeleton's (ms), as grouped bars."""
+    """Per round: the ceiling step, the plain read's, the model's step and the skeleton's (ms), as grouped bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.6))
-    width = 0.27
+    width = 0.2
     for i, (key, label) in enumerate((("ceiling_step_s", "ceiling (weight bytes / read bandwidth)"),
+                                      ("plain_read_step_s", "plain read of the weights, the step's calls"),
                                       ("demo_step_s", "the model's step"),
                                       ("skeleton_step_s", "the skeleton's step (weights in cache)"))):
-        ax.bar([r + (i - 1) * width for r in range(len(rows))], [row[key] * 1e3 for row in rows], width, label=label)
+        ax.bar([r + (i - 1.5) * width for r in range(len(rows))], [row[key] * 1e3 for row in rows], width, label=label)
     ax.set_xticks(range(len(rows)))
     ax.set_xlabel("round")
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"Batch-1 decode step, {dtype}: what is not weight streaming")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -119,6 +119,20 @@ def test_a_probe_is_compiled_once_per_source_and_reused_by_later_rounds(tmp_path
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_the_step_read_probe_reads_the_bytes_a_decode_step_streams_in_one_region_per_linear(tmp_path):
+    from workload import weight_bytes_per_token
+
+    config = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+              "vocab_size": 1000, "num_hidden_layers": 3}
+    for dtype, size in (("bf16", 2), ("fp32", 4)):
+        result = probes.step_read(2, config, size, 3, tmp_path)
+        assert result["bytes"] == weight_bytes_per_token(config, dtype)["bytes"]   # every linear and the lm_head
+        assert result["regions"] == 4 * 3 + 1 and result["sweeps"] == 3 and result["threads"] == 2
+        assert 0 < result["best_s"] <= result["median_s"]
+        assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_the_fma_peak_probe_counts_two_flops_per_lane_per_fma_and_reports_every_pass(tmp_path):
     result = probes.fma_peak(1, tmp_path, iters=2_000_000, repeats=3)
     assert result["threads"] == 1 and result["lanes"] in (8, 16) and len(result["seconds"]) == 3

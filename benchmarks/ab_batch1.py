@@ -67,8 +67,8 @@ for n, line in enumerate(sys.stdin):
 def start_worker(tree: Path, args, env_extra: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree), **env_extra)
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(tree), args.model, args.dtype, str(args.threads),
-                             str(args.tokens), args.quantize or ""], cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+                             str(args.tokens), args.quantize or ""], cwd=tree, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line or not json.loads(line).get("ready"):
         raise RuntimeError(f"the worker in {tree} did not start (its error is above)")
@@ -97,7 +97,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--old-rev", default="HEAD", help="the revision to compare this checkout against")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"), help="the engines' dtype")
-    p.add_argument("--quantize", choices=("int8",), help="option.quantize of both sides (weights only)")
+    p.add_argument("--quantize", choices=("int8",),
+                   help="the engines' option.quantize on both sides: int8 weights, activations in --dtype")
     p.add_argument("--rounds", type=int, default=12, help="rounds; each runs one request on each side")
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens per request (EOS ignored), at least 2")
     p.add_argument("--threads", type=int, default=2, help="torch / kernel threads of each worker")
@@ -140,7 +141,8 @@ def main(argv=None) -> None:
                     proc.kill()
         git("worktree", "remove", "--force", str(old_tree))
     load_after = os.getloadavg()
-    print(f"{args.dtype}{' int8' if args.quantize else ''}, {args.threads} threads, {args.tokens} tokens, model {args.model}, old = {args.old_rev} "
+    kind = f"{args.dtype} int8" if args.quantize else args.dtype
+    print(f"{kind}, {args.threads} threads, {args.tokens} tokens, model {args.model}, old = {args.old_rev} "
           f"({commit[:12]}); load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     for key, label in (("rate", "tokens a second"), ("median_rate", "over the median interval between tokens")):
         ratios = [a[key] / b[key] for a, b in zip(rates["new"], rates["old"])]

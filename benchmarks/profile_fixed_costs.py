@@ -18,19 +18,23 @@ lm_head, no arithmetic; best of 5 sweeps), one request alone on the model and on
 greedy tokens, EOS ignored, the order flipping each round). Per round it prints the read bandwidth, the ceiling
 step (weight bytes / read bandwidth), the model's step (wall ms, median over the decode steps) and its fraction
 of that ceiling, the skeleton's step, (model - skeleton) against the ceiling: how close the weight streaming
-alone comes to the probe, and the plain read's time and the plain read plus the skeleton's step against the
-ceiling: the fraction a step reaches if its weights stream as fast as a plain read can and none of its other
-work overlaps them. A fraction above 1 means the probe caught the host busier than the round did (it is
-flagged); rerun on a quieter host. Then the medians over the rounds.
+alone comes to the probe, and the plain read's time (best of its sweeps, beside the steps' medians: the
+optimistic floor) and the plain read plus the skeleton's step against the ceiling: the fraction a step reaches
+if its weights stream as fast as a plain read can and none of its other work overlaps them. A fraction above 1
+means the probe caught the host busier than the round did (it is flagged); rerun on a quieter host. Then the
+medians over the rounds.
 
 Writes the rounds, the host (CPU model, load average before and after) and the source commit to `--out` (JSON,
 default benchmarks/results/fixed-costs-<UTC date>.json: commit it only as a cited run of record) and a plot
-beside it (.png: per round the ceiling step, the model's step and the skeleton's).
+beside it (.png: per round the ceiling step, the plain read's, the model's step and the skeleton's). The JSON's
+rounds hold `plain_read_step_s`, `plain_read_fraction_of_ceiling` (ceiling / plain read) and
+`unoverlapped_fraction_of_ceiling` (ceiling / (plain read + skeleton step)) beside the earlier keys.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_fixed_costs.py [--dtype bf16] [--rounds 6] [--tokens 128]
         [--threads 2] [--model model] [--skeleton-dir DIR] [--out FILE.json]
 
-(The run of record in benchmarks/README.md, "What a batch-1 step costs besides its weights": `--rounds 8`.)
+(The runs of record in benchmarks/README.md: "What a batch-1 step costs besides its weights", `--rounds 8`, before
+the plain read; "Zen 4: batch-1 weights streamed by the hardware's prefetchers alone", `--rounds 6`, with it.)
 """
 from __future__ import annotations
 

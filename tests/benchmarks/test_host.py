@@ -130,6 +130,9 @@ def test_the_step_read_probe_reads_the_bytes_a_decode_step_streams_in_one_region
         assert result["regions"] == 4 * 3 + 1 and result["sweeps"] == 3 and result["threads"] == 2
         assert 0 < result["best_s"] <= result["median_s"]
         assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
+        assert result["bound_cpus"] and "sink" not in result
+    with pytest.raises(RuntimeError, match="step_read exit code 2"):   # the probe refuses a model of no layers
+        probes.step_read(1, {**config, "num_hidden_layers": 0}, 2, 1, tmp_path)
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")

@@ -546,10 +546,11 @@ constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K b
 // weight streamed once) where the tiles are narrow (narrow_tiles: AMD Zen 4, where this was measured), the
 // hardware's prefetchers alone; PREFETCH_BYTES otherwise. Measured on Zen 4 (benchmarks/ab_batch1.py, the whole
 // engine at batch 1 against the next K block prefetched to L1, 10-12 rounds each): bf16 1.062x and 1.063x the
-// rate, int8 weights (bf16 activations) 1.103x; 4 KiB of the next block instead of 16 was 0.957x. A plain read
-// of the same weights in the same call pattern (benchmarks/probes/linears_read.c) ran at ~0.9 of the read probe
-// there with no software prefetch. (Why the prefetches slowed the stream was not measured; a likely reason: each
-// L1 prefetch holds one of the core's few L1 miss buffers until its line arrives.) Prefetches change no value.
+// rate, int8 weights (bf16 activations) 1.103x (medians of the per-round ratios); 4 KiB of the next block instead
+// of 16 was 0.957x. A plain read of the same weights in the same call pattern with no software prefetch
+// (benchmarks/probes/linears_read.c) read 48-55 GB/s there beside a read probe of 46-57, about its rate, while the
+// kernels streamed about a third slower. (Why the prefetches slowed the stream was not measured; a likely reason:
+// each L1 prefetch holds one of the core's few L1 miss buffers until its line arrives.) Prefetches change no value.
 inline int64_t few_rows_prefetch(int64_t M) { return M <= SMALL_M && narrow_tiles() ? 0 : PREFETCH_BYTES; }
 
 template <class WT, class Tile, class Store>

@@ -116,6 +116,12 @@ def main(argv=None) -> None:
         else:
             shutil.rmtree(old_tree)
     git("worktree", "add", "--detach", str(old_tree), commit)
+    here = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                          text=True).stdout.strip()
+    kind = f"int8 weights, {args.dtype} activations" if args.quantize else args.dtype
+    print(f"new = this checkout ({here}), old = {args.old_rev} ({commit[:12]}); {kind}, {args.threads} threads, "
+          f"{args.tokens} tokens, model {args.model}; each round both sides, the first flipping (new first in even "
+          f"rounds)", flush=True)
     sides: dict[str, subprocess.Popen] = {}
     load_before = os.getloadavg()
     try:
@@ -141,9 +147,8 @@ def main(argv=None) -> None:
                     proc.kill()
         git("worktree", "remove", "--force", str(old_tree))
     load_after = os.getloadavg()
-    kind = f"{args.dtype} int8" if args.quantize else args.dtype
-    print(f"{kind}, {args.threads} threads, {args.tokens} tokens, model {args.model}, old = {args.old_rev} "
-          f"({commit[:12]}); load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    print(f"{kind}, new = this checkout ({here}), old = {args.old_rev} ({commit[:12]}); load average (1 min) "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
     for key, label in (("rate", "tokens a second"), ("median_rate", "over the median interval between tokens")):
         ratios = [a[key] / b[key] for a, b in zip(rates["new"], rates["old"])]
         print(f"  {label}: new {statistics.median(x[key] for x in rates['new']):.1f}, old "

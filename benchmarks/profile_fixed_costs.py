@@ -25,10 +25,11 @@ means the probe caught the host busier than the round did (it is flagged); rerun
 medians over the rounds.
 
 Writes the rounds, the host (CPU model, load average before and after) and the source commit to `--out` (JSON,
-default benchmarks/results/fixed-costs-<UTC date>.json: commit it only as a cited run of record) and a plot
-beside it (.png: per round the ceiling step, the plain read's, the model's step and the skeleton's). The JSON's
+default benchmarks/results/fixed-costs-<UTC date and time, YYYY-MM-DD-HHMM>.json: commit it only as a cited run of
+record) and a plot beside it (.png: per round the ceiling step, the plain read's, the model's step and the skeleton's). The JSON's
 rounds hold `plain_read_step_s`, `plain_read_fraction_of_ceiling` (ceiling / plain read) and
-`unoverlapped_fraction_of_ceiling` (ceiling / (plain read + skeleton step)) beside the earlier keys.
+`unoverlapped_fraction_of_ceiling` (ceiling / (plain read + skeleton step)) beside the earlier keys (the model's
+step is `demo_step_s`, its fraction `demo_fraction_of_ceiling`: names from when the model was the demo model).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_fixed_costs.py [--dtype bf16] [--rounds 6] [--tokens 128]
         [--threads 2] [--model model] [--skeleton-dir DIR] [--out FILE.json]
@@ -170,8 +171,9 @@ def main(argv=None) -> None:
             print(f"round {r}: read {gbs:.1f} GB/s, ceiling step {ceiling * 1e3:.2f}; model {whole * 1e3:.2f} "
                   f"({ceiling / whole:.2f} of the ceiling), skeleton {skeleton * 1e3:.2f}; model - skeleton "
                   f"{(whole - skeleton) * 1e3:.2f} ({ceiling / (whole - skeleton):.2f} of the ceiling){flag}; plain read "
-                  f"of the weights in the step's calls {read_step * 1e3:.2f} ({ceiling / read_step:.2f}), + skeleton "
-                  f"{(read_step + skeleton) * 1e3:.2f} ({ceiling / (read_step + skeleton):.2f})", flush=True)
+                  f"of the weights in the step's calls {read_step * 1e3:.2f} ({ceiling / read_step:.2f} of the "
+                  f"ceiling), plain read + skeleton, unoverlapped {(read_step + skeleton) * 1e3:.2f} "
+                  f"({ceiling / (read_step + skeleton):.2f} of the ceiling)", flush=True)
     median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     print(f"median: model step {median['demo_step_s'] * 1e3:.2f} ms = {median['demo_fraction_of_ceiling']:.2f} of its "
           f"round's ceiling; skeleton step {median['skeleton_step_s'] * 1e3:.2f} ms; streaming (model - skeleton) at "

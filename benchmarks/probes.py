@@ -99,31 +99,17 @@ def read_bandwidth(threads: int, buffer_bytes: int | None, repeats: int, out_dir
             "method": "probes/membw.c: uint64 sum over the buffer, each thread its own slice, best of the passes"}
 
 
-def step_read_args(config: dict, bytes_per_weight: int) -> list[str]:
-    """probes/step_read.c's LAYERS TAIL SIZE... for an HF Llama config.json's model at `bytes_per_weight` bytes a
-    weight element (2 for bf16, 4 for fp32): per layer the bytes of the engine's four linears (qkv, o, gate_up,
-    down), the lm_head's as the tail. Their sum is workload.weight_bytes_per_token's bytes (int8's scales left out)
-    where every size is a multiple of 64 bytes (the probe rounds each down to whole cache lines). Raises KeyError
-    when the config lacks hidden_size, num_attention_heads, intermediate_size, vocab_size or num_hidden_layers."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    layer = [(heads + 2 * kv_heads) * head_dim * hidden, hidden * heads * head_dim, 2 * inter * hidden, hidden * inter]
-    return [str(config["num_hidden_layers"]), str(config["vocab_size"] * hidden * bytes_per_weight)] + \
-        [str(n * bytes_per_weight) for n in layer]
-
-
-def step_read(threads: int, config: dict, bytes_per_weight: int, sweeps: int, out_dir: Path) -> dict:
+def step_read(threads: int, layers: int, layer_bytes: list[int], tail_bytes: int, sweeps: int, out_dir: Path) -> dict:
     """A plain read of one batch-1 decode step's weights in the step's call pattern (probes/step_read.c, built
-    into `out_dir` once; step_read_args gives the sizes), `threads` OpenMP threads bound as read_bandwidth's: one
-    region per linear in layer order, then the lm_head, each thread its contiguous share, from DRAM, no arithmetic.
-    Returns its JSON: bytes, threads, sweeps, regions, best_s / median_s (seconds a sweep, best and median of
-    `sweeps`), best_bytes_per_s / median_bytes_per_s. Raises RuntimeError when the probe cannot be built or
-    exits non-zero (its message in the error)."""
+    into `out_dir` once), `threads` OpenMP threads bound as read_bandwidth's: `layers` x one region per weight of
+    `layer_bytes` (bytes each, in layer order), then one of `tail_bytes` (the lm_head), each thread its contiguous
+    share, from DRAM, no arithmetic; each size rounded down to whole 64-byte lines. Returns its JSON: bytes,
+    threads, sweeps, regions, best_s / median_s (seconds a sweep, best and median of `sweeps`), best_bytes_per_s /
+    median_bytes_per_s. Raises RuntimeError when the probe cannot be built or exits non-zero (its message in the
+    error)."""
     binary = build_probe(out_dir, STEP_READ_SOURCE)
     env, cpus = _omp_env(threads)
-    proc = subprocess.run([str(binary), str(sweeps), *step_read_args(config, bytes_per_weight)], env=env,
+    proc = subprocess.run([str(binary), str(sweeps), str(layers), str(tail_bytes), *map(str, layer_bytes)], env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"step_read exit code {proc.returncode}: {proc.stderr[-500:]}")

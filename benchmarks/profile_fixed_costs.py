@@ -26,8 +26,8 @@ medians over the rounds.
 
 Writes the rounds, the host (CPU model, load average before and after) and the source commit to `--out` (JSON,
 default benchmarks/results/fixed-costs-<UTC date and time, YYYY-MM-DD-HHMM>.json: commit it only as a cited run of
-record) and a plot beside it (.png: per round the ceiling step, the plain read's, the model's step and the skeleton's). The JSON's
-rounds hold `plain_read_step_s`, `plain_read_fraction_of_ceiling` (ceiling / plain read) and
+record) and a plot beside it (.png: per round the ceiling step, the plain read's, the model's step and the
+skeleton's). The JSON's rounds hold `plain_read_step_s`, `plain_read_fraction_of_ceiling` (ceiling / plain read) and
 `unoverlapped_fraction_of_ceiling` (ceiling / (plain read + skeleton step)) beside the earlier keys (the model's
 step is `demo_step_s`, its fraction `demo_fraction_of_ceiling`: names from when the model was the demo model).
 
@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_breakdown import bench_engine  # noqa: E402
-from workload import REPO, WEIGHT_BYTES, build_workload, weight_bytes_per_token  # noqa: E402
+from workload import REPO, WEIGHT_BYTES, build_workload, step_linears, weight_bytes_per_token  # noqa: E402
 
 SKELETON_VOCAB = 512
 
@@ -152,9 +152,12 @@ def main(argv=None) -> None:
     rows = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lmi-probe-") as scratch:
+        layers, layer, lm_head = step_linears(config)
+        size = WEIGHT_BYTES[args.dtype]
         for r in range(args.rounds):
             gbs = read_bandwidth(args.threads, None, 3, Path(scratch))["best_bytes_per_s"] / 1e9
-            plain = step_read(args.threads, config, WEIGHT_BYTES[args.dtype], 5, Path(scratch))
+            plain = step_read(args.threads, layers, [rows * cols * size for rows, cols in layer],
+                              lm_head[0] * lm_head[1] * size, 5, Path(scratch))
             step = {}
             for name in (("model", "skeleton") if r % 2 == 0 else ("skeleton", "model")):
                 step[name] = statistics.median(step_times(engines[name], prompts[name], args.tokens, f"r{r}-{name}"))

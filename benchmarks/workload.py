@@ -132,6 +132,20 @@ def compute_bound(flops: dict, peak_flops_per_s: float) -> dict:
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 
+def step_linears(config: dict) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
+    """The matrices a decode step multiplies, from an HF Llama config.json, as the engine holds them: (layers,
+    per layer the (out rows, in cols) of qkv, o, gate_up and down, the lm_head's (the tied embedding matrix)).
+    Raises KeyError when the config lacks hidden_size, num_attention_heads, intermediate_size, vocab_size or
+    num_hidden_layers."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    layer = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
+             (hidden, inter)]
+    return config["num_hidden_layers"], layer, (config["vocab_size"], hidden)
+
+
 def weight_bytes_per_token(config: dict, weights: str) -> dict:
     """Bytes of weights one decode step must read, from an HF Llama config.json: every linear matrix of the
     layers and lm_head (the tied embedding matrix, read whole to score the vocabulary; the embedding lookup
@@ -139,14 +153,8 @@ def weight_bytes_per_token(config: dict, weights: str) -> dict:
     float32 scale per output row (per-output-channel quantization). The minimum any engine streams per
     token in that format, so bytes / read bandwidth is the batch-1 ceiling. Raises KeyError on an unknown
     `weights`."""
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
-    inter, vocab = config["intermediate_size"], config["vocab_size"]
-    # (out rows, in cols) of q, k, v, o, gate, up, down, then lm_head
-    matrices = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden),
-                (hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)] * layers
-    matrices.append((vocab, hidden))
+    layers, layer, lm_head = step_linears(config)
+    matrices = layer * layers + [lm_head]
     params = sum(rows * cols for rows, cols in matrices)
     rows = sum(r for r, _ in matrices)
     scale_bytes = 4 * rows if weights == "int8" else 0

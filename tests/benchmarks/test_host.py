@@ -120,19 +120,21 @@ def test_a_probe_is_compiled_once_per_source_and_reused_by_later_rounds(tmp_path
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_the_step_read_probe_reads_the_bytes_a_decode_step_streams_in_one_region_per_linear(tmp_path):
-    from workload import weight_bytes_per_token
+    from workload import step_linears, weight_bytes_per_token
 
     config = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
               "vocab_size": 1000, "num_hidden_layers": 3}
+    layers, layer, lm_head = step_linears(config)
     for dtype, size in (("bf16", 2), ("fp32", 4)):
-        result = probes.step_read(2, config, size, 3, tmp_path)
+        sizes = [rows * cols * size for rows, cols in layer]
+        result = probes.step_read(2, layers, sizes, lm_head[0] * lm_head[1] * size, 3, tmp_path)
         assert result["bytes"] == weight_bytes_per_token(config, dtype)["bytes"]   # every linear and the lm_head
         assert result["regions"] == 4 * 3 + 1 and result["sweeps"] == 3 and result["threads"] == 2
         assert 0 < result["best_s"] <= result["median_s"]
         assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
         assert result["bound_cpus"] and "sink" not in result
     with pytest.raises(RuntimeError, match="step_read exit code 2"):   # the probe refuses a model of no layers
-        probes.step_read(1, {**config, "num_hidden_layers": 0}, 2, 1, tmp_path)
+        probes.step_read(1, 0, [64], 64, 1, tmp_path)
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")

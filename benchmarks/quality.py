@@ -10,11 +10,18 @@ argmax is the reference token, and how many of the misses are ties in the refere
 logits round to 2**-8 relative: at magnitude 16-32 a step is 0.125, and argmax then takes the lowest id;
 "first_difference_at_reference_tie" counts the prompts whose greedy tokens part where generate() chose
 among equal logits, our token one of them).
-A row "hf_bf16" puts transformers' own bf16 model against its fp32 one, for scale.
+A row "hf_bf16" puts transformers' own bf16 model against its fp32 one, for scale. A row "hf_bf16_f32_logits"
+puts transformers' own bf16 model with float32 logits (its bf16 final hidden state, widened, times lm_head's
+weight widened to float32: the issue's rule that logits stay float32, on the reference's own hidden states)
+against the same model's bf16 generate(): the floor under the bf16 variant's greedy-equal count, since our
+engine keeps logits float32 as the issue asks and so parts from generate() wherever generate() picked among
+bf16 logits that round to equal values.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quality.py [--prompts 16 --tokens 32 --variants bf16,int8]
 
-Writes benchmarks/results/quality-<date>.json (rewritten after each variant).
+Writes benchmarks/results/quality-<date>.json (rewritten after each variant) and a plot beside it (.png: per
+variant the prompts whose greedy tokens equal generate()'s, those that part at a tie in generate()'s logits, and
+the mean and max |Δ log-prob|). Commit them only as a run benchmarks/README.md cites.
 """
 from __future__ import annotations
 
@@ -126,6 +133,28 @@ class Reference:
         return self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
 
 
+class Float32Head(torch.nn.Module):
+    """lm_head in float32: (..., hidden) bf16 -> (..., vocab) float32 = hidden.float() @ weight.float().T (never
+    rounded to bf16). Stands in for a bf16 model's lm_head, so that its generate() runs its own loop on its own
+    bf16 hidden states and takes the argmax of float32 logits."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight32 = weight.detach().float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float() @ self.weight32.T
+
+
+class ReferenceFloat32Logits(Reference):
+    """transformers' bf16 model whose lm_head gives float32 logits (Float32Head): everything before the
+    lm_head is the reference's own bits."""
+
+    def __init__(self, model_dir: Path):
+        super().__init__(model_dir, torch.bfloat16)
+        self.model.lm_head = Float32Head(self.model.lm_head.weight)
+
+
 def compare(ours, ref: Reference, prompts: list[list[int]], n: int) -> dict:
     """Per-prompt and summary metrics of `ours` (Ours, or a Reference standing in for one) against `ref`."""
     rows = []
@@ -158,13 +187,53 @@ def compare(ours, ref: Reference, prompts: list[list[int]], n: int) -> dict:
             "per_prompt": rows}
 
 
+def plot(report: dict, path: Path) -> None:
+    """Write report's variants to `path` (PNG, matplotlib's Agg backend): greedy equal and parted-at-a-tie counts
+    (stacked, out of the prompts), and mean / max |Δ log-prob| with the issue's 0.05 bound for bf16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["variants"])
+    rows = [report["variants"][n] for n in names]
+    labels = [f"{n}\nvs {r['reference']}" for n, r in zip(names, rows)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.9 * len(rows) + 2))
+    equal = [r["greedy_equal"] for r in rows]
+    ties = [r["first_difference_at_reference_tie"] for r in rows]
+    left.barh(labels, equal, color="tab:blue", label="greedy tokens equal generate()'s")
+    left.barh(labels, ties, left=equal, color="tab:orange", label="part at a tie in generate()'s logits")
+    for y, r in enumerate(rows):
+        left.text(r["prompts"], y, f" {r['greedy_equal']} + {r['first_difference_at_reference_tie']} / {r['prompts']}",
+                  va="center", fontsize=8)
+    left.axvline(max(r["prompts"] for r in rows) / 2, color="gray", linestyle=":", label="half the prompts")
+    left.set_xlim(0, max(r["prompts"] for r in rows) * 1.3)
+    left.set_xlabel("prompts")
+    left.set_title(f"greedy, {rows[0]['tokens']} tokens a prompt", fontsize=10)
+    left.legend(fontsize=7, loc="lower right")
+    left.invert_yaxis()
+    right.barh(labels, [r["mean_abs_dlogprob"] for r in rows], color="tab:green", label="mean")
+    right.plot([r["max_abs_dlogprob"] for r in rows], range(len(rows)), "k.", label="max")
+    right.axvline(0.05, color="red", linestyle=":", label="0.05 (issue 16's bf16 bound on the mean)")
+    right.set_xlabel("|Δ log-prob| of the reference's greedy tokens, teacher-forced")
+    right.set_title("log-probs", fontsize=10)
+    right.legend(fontsize=7, loc="lower right")
+    right.invert_yaxis()
+    right.tick_params(axis="y", labelleft=False)
+    fig.suptitle(f"quality.py, {report['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=REPO / "model")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--variants", default="bf16,int8,int8-bf16,hf_bf16",
-                        help=f"comma-separated: {', '.join(VARIANTS)}, hf_bf16 (transformers bf16 vs fp32)")
+    parser.add_argument("--variants", default="bf16,int8,int8-bf16,hf_bf16,hf_bf16_f32_logits",
+                        help=f"comma-separated: {', '.join(VARIANTS)}, hf_bf16 (transformers bf16 vs fp32), "
+                             "hf_bf16_f32_logits (transformers bf16 with float32 logits vs transformers bf16)")
     parser.add_argument("--int8-lm-head", default=None, choices=("int8", "bfloat16", "float32"),
                         help="lm_head's panels for the int8 variants (default: the engine's choice)")
     parser.add_argument("--threads", type=int, default=2)
@@ -183,6 +252,8 @@ def main() -> None:
         start = time.perf_counter()
         if name == "hf_bf16":
             ours, ref_dtype = Reference(args.model_dir, torch.bfloat16), torch.float32
+        elif name == "hf_bf16_f32_logits":
+            ours, ref_dtype = ReferenceFloat32Logits(args.model_dir), torch.bfloat16
         else:
             dtype, quantize, ref_dtype = VARIANTS[name]
             ours = Ours(args.model_dir, dtype, quantize, args.int8_lm_head if quantize else None)
@@ -197,7 +268,8 @@ def main() -> None:
               f"agreement {result['argmax_agreement']:.3f} ({result['argmax_misses']} misses, "
               f"{result['misses_at_reference_ties']} at reference ties)", flush=True)
         out.write_text(json.dumps(report, indent=1))   # after every variant: a run cut short keeps what it measured
-    print(f"wrote {out}")
+        plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ def test_benchmark_results_hold_the_latest_run_and_the_runs_the_readme_cites_and
     narrative = (REPO / "benchmarks" / "README.md").read_text()
     kept = _committed("benchmarks/results")       # a local run's files (bench-smoke-*, tmp-*/) are ignored by git
     runs = {Path(p).stem for p in kept if p.endswith(".json")}
-    cited = set(re.findall(r"results/((?:bench|soak|storm|fixed-costs)-[0-9-]+(?:-[a-z0-9-]+)?)\.json", narrative))
+    cited = set(re.findall(r"results/((?:bench|soak|storm|fixed-costs|quality)-[0-9-]+(?:-[a-z0-9-]+)?)\.json", narrative))
     latest = max(run for run in runs if run.startswith("bench-"))     # the others are kept only if cited
     assert cited <= runs, f"cited but missing: {sorted(cited - runs)}"
     assert runs == cited | {latest}, f"kept but not cited: {sorted(runs - cited - {latest})}"

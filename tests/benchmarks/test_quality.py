@@ -30,3 +30,31 @@ def test_teacher_forced_log_probs_stay_close_to_transformers(model_dir, tokenize
     if variant == "bf16":   # the log-probs are float32 (never rounded to bf16) even in a bf16 model
         ours = quality.Ours(model_dir, dtype, quantize)
         assert ours.logprobs(prompts[0], [5, 6]).dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_the_reference_floor_is_transformers_bf16_model_with_float32_logits(model_dir, tokenizer, mt_bench_prompts):
+    """quality.py's hf_bf16_f32_logits row: transformers' bf16 model with only its lm_head's output left in
+    float32 (the floor under the bf16 variant's greedy-equal count). Its logits are float32 and, rounded to
+    bf16, within one bf16 step of the plain model's (the same hidden states); against the plain model it stays
+    within the bf16 bound with the same argmax at most positions."""
+    prompts = [quality.chat_ids(tokenizer, q) for q in mt_bench_prompts[:2]]
+    ref = quality.Reference(model_dir, torch.bfloat16)
+    floor = quality.ReferenceFloat32Logits(model_dir)
+    logits, plain = floor.logits(prompts[0], [5, 6, 7]), ref.logits(prompts[0], [5, 6, 7]).float()
+    assert logits.dtype == torch.float32 and logits.shape == plain.shape
+    assert not torch.equal(logits, logits.bfloat16().float())   # not rounded to bf16
+    assert bool(((logits.bfloat16().float() - plain).abs() <= plain.abs() * 2.0 ** -7 + 1e-6).all())
+    result = quality.compare(floor, ref, prompts, 8)
+    assert result["mean_abs_dlogprob"] < 0.02, result
+    assert result["argmax_agreement"] >= 0.75, result
+
+
+def test_the_plot_shows_each_variant(tmp_path):
+    """quality.plot writes a PNG from a report's variants (the counts and the log-prob gaps quality.py prints)."""
+    row = {"prompts": 16, "tokens": 32, "greedy_equal": 5, "first_difference_at_reference_tie": 8,
+           "mean_abs_dlogprob": 0.023, "max_abs_dlogprob": 0.18, "reference": "transformers bfloat16"}
+    report = {"date": "2026-12-06T07:31:38+00:00", "variants": {"bf16": row, "hf_bf16_f32_logits": {**row, "greedy_equal": 7}}}
+    out = tmp_path / "quality.png"
+    quality.plot(report, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -12,14 +12,14 @@ logits round to 2**-8 relative: at magnitude 16-32 a step is 0.125, and argmax t
 among equal logits, our token one of them).
 A row "hf_bf16" puts transformers' own bf16 model against its fp32 one, for scale. A row "hf_bf16_f32_logits"
 puts transformers' own bf16 model with float32 logits (its bf16 final hidden state, widened, times lm_head's
-weight widened to float32: the issue's rule that logits stay float32, on the reference's own hidden states)
-against the same model's bf16 generate(): the floor under the bf16 variant's greedy-equal count, since our
-engine keeps logits float32 as the issue asks and so parts from generate() wherever generate() picked among
-bf16 logits that round to equal values.
+weight widened to float32: issue 16's rule that logits stay float32, applied to the reference's own hidden
+states) against the same model's bf16 generate(): what the greedy-equal count reaches under that rule with the
+reference's hidden states bit for bit. Where generate() picked among bf16 logits that round to equal values
+(argmax takes the lowest id), float32 logits can rank those tokens otherwise, and then the greedy tokens part.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quality.py [--prompts 16 --tokens 32 --variants bf16,int8]
 
-Writes benchmarks/results/quality-<date>.json (rewritten after each variant) and a plot beside it (.png: per
+Writes benchmarks/results/quality-<UTC date and time, YYYY-MM-DD-HHMM>.json (rewritten after each variant) and a plot beside it (.png: per
 variant the prompts whose greedy tokens equal generate()'s, those that part at a tie in generate()'s logits, and
 the mean and max |Δ log-prob|). Commit them only as a run benchmarks/README.md cites.
 """
@@ -129,7 +129,8 @@ class Reference:
 
     @torch.inference_mode()
     def logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        """(len(tokens), vocab) logits in the model's dtype (the values its argmax sees)."""
+        """(len(tokens), vocab) logits in the model's dtype (the values its argmax sees; float32 with a
+        Float32Head)."""
         return self.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
 
 
@@ -140,7 +141,7 @@ class Float32Head(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight32 = weight.detach().float()
+        self.weight32 = weight.detach().float()   # a plain attribute: CPU only, as quality.py runs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float() @ self.weight32.T
@@ -187,9 +188,10 @@ def compare(ours, ref: Reference, prompts: list[list[int]], n: int) -> dict:
             "per_prompt": rows}
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path) -> list[str]:
     """Write report's variants to `path` (PNG, matplotlib's Agg backend): greedy equal and parted-at-a-tie counts
-    (stacked, out of the prompts), and mean / max |Δ log-prob| with the issue's 0.05 bound for bf16."""
+    (stacked, out of the prompts), and mean / max |Δ log-prob| with issue 16's 0.05 bound (bf16's). Returns the
+    rows' labels, in the plot's order."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,17 +206,19 @@ def plot(report: dict, path: Path) -> None:
     left.barh(labels, equal, color="tab:blue", label="greedy tokens equal generate()'s")
     left.barh(labels, ties, left=equal, color="tab:orange", label="part at a tie in generate()'s logits")
     for y, r in enumerate(rows):
-        left.text(r["prompts"], y, f" {r['greedy_equal']} + {r['first_difference_at_reference_tie']} / {r['prompts']}",
-                  va="center", fontsize=8)
-    left.axvline(max(r["prompts"] for r in rows) / 2, color="gray", linestyle=":", label="half the prompts")
-    left.set_xlim(0, max(r["prompts"] for r in rows) * 1.3)
+        left.text(r["prompts"], y, f" {r['greedy_equal']} equal + {r['first_difference_at_reference_tie']} at a tie,"
+                  f" of {r['prompts']}", va="center", fontsize=8)
+    left.axvline(max(r["prompts"] for r in rows) / 2, color="gray", linestyle=":",
+                 label="half the prompts (most: past it)")
+    left.xaxis.get_major_locator().set_params(integer=True)
+    left.set_xlim(0, max(r["prompts"] for r in rows) * 1.45)
     left.set_xlabel("prompts")
     left.set_title(f"greedy, {rows[0]['tokens']} tokens a prompt", fontsize=10)
     left.legend(fontsize=7, loc="lower right")
     left.invert_yaxis()
     right.barh(labels, [r["mean_abs_dlogprob"] for r in rows], color="tab:green", label="mean")
     right.plot([r["max_abs_dlogprob"] for r in rows], range(len(rows)), "k.", label="max")
-    right.axvline(0.05, color="red", linestyle=":", label="0.05 (issue 16's bf16 bound on the mean)")
+    right.axvline(0.05, color="red", linestyle=":", label="0.05: issue 16's bound on bf16's mean (not int8's)")
     right.set_xlabel("|Δ log-prob| of the reference's greedy tokens, teacher-forced")
     right.set_title("log-probs", fontsize=10)
     right.legend(fontsize=7, loc="lower right")
@@ -224,6 +228,22 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return labels
+
+
+def variant(name: str, model_dir: Path, int8_lm_head: str | None = None) -> tuple[object, torch.dtype]:
+    """(the engine or model measured, its reference's dtype) for a --variants name; ValueError for another."""
+    if name == "hf_bf16":
+        return Reference(model_dir, torch.bfloat16), torch.float32
+    if name == "hf_bf16_f32_logits":
+        return ReferenceFloat32Logits(model_dir), torch.bfloat16
+    if name not in VARIANTS:
+        raise ValueError(f"--variants: unknown variant {name!r}; allowed: {', '.join(VARIANT_NAMES)}")
+    dtype, quantize, ref_dtype = VARIANTS[name]
+    return Ours(model_dir, dtype, quantize, int8_lm_head if quantize else None), ref_dtype
+
+
+VARIANT_NAMES = (*VARIANTS, "hf_bf16", "hf_bf16_f32_logits")
 
 
 def main() -> None:
@@ -238,31 +258,32 @@ def main() -> None:
                         help="lm_head's panels for the int8 variants (default: the engine's choice)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    unknown = [n for n in args.variants.split(",") if n not in VARIANT_NAMES]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(VARIANT_NAMES)}")
+    import matplotlib  # noqa: F401  (the plot after each variant needs it: fail now, not after the first variant)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     prompts = [chat_ids(tokenizer, q) for q in mt_bench_questions()[:args.prompts]]
     refs: dict[torch.dtype, Reference] = {}
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": str(args.model_dir),
+    now = dt.datetime.now(dt.timezone.utc)
+    report = {"date": now.isoformat(timespec="seconds"), "model": str(args.model_dir),
               "int8_lm_head": args.int8_lm_head, "variants": {}}
-    out = BENCH / "results" / f"quality-{dt.datetime.now().strftime('%Y-%m-%d-%H%M')}.json"
+    out = BENCH / "results" / f"quality-{now.strftime('%Y-%m-%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         start = time.perf_counter()
-        if name == "hf_bf16":
-            ours, ref_dtype = Reference(args.model_dir, torch.bfloat16), torch.float32
-        elif name == "hf_bf16_f32_logits":
-            ours, ref_dtype = ReferenceFloat32Logits(args.model_dir), torch.bfloat16
-        else:
-            dtype, quantize, ref_dtype = VARIANTS[name]
-            ours = Ours(args.model_dir, dtype, quantize, args.int8_lm_head if quantize else None)
-        ref = refs.setdefault(ref_dtype, Reference(args.model_dir, ref_dtype))
+        ours, ref_dtype = variant(name, args.model_dir, args.int8_lm_head)
+        if ref_dtype not in refs:
+            refs[ref_dtype] = Reference(args.model_dir, ref_dtype)
+        ref = refs[ref_dtype]
         result = compare(ours, ref, prompts, args.tokens)
         result["reference"] = f"transformers {str(ref_dtype).removeprefix('torch.')}"
         result["seconds"] = time.perf_counter() - start
         report["variants"][name] = result
-        print(f"{name:10s} vs {result['reference']}: mean |dlogp| {result['mean_abs_dlogprob']:.4f} (max "
+        print(f"{name:18s} vs {result['reference']}: mean |dlogp| {result['mean_abs_dlogprob']:.4f} (max "
               f"{result['max_abs_dlogprob']:.3f}), greedy equal {result['greedy_equal']}/{result['prompts']} (of the rest, "
               f"{result['first_difference_at_reference_tie']} part at a tie in generate()'s logits), argmax "
               f"agreement {result['argmax_agreement']:.3f} ({result['argmax_misses']} misses, "

@@ -1,5 +1,6 @@
 """benchmarks/quality.py on a few MT-bench prompts: the bf16 engine against transformers' bf16 model and
-int8 against transformers' fp32 model, teacher-forced (the full run is the script's; its figures are in
+int8 against transformers' fp32 model, teacher-forced; the row of transformers' own bf16 model with float32 logits;
+the variant names refused; the plot (the full run is the script's; its figures are in
 benchmarks/README.md). The bounds: bf16 within 0.05 of transformers' log-prob of each of its greedy tokens on
 average (the issue's bound; measured 0.024 on 16 prompts x 32 tokens); int8 within 0.1 (measured 0.043:
 weight-only int8 of a 135M model moves log-probs about twice as much as bf16 does); our argmax is
@@ -33,28 +34,38 @@ def test_teacher_forced_log_probs_stay_close_to_transformers(model_dir, tokenize
 
 
 @pytest.mark.slow
-def test_the_reference_floor_is_transformers_bf16_model_with_float32_logits(model_dir, tokenizer, mt_bench_prompts):
-    """quality.py's hf_bf16_f32_logits row: transformers' bf16 model with only its lm_head's output left in
-    float32 (the floor under the bf16 variant's greedy-equal count). Its logits are float32 and, rounded to
-    bf16, within one bf16 step of the plain model's (the same hidden states); against the plain model it stays
-    within the bf16 bound with the same argmax at most positions."""
+def test_the_reference_row_with_float32_logits_is_transformers_own_bf16_forward(model_dir, tokenizer, mt_bench_prompts):
+    """quality.py's hf_bf16_f32_logits row (what the greedy-equal count reaches when logits stay float32, on the
+    reference's own hidden states): the variant builds transformers' bf16 model with only its lm_head's output
+    left in float32, against transformers' bf16 model. Its logits are float32, not bf16 values, and rounded to bf16
+    they are the plain model's to within bf16 rounding (the same hidden states: at most 2**-7 relative apart);
+    against the plain model it parts only at ties of the plain model's logits, its log-probs within 0.02."""
     prompts = [quality.chat_ids(tokenizer, q) for q in mt_bench_prompts[:2]]
-    ref = quality.Reference(model_dir, torch.bfloat16)
-    floor = quality.ReferenceFloat32Logits(model_dir)
+    floor, ref_dtype = quality.variant("hf_bf16_f32_logits", model_dir)
+    assert isinstance(floor, quality.ReferenceFloat32Logits) and ref_dtype == torch.bfloat16
+    ref = quality.Reference(model_dir, ref_dtype)
     logits, plain = floor.logits(prompts[0], [5, 6, 7]), ref.logits(prompts[0], [5, 6, 7]).float()
-    assert logits.dtype == torch.float32 and logits.shape == plain.shape
+    assert logits.dtype == torch.float32
     assert not torch.equal(logits, logits.bfloat16().float())   # not rounded to bf16
     assert bool(((logits.bfloat16().float() - plain).abs() <= plain.abs() * 2.0 ** -7 + 1e-6).all())
     result = quality.compare(floor, ref, prompts, 8)
+    assert result["greedy_equal"] + result["first_difference_at_reference_tie"] == result["prompts"], result
     assert result["mean_abs_dlogprob"] < 0.02, result
     assert result["argmax_agreement"] >= 0.75, result
 
 
+def test_an_unknown_variant_is_refused_by_name():
+    with pytest.raises(ValueError, match="'bf32'.*allowed: fp32, bf16, int8, int8-bf16, hf_bf16, hf_bf16_f32_logits"):
+        quality.variant("bf32", REPO / "model")
+
+
 def test_the_plot_shows_each_variant(tmp_path):
-    """quality.plot writes a PNG from a report's variants (the counts and the log-prob gaps quality.py prints)."""
+    """quality.plot writes a PNG from a report's variants (the counts and the log-prob gaps quality.py prints),
+    a row for each variant, in the report's order."""
     row = {"prompts": 16, "tokens": 32, "greedy_equal": 5, "first_difference_at_reference_tie": 8,
            "mean_abs_dlogprob": 0.023, "max_abs_dlogprob": 0.18, "reference": "transformers bfloat16"}
     report = {"date": "2026-12-06T07:31:38+00:00", "variants": {"bf16": row, "hf_bf16_f32_logits": {**row, "greedy_equal": 7}}}
     out = tmp_path / "quality.png"
-    quality.plot(report, out)
+    labels = quality.plot(report, out)
+    assert [label.split("\n")[0] for label in labels] == ["bf16", "hf_bf16_f32_logits"]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

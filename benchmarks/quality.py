@@ -18,6 +18,7 @@ reference's hidden states bit for bit. Where generate() picked among bf16 logits
 (argmax takes the lowest id), float32 logits can rank those tokens otherwise, and then the greedy tokens part.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quality.py [--prompts 16 --tokens 32 --variants bf16,int8]
+        [--threads 2] [--out FILE.json]
 
 Writes benchmarks/results/quality-<UTC date and time, YYYY-MM-DD-HHMM>.json (rewritten after each variant) and a plot beside it (.png: per
 variant the prompts whose greedy tokens equal generate()'s, those that part at a tie in generate()'s logits, and
@@ -200,7 +201,7 @@ def plot(report: dict, path: Path) -> list[str]:
     names = list(report["variants"])
     rows = [report["variants"][n] for n in names]
     labels = [f"{n}\nvs {r['reference']}" for n, r in zip(names, rows)]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.9 * len(rows) + 2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.9 * len(rows) + 2.8))
     equal = [r["greedy_equal"] for r in rows]
     ties = [r["first_difference_at_reference_tie"] for r in rows]
     left.barh(labels, equal, color="tab:blue", label="greedy tokens equal generate()'s")
@@ -208,13 +209,14 @@ def plot(report: dict, path: Path) -> list[str]:
     for y, r in enumerate(rows):
         left.text(r["prompts"], y, f" {r['greedy_equal']} equal + {r['first_difference_at_reference_tie']} at a tie,"
                   f" of {r['prompts']}", va="center", fontsize=8)
-    left.axvline(max(r["prompts"] for r in rows) / 2, color="gray", linestyle=":",
-                 label="half the prompts (most: past it)")
+    total = max(r["prompts"] for r in rows)
+    left.axvline(total / 2, color="gray", linestyle=":", label="half the prompts (\"most\" is more)")
+    left.axvline(total, color="black", linewidth=0.8, label=f"all {total} prompts (short of it: parted not at a tie)")
     left.xaxis.get_major_locator().set_params(integer=True)
     left.set_xlim(0, max(r["prompts"] for r in rows) * 1.45)
     left.set_xlabel("prompts")
     left.set_title(f"greedy, {rows[0]['tokens']} tokens a prompt", fontsize=10)
-    left.legend(fontsize=7, loc="lower right")
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     left.invert_yaxis()
     right.barh(labels, [r["mean_abs_dlogprob"] for r in rows], color="tab:green", label="mean")
     right.plot([r["max_abs_dlogprob"] for r in rows], range(len(rows)), "k.", label="max")
@@ -246,21 +248,47 @@ def variant(name: str, model_dir: Path, int8_lm_head: str | None = None) -> tupl
 VARIANT_NAMES = (*VARIANTS, "hf_bf16", "hf_bf16_f32_logits")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=REPO / "model")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=32)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything loads: each bad value is refused (exit 2) naming its option and
+    the allowed range. --variants is split on commas, names stripped, repeats dropped (first kept)."""
+    questions = len(mt_bench_questions())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=REPO / "model", help="the HF checkpoint (a directory)")
+    parser.add_argument("--prompts", type=int, default=16,
+                        help=f"the first N MT-bench questions (1..{questions})")
+    parser.add_argument("--tokens", type=int, default=32, help="the reference's greedy tokens a prompt (>= 1)")
     parser.add_argument("--variants", default="bf16,int8,int8-bf16,hf_bf16,hf_bf16_f32_logits",
                         help=f"comma-separated: {', '.join(VARIANTS)}, hf_bf16 (transformers bf16 vs fp32), "
                              "hf_bf16_f32_logits (transformers bf16 with float32 logits vs transformers bf16)")
     parser.add_argument("--int8-lm-head", default=None, choices=("int8", "bfloat16", "float32"),
                         help="lm_head's panels for the int8 variants (default: the engine's choice)")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    unknown = [n for n in args.variants.split(",") if n not in VARIANT_NAMES]
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (>= 1)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON to write, the PNG beside it (default: benchmarks/results/quality-<UTC date and "
+                             "time, YYYY-MM-DD-HHMM>.json; an existing file is not overwritten)")
+    args = parser.parse_args(argv)
+    names = list(dict.fromkeys(n.strip() for n in args.variants.split(",")))
+    unknown = [n for n in names if n not in VARIANT_NAMES]
     if unknown:
-        parser.error(f"--variants: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(VARIANT_NAMES)}")
+        parser.error(f"--variants: unknown {', '.join(repr(n) if n else 'an empty name' for n in unknown)}; "
+                     f"allowed: {', '.join(VARIANT_NAMES)}")
+    args.variants = ",".join(names)
+    if not 1 <= args.prompts <= questions:
+        parser.error(f"--prompts must be 1..{questions} (the MT-bench questions there are), got {args.prompts}")
+    if args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if not (args.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir: no config.json in {args.model_dir} (an HF checkpoint directory is needed)")
+    if args.out is not None and args.out.exists():
+        parser.error(f"--out: {args.out} exists (not overwritten)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     import matplotlib  # noqa: F401  (the plot after each variant needs it: fail now, not after the first variant)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -271,7 +299,10 @@ def main() -> None:
     now = dt.datetime.now(dt.timezone.utc)
     report = {"date": now.isoformat(timespec="seconds"), "model": str(args.model_dir),
               "int8_lm_head": args.int8_lm_head, "variants": {}}
-    out = BENCH / "results" / f"quality-{now.strftime('%Y-%m-%d-%H%M')}.json"
+    out = args.out or BENCH / "results" / f"quality-{now.strftime('%Y-%m-%d-%H%M')}.json"
+    if out.exists() or out.with_suffix(".png").exists():
+        raise SystemExit(f"{out} or its plot exists (a run started the same minute?): not overwritten; name another "
+                         f"with --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         start = time.perf_counter()

@@ -54,6 +54,33 @@ def test_the_reference_row_with_float32_logits_is_transformers_own_bf16_forward(
     assert result["argmax_agreement"] >= 0.75, result
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--variants", "bf32"], "--variants: unknown 'bf32'; allowed: fp32, bf16"),
+    (["--variants", "bf16,"], "--variants: unknown an empty name"),
+    (["--prompts", "0"], "--prompts must be 1..80"),
+    (["--prompts", "81"], "--prompts must be 1..80"),
+    (["--prompts", "-1"], "--prompts must be 1..80"),
+    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--model-dir", "/nonexistent"], "--model-dir: no config.json in /nonexistent"),
+])
+def test_bad_options_are_refused_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        quality.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_variant_names_are_stripped_and_repeats_dropped_and_an_existing_out_is_kept(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")   # a checkpoint directory as far as the options' check goes
+    model = ["--model-dir", str(tmp_path)]
+    assert quality.parse_args([*model, "--variants", " bf16, int8,bf16"]).variants == "bf16,int8"
+    existing = tmp_path / "q.json"
+    existing.write_text("{}")
+    with pytest.raises(SystemExit):
+        quality.parse_args([*model, "--out", str(existing)])
+    assert "exists (not overwritten)" in capsys.readouterr().err and existing.read_text() == "{}"
+
+
 def test_an_unknown_variant_is_refused_by_name():
     with pytest.raises(ValueError, match="'bf32'.*allowed: fp32, bf16, int8, int8-bf16, hf_bf16, hf_bf16_f32_logits"):
         quality.variant("bf32", REPO / "model")

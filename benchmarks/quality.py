@@ -213,7 +213,7 @@ def plot(report: dict, path: Path) -> list[str]:
     left.axvline(total / 2, color="gray", linestyle=":", label="half the prompts (\"most\" is more)")
     left.axvline(total, color="black", linewidth=0.8, label=f"all {total} prompts (short of it: parted not at a tie)")
     left.xaxis.get_major_locator().set_params(integer=True)
-    left.set_xlim(0, max(r["prompts"] for r in rows) * 1.45)
+    left.set_xlim(0, total * 1.45)
     left.set_xlabel("prompts")
     left.set_title(f"greedy, {rows[0]['tokens']} tokens a prompt", fontsize=10)
     left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
@@ -233,6 +233,13 @@ def plot(report: dict, path: Path) -> list[str]:
     return labels
 
 
+HF_ROWS = {   # name -> what the row puts against what (transformers' own models, not ours)
+    "hf_bf16": "transformers bf16 vs fp32",
+    "hf_bf16_f32_logits": "transformers bf16 with float32 logits vs transformers bf16",
+}
+VARIANT_NAMES = (*VARIANTS, *HF_ROWS)
+
+
 def variant(name: str, model_dir: Path, int8_lm_head: str | None = None) -> tuple[object, torch.dtype]:
     """(the engine or model measured, its reference's dtype) for a --variants name; ValueError for another."""
     if name == "hf_bf16":
@@ -245,12 +252,12 @@ def variant(name: str, model_dir: Path, int8_lm_head: str | None = None) -> tupl
     return Ours(model_dir, dtype, quantize, int8_lm_head if quantize else None), ref_dtype
 
 
-VARIANT_NAMES = (*VARIANTS, "hf_bf16", "hf_bf16_f32_logits")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked before anything loads: each bad value is refused (exit 2) naming its option and
-    the allowed range. --variants is split on commas, names stripped, repeats dropped (first kept)."""
+    the allowed range. --variants is split on commas, names stripped, repeats dropped (first kept); `started` (UTC)
+    is the run's start, `out` the JSON to write (the default named from `started`), refused when it or its PNG
+    exists."""
     questions = len(mt_bench_questions())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -259,8 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"the first N MT-bench questions (1..{questions})")
     parser.add_argument("--tokens", type=int, default=32, help="the reference's greedy tokens a prompt (>= 1)")
     parser.add_argument("--variants", default="bf16,int8,int8-bf16,hf_bf16,hf_bf16_f32_logits",
-                        help=f"comma-separated: {', '.join(VARIANTS)}, hf_bf16 (transformers bf16 vs fp32), "
-                             "hf_bf16_f32_logits (transformers bf16 with float32 logits vs transformers bf16)")
+                        help=f"comma-separated: {', '.join(VARIANTS)}, "
+                             + ", ".join(f"{n} ({what})" for n, what in HF_ROWS.items()))
     parser.add_argument("--int8-lm-head", default=None, choices=("int8", "bfloat16", "float32"),
                         help="lm_head's panels for the int8 variants (default: the engine's choice)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (>= 1)")
@@ -282,8 +289,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"--model-dir: no config.json in {args.model_dir} (an HF checkpoint directory is needed)")
-    if args.out is not None and args.out.exists():
-        parser.error(f"--out: {args.out} exists (not overwritten)")
+    args.started = dt.datetime.now(dt.timezone.utc)
+    args.out = args.out or BENCH / "results" / f"quality-{args.started.strftime('%Y-%m-%d-%H%M')}.json"
+    if args.out.exists() or args.out.with_suffix(".png").exists():
+        parser.error(f"--out: {args.out} or its plot exists (not overwritten); a run started the same minute? "
+                     "name another with --out")
     return args
 
 
@@ -296,13 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     prompts = [chat_ids(tokenizer, q) for q in mt_bench_questions()[:args.prompts]]
     refs: dict[torch.dtype, Reference] = {}
-    now = dt.datetime.now(dt.timezone.utc)
-    report = {"date": now.isoformat(timespec="seconds"), "model": str(args.model_dir),
+    report = {"date": args.started.isoformat(timespec="seconds"), "model": str(args.model_dir),
               "int8_lm_head": args.int8_lm_head, "variants": {}}
-    out = args.out or BENCH / "results" / f"quality-{now.strftime('%Y-%m-%d-%H%M')}.json"
-    if out.exists() or out.with_suffix(".png").exists():
-        raise SystemExit(f"{out} or its plot exists (a run started the same minute?): not overwritten; name another "
-                         f"with --out")
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         start = time.perf_counter()

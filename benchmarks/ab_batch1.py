@@ -116,8 +116,7 @@ def main(argv=None) -> None:
         else:
             shutil.rmtree(old_tree)
     git("worktree", "add", "--detach", str(old_tree), commit)
-    here = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                          text=True).stdout.strip()
+    here = git("describe", "--always", "--dirty")
     kind = f"int8 weights, {args.dtype} activations" if args.quantize else args.dtype
     print(f"new = this checkout ({here}), old = {args.old_rev} ({commit[:12]}); {kind}, {args.threads} threads, "
           f"{args.tokens} tokens, model {args.model}; each round both sides, the first flipping (new first in even "

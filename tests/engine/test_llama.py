@@ -282,17 +282,29 @@ def test_the_split_layers_are_bitwise_the_fused_layer(tiny_model_dir, precision)
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(fused_logits, split_logits) for a, b in zip(rows_a, rows_b))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize(("precision", "bf16_mode"), [("fp32", "auto"), ("bf16", "auto"), ("bf16", "fma"),
+                                                      ("int8", "auto")])
 @pytest.mark.parametrize("num_prompts", [1, 3])
-def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model_dir, precision, num_prompts):
+def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model_dir, precision, num_prompts,
+                                                                      bf16_mode):
     """A decode step of a few rows runs the fused stack's layers in one OpenMP region with barriers (team
     mode, rowwise.h DecoderStack::forward_team: each thread its share of every op, its own rope + K/V write
-    for the attention items it owns). With 2 threads it must run (team_steps counts it) and give the bits of
-    the same C++ ops called one by one (_forward_split, each op its own region), batch 1 and batch 3."""
+    for the attention items it owns), and gives the bits of the same C++ ops called one by one
+    (_forward_split, each op its own region), batch 1 and batch 3, with 2 threads.
+
+    Which steps take team mode is the CPU's to decide (rowwise.h team_fits): every decode step after the
+    prefill does (team_steps >= 5) unless the bf16 linears take the AMX form (bf16_dot_form() == BF16_AMX:
+    Intel CPUs with AMX-BF16, where amx_gemm splits its own work), where none does (team_steps == 0).
+    bf16_mode "fma" forces the FMA form, which never is AMX, so team mode's bits are checked on every host
+    kind (AMD Zen 3/4/5 and Intel with AMX alike); "auto" checks the host's own choice."""
+    from lmi_handler.engine.model.kernels.build import BF16_AMX, bf16_dot_form, choose_bf16_dot
+
     dtype, quantize = PRECISIONS[precision]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    choose_bf16_dot(bf16_mode)
     try:
+        amx = dtype == torch.bfloat16 and quantize is None and bf16_dot_form() == BF16_AMX
         results = []
         for split in (False, True):
             runner = ModelRunner(tiny_model_dir, dtype, torch.device("cpu"), block_size=4, num_blocks=64,
@@ -300,10 +312,13 @@ def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model
             if split:
                 runner.model._forward_fused = runner.model._forward_split
             results.append(greedy_generate(runner, BlockAllocator(64, 4), PROMPTS[:num_prompts], 6))
-            if not split:
+            if not split and amx:
+                assert runner.model._stack[1].team_steps == 0   # AMX form: team_fits refuses every step
+            elif not split:
                 assert runner.model._stack[1].team_steps >= 5    # every decode step after the prefill
     finally:
         torch.set_num_threads(threads)
+        choose_bf16_dot("auto")
     (team_tokens, team_logits), (split_tokens, split_logits) = results
     assert team_tokens == split_tokens
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(team_logits, split_logits) for a, b in zip(rows_a, rows_b))

@@ -7,6 +7,8 @@ output within 1e-5 of torch's. Token choices (greedy, the seeded race) exactly.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from lmi_handler.engine.model.backends import triton as tb
 from lmi_handler.engine.sampler import exponential_log_noise
 from tests.engine.triton import reference as ref
 
-pytestmark = pytest.mark.skipif(not tb.available(), reason="triton is not installed (pip install triton)")
+needs_triton = pytest.mark.skipif(not tb.available(), reason="triton is not installed (pip install triton)")
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 HIDDEN, INTER, VOCAB = 100, 48, 2500     # K = 100: a full and a partial K tile; V: two and a half vocab blocks
@@ -24,6 +26,7 @@ def randn(*shape, dtype=torch.float32, device="cpu", seed=0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())
 def test_linear_equals_the_reference_with_and_without_bias(dtype, device):
     x, weight, bias = randn(5, HIDDEN, dtype=dtype, device=device), randn(70, HIDDEN, dtype=dtype, device=device,
@@ -35,6 +38,7 @@ def test_linear_equals_the_reference_with_and_without_bias(dtype, device):
                                rtol=rtol)
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())
 def test_rms_norm_equals_the_reference_and_its_residual_is_the_sum_in_the_input_dtype(dtype, device):
     x, residual = randn(4, HIDDEN, dtype=dtype, device=device), randn(4, HIDDEN, dtype=dtype, device=device, seed=1)
@@ -49,6 +53,7 @@ def test_rms_norm_equals_the_reference_and_its_residual_is_the_sum_in_the_input_
     assert residual_out is x
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())
 def test_rope_and_act_mul_equal_the_reference(dtype, device):
     atol, rtol = TOL[dtype]
@@ -63,11 +68,13 @@ def test_rope_and_act_mul_equal_the_reference(dtype, device):
                                    rtol=rtol)
 
 
+@needs_triton
 def test_act_mul_refuses_an_unknown_activation_naming_the_allowed_ones():
     with pytest.raises(ValueError, match="'silu' or 'gelu_tanh', got 'relu'"):
         tb.act_mul(torch.zeros(1, 4), "relu")
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_log_softmax_equals_torch_in_float32_with_masked_tokens(dtype, device):
     logits = randn(3, VOCAB, seed=3) * 4
@@ -78,6 +85,7 @@ def test_log_softmax_equals_torch_in_float32_with_masked_tokens(dtype, device):
     torch.testing.assert_close(out, torch.log_softmax(logits.float(), dim=-1), atol=1e-5, rtol=1e-5)
 
 
+@needs_triton
 def test_greedy_takes_the_argmax_and_the_lowest_index_on_ties(device):
     logits = randn(3, VOCAB, seed=4)
     logits[1, [7, 1500, 2100]] = 50.0                         # ties across vocab blocks
@@ -85,6 +93,7 @@ def test_greedy_takes_the_argmax_and_the_lowest_index_on_ties(device):
     assert tb.greedy(logits.to(device)).tolist() == [int(logits[0].argmax()), 7, 1030]
 
 
+@needs_triton
 def test_seeded_sample_draws_the_cpu_samplers_tokens_from_the_same_hash_of_seed_and_position(device):
     logprobs = torch.log_softmax(randn(6, VOCAB, seed=5) * 2, dim=-1)
     seeds = torch.tensor([0, 1, -7, 2 ** 62 + 3, -(2 ** 63), 123456789])
@@ -114,6 +123,7 @@ def _ops(dtype, device):
     }
 
 
+@needs_triton
 @pytest.mark.parametrize("op,dtype", [(op, dtype) for op in ("linear", "rms_norm", "rope", "act_mul", "log_softmax",
                                                              "greedy") for dtype in (torch.float32, torch.float16)]
                          + [("seeded_sample", torch.float32)])         # the sampler reads float32 log-probs
@@ -126,3 +136,10 @@ def test_a_row_has_the_same_bits_alone_and_in_batches_of_3_and_8_with_padding_ro
     assert torch.equal(alone[0], of_3[0]) and torch.equal(alone[0], of_8[0])
     if op not in ("rope", "seeded_sample"):       # their inputs are keyed on the row's index, not only its values
         assert torch.equal(fn(rows[2:3])[0], of_3[2])
+
+
+def test_without_triton_the_backend_imports_and_an_op_says_what_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)           # `import triton` fails as when it is not installed
+    assert not tb.available()
+    with pytest.raises(RuntimeError, match=r"needs the triton package \(pip install triton\)"):
+        tb.greedy(torch.zeros(1, 4))

@@ -17,16 +17,22 @@ __all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "ro
 
 
 def available() -> bool:
-    """True when the triton package is importable (whether a device runs it is the caller's question)."""
-    return importlib.util.find_spec("triton") is not None
+    """True when the triton package is installed (whether a device runs it is the caller's question)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):        # ValueError: sys.modules["triton"] is None (import blocked)
+        return False
 
 
 def _kernels(module: str):
-    """The kernel module, imported on first use; a clear error when triton is missing."""
+    """The kernel module, imported on first use; a clear error when triton is missing or broken."""
     if not available():
         raise RuntimeError("kernel_backend 'triton' needs the triton package (pip install triton), "
-                           "which is not importable here")
-    return importlib.import_module(f"{__name__}.{module}")
+                           "which is not installed here")
+    try:
+        return importlib.import_module(f"{__name__}.{module}")
+    except ImportError as exc:
+        raise RuntimeError(f"kernel_backend 'triton': the triton package does not import here: {exc}") from exc
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,7 +20,8 @@ NUM_BLOCKS = 96
 TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 
 
-def filled_cache(contexts: list[int], dtype, device, seed: int = 0):
+def filled_cache(contexts: list[int], dtype, device, seed: int = 0, num_kv_heads: int = NUM_KV_HEADS,
+                 head_dim: int = HEAD_DIM):
     """K/V caches holding random values at each sequence's first contexts[i] positions and NaN everywhere else
     (a kernel reading past a row's keys would show it), with shuffled block tables."""
     gen = torch.Generator().manual_seed(seed)
@@ -30,22 +31,22 @@ def filled_cache(contexts: list[int], dtype, device, seed: int = 0):
         n = -(-context_len // BLOCK_SIZE)
         tables.append(order[taken:taken + n])
         taken += n
-    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
     k_cache, v_cache = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
     for table, context_len in zip(tables, contexts):
         slots = torch.tensor(table).repeat_interleave(BLOCK_SIZE) * BLOCK_SIZE + torch.arange(BLOCK_SIZE).repeat(
             len(table))
         slots = slots[:context_len]
-        k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = torch.randn(context_len, NUM_KV_HEADS, HEAD_DIM,
-                                                                      generator=gen).to(dtype)
-        v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = torch.randn(context_len, NUM_KV_HEADS, HEAD_DIM,
-                                                                      generator=gen).to(dtype)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(context_len, num_kv_heads, head_dim,
+                                                                        generator=gen).to(dtype)
     return k_cache.to(device), v_cache.to(device), tables
 
 
-def queries(num_rows: int, dtype, device, seed: int = 1) -> torch.Tensor:
+def queries(num_rows: int, dtype, device, seed: int = 1, num_heads: int = NUM_HEADS,
+            head_dim: int = HEAD_DIM) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(num_rows, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    return torch.randn(num_rows, num_heads, head_dim, generator=gen).to(dtype).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -79,6 +80,16 @@ def test_attention_equals_the_reference_on_a_step_with_every_row_kind(dtype, win
     expected = ref.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, HEAD_DIM ** -0.5, window, softcap)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=rtol)
+
+
+def test_attention_with_one_query_head_per_kv_head_and_a_head_size_not_a_power_of_two(device):
+    k_cache, v_cache, tables = filled_cache([c for c, _ in MIXED_STEP], torch.float32, device, num_kv_heads=3,
+                                            head_dim=24)
+    meta = ref.make_meta(MIXED_STEP, tables, BLOCK_SIZE, device)
+    q = queries(sum(n for _, n in MIXED_STEP), torch.float32, device, num_heads=3, head_dim=24)
+    out = tb.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    expected = ref.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, 0.2)
+    torch.testing.assert_close(out.cpu(), expected, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
 
 
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())

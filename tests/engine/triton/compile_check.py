@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 from lmi_handler.engine.model.backends.triton import attention, matmul, rowwise, sampling
 
 # the demo model's shapes (SmolLM2-135M): 9 heads over 3 KV heads of 64, hidden 576, MLP 1536
-ATTENTION = {"GROUP": 3, "GROUP_PAD": 4, "HEAD_DIM": 64, "DIM_PAD": 64, "SEQS_PAD": 64, "TILE": attention.KV_TILE}
+ATTENTION = {"GROUP": 3, "GROUP_PAD": 4, "HEAD_DIM": 64, "DIM_PAD": 64, "SEQ_CHUNK": attention.SEQ_CHUNK, "TILE": attention.KV_TILE}
 LINEAR = {"HAS_BIAS": True, "BLOCK_M": matmul.BLOCK_M, "BLOCK_N": matmul.BLOCK_N, "BLOCK_K": matmul.BLOCK_K}
 POINTERS = ("k_cache", "v_cache", "k", "v", "q", "out", "x", "weight", "bias", "residual", "residual_out", "cos",
             "sin", "gate_up", "logits")

@@ -7,6 +7,8 @@ bfloat16 (CUDA only) within 1e-2. The store is a copy: bitwise.
 """
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -93,7 +95,8 @@ def test_attention_with_one_query_head_per_kv_head_and_a_head_size_not_a_power_o
 
 
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())
-def test_a_row_has_the_same_bits_alone_and_in_batches_of_3_and_8_with_padding_rows(dtype, device):
+def test_a_row_has_the_same_bits_alone_and_in_batches_of_3_and_8_with_padding_rows(dtype, device, monkeypatch):
+    """The batch of 8 is scanned 2 sequences at a time for each row's sequence (SEQ_CHUNK; 64 by default)."""
     target = (70, 3)                        # a sequence's three rows at positions 67..69
     others = [(6, 6), (45, 5), (33, 1), (12, 2), (64, 1), (9, 3), (20, 1)]
     batches = {"alone": [target], "3": [others[0], target, others[1]], "8": others[2:] + [target] + others[:2]}
@@ -107,6 +110,8 @@ def test_a_row_has_the_same_bits_alone_and_in_batches_of_3_and_8_with_padding_ro
         first = sum(n for _, n in seqs[:seqs.index(target)])
         q = queries(sum(n for _, n in seqs) + padding_rows[name], dtype, device, seed=len(seqs))
         q[first:first + target[1]] = q_target
+        if name == "8":
+            monkeypatch.setattr(importlib.import_module(tb.__name__ + ".attention"), "SEQ_CHUNK", 2)
         out = tb.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
         results[name] = out[first:first + target[1]]
         assert torch.equal(out[out.shape[0] - padding_rows[name]:], torch.zeros_like(out[:padding_rows[name]]))

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-KV_TILE = 32   # key positions per tile: fixed, never a function of the batch
+KV_TILE = 32     # key positions per tile: fixed, never a function of the batch
+SEQ_CHUNK = 64   # sequences scanned at a time to find a row's sequence (a fixed width: no recompile per batch size)
 
 
 @triton.jit
@@ -54,12 +55,13 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit
+# num_seqs is not specialized (Triton would compile a variant for the value 1): one binary for every batch
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
         out, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, num_seqs, scale, softcap, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_kc_slot, stride_kc_head, stride_bt,
         block_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        SEQS_PAD: tl.constexpr, TILE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+        SEQ_CHUNK: tl.constexpr, TILE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -67,9 +69,11 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + g
     qo_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     # the row's sequence: how many sequences end at or before it (rows past the last one are padding)
-    seqs = tl.arange(0, SEQS_PAD)
-    ends = tl.load(cu_seqlens_q + 1 + seqs, mask=seqs < num_seqs, other=2147483647)
-    seq = tl.sum((ends <= row).to(tl.int32), axis=0)
+    seq = 0
+    for base in range(0, num_seqs, SEQ_CHUNK):
+        seqs = base + tl.arange(0, SEQ_CHUNK)
+        ends = tl.load(cu_seqlens_q + 1 + seqs, mask=seqs < num_seqs, other=2147483647)
+        seq += tl.sum((ends <= row).to(tl.int32), axis=0)
     in_batch = seq < num_seqs
     start = tl.load(cu_seqlens_q + seq, mask=in_batch, other=0)
     end = tl.load(cu_seqlens_q + seq + 1, mask=in_batch, other=0)
@@ -134,6 +138,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), meta.block_tables.stride(0), k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim), SEQS_PAD=max(triton.next_power_of_2(num_seqs), 2),
+        DIM_PAD=triton.next_power_of_2(head_dim), SEQ_CHUNK=SEQ_CHUNK,
         TILE=KV_TILE, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None)
     return out

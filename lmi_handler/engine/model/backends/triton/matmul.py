@@ -18,7 +18,8 @@ import triton.language as tl
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 
 
-@triton.jit
+# num_rows is not specialized (Triton would compile a variant for the value 1): one binary for every batch
+@triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(out, x, weight, bias, num_rows, num_cols, num_k, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):

@@ -67,8 +67,13 @@ def test_store_kv_copies_each_row_to_its_slot_bitwise_and_a_padding_slot_writes_
 
 
 # one step holding every row kind: a prefill, a chunked prefill's later chunk, a decode row with three KV tiles
-# behind it, and rows after a prefix-cache hit (the first 32 positions cached by another request)
+# behind it, and rows after a prefix-cache hit (their first 32 positions in blocks of the second sequence)
 MIXED_STEP = [(6, 6), (45, 5), (70, 1), (36, 4)]
+
+
+def mixed_step_tables(tables: list[list[int]]) -> list[list[int]]:
+    """The prefix hit: the last sequence's first 8 blocks are the second one's (shared, as the prefix cache does)."""
+    return tables[:3] + [tables[1][:32 // BLOCK_SIZE] + tables[3][32 // BLOCK_SIZE:]]
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 2.0)],
@@ -76,7 +81,7 @@ MIXED_STEP = [(6, 6), (45, 5), (70, 1), (36, 4)]
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())
 def test_attention_equals_the_reference_on_a_step_with_every_row_kind(dtype, window, softcap, device):
     k_cache, v_cache, tables = filled_cache([c for c, _ in MIXED_STEP], dtype, device)
-    meta = ref.make_meta(MIXED_STEP, tables, BLOCK_SIZE, device)
+    meta = ref.make_meta(MIXED_STEP, mixed_step_tables(tables), BLOCK_SIZE, device)
     q = queries(sum(n for _, n in MIXED_STEP), dtype, device)
     out = tb.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window=window, softcap=softcap)
     expected = ref.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, HEAD_DIM ** -0.5, window, softcap)
@@ -87,7 +92,7 @@ def test_attention_equals_the_reference_on_a_step_with_every_row_kind(dtype, win
 def test_attention_with_one_query_head_per_kv_head_and_a_head_size_not_a_power_of_two(device):
     k_cache, v_cache, tables = filled_cache([c for c, _ in MIXED_STEP], torch.float32, device, num_kv_heads=3,
                                             head_dim=24)
-    meta = ref.make_meta(MIXED_STEP, tables, BLOCK_SIZE, device)
+    meta = ref.make_meta(MIXED_STEP, mixed_step_tables(tables), BLOCK_SIZE, device)
     q = queries(sum(n for _, n in MIXED_STEP), torch.float32, device, num_heads=3, head_dim=24)
     out = tb.paged_attention(q, k_cache, v_cache, meta, 0.2)
     expected = ref.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, 0.2)

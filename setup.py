@@ -29,6 +29,9 @@ setup(
         # by the Makefile: its own llama-cpp-python dependency is not needed)
         "gguf>=0.10",
         "accelerate>=0.30",
+        # the CUDA kernels (engine/model/backends/triton/); on CPU machines too: their tests run on CPU tensors
+        # under Triton's interpreter (TRITON_INTERPRET=1). Linux wheels only; a CUDA torch pins its own version.
+        "triton>=3.6; platform_system == 'Linux'",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",

@@ -1,0 +1,164 @@
+"""The Triton backend's kernels on a GPU: their tests compiled (not interpreted), then paged attention and the
+linear timed against torch on the demo model's shapes (SmolLM2-135M: hidden 576, 9 heads over 3 KV heads of 64,
+MLP 1536, vocab 49152), bf16.
+
+    python benchmarks/gpu_kernels_check.py                 # on a CUDA machine, from the repo root
+    python benchmarks/gpu_kernels_check.py --out DIR       # where gpu-kernels-<UTC date>.json goes ($OUT or
+                                                           # benchmarks/results by default)
+    TRITON_INTERPRET=1 python benchmarks/gpu_kernels_check.py --smoke   # CPU: tiny shapes, checks the script
+
+Exit status: 0 when the tests passed, 1 when one failed, 2 when there is no GPU (without --smoke).
+The torch peers: attention_per_sequence (one SDPA call per sequence: today's batch-invariant CUDA path) and
+attention_padded (one padded SDPA call with a mask: today's fast path) from engine/model/attention.py;
+torch.nn.functional.linear (cuBLAS, which may split K) for the linears.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTER, VOCAB = 576, 9, 3, 64, 1536, 49152
+LINEARS = {"qkv": (HIDDEN, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN),
+           "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results"),
+                        help="folder for gpu-kernels-<UTC date>.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, any device (CPU under TRITON_INTERPRET=1): checks the script, not speed")
+    parser.add_argument("--skip-tests", action="store_true", help="time only")
+    parser.add_argument("--tests-timeout-s", type=int, default=240, help="limit for the kernel tests")
+    return parser.parse_args(argv)
+
+
+def run_tests(timeout_s: int) -> dict:
+    """tests/engine/triton on the GPU: the kernels compiled, bf16 included (the interpreter turned off)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+                               "tests/engine/triton"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = 124, f"timed out after {timeout_s} s\n{(exc.stdout or '')[-3000:]}"
+    print(tail)
+    return {"rc": rc, "passed": rc == 0, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def time_us(fn, *args) -> float:
+    """Median microseconds of one call fn(*args): CUDA events around batches of calls after a warm-up (one timed
+    call in --smoke on CPU)."""
+    import torch
+    fn(*args)
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        start = time.perf_counter()
+        fn(*args)
+        return (time.perf_counter() - start) * 1e6
+    torch.cuda.synchronize()
+    for _ in range(5):
+        fn(*args)
+    samples = []
+    for _ in range(7):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(20):
+            fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e3 / 20)
+    return sorted(samples)[len(samples) // 2]
+
+
+def attention_case(num_seqs: int, context_len: int, query_len: int, dtype, device, block_size: int = 16):
+    """q, caches and metadata for num_seqs sequences each with query_len new rows ending at context_len."""
+    import torch
+
+    from lmi_handler.engine.model.attention import AttentionMetadata
+    blocks_per_seq = -(-context_len // block_size)
+    k_cache = torch.randn(num_seqs * blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_seqs * blocks_per_seq, device=device).reshape(num_seqs, blocks_per_seq).int()
+    positions = torch.arange(context_len - query_len, context_len, device=device)
+    slots = (tables.long()[:, positions // block_size] * block_size + positions % block_size).reshape(-1)
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=tables,
+        context_lens=torch.full((num_seqs,), context_len, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(0, (num_seqs + 1) * query_len, query_len, dtype=torch.int32, device=device),
+        query_lens=[query_len] * num_seqs, context_lens_host=[context_len] * num_seqs, block_size=block_size)
+    q = torch.randn(num_seqs * query_len, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    return q, k_cache, v_cache, meta
+
+
+def time_kernels(smoke: bool, device) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from lmi_handler.engine.model import attention as torch_attention
+    from lmi_handler.engine.model.backends import triton as tb
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    # decode: 64 sequences at about the workload's length (a 170-token prompt + 128 tokens); a prefill step
+    attention_cases = [("decode", 4, 40, 1), ("prefill", 2, 48, 48)] if smoke else \
+        [("decode", 1, 300, 1), ("decode", 64, 300, 1), ("decode", 64, 1200, 1), ("prefill", 8, 256, 256)]
+    for kind, num_seqs, context_len, query_len in attention_cases:
+        case = (*attention_case(num_seqs, context_len, query_len, dtype, device), HEAD_DIM ** -0.5)
+        diff = (tb.paged_attention(*case).float() - torch_attention.attention_per_sequence(*case).float()).abs()
+        row = {"op": "paged_attention", "kind": kind, "num_seqs": num_seqs, "context_len": context_len,
+               "query_len": query_len, "triton_us": time_us(tb.paged_attention, *case),
+               "torch_per_sequence_us": time_us(torch_attention.attention_per_sequence, *case),
+               "torch_padded_us": time_us(torch_attention.attention_padded, *case),
+               "max_abs_diff_vs_torch": diff.max().item()}
+        rows.append(row)
+        print(json.dumps(row))
+    for name, (k, n) in LINEARS.items():
+        if smoke and name != "qkv":
+            continue
+        for num_rows in ([1, 8] if smoke else [1, 64, 2048]):
+            x = torch.randn(num_rows, k, dtype=dtype, device=device)
+            weight = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+            diff = (tb.linear(x, weight).float() - F.linear(x, weight).float()).abs()
+            row = {"op": "linear", "name": name, "rows": num_rows, "k": k, "n": n,
+                   "triton_us": time_us(tb.linear, x, weight), "torch_us": time_us(F.linear, x, weight),
+                   "max_abs_diff_vs_torch": diff.max().item()}
+            rows.append(row)
+            print(json.dumps(row))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    if not on_gpu and not args.smoke:
+        print("gpu_kernels_check: no CUDA device (or TRITON_INTERPRET=1 set): nothing to check; --smoke runs the "
+              "script on tiny shapes under the interpreter")
+        return 2
+    device = torch.device("cuda" if on_gpu else "cpu")
+    result = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)", "torch": torch.__version__,
+              "triton": triton.__version__, "smoke": args.smoke}
+    if not args.skip_tests:
+        result["tests"] = run_tests(args.tests_timeout_s)
+    result["timings"] = time_kernels(args.smoke, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu-kernels-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H%M%SZ}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"gpu_kernels_check: tests {'skipped' if args.skip_tests else result['tests']}; wrote {path}")
+    return 0 if args.skip_tests or result["tests"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

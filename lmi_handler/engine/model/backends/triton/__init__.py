@@ -1,0 +1,74 @@
+"""The Triton backend: the ops of the backend interface as Triton kernels, for CUDA tensors (and for CPU
+tensors under TRITON_INTERPRET=1, Triton's interpreter: slow, for tests).
+
+Every op is row-wise or tiled so that a row's bits never depend on the rest of the step: attention walks
+the KV in fixed tiles aligned to absolute positions, the matmul has a fixed K tile and no split-K, the norms
+and softmaxes reduce one row per program in a fixed order. `triton` is imported on the first call, not
+here, so the package imports without it; `available()` says whether it can run.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul",
+           "log_softmax", "greedy", "seeded_sample"]
+
+
+def available() -> bool:
+    """True when the triton package is installed (whether a device runs it is the caller's question)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):        # ValueError: sys.modules["triton"] is None (import blocked)
+        return False
+
+
+def _kernels(module: str):
+    """The kernel module, imported on first use; a clear error when triton is missing or broken."""
+    if not available():
+        raise RuntimeError("kernel_backend 'triton' needs the triton package (pip install triton), "
+                           "which is not installed here")
+    try:
+        return importlib.import_module(f"{__name__}.{module}")
+    except ImportError as exc:
+        raise RuntimeError(f"kernel_backend 'triton': the triton package does not import here: {exc}") from exc
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    _kernels("attention").store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    return _kernels("attention").paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _kernels("matmul").linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels("rowwise").rms_norm(x, weight, eps, residual, weight_offset)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _kernels("rowwise").rope(x, cos, sin)
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    return _kernels("rowwise").act_mul(gate_up, act)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return _kernels("sampling").log_softmax(logits)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return _kernels("sampling").greedy(logits)
+
+
+def seeded_sample(logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return _kernels("sampling").seeded_sample(logprobs, seeds, positions)

@@ -30,14 +30,15 @@ class ConfigError(ValueError):
 class Settings(BaseModel):
     """The model's properties as handle() receives them (serving.properties `option.*` keys, no prefix)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    # use_attribute_docstrings: each field's docstring is its description (docs/configuration.md's table)
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
 
     model_id: str = "model"
     """Model directory (config.json + safetensors + tokenizer), absolute or relative to model_dir."""
     model_dir: str = "."
     """Directory of serving.properties; relative model_id paths start here."""
     rolling_batch: str = "lmi_handler"
-    """`disable` = dynamic batch; any other value = rolling batch on our engine (DESIGN §2)."""
+    """`disable` = dynamic batch; any other value = rolling batch on our engine."""
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     """Most requests decoded together (vLLM max_num_seqs)."""
     max_rolling_batch_prefill_tokens: int = Field(1024, ge=16, le=1 << 20)

@@ -42,7 +42,8 @@ class Settings(BaseModel):
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     """Most requests decoded together (vLLM max_num_seqs)."""
     max_rolling_batch_prefill_tokens: int = Field(1024, ge=16, le=1 << 20)
-    """Token budget of one step (vLLM max_num_batched_tokens), in tokens; long prompts are prefilled in chunks."""
+    """Token budget of one step (vLLM max_num_batched_tokens), in tokens; long prompts are prefilled in chunks of
+    about this size, so a request arriving during a long prefill waits about one chunk's step for its first token."""
     max_model_len: int | None = Field(None, ge=16)
     """Context limit in tokens; default: the model's max_position_embeddings."""
     dtype: str = "auto"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +327,45 @@ def test_the_date_search_finds_the_ways_a_run_log_writes_a_date():
     found = [m.group(0) for m in DATE.finditer("on 2026-12-04, 2026/12/04, 04/12/2026, Dec 4, 2026, 4 December 2026, "
                                                "December 2026; not 2048-token prompts, 1e-5, 64 x 128 or 0.9.1")]
     assert found == ["2026-12-04", "2026/12/04", "04/12/2026", "Dec 4, 2026", "4 December 2026", "December 2026"]
+
+
+def _readme_examples() -> list[tuple[str, str]]:
+    return re.findall(r"```(bash|python|properties)\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+
+
+@pytest.mark.slow
+def test_the_readmes_examples_work_as_printed(rolling_server, dynamic_server, batch_server, tmp_path):
+    """Every way in, run in a directory laid out like a checkout; only the servers' ports and the interpreter
+    differ. Not run here: `make serve` itself, the properties block and the Ray command (a cluster:
+    tests/batch/test_cluster.py)."""
+    shutil.copy(REPO / "serving.properties", tmp_path / "serving.properties")
+    (tmp_path / "model").symlink_to(REPO / "model")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPTION_")}
+    env.update(PYTHONPATH=str(REPO), OPTION_NUM_THREADS="1")
+    examples = _readme_examples()
+    assert [lang for lang, _ in examples] == ["bash", "bash", "bash", "python", "bash", "python", "bash", "python",
+                                              "bash", "properties", "python"]
+    ran = []
+    for lang, code in examples[1:]:
+        if lang == "properties" or "--ray" in code:
+            continue
+        if lang == "bash" and shutil.which("curl") is None and "curl " in code:
+            pytest.skip("curl is not installed on this host")
+        code = "\n".join(line for line in code.splitlines() if not line.startswith("OPTION_ROLLING_BATCH=disable"))
+        url = batch_server.url if "batches.create" in code else rolling_server.url
+        code = code.replace("http://localhost:8080", url).replace("localhost:8080", url)
+        code = code.replace("localhost:8081", dynamic_server.url)
+        command = (["bash", "-ec", code.replace(".venv/bin/lmi-handler", f"{sys.executable} -m lmi_handler.cli")]
+                   if lang == "bash" else [sys.executable, "-c", code])
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
+        ran.append(done.stdout)
+    invocations, dynamic, openai_sdk, tgi, hf, _batch, batch_api, in_process = ran
+    assert invocations.count('"generated_text"') == 2 and '"chat.completion"' in invocations   # whole, streamed, chat
+    assert [type(a["generated_text"]) for a in json.loads(dynamic)] == [str, str]
+    person, _ = json.JSONDecoder().raw_decode(openai_sdk[openai_sdk.rfind("\n{") + 1:])   # its last print
+    assert set(person) == {"name", "age"}
+    assert tgi.count("data:") >= 2 and hf.strip()
+    assert {r["custom_id"] for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())} \
+        == {"colors", "sea"}
+    assert "completed" in batch_api and "'generated_text'" in in_process

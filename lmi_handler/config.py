@@ -81,9 +81,9 @@ class Settings(BaseModel):
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
     huge_pages: bool = True
-    """CPU float32: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
+    """CPU: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
     (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0
-    when the properties do not set it (read in from_properties, the only place that reads it)."""
+    when the properties do not set it."""
     malloc_tuning: bool = True
     """CPU: fix glibc malloc's mmap and trim thresholds (32 MiB, 1 GiB) at engine start so the memory a step
     frees is reused by the next instead of being returned and faulted in again (engine/host_memory.py;

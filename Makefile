@@ -9,7 +9,7 @@ PORT ?= 8080
 HOST ?= 0.0.0.0
 BIN := $(VENV)/bin
 
-.PHONY: install model tgi-client serve lint test-fast test bench bench-setup bench-smoke clean
+.PHONY: install model tgi-client serve lint test-fast test docs bench bench-setup bench-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ test: model tgi-client
 	$(LINT)
 	$(PYTEST) -m "not slow" --reverse
 	$(PYTEST) -m slow
+
+# docs/configuration.md's options table, rendered from lmi_handler/config.py's Settings (fields, defaults, ranges,
+# docstrings); tests/test_options_doc.py fails when the page and config.py disagree
+docs: $(VENV)/.installed
+	$(BIN)/python -m lmi_handler.options_doc --write docs/configuration.md
 
 # The benchmark (benchmarks/README.md): ours offline, batch file, server, HF generate and vLLM's CPU build,
 # one after the other, in each of --dtype (fp32, bf16); llama.cpp as the batch-1 peer. bench-setup installs

@@ -30,18 +30,20 @@ class ConfigError(ValueError):
 class Settings(BaseModel):
     """The model's properties as handle() receives them (serving.properties `option.*` keys, no prefix)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    # use_attribute_docstrings: each field's docstring is its description (docs/configuration.md's table)
+    model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
 
     model_id: str = "model"
     """Model directory (config.json + safetensors + tokenizer), absolute or relative to model_dir."""
     model_dir: str = "."
     """Directory of serving.properties; relative model_id paths start here."""
     rolling_batch: str = "lmi_handler"
-    """`disable` = dynamic batch; any other value = rolling batch on our engine (DESIGN §2)."""
+    """`disable` = dynamic batch; any other value = rolling batch on our engine."""
     max_rolling_batch_size: int = Field(32, ge=1, le=1024)
     """Most requests decoded together (vLLM max_num_seqs)."""
     max_rolling_batch_prefill_tokens: int = Field(1024, ge=16, le=1 << 20)
-    """Token budget of one step (vLLM max_num_batched_tokens), in tokens; long prompts are prefilled in chunks."""
+    """Token budget of one step (vLLM max_num_batched_tokens), in tokens; long prompts are prefilled in chunks of
+    about this size, so a request arriving during a long prefill waits about one chunk's step for its first token."""
     max_model_len: int | None = Field(None, ge=16)
     """Context limit in tokens; default: the model's max_position_embeddings."""
     dtype: str = "auto"
@@ -79,9 +81,9 @@ class Settings(BaseModel):
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
     huge_pages: bool = True
-    """CPU float32: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
+    """CPU: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
     (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0
-    when the properties do not set it (read in from_properties, the only place that reads it)."""
+    when the properties do not set it."""
     malloc_tuning: bool = True
     """CPU: fix glibc malloc's mmap and trim thresholds (32 MiB, 1 GiB) at engine start so the memory a step
     frees is reused by the next instead of being returned and faulted in again (engine/host_memory.py;

@@ -69,7 +69,7 @@ def _tgi_error(message: str, code: int, param: str | None = None) -> dict[str, A
     return {"error": message, "error_type": "generation"}
 
 
-# One error shape per dialect: a new dialect adds its row (README "Architecture").
+# One error shape per dialect: a new dialect adds its row (docs/architecture.md, "Adding an output dialect").
 _ERROR_SHAPES = {Dialect.LMI: _lmi_error, Dialect.OPENAI: _openai_error, Dialect.TGI: _tgi_error}
 
 

@@ -1,8 +1,8 @@
 """TGI's native routes on the bundled app: POST /generate, /generate_stream and / (TGI's compat route),
 GET /info and /health, as text-generation-inference serves them.
 
-Owns these routes and TGI's /info document. The TGI dialect is the worked example of README's
-"Architecture": its kinds and rules are plan.py's (Kind.TGI_*), its formatters formatters.py's (TgiDocument,
+Owns these routes and TGI's /info document. The TGI dialect is the worked example of docs/architecture.md's
+"Adding an output dialect": its kinds and rules are plan.py's (Kind.TGI_*), its formatters formatters.py's (TgiDocument,
 TgiStream), its error shape errors.py's (Dialect.TGI); serving a request is serving.py's.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """lmi_handler.batch's helper: create_batch checks early; submit_batch runs on a server or offline, and the
-README's "Batch jobs" examples work as printed."""
+examples of docs/batch.md (before its Ray section) work as printed."""
 from __future__ import annotations
 
 import re
@@ -39,19 +39,18 @@ def test_submit_batch_to_a_server_writes_the_records_with_the_batch_defaults(bat
     assert [r["custom_id"] for r in read_jsonl(tmp_path / "err.jsonl")] == ["bad"]
 
 
-def readme_examples() -> list[tuple[str, str]]:
-    text = (REPO / "README.md").read_text()
-    start = text.index("## Batch jobs")
-    section = text[start:text.index("\n## ", start + 1)]
+def batch_page_examples() -> list[tuple[str, str]]:
+    text = (REPO / "docs" / "batch.md").read_text()
+    section = text[:text.index("\n## Over Ray")]         # the Ray example needs a cluster: tests/batch/test_cluster.py
     return re.findall(r"```(bash|python)\n(.*?)```", section, re.S)
 
 
 @pytest.mark.slow
-def test_the_readme_batch_examples_work_as_printed(batch_server, tmp_path):
+def test_the_batch_pages_examples_work_as_printed(batch_server, tmp_path):
     """Run in a directory laid out like a checkout; only the server's port and the interpreter differ."""
     shutil.copy(REPO / "serving.properties", tmp_path / "serving.properties")
     (tmp_path / "model").symlink_to(REPO / "model")
-    examples = readme_examples()
+    examples = batch_page_examples()
     assert [lang for lang, _ in examples] == ["bash", "bash", "python", "python"]
     for lang, code in examples:
         code = code.replace("http://localhost:8080", batch_server.url)

@@ -558,7 +558,7 @@ def test_lmi_min_length_and_bad_sequences_act_on_invocations(client):
     assert word not in banned
 
 
-LARGE_SCHEMA = {"type": "object", "properties": {      # llguidance: ~0.8 s to compile here (README)
+LARGE_SCHEMA = {"type": "object", "properties": {      # llguidance: ~0.8 s to compile here (docs/architecture.md)
     f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 50 + 1}}}[0-9]+x{i}$"} for i in range(3000)},
     "required": [f"p{i}" for i in range(3000)]}
 

@@ -67,7 +67,7 @@ def test_generate_answers_tgi_shape_with_details_and_seed(app):
 
 
 def test_generate_reads_temperature_zero_by_the_lmi_rule_as_greedy(app):
-    """Parameters on TGI's routes follow the LMI schema (README): temperature 0 is greedy, as on /invocations
+    """Parameters on TGI's routes follow the LMI schema (docs/serving.md): temperature 0 is greedy, as on /invocations
     and vLLM; real TGI refuses it with a 422 ("must be strictly positive"), so a TGI client never sends it and
     nothing it sends changes meaning. A negative temperature is still refused, naming the field."""
     server = app

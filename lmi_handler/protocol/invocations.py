@@ -29,7 +29,8 @@ MAX_JSON_DEPTH = 512
 class InvocationRequest:
     """An /invocations body: LMI {"inputs", "parameters", "stream"} or chat {"messages", ...}.
 
-    `inputs` is a string (rolling batch) or a list of strings (dynamic batch); None for chat.
+    `inputs` is a string (rolling batch) or a list of strings (dynamic batch); None for chat and completions
+    (their prompts are `completion.prompts`: text or token ids).
     `chat` holds the parsed chat form (LMI chat completions schema = OpenAI's) when `messages`
     was given; its sampling fields are already folded into `parameters`.
     """
@@ -97,10 +98,9 @@ class InvocationRequest:
             chat = ChatCompletionRequest.parse(data)
             return cls(None, chat.to_generation_parameters(**generation), chat.stream, chat.messages, chat,
                        route=route)
-        completion = CompletionRequest.parse(data)
-        prompts = completion.prompts
-        return cls(prompts[0] if len(prompts) == 1 else prompts, completion.to_generation_parameters(**generation),
-                   completion.stream, completion=completion, route=route)
+        completion = CompletionRequest.parse(data)    # its prompts (text or token ids): completion.prompts
+        return cls(None, completion.to_generation_parameters(**generation), completion.stream,
+                   completion=completion, route=route)
 
 
 def _decode(body: bytes | str | dict) -> str:

@@ -63,10 +63,10 @@ class InvocationRequest:
         bodies, "inputs" for a missing or bad input, else the parameter's name.
         """
         if dialect_of(route) is Dialect.OPENAI:
-            return cls.parse_openai(_load_json(body), route)
+            return cls.parse_openai(load_json(body), route)
         if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
             return cls(_check_inputs(_decode(body)), GenerationParameters(), route=route or ROUTE_INVOCATIONS)
-        data = _load_json(body)
+        data = load_json(body)
         stream = _check_stream(data.get("stream"))
         if route == ROUTE_GENERATE and "messages" in data:
             raise RequestValidationError("messages", "Invalid field `messages`: /generate takes TGI's "
@@ -114,7 +114,9 @@ def _decode(body: bytes | str | dict) -> str:
     raise RequestValidationError("body", "Request body must be text, not a JSON object, with text/plain")
 
 
-def _load_json(body: bytes | str | dict) -> dict:
+def load_json(body: bytes | str | dict) -> dict:
+    """A request body as a JSON object (a dict passes as it is). Raises RequestValidationError("body") for
+    bytes that are not UTF-8, not JSON, not an object, or nested past MAX_JSON_DEPTH."""
     if isinstance(body, dict):
         return body
     text = _decode(body)

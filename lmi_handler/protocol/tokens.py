@@ -1,7 +1,7 @@
 """The token routes' bodies and answers: vLLM's /tokenize and /detokenize, TGI's /tokenize.
 
 Owns their request and answer shapes (one POST /tokenize takes both servers' bodies: TGI's has `inputs`);
-tokenizing is service.py's, the routes server/tokens.py's.
+tokenizing is service.py's, the routes server/tokens.py's (TGI's body answered by server/tgi.py).
 """
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmi_handler.protocol.dialects import Dialect
 from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
-from lmi_handler.protocol.invocations import _load_json
+from lmi_handler.protocol.invocations import load_json
 from lmi_handler.protocol.openai import ChatCompletionRequest
 
 TOKEN_RULES = {
@@ -56,9 +55,8 @@ class _Detokenize(BaseModel):
 
 @dataclass(frozen=True)
 class TokenizeRequest:
-    """One /tokenize body: `text` to tokenize (a chat's is rendered by the service from `messages`)."""
+    """vLLM's /tokenize body: `text` to tokenize, or `messages` (rendered by the service's chat template)."""
 
-    dialect: Dialect                       # OPENAI: vLLM's body and answer; TGI: TGI's
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
@@ -72,21 +70,24 @@ def _validate(model: type[BaseModel], data: dict) -> Any:
         raise from_pydantic(exc, TOKEN_RULES) from None
 
 
-def dialect_of_tokenize(body: bytes) -> Dialect:
-    """Whose /tokenize a body is (its errors take that server's shape): TGI's when it holds `inputs`."""
+def is_tgi_tokenize(body: bytes) -> bool:
+    """Whether a POST /tokenize body is TGI's (it holds `inputs`); vLLM's otherwise, and when it is no JSON
+    object at all (vLLM's errors then answer it)."""
     try:
-        return Dialect.TGI if "inputs" in _load_json(body) else Dialect.OPENAI
+        return "inputs" in load_json(body)
     except RequestValidationError:
-        return Dialect.OPENAI
+        return False
+
+
+def parse_tgi_tokenize(body: bytes) -> str:
+    """TGI's /tokenize body (its GenerateRequest): the `inputs` text. Raises RequestValidationError."""
+    return _validate(_TgiTokenize, load_json(body)).inputs
 
 
 def parse_tokenize(body: bytes) -> TokenizeRequest:
-    """A POST /tokenize body: TGI's {"inputs"}, or vLLM's {"prompt"} or {"messages"} (with add_special_tokens,
-    default true for a prompt and false for messages, as vLLM). Raises RequestValidationError naming the field."""
-    data = _load_json(body)
-    if "inputs" in data:
-        return TokenizeRequest(Dialect.TGI, text=_validate(_TgiTokenize, data).inputs)
-    request = _validate(_VllmTokenize, data)
+    """vLLM's /tokenize body: {"prompt"} or {"messages"}, with add_special_tokens (default true for a prompt,
+    false for messages, as vLLM) and return_token_strs. Raises RequestValidationError naming the field."""
+    request = _validate(_VllmTokenize, load_json(body))
     if (request.prompt is None) == (request.messages is None):
         raise RequestValidationError("prompt", "Invalid parameter `prompt`: send one of `prompt` (a string) or "
                                      "`messages` (vLLM), or TGI's `inputs`")
@@ -94,14 +95,14 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
     if request.messages is not None:     # the chat route's own rules for messages
         messages = ChatCompletionRequest.parse({"messages": request.messages}).text_messages()
     add_special = request.add_special_tokens
-    return TokenizeRequest(Dialect.OPENAI, request.prompt, messages,
-                           add_special if add_special is not None else messages is None, request.return_token_strs)
+    return TokenizeRequest(request.prompt, messages, add_special if add_special is not None else messages is None,
+                           request.return_token_strs)
 
 
 def parse_detokenize(body: bytes) -> list[int]:
     """vLLM's /detokenize body {"tokens": [ids]}: the ids (range checked by the service). Raises
     RequestValidationError naming `tokens`."""
-    tokens = _validate(_Detokenize, _load_json(body)).tokens
+    tokens = _validate(_Detokenize, load_json(body)).tokens
     if any(t < 0 for t in tokens):
         raise RequestValidationError.out_of_range("tokens", tokens, TOKEN_RULES["tokens"])
     return tokens

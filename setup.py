@@ -34,13 +34,15 @@ setup(
         "triton>=3.6; platform_system == 'Linux'",
     ],
     extras_require={
+        # lm_eval[api,hf]: tests/evaluation runs lm-evaluation-harness against the server (local-completions)
+        # and on the same weights (hf); it brings datasets, evaluate, scikit-learn, scipy, sacrebleu, nltk, peft
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",
-                 "jsonschema>=4"],
+                 "jsonschema>=4", "lm_eval[api,hf]>=0.4.13,<0.5"],
         "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         # `lmi-handler batch --ray`: batch files sharded over the replicas of a Ray cluster (batch/cluster.py)
         "ray": ["ray[data]==2.60.0"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "matplotlib", "ruff",
-                "jsonschema>=4"],
+                "jsonschema>=4", "lm_eval[api,hf]>=0.4.13,<0.5"],
     },
     entry_points={"console_scripts": ["lmi-handler=lmi_handler.cli:main"]},
 )

@@ -69,7 +69,7 @@ class ActiveRequest:
 
     request_id: str
     plan: RequestPlan | None = None
-    members: list[Member] = field(default_factory=list)    # n / best_of: the engine sequences
+    members: list[Member] = field(default_factory=list)    # n / best_of: the engine sequences, prompt by prompt
     error: str | None = None          # set when the request failed; answered once with last=true
     error_code: int = GENERATION_ERROR_CODE   # 400 when the engine found the request itself invalid
     error_param: str | None = None    # the field a 400 names (OpenAI's `param`)
@@ -83,7 +83,9 @@ class ActiveRequest:
         if self.plan is not None and self.plan.stream:
             self.stream = StreamAnswer(self.plan, self.members)
         elif self.plan is not None:
-            self.answer = Answer(self.plan, [self.members])
+            count = self.plan.sequences.count      # completions with a list of prompts: count members each
+            self.answer = Answer(self.plan, [self.members[p * count:(p + 1) * count]
+                                             for p in range(len(self.plan.prompts))])
 
     @property
     def content_type(self) -> str:
@@ -188,8 +190,7 @@ class RollingBatch:
         request_id = item.get_property("requestId") or uuid.uuid4().hex
         try:
             plan = plan_item(self.service, item, request_id)
-            (request_members,) = plan.members(_item_seed(item))     # rolling batch: one prompt
-            self.service.add_members(plan.prompts[0].token_ids, request_members)
+            request_members = self.service.add_prompts(plan, plan.members(_item_seed(item)))
         except Exception as exc:  # noqa: BLE001 - any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
             return ActiveRequest(request_id, error=str(exc))

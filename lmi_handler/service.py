@@ -17,8 +17,7 @@ from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
-from lmi_handler.protocol.dialects import Dialect, dialect_of
-from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.errors import RequestValidationError, show_value
 from lmi_handler.protocol.invocations import InvocationRequest
 from lmi_handler.protocol.openai import CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
@@ -86,16 +85,17 @@ class Service:
             sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token,
             constraint_field=params.constraint[0] if params.constraint else None,
-            prompt_logprobs=params.prompt_logprobs is not None)
+            prompt_logprobs=params.prompt_logprobs is not None,
+            echo_only=bool(request.completion and request.completion.echo_only))
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
         if not self.settings.is_rolling and request.stream and kind is not Kind.DYNAMIC_LIST:
             raise RequestValidationError("stream", "Invalid parameter `stream`: in dynamic batch only /invocations "
                                          "with `inputs` streams (as {\"outputs\": [...]} lines); chat and the "
                                          "OpenAI routes need the rolling batch")
-        if dialect_of(request.route) is Dialect.OPENAI and isinstance(request.inputs, list):
-            raise RequestValidationError("prompt", "Invalid parameter `prompt`: one prompt per request is supported "
-                                         f"here, got a list of {len(request.inputs)}")
+        if kind is Kind.BATCH_LINE and request.completion is not None and len(request.completion.prompts) > 1:
+            raise RequestValidationError("prompt", "Invalid parameter `prompt`: a batch line takes one prompt (one "
+                                         f"line per prompt), got a list of {len(request.completion.prompts)}")
         if kind is not Kind.DYNAMIC_LIST and isinstance(request.inputs, list):
             raise RequestValidationError("inputs", "inputs must be one string in rolling batch "
                                          "(a list of strings needs option.rolling_batch=disable)")
@@ -136,7 +136,7 @@ class Service:
         for index, (text, token_ids) in enumerate(texts):
             token_ids = self._truncate(token_ids, request.parameters)
             generation = self._openai_length(request, kind, len(token_ids))
-            params = self._token_controls(generation, generation.to_sampling_params())
+            params = self._echo_logprobs(request, self._token_controls(generation, generation.to_sampling_params()))
             try:
                 self.engine.check_fits(len(token_ids), params.max_new_tokens, params.num_beams)
             except RequestTooLong as exc:
@@ -184,6 +184,20 @@ class Service:
                 self.engine.abort(request_id)
             raise
 
+    def add_prompts(self, plan: RequestPlan, members_by_prompt: list[list[Member]]) -> list[Member]:
+        """Queue every prompt's sequences (completions may carry a list of prompts); returns them all, prompt
+        by prompt. If one is refused, those already queued are dropped and the error goes on."""
+        added: list[Member] = []
+        try:
+            for prompt, request_members in zip(plan.prompts, members_by_prompt):
+                self.add_members(prompt.token_ids, request_members)
+                added += request_members
+        except Exception:
+            for member in added:
+                self.engine.abort(member.request_id)
+            raise
+        return added
+
     def _token_controls(self, generation: GenerationParameters, params: SamplingParams) -> SamplingParams:
         """The controls that need the model: token ids checked against its vocabulary (stop_token_ids,
         logit_bias, allowed_token_ids), bad words as token ids (vLLM: each word as written and with a
@@ -199,12 +213,22 @@ class Service:
                 words.setdefault(tuple(self._encode(text, "bad_words", add_special_tokens=False)), None)
         return replace(params, bad_words=tuple(w for w in words if w))
 
+    @staticmethod
+    def _echo_logprobs(request: InvocationRequest, params: SamplingParams) -> SamplingParams:
+        """Completions' echo with logprobs k: the prompt tokens' log probs (and their k best alternatives) are
+        answered too, as OpenAI's legacy API and vLLM do (lm-evaluation-harness scores prompts so)."""
+        completion = request.completion
+        if completion is None or not completion.echo or completion.logprobs is None:
+            return params
+        return replace(params, prompt_logprobs=True,
+                       prompt_top_n_tokens=max(params.prompt_top_n_tokens, completion.logprobs))
+
     def _check_token_ids(self, field: str, token_ids: tuple[int, ...]) -> None:
         vocab_size = self.engine.runner.config.vocab_size
         bad = [t for t in token_ids if t >= vocab_size]
         if bad:
             raise RequestValidationError(field, f"Invalid parameter `{field}`: ids must be in "
-                                         f"[0, {vocab_size - 1}] (the model's vocabulary), got {bad}")
+                                         f"[0, {vocab_size - 1}] (the model's vocabulary), got {show_value(bad)}")
 
     def _openai_length(self, request: InvocationRequest, kind: Kind, num_prompt_tokens: int) -> GenerationParameters:
         """OpenAI chat route without max_tokens: what is left of the context (vLLM's rule)."""
@@ -218,20 +242,44 @@ class Service:
         if request.chat is not None:
             text = self.apply_chat_template(request.chat.text_messages())
             return [(text, self._encode(text, "messages", add_special_tokens=False))]
-        field = "prompt" if request.completion is not None else "inputs"
+        if request.completion is not None:
+            return [self._completion_prompt(prompt) for prompt in request.completion.prompts]
         inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
-        return [(text, self._encode(text, field)) for text in inputs]
+        return [(text, self._encode(text, "inputs")) for text in inputs]
+
+    def _completion_prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """A completions prompt's text and ids: text is tokenized, token ids checked against the vocabulary
+        and decoded (the text echo answers). Raises RequestValidationError naming `prompt`."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt, "prompt")
+        return self.decode(prompt, "prompt"), list(prompt)
 
     def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Raises RequestValidationError for text that is not valid Unicode
         (JSON allows lone surrogates such as "\\ud800"; UTF-8 and the tokenizer do not)."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RequestValidationError(field, f"Invalid parameter `{field}`: the text is not valid Unicode "
-                                         f"({exc.reason} at position {exc.start})") from None
+        _check_unicode(text, field)
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` and each one's character span in it (the token routes). Raises
+        RequestValidationError naming `field` for text that is not valid Unicode."""
+        _check_unicode(text, field)
+        with self._tokenizer_lock:
+            encoding = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), [tuple(span) for span in encoding["offset_mapping"]]
+
+    def decode(self, token_ids: list[int], field: str = "tokens") -> str:
+        """The text of `token_ids`, special tokens kept (vLLM's /detokenize). Raises RequestValidationError
+        naming `field` for ids outside the vocabulary."""
+        self._check_token_ids(field, tuple(token_ids))
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary string (vLLM's return_token_strs: convert_ids_to_tokens)."""
+        with self._tokenizer_lock:
+            return self.tokenizer.convert_ids_to_tokens(token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat messages with the tokenizer's chat template, ending in the assistant's turn."""
@@ -253,3 +301,13 @@ class Service:
         """One token's text (top-token alternatives); called by formatters in the engine's thread."""
         with self._tokenizer_lock:
             return self.tokenizer.decode([token_id])
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """Raise RequestValidationError naming `field` for text that is not valid Unicode (JSON allows lone
+    surrogates such as "\\ud800"; UTF-8 and the tokenizer do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestValidationError(field, f"Invalid parameter `{field}`: the text is not valid Unicode "
+                                     f"({exc.reason} at position {exc.start})") from None

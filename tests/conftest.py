@@ -87,6 +87,13 @@ def dynamic_server(model_dir, tmp_path_factory):
     yield from serve(tmp_path_factory, "dynamic", rolling_batch="disable")
 
 
+@pytest.fixture(scope="session")
+def fp32_server(model_dir, tmp_path_factory):
+    """The demo model in float32 (option.dtype=fp32), as transformers runs it on the CPU: the token routes'
+    and lm-evaluation-harness's tests compare its log probs with transformers' own."""
+    yield from serve(tmp_path_factory, "fp32", dtype="fp32", max_rolling_batch_size="8")
+
+
 @pytest.fixture(scope="module")
 def tgi_server(model_dir, tmp_path_factory):
     yield from serve(tmp_path_factory, "tgi", tgi_compat="true")

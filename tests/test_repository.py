@@ -150,8 +150,9 @@ def test_the_handler_state_has_one_accessor_and_the_app_keeps_its_own_on_app_sta
 
 TESTS = REPO / "tests"
 # tests/<dir>/ mirrors lmi_handler/<dir>/ (""": the top-level modules); tests/cases/ holds the request cases
-# and their tests (named by case family), tests/benchmarks/ the harness's (named after benchmarks/ scripts)
-NOT_MIRRORED = {"cases", "benchmarks"}
+# and their tests (named by case family), tests/benchmarks/ the harness's (named after benchmarks/ scripts),
+# tests/evaluation/ lm-evaluation-harness's runs against the server and the tasks they read (named after the tool)
+NOT_MIRRORED = {"cases", "benchmarks", "evaluation"}
 
 
 def _test_files() -> list:
@@ -164,7 +165,7 @@ def test_test_files_are_named_after_the_modules_they_test():
         rel = path.relative_to(TESTS)
         top = rel.parts[0] if len(rel.parts) > 1 else ""
         name = rel.stem.removeprefix("test_")
-        if rel.name == "test_repository.py" or top == "cases":
+        if rel.name == "test_repository.py" or top in ("cases", "evaluation"):
             continue
         if top == "benchmarks":
             ok = any(name.startswith(p.stem) for p in (REPO / "benchmarks").glob("*.py"))

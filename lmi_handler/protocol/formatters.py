@@ -126,17 +126,20 @@ class _OpenAIFormatter(Formatter):
 
     @property
     def num_completion_tokens(self) -> int:
+        if self.plan.echo_only:        # the one token run is not answered
+            return 0
         return (self.last.num_generated_tokens if self.last is not None else 0) or len(self.tokens)
 
     def _error(self, out: RequestOutput) -> dict:
         return error_body(Dialect.OPENAI, _error_message(out), GENERATION_ERROR_CODE)
 
-    def _logprobs(self, tokens: list[TokenOutput], text_offset: int = 0) -> dict | None:
+    def _logprobs(self, tokens: list[TokenOutput], text_offset: int = 0,
+                  prompt_tokens: list[TokenOutput] | None = None) -> dict | None:
         if not self.plan.logprobs:
             return None
         if self.plan.shape is Shape.CHAT:
             return openai.chat_logprobs(tokens, self.plan.decode_token)
-        return openai.completion_logprobs(tokens, self.plan.decode_token, text_offset)
+        return openai.completion_logprobs(tokens, self.plan.decode_token, text_offset, prompt_tokens)
 
     def document(self) -> dict:
         return openai_body(self.plan, [self])
@@ -183,12 +186,17 @@ class ChatDocument(_OpenAIFormatter):
 
 
 class CompletionDocument(_OpenAIFormatter):
-    """OpenAI text_completion; echo = return_full_text (logprob text offsets then start after the prompt)."""
+    """OpenAI text_completion; echo = return_full_text: the prompt's text first, and with logprobs its tokens'
+    log probs first (logprob text offsets of the generated tokens then start after the prompt); echo with
+    max_tokens 0 (plan.echo_only) answers the prompt alone, finish_reason "length" (vLLM)."""
 
     def _choice(self, index: int, text: str, reason: FinishReason | None, tokens: list[TokenOutput]) -> dict:
-        offset = len(self.prompt.text) if self.plan.return_full_text else 0
-        choice = openai.completion_choice(index, (self.prompt.text if self.plan.return_full_text else "") + text,
-                                          reason, self._logprobs(tokens, offset))
+        echo = self.plan.return_full_text
+        if self.plan.echo_only:
+            text, reason, tokens = "", FinishReason.LENGTH, []
+        offset = len(self.prompt.text) if echo else 0
+        logprobs = self._logprobs(tokens, offset, self.prompt_tokens if echo else None)
+        choice = openai.completion_choice(index, (self.prompt.text if echo else "") + text, reason, logprobs)
         if self.plan.prompt_logprobs:        # vLLM: completions carry them per choice
             choice["prompt_logprobs"] = self.prompt_logprobs()
         return choice
@@ -296,15 +304,21 @@ class _OpenAIStream(_OpenAIFormatter):
 
     def events(self, out: RequestOutput) -> list[dict]:
         self.add(out)
-        text = "".join(t.text for t in out.new_tokens)
-        if not text and not out.finished and not (self.plan.logprobs and out.new_tokens):
+        tokens = [] if self.plan.echo_only else out.new_tokens
+        text = "".join(t.text for t in tokens)
+        if not text and not out.finished and not (self.plan.logprobs and tokens):
             return []
-        logprobs = self._logprobs(out.new_tokens, self.text_offset)
+        logprobs = self._logprobs(tokens, self.text_offset, self._unsent_prompt_tokens())
         self.text_offset += len(text)
-        chunk = self._chunk(text, out.finish_reason if out.finished else None, logprobs)
+        reason = (FinishReason.LENGTH if self.plan.echo_only else out.finish_reason) if out.finished else None
+        chunk = self._chunk(text, reason, logprobs)
         if self.plan.include_usage:
             chunk["usage"] = None        # OpenAI: with include_usage, every other chunk has usage null
         return [chunk]
+
+    def _unsent_prompt_tokens(self) -> list[TokenOutput] | None:
+        """Prompt tokens whose log probs go first in this chunk's logprobs (completions' echo), else None."""
+        return None
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
@@ -321,9 +335,13 @@ class ChatStream(_OpenAIStream):
 
 
 class CompletionStream(_OpenAIStream):
-    """OpenAI text_completion stream of one choice; echo sends the prompt in its first chunk."""
+    """OpenAI text_completion stream of one choice; echo sends the prompt (and, with logprobs, its tokens'
+    log probs) in its first chunk, as vLLM does."""
 
     echo_sent = False
+
+    def _unsent_prompt_tokens(self) -> list[TokenOutput] | None:
+        return self.prompt_tokens if self.plan.return_full_text and not self.echo_sent else None
 
     def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
         if self.plan.return_full_text and not self.echo_sent:
@@ -355,8 +373,12 @@ class StreamAnswer:
     """
 
     def __init__(self, plan: RequestPlan, members: Sequence[Member]):
+        """`members`: every prompt's members in order (a list of prompts: prompt p's are members[p*count:
+        (p+1)*count]); member j streams as choice j, so prompt p's choices are p*n .. p*n+n-1 (OpenAI, vLLM)."""
         self.plan = plan
-        self.streams = {m.request_id: stream_formatter(plan, plan.prompts[0], j) for j, m in enumerate(members)}
+        count = plan.sequences.count
+        self.streams = {m.request_id: stream_formatter(plan, plan.prompts[j // count], j)
+                        for j, m in enumerate(members)}
         self.finished = False
 
     def events(self, outputs: Mapping[str, RequestOutput]) -> list[Any]:
@@ -383,8 +405,9 @@ class StreamAnswer:
         if not self.plan.include_usage:
             return done
         streams = list(self.streams.values())
+        firsts = streams[::self.plan.sequences.count]       # one per prompt: each prompt counted once
         return [openai.usage_chunk(**streams[0]._ids(), chat=self.plan.shape is Shape.CHAT,
-                                   prompt_tokens=streams[0].last.num_prompt_tokens,
+                                   prompt_tokens=sum(f.last.num_prompt_tokens for f in firsts),
                                    completion_tokens=sum(f.num_completion_tokens for f in streams)), *done]
 
 
@@ -417,6 +440,8 @@ class Answer:
         documents = [self._prompt_document(fs) for fs in self.formatters]
         if self.plan.kind is Kind.DYNAMIC_LIST:
             return documents
+        if len(documents) > 1:               # OpenAI completions with a list of prompts: one document
+            return merge_openai_bodies(documents)
         failed = any(f.failed for f in self.formatters[0])
         if self.plan.in_list and not failed:
             return [documents[0]]      # TGI's POST / and tgi_compat wrap the non-streaming answer in a list
@@ -432,6 +457,21 @@ class Answer:
             return failed[0].document()
         return combine_best_of([f.document() for f in formatters], [f.score for f in formatters],
                                [f.seed for f in formatters], self.plan.details)
+
+
+def merge_openai_bodies(documents: Sequence[dict]) -> dict:
+    """Several prompts' OpenAI bodies as one (completions with a list of prompts): the choices in prompt
+    order, indexed on across prompts (prompt p's choice i is p * n + i, OpenAI's and vLLM's order), usage
+    summed; the first error object answers for the request."""
+    failed = next((doc for doc in documents if "choices" not in doc), None)
+    if failed is not None:
+        return failed
+    choices: list[dict] = []
+    for doc in documents:
+        base = len(choices)
+        choices += [{**choice, "index": base + choice["index"]} for choice in doc["choices"]]
+    counts = [sum(doc["usage"][key] for doc in documents) for key in ("prompt_tokens", "completion_tokens")]
+    return {**documents[0], "choices": choices, "usage": openai.usage(*counts)}
 
 
 def response_body(plan: RequestPlan, members: Sequence[Sequence[Member]],

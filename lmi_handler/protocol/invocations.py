@@ -29,7 +29,8 @@ MAX_JSON_DEPTH = 512
 class InvocationRequest:
     """An /invocations body: LMI {"inputs", "parameters", "stream"} or chat {"messages", ...}.
 
-    `inputs` is a string (rolling batch) or a list of strings (dynamic batch); None for chat.
+    `inputs` is a string (rolling batch) or a list of strings (dynamic batch); None for chat and completions
+    (their prompts are `completion.prompts`: text or token ids).
     `chat` holds the parsed chat form (LMI chat completions schema = OpenAI's) when `messages`
     was given; its sampling fields are already folded into `parameters`.
     """
@@ -62,10 +63,10 @@ class InvocationRequest:
         bodies, "inputs" for a missing or bad input, else the parameter's name.
         """
         if dialect_of(route) is Dialect.OPENAI:
-            return cls.parse_openai(_load_json(body), route)
+            return cls.parse_openai(load_json(body), route)
         if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
             return cls(_check_inputs(_decode(body)), GenerationParameters(), route=route or ROUTE_INVOCATIONS)
-        data = _load_json(body)
+        data = load_json(body)
         stream = _check_stream(data.get("stream"))
         if route == ROUTE_GENERATE and "messages" in data:
             raise RequestValidationError("messages", "Invalid field `messages`: /generate takes TGI's "
@@ -97,10 +98,9 @@ class InvocationRequest:
             chat = ChatCompletionRequest.parse(data)
             return cls(None, chat.to_generation_parameters(**generation), chat.stream, chat.messages, chat,
                        route=route)
-        completion = CompletionRequest.parse(data)
-        prompts = completion.prompts
-        return cls(prompts[0] if len(prompts) == 1 else prompts, completion.to_generation_parameters(**generation),
-                   completion.stream, completion=completion, route=route)
+        completion = CompletionRequest.parse(data)    # its prompts (text or token ids): completion.prompts
+        return cls(None, completion.to_generation_parameters(**generation), completion.stream,
+                   completion=completion, route=route)
 
 
 def _decode(body: bytes | str | dict) -> str:
@@ -114,7 +114,9 @@ def _decode(body: bytes | str | dict) -> str:
     raise RequestValidationError("body", "Request body must be text, not a JSON object, with text/plain")
 
 
-def _load_json(body: bytes | str | dict) -> dict:
+def load_json(body: bytes | str | dict) -> dict:
+    """A request body as a JSON object (a dict passes as it is). Raises RequestValidationError("body") for
+    bytes that are not UTF-8, not JSON, not an object, or nested past MAX_JSON_DEPTH."""
     if isinstance(body, dict):
         return body
     text = _decode(body)

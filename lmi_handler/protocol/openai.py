@@ -5,7 +5,7 @@ Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); error object
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -25,7 +25,8 @@ OPENAI_RULES: dict[str, str] = {
     "model": "a string",
     "messages": f"a non-empty list of {{role, content}} objects (role one of {', '.join(ROLES)}; "
                 "content a string or a list of text parts; only assistant messages may omit it)",
-    "prompt": "a non-empty string (one prompt per request here)",
+    "prompt": "a non-empty string, a non-empty list of token ids (integers >= 0), or a non-empty list of either "
+              "(one choice set per prompt)",
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
     "stop": RULES["stop_sequences"],
@@ -120,6 +121,8 @@ class _SamplingRequest(BaseModel):
                                                 "here whatever is named (the constraint is the same)")
     _decoding: dict[str, Any] = PrivateAttr(default_factory=dict)   # PASSED_THROUGH fields as sent
 
+    rules: ClassVar[dict[str, str]] = OPENAI_RULES     # each field's allowed values in words, for errors
+
     @classmethod
     def parse(cls, data: Any):
         """Validate an OpenAI request body (a dict). Raises RequestValidationError naming the field."""
@@ -134,7 +137,7 @@ class _SamplingRequest(BaseModel):
         try:
             request = cls.model_validate(given)
         except ValidationError as exc:
-            raise from_pydantic(exc, OPENAI_RULES) from None
+            raise from_pydantic(exc, cls.rules) from None
         request._decoding = decoding
         if request.stream_options is not None and not request.stream:     # vLLM refuses it too
             raise RequestValidationError("stream_options", "Invalid parameter `stream_options`: only allowed "
@@ -221,35 +224,70 @@ class ChatCompletionRequest(_SamplingRequest):
         return _parse_generation(values)
 
 
-class CompletionRequest(_SamplingRequest):
-    """OpenAI /v1/completions request (legacy text completions; vLLM extras)."""
+# A completions prompt: text, or token ids (lm-evaluation-harness and vLLM's clients send ids)
+PromptInput = str | list[int]
 
-    prompt: str | list[str] = Field(description="OpenAI: one prompt or a list (one choice each); text only")
-    max_tokens: int | None = Field(16, ge=1, description="OpenAI: generated tokens at most (default 16)")
+
+class CompletionRequest(_SamplingRequest):
+    """OpenAI /v1/completions request (legacy text completions; vLLM extras).
+
+    `prompt` takes OpenAI's four forms: a string, a list of strings, a list of token ids, a list of lists of
+    token ids; each prompt of a list gets its own n choices (index = prompt index * n + choice, OpenAI's and
+    vLLM's order). Ids are checked against the vocabulary where the model is known (service.py).
+    """
+
+    rules: ClassVar[dict[str, str]] = {**OPENAI_RULES, "max_tokens": "an integer >= 0 (0 only with echo=true: "
+                                       "the prompt alone, as OpenAI's legacy API and vLLM answer it)"}
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="OpenAI: text or token ids, one prompt or a list (each its own n choices)")
+    max_tokens: int | None = Field(16, ge=0, description="OpenAI: generated tokens at most (default 16); 0 with "
+                                   "echo answers the prompt alone")
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens, as on chat and in "
                                               "batch lines (DESIGN §4), so a batch body and the route agree")
-    echo: bool = Field(False, description="OpenAI: prepend the prompt to the text")
+    echo: bool = Field(False, description="OpenAI: prepend the prompt to the text (and, with logprobs, its "
+                       "tokens' log probs to logprobs)")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="OpenAI: alternatives per token, [0, 5]")
     best_of: int | None = Field(None, ge=1, description="OpenAI: candidates generated server-side, >= n")
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _check_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
-            raise ValueError("empty prompt")
-        return prompt
+    def _check_prompt(cls, prompt: Any) -> Any:
+        """Each of OpenAI's forms, non-empty all the way down, ids ints >= 0 (JSON true is no token id)."""
+        def is_ids(value: Any) -> bool:
+            return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+        if isinstance(prompt, str) and prompt:
+            return prompt
+        if isinstance(prompt, list) and prompt and (
+                is_ids(prompt) or all(isinstance(p, str) and p for p in prompt) or all(is_ids(p) for p in prompt)):
+            return prompt
+        raise ValueError("bad prompt")
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[PromptInput]:
+        """The prompts in order: each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its log probs) alone, finish_reason "length" (OpenAI legacy,
+        vLLM). The engine still runs one token, as vLLM does; the answer leaves it out."""
+        return self.echo and self.max_tokens == 0 and self.max_completion_tokens is None
 
     def to_generation_parameters(self, *, defaults: dict | None = None,
                                  greedy_when_unset: bool = False) -> GenerationParameters:
-        """OpenAI -> LMI parameters (max_completion_tokens, then max_tokens, default 16; echo -> return_full_text)."""
+        """OpenAI -> LMI parameters (max_completion_tokens, then max_tokens, default 16; echo -> return_full_text).
+        Raises RequestValidationError (max_tokens 0 without echo)."""
+        if self.max_tokens == 0 and self.max_completion_tokens is None and not self.echo:
+            raise RequestValidationError.out_of_range("max_tokens", 0, self.rules["max_tokens"])
         values = self._sampling_dict(defaults, greedy_when_unset)
-        values.update(max_new_tokens=self.max_completion_tokens or self.max_tokens, return_full_text=self.echo,
-                      top_n_tokens=self.logprobs,
+        values.update(max_new_tokens=1 if self.echo_only else self.max_completion_tokens or self.max_tokens,
+                      return_full_text=self.echo, top_n_tokens=self.logprobs,
                       num_beams=max(self.n, self.best_of or 1) if self.use_beam_search else 1)
         return _parse_generation(values)
 
@@ -288,23 +326,34 @@ def chat_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] 
 
 
 def completion_logprobs(tokens: list[TokenOutput], decode_token: Callable[[int], str] | None = None,
-                        text_offset: int = 0) -> dict:
+                        text_offset: int = 0, prompt_tokens: list[TokenOutput] | None = None) -> dict:
     """OpenAI completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}.
 
     top_logprobs[i] maps token text -> log prob for the `logprobs` best tokens plus the sampled one, so up
     to logprobs+1 entries (OpenAI's rule; vLLM's too). text_offset[i] is the character offset of token i
     in the choice's text (echo: the prompt comes first, so offsets start at its length).
+    `prompt_tokens` (echo with logprobs): the prompt's tokens come first, offsets from 0, the first one's
+    log prob and top_logprobs null (nothing comes before it), as OpenAI's legacy API and vLLM answer.
     """
-    offsets, tops = [], []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token.text)
-        top = dict(_top_entries(token, decode_token))
-        if all(tid != token.id for tid, _ in token.top_tokens or ()):
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def put(token: TokenOutput, offset: int, first: bool) -> None:
+        top = None if first else dict(_top_entries(token, decode_token))
+        if top is not None and all(tid != token.id for tid, _ in token.top_tokens or ()):
             top[token.text] = token.log_prob
-        tops.append(top)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.log_prob for t in tokens],
-            "top_logprobs": tops, "text_offset": offsets}
+        out["tokens"].append(token.text)
+        out["token_logprobs"].append(None if first else token.log_prob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+
+    prompt_offset = 0
+    for i, token in enumerate(prompt_tokens or ()):
+        put(token, prompt_offset, i == 0)
+        prompt_offset += len(token.text)
+    for token in tokens:
+        put(token, text_offset, False)
+        text_offset += len(token.text)
+    return out
 
 
 # OpenAI's optional backend tag; TGI's clients (text_generation's ChatComplete/ChatCompletionChunk) require it.

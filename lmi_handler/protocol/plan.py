@@ -88,6 +88,7 @@ class RequestPlan:
     created: int = 0
     constraint_field: str | None = None   # where the structured-output constraint came (a compile error's 400 names it)
     prompt_logprobs: bool = False         # vLLM prompt_logprobs on the OpenAI shapes
+    echo_only: bool = False               # completions echo with max_tokens 0: the prompt alone (one token runs)
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
     @property

@@ -2,7 +2,8 @@
 
 Owns the wiring (settings parsed once, the Handler and the front-end loop that drives it, the Batch API,
 metrics, API keys) and DJL's own routes: /ping, /invocations, /predictions/{model}, /models and /metrics. OpenAI's
-routes are openai.py's, TGI's tgi.py's, serving a generation request serving.py's.
+routes are openai.py's, TGI's tgi.py's, /tokenize and /detokenize tokens.py's, serving a generation request
+serving.py's.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from lmi_handler.server.openai import add_openai_routes
 from lmi_handler.server.ops import RequestIds, add_cancel_route, exit_when_dead
 from lmi_handler.server.serving import add_generation_routes, answer_framework_errors, error_response, serve
 from lmi_handler.server.tgi import add_tgi_routes
+from lmi_handler.server.tokens import add_token_routes
 
 
 def create_app(properties: dict[str, str]) -> FastAPI:
@@ -54,6 +56,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     _add_djl_routes(app)
     add_openai_routes(app)
     add_tgi_routes(app)
+    add_token_routes(app)
     return app
 
 

@@ -12,7 +12,7 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FrameworkValidationError
@@ -43,6 +43,18 @@ def error_response(dialect: Dialect, message: str, code: int, field: str | None 
     """An error answered before the answer began, in the request's dialect (errors.error_body)."""
     body = encode_bytes(error_body(dialect, message, code, param=field))
     return Response(body, status_code=code, media_type="application/json")
+
+
+async def answer_in_thread(body: bytes, dialect: Dialect, answer_of: Callable[[bytes], Any]) -> Response:
+    """A route that needs no engine (the token routes): `answer_of(body)`'s object as JSON, computed off the
+    event loop (a long text never stalls the streams), or the 4xx it raised in `dialect`'s error shape."""
+    if len(body) > MAX_BODY_BYTES:
+        return error_response(dialect, f"request body is over {MAX_BODY_BYTES} bytes", 413, "body")
+    try:
+        answer = await asyncio.get_running_loop().run_in_executor(None, answer_of, body)
+    except RequestValidationError as exc:
+        return error_response(dialect, str(exc), exc.status_code, exc.field)
+    return Response(encode_bytes(answer), media_type="application/json")
 
 
 def answer_framework_errors(app: FastAPI) -> None:

@@ -1,5 +1,5 @@
 """TGI's native routes on the bundled app: POST /generate, /generate_stream and / (TGI's compat route),
-GET /info and /health, as text-generation-inference serves them.
+GET /info and /health, as text-generation-inference serves them, and TGI's body of POST /tokenize.
 
 Owns these routes and TGI's /info document. The TGI dialect is the worked example of docs/architecture.md's
 "Adding an output dialect": its kinds and rules are plan.py's (Kind.TGI_*), its formatters formatters.py's (TgiDocument,
@@ -13,9 +13,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from lmi_handler.frontend.loops import DRAINING_MESSAGE
-from lmi_handler.protocol.dialects import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI
+from lmi_handler.protocol import tokens
+from lmi_handler.protocol.dialects import ROUTE_GENERATE, ROUTE_GENERATE_STREAM, ROUTE_TGI, Dialect
 from lmi_handler.protocol.params import MAX_STOP_SEQUENCES
-from lmi_handler.server.serving import add_generation_routes
+from lmi_handler.server.serving import add_generation_routes, answer_in_thread
 from lmi_handler.service import Service
 
 
@@ -38,6 +39,17 @@ def add_tgi_routes(app: FastAPI) -> None:
     @app.get("/info")
     async def info() -> JSONResponse:
         return JSONResponse(info_document(state.service))
+
+
+async def tokenize(service: Service, body: bytes) -> Response:
+    """TGI's POST /tokenize ({"inputs", "parameters"?}): one {id, text, start, stop} per token, start and stop
+    character offsets into `inputs`; errors in TGI's shape. Mounted by tokens.py, which owns the path (vLLM's
+    body is answered there)."""
+    def answer(data: bytes) -> list[dict]:
+        text = tokens.parse_tgi_tokenize(data)
+        return tokens.tgi_tokens(text, *service.encode(text, "inputs"))
+
+    return await answer_in_thread(body, Dialect.TGI, answer)
 
 
 def info_document(service: Service) -> dict:

@@ -1,10 +1,13 @@
 """OpenAI chat/completions requests -> GenerationParameters, finish_reason mapping, error bodies."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from lmi_handler.engine.sequence import FinishReason, RequestOutput, TokenOutput
+from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, TokenOutput
 from lmi_handler.protocol.dialects import Dialect
+from lmi_handler.protocol.encoder import Wire
 from lmi_handler.protocol.errors import RequestValidationError, error_body
 from lmi_handler.protocol.formatters import response_body
 from lmi_handler.protocol.openai import (
@@ -15,9 +18,9 @@ from lmi_handler.protocol.openai import (
     completion_logprobs,
     to_openai_finish_reason,
 )
-from lmi_handler.protocol.plan import Kind
-from lmi_handler.protocol.sequences import members
-from tests.protocol.helpers import make_plan, tok
+from lmi_handler.protocol.plan import Kind, Prompt
+from lmi_handler.protocol.sequences import Combine, SequencePlan, members
+from tests.protocol.helpers import PROMPT, lines_of, make_plan, run, steps, tok
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
 
@@ -122,11 +125,29 @@ def test_completion_defaults_and_echo():
     assert p.max_new_tokens == 6 and p.return_full_text and p.top_n_tokens == 2 and p.is_greedy()
 
 
-@pytest.mark.parametrize("prompt", ["", [], 5, [1, 2]])
+@pytest.mark.parametrize("prompt", ["", [], 5, [1, -2], [1, True], [[1], []], [[1], "a"], ["a", ""], [[]], [1.0]])
 def test_completion_bad_prompt(prompt):
     with pytest.raises(RequestValidationError) as info:
         CompletionRequest.parse({"prompt": prompt})
-    assert info.value.field == "prompt"
+    assert info.value.field == "prompt" and "token ids (integers >= 0)" in info.value.message
+
+
+@pytest.mark.parametrize("prompt, prompts", [("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]),
+                                             ([[1, 2], [3]], [[1, 2], [3]]), ([0], [[0]])])
+def test_completion_prompt_takes_openais_four_forms_one_prompt_each(prompt, prompts):
+    assert CompletionRequest.parse({"prompt": prompt}).prompts == prompts
+
+
+def test_max_tokens_zero_is_echo_only_and_runs_one_token_else_it_is_refused_naming_the_field():
+    request = CompletionRequest.parse({"prompt": [1, 2], "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert request.echo_only and request.to_generation_parameters().max_new_tokens == 1
+    assert not CompletionRequest.parse({"prompt": "a", "max_tokens": 1, "echo": True}).echo_only
+    with pytest.raises(RequestValidationError) as info:
+        CompletionRequest.parse({"prompt": "a", "max_tokens": 0}).to_generation_parameters()
+    assert info.value.field == "max_tokens" and "only with echo=true" in info.value.message
+    with pytest.raises(RequestValidationError) as info:
+        CompletionRequest.parse({"prompt": "a", "max_tokens": -1, "echo": True})
+    assert info.value.field == "max_tokens" and "integer >= 0" in info.value.message
 
 
 def test_chat_completion_response_shape():
@@ -287,3 +308,40 @@ def test_completion_logprobs_list_tokens_offsets_and_the_sampled_token_beside_th
     got = completion_logprobs([sampled_not_top, top_and_sampled, no_alternatives], lambda i: "dd", text_offset=4)
     assert got == {"tokens": ["c", "dd", "e"], "token_logprobs": [-1.5, -0.5, -0.7],
                    "top_logprobs": [{"dd": -0.5, "c": -1.5}, {"dd": -0.5}, {"e": -0.7}], "text_offset": [4, 5, 7]}
+
+
+def test_echoed_prompt_tokens_come_first_in_logprobs_the_first_one_null_offsets_from_zero():
+    prompt = [TokenOutput(7, "Say", None, False), TokenOutput(8, ":", -2.0, False, [(9, -0.1)])]
+    got = completion_logprobs([TokenOutput(3, "c", -1.5, False, [(3, -1.5)])], lambda i: "x", text_offset=4,
+                              prompt_tokens=prompt)
+    assert got == {"tokens": ["Say", ":", "c"], "token_logprobs": [None, -2.0, -1.5],
+                   "top_logprobs": [None, {"x": -0.1, ":": -2.0}, {"x": -1.5}], "text_offset": [0, 3, 4]}
+
+
+@pytest.mark.parametrize("wire", [Wire.JSON, Wire.SSE])
+def test_echo_with_max_tokens_zero_answers_the_prompt_alone_with_its_log_probs_and_finish_reason_length(wire):
+    plan = make_plan(Kind.OPENAI_COMPLETION, wire, return_full_text=True, logprobs=True, echo_only=True)
+    sent = [text for text in run(plan, steps(FinishReason.EOS_TOKEN)) if text]
+    chunks = [line for text in sent for line in lines_of(text, True)] if plan.stream else [json.loads(sent[0])]
+    choices = [choice for chunk in chunks for choice in chunk["choices"]]
+    assert "".join(c["text"] for c in choices) == PROMPT and choices[-1]["finish_reason"] == "length"
+    tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert tokens == ["Say", ":"]
+    assert choices[0]["logprobs"]["token_logprobs"] == [None, -2.0]
+    if wire is Wire.JSON:
+        assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+
+
+def test_a_list_of_prompts_answers_one_body_with_choices_indexed_across_prompts_and_usage_summed():
+    two = SequencePlan(2, Combine.CHOICES, 2)
+    plan = make_plan(Kind.OPENAI_COMPLETION, params=SamplingParams(greedy=False, seed=3), sequences=two,
+                     prompts=(Prompt("abc-0", "A", (1,), SamplingParams(seed=3)),
+                              Prompt("abc-1", "B", (2, 3), SamplingParams(seed=3))))
+    by_prompt = plan.members()
+    outputs = {m.request_id: [RequestOutput(m.request_id, [tok(5, m.request_id)], m.request_id, True,
+                                            FinishReason.LENGTH, len(p.token_ids), 1)]
+               for p, ms in zip(plan.prompts, by_prompt) for m in ms}
+    body = response_body(plan, by_prompt, outputs)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "abc-0#0"), (1, "abc-0#1"), (2, "abc-1#0"), (3, "abc-1#1")]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}

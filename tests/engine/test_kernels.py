@@ -754,6 +754,18 @@ def test_the_build_name_changes_with_the_torch_install_so_venvs_never_rebuild_ea
     assert _module_name(_SOURCE) != here
 
 
+def test_the_build_name_changes_with_the_sources_directory_so_checkouts_never_rebuild_each_others_build(tmp_path):
+    """The build file names the source path: two checkouts of one version (git worktrees) sharing a name would
+    rebuild in turn at every start; the same sources copied elsewhere get a name of their own."""
+    import shutil
+
+    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name
+
+    copy = tmp_path / "kernels"
+    shutil.copytree(_SOURCE.parent, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    assert _module_name(copy / _SOURCE.name) != _module_name(_SOURCE)
+
+
 @pytest.mark.parametrize("mode", ["fma", "native", "amx", "auto"])
 def test_every_bf16_form_choice_is_logged_and_a_form_the_cpu_lacks_is_a_warning(mode, caplog):
     """option.bf16_kernel's choice (build.choose_bf16_dot) says which form runs; asking for VDPBF16PS or AMX on a

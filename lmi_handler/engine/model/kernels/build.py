@@ -56,7 +56,9 @@ def _module_name(source: Path) -> str:
     different CPUs never loads a -march=native build made for another one. It also carries torch's
     version and install path: torch writes that path (its include directories) into the build file, so
     two virtual environments sharing one build directory would each see the other's build as stale and
-    rebuild it in turn (seen here: five checkouts, each start waiting minutes on the others' builds)."""
+    rebuild it in turn (seen here: five checkouts, each start waiting minutes on the others' builds). The
+    sources' own directory is hashed for the same reason: the build file names the source path, so two
+    checkouts of one version (git worktrees) would otherwise rebuild each other's build at every start."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -65,6 +67,7 @@ def _module_name(source: Path) -> str:
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(sorted(cpu_flags())).encode())
     digest.update(f"{torch.__version__}\0{Path(torch.__file__).resolve().parent}".encode())
+    digest.update(str(source.resolve().parent).encode())
     return "lmi_cpu_kernels_" + digest.hexdigest()[:12]
 
 

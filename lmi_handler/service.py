@@ -17,10 +17,11 @@ from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
+from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.dialects import Dialect, dialect_of
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.invocations import InvocationRequest
-from lmi_handler.protocol.openai import CompletionRequest
+from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan
 from lmi_handler.protocol.sequences import Member
@@ -43,6 +44,7 @@ class Service:
         # fail with "Already borrowed". The engine's tokenizer stays the engine loop's alone.
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.model_path))
         self._tokenizer_lock = threading.Lock()
+        self.chat_template = settings.chat_template_text()   # option.chat_template; None: the tokenizer's
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -86,7 +88,27 @@ class Service:
             sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token,
             constraint_field=params.constraint[0] if params.constraint else None,
-            prompt_logprobs=params.prompt_logprobs is not None)
+            prompt_logprobs=params.prompt_logprobs is not None, chat_output=self._chat_output(request))
+
+    def _chat_output(self, request: InvocationRequest) -> ChatOutputRule | None:
+        """What a chat answer is parsed for (chat_output.py), decided here once: tool calls by the request's
+        tool_choice (auto needs option.enable_auto_tool_choice, as vLLM's --enable-auto-tool-choice), reasoning by
+        option.reasoning_parser unless the output is constrained (a schema from its first token leaves no room
+        for reasoning: the whole output is the answer). None when there is nothing to parse. Raises
+        RequestValidationError (400) for tool_choice auto on a server without it."""
+        if request.chat is None:
+            return None
+        tools, settings = request.chat.tools, self.settings
+        if tools is not None and tools.mode == "auto" and not settings.enable_auto_tool_choice:
+            field = "function_call" if tools.legacy else "tool_choice"
+            raise RequestValidationError(field, f'Invalid parameter `{field}`: "auto" tool choice (the default '
+                                         "when tools are sent) needs option.enable_auto_tool_choice=true and "
+                                         "option.tool_call_parser on this server; send \"required\", \"none\" "
+                                         "or a named function")
+        reasoning = settings.reasoning_parser if request.parameters.constraint is None else None
+        if (tools is None or tools.mode == "none") and reasoning is None:
+            return None
+        return ChatOutputRule(reasoning, tools, settings.tool_call_parser)
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
         if not self.settings.is_rolling and request.stream and kind is not Kind.DYNAMIC_LIST:
@@ -216,7 +238,7 @@ class Service:
 
     def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
         if request.chat is not None:
-            text = self.apply_chat_template(request.chat.text_messages())
+            text = self.render_chat(request.chat)
             return [(text, self._encode(text, "messages", add_special_tokens=False))]
         field = "prompt" if request.completion is not None else "inputs"
         inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
@@ -233,11 +255,28 @@ class Service:
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render chat messages with the tokenizer's chat template, ending in the assistant's turn."""
+    def render_chat(self, chat: ChatCompletionRequest) -> str:
+        """A chat request's prompt: its messages, tools, chat_template_kwargs, add_generation_prompt and
+        continue_final_message through the chat template. Raises RequestValidationError."""
+        tools = chat.tools.template_tools() if chat.tools is not None else None
+        return self.apply_chat_template(chat.text_messages(), tools=tools,
+                                        add_generation_prompt=chat.add_generation_prompt,
+                                        continue_final_message=chat.continue_final_message,
+                                        **(chat.chat_template_kwargs or {}))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **template_kwargs: Any) -> str:
+        """Render chat messages with option.chat_template or the tokenizer's template; by default ending in
+        the assistant's turn. `template_kwargs` become template variables (chat_template_kwargs). Any error
+        of the template (a raise_exception in it, a message it cannot render, no template at all) is the
+        client's 400 naming `messages`, with the template's own message, never a 500."""
         try:
             with self._tokenizer_lock:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return self.tokenizer.apply_chat_template(
+                    messages, tools=tools, chat_template=self.chat_template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                    **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja errors on malformed messages: the client's 400
             raise RequestValidationError("messages",
                                          f"messages cannot be rendered by the chat template: {exc}") from None

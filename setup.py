@@ -29,10 +29,11 @@ setup(
         # by the Makefile: its own llama-cpp-python dependency is not needed)
         "gguf>=0.10",
         "accelerate>=0.30",
+        "jsonschema>=4",  # tool parameters checked as JSON Schema (protocol/tools.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",
-                 "jsonschema>=4"],
+                 "jsonschema>=4", "langchain-openai>=0.3"],  # bind_tools against the server (tests/server)
         "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         # `lmi-handler batch --ray`: batch files sharded over the replicas of a Ray cluster (batch/cluster.py)
         "ray": ["ray[data]==2.60.0"],

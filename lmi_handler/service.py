@@ -12,6 +12,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from lmi_handler.chat_template import ChatTemplate
 from lmi_handler.config import Settings
 from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
 from lmi_handler.engine.sequence import SamplingParams
@@ -21,7 +22,7 @@ from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.dialects import Dialect, dialect_of
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.invocations import InvocationRequest
-from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
+from lmi_handler.protocol.openai import CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan
 from lmi_handler.protocol.sequences import Member
@@ -44,7 +45,7 @@ class Service:
         # fail with "Already borrowed". The engine's tokenizer stays the engine loop's alone.
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.model_path))
         self._tokenizer_lock = threading.Lock()
-        self.chat_template = settings.chat_template_text()   # option.chat_template; None: the tokenizer's
+        self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text(), self._tokenizer_lock)
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class Service:
 
     def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
         if request.chat is not None:
-            text = self.render_chat(request.chat)
+            text = self.chat_template.render(request.chat)
             return [(text, self._encode(text, "messages", add_special_tokens=False))]
         field = "prompt" if request.completion is not None else "inputs"
         inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
@@ -254,32 +255,6 @@ class Service:
                                          f"({exc.reason} at position {exc.start})") from None
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def render_chat(self, chat: ChatCompletionRequest) -> str:
-        """A chat request's prompt: its messages, tools, chat_template_kwargs, add_generation_prompt and
-        continue_final_message through the chat template. Raises RequestValidationError."""
-        tools = chat.tools.template_tools() if chat.tools is not None else None
-        return self.apply_chat_template(chat.text_messages(), tools=tools,
-                                        add_generation_prompt=chat.add_generation_prompt,
-                                        continue_final_message=chat.continue_final_message,
-                                        **(chat.chat_template_kwargs or {}))
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            **template_kwargs: Any) -> str:
-        """Render chat messages with option.chat_template or the tokenizer's template; by default ending in
-        the assistant's turn. `template_kwargs` become template variables (chat_template_kwargs). Any error
-        of the template (a raise_exception in it, a message it cannot render, no template at all) is the
-        client's 400 naming `messages`, with the template's own message, never a 500."""
-        try:
-            with self._tokenizer_lock:
-                return self.tokenizer.apply_chat_template(
-                    messages, tools=tools, chat_template=self.chat_template, tokenize=False,
-                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                    **template_kwargs)
-        except Exception as exc:  # noqa: BLE001 - jinja errors on malformed messages: the client's 400
-            raise RequestValidationError("messages",
-                                         f"messages cannot be rendered by the chat template: {exc}") from None
 
     @staticmethod
     def _truncate(token_ids: list[int], params: GenerationParameters) -> list[int]:

@@ -76,11 +76,11 @@ class ChatOutputParser:
         return ChatDelta(reasoning, content, calls)
 
     def message(self) -> dict:
-        """The assistant message once finished: content (null when empty beside reasoning or tool calls, as
-        vLLM answers), `reasoning_content` with a reasoning parser, `tool_calls` when any were found, and for
+        """The assistant message once finished: content (null when empty or only whitespace beside reasoning or
+        tool calls, as OpenAI answers a tool call), `reasoning_content` with a reasoning parser, `tool_calls` when any were found, and for
         a legacy `functions` request the first call as `function_call` too."""
         calls = self.tool_calls
-        empty = not self.content_text and (calls or self.reasoning_text)
+        empty = not self.content_text.strip() and (calls or self.reasoning_text)
         message: dict = {"role": "assistant", "content": None if empty else self.content_text}
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning_text or None

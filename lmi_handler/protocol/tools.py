@@ -179,8 +179,9 @@ def _legacy_choice(function_call: Any) -> Any:
 
 
 def _choice(choice: Any, field: str, name_field: str, functions: list[dict]) -> tuple[str, str | None]:
-    """(mode, name) of a tool_choice; the default is auto with tools, none without (OpenAI)."""
-    if choice is None:
+    """(mode, name) of a tool_choice; the default is auto with tools, none without (OpenAI), and auto without
+    tools is none."""
+    if choice is None or (choice == "auto" and not functions):      # auto with nothing to call: none
         return ("auto" if functions else "none"), None
     if isinstance(choice, str) and choice in TOOL_CHOICES:
         if choice == "required" and not functions:

@@ -1,6 +1,9 @@
 """chat_template.py and option.chat_template: chat_template_kwargs, tools, add_generation_prompt and
-continue_final_message reach the template; a template error is the client's 400 with the template's message."""
+continue_final_message reach the template; a template error is the client's 400 with the template's message.
+On a real server with its own template (slow): also option.reasoning_parser and tool_choice auto."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -73,3 +76,80 @@ def test_option_chat_template_takes_a_file_or_the_template_itself_and_checks_it_
                                  environ={}).chat_template_text()
     with pytest.raises(ConfigError, match="does not parse.*line 1"):
         Settings.from_properties({"chat_template": "{% for m in messages %}"}, environ={}).chat_template_text()
+
+
+# ---- a real server with option.chat_template, a reasoning parser and tool_choice auto ------------------
+
+@pytest.fixture(scope="module")
+def thinking_server(model_dir, tmp_path_factory):
+    from tests.helpers import REPO, serve
+
+    yield from serve(tmp_path_factory, "thinking", num_threads="1", enable_auto_tool_choice="true",
+                     tool_call_parser="hermes", reasoning_parser="deepseek_r1",
+                     chat_template=str(REPO / QWEN3_STYLE))
+
+
+@pytest.fixture(scope="module")
+def thinking_sdk(thinking_server):
+    import openai
+
+    return openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.slow
+def test_option_chat_template_serves_chat_template_kwargs_and_its_errors_answer_400(thinking_sdk):
+    import openai
+
+    def prompt_tokens(**extra) -> int:
+        return thinking_sdk.chat.completions.create(model="model", messages=ASK, max_tokens=1,
+                                                    extra_body=extra).usage.prompt_tokens
+
+    plain, off = prompt_tokens(), prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert off > plain + 4            # "[enable_thinking=False]<think>\n\n</think>\n\n" in the prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        prompt_tokens(chat_template_kwargs={"fail": "now"})
+    assert info.value.body["param"] == "messages"
+    assert "the test template was asked to fail: now" in info.value.body["message"]
+
+
+@pytest.mark.slow
+def test_reasoning_content_streamed_and_not_agree(thinking_sdk):
+    """deepseek_r1: the output starts inside the reasoning; 8 tokens never reach </think>, so it is all reasoning."""
+    fields = {"model": "model", "messages": ASK, "temperature": 0, "max_tokens": 8}
+    message = thinking_sdk.chat.completions.create(**fields).choices[0].message
+    assert message.reasoning_content and message.content is None
+    reasoning = ""
+    for chunk in thinking_sdk.chat.completions.create(**fields, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert not delta.content
+    assert reasoning == message.reasoning_content
+
+
+HERMES_TURN = r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_finds_the_calls_the_model_writes_in_its_format(thinking_sdk, stream):
+    """The demo model writes no tool calls of its own, so a regex makes it write Hermes' format; a constrained
+    output is all answer (no reasoning), and the hermes parser reads the call out of it."""
+    from tests.helpers import TOOLS, WEATHER_QUESTION
+
+    reply = thinking_sdk.chat.completions.create(
+        model="model", messages=WEATHER_QUESTION, tools=TOOLS, temperature=0, max_tokens=40, stream=stream,
+        extra_body={"structured_outputs": {"regex": HERMES_TURN}})
+    if not stream:
+        choice = reply.choices[0]
+        assert (choice.finish_reason, choice.message.content, choice.message.reasoning_content) == \
+            ("tool_calls", "Let me check.\n", None)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [("get_weather", {"city": "Paris"})]
+        return
+    content, calls, reason = "", [], None
+    for chunk in reply:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += [(c.function.name, json.loads(c.function.arguments)) for c in delta.tool_calls or []]
+        reason = chunk.choices[0].finish_reason or reason
+    assert (content, calls, reason) == ("Let me check.\n", [("get_weather", {"city": "Paris"})], "tool_calls")

@@ -32,12 +32,14 @@ setup(
         # the CUDA kernels (engine/model/backends/triton/); on CPU machines too: their tests run on CPU tensors
         # under Triton's interpreter (TRITON_INTERPRET=1). Linux wheels only; a CUDA torch pins its own version.
         "triton>=3.6; platform_system == 'Linux'",
+        "jsonschema>=4",  # tool parameters checked as JSON Schema (protocol/tools.py)
     ],
     extras_require={
         # lm_eval[api,hf]: tests/evaluation runs lm-evaluation-harness against the server (local-completions)
         # and on the same weights (hf); it brings datasets, evaluate, scikit-learn, scipy, sacrebleu, nltk, peft
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",
-                 "jsonschema>=4", "lm_eval[api,hf]>=0.4.13,<0.5"],
+                 "jsonschema>=4", "lm_eval[api,hf]>=0.4.13,<0.5",
+                 "langchain-openai>=0.3"],  # bind_tools against the server (tests/server)
         "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         # `lmi-handler batch --ray`: batch files sharded over the replicas of a Ray cluster (batch/cluster.py)
         "ray": ["ray[data]==2.60.0"],

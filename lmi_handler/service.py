@@ -12,11 +12,13 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from lmi_handler.chat_template import ChatTemplate
 from lmi_handler.config import Settings
 from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
+from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.errors import RequestValidationError, show_value
 from lmi_handler.protocol.invocations import InvocationRequest
 from lmi_handler.protocol.openai import CompletionRequest
@@ -42,6 +44,7 @@ class Service:
         # fail with "Already borrowed". The engine's tokenizer stays the engine loop's alone.
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.model_path))
         self._tokenizer_lock = threading.Lock()
+        self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text(), self._tokenizer_lock)
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -85,8 +88,28 @@ class Service:
             sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token,
             constraint_field=params.constraint[0] if params.constraint else None,
-            prompt_logprobs=params.prompt_logprobs is not None,
+            prompt_logprobs=params.prompt_logprobs is not None, chat_output=self._chat_output(request),
             echo_only=bool(request.completion and request.completion.echo_only))
+
+    def _chat_output(self, request: InvocationRequest) -> ChatOutputRule | None:
+        """What a chat answer is parsed for (chat_output.py), decided here once: tool calls by the request's
+        tool_choice (auto needs option.enable_auto_tool_choice, as vLLM's --enable-auto-tool-choice), reasoning by
+        option.reasoning_parser unless the output is constrained (a schema from its first token leaves no room
+        for reasoning: the whole output is the answer). None when there is nothing to parse. Raises
+        RequestValidationError (400) for tool_choice auto on a server without it."""
+        if request.chat is None:
+            return None
+        tools, settings = request.chat.tools, self.settings
+        if tools is not None and tools.mode == "auto" and not settings.enable_auto_tool_choice:
+            field = "function_call" if tools.legacy else "tool_choice"
+            raise RequestValidationError(field, f'Invalid parameter `{field}`: "auto" tool choice (the default '
+                                         "when tools are sent) needs option.enable_auto_tool_choice=true and "
+                                         "option.tool_call_parser on this server; send \"required\", \"none\" "
+                                         "or a named function")
+        reasoning = settings.reasoning_parser if request.parameters.constraint is None else None
+        if (tools is None or tools.mode == "none") and reasoning is None:
+            return None
+        return ChatOutputRule(reasoning, tools, settings.tool_call_parser)
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
         if not self.settings.is_rolling and request.stream and kind is not Kind.DYNAMIC_LIST:
@@ -240,7 +263,7 @@ class Service:
 
     def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
         if request.chat is not None:
-            text = self.apply_chat_template(request.chat.text_messages())
+            text = self.chat_template.render(request.chat)
             return [(text, self._encode(text, "messages", add_special_tokens=False))]
         if request.completion is not None:
             return [self._completion_prompt(prompt) for prompt in request.completion.prompts]
@@ -282,13 +305,9 @@ class Service:
             return self.tokenizer.convert_ids_to_tokens(token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render chat messages with the tokenizer's chat template, ending in the assistant's turn."""
-        try:
-            with self._tokenizer_lock:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - jinja errors on malformed messages: the client's 400
-            raise RequestValidationError("messages",
-                                         f"messages cannot be rendered by the chat template: {exc}") from None
+        """Render chat messages with the chat template (chat_template.py), ending in the assistant's turn.
+        Raises RequestValidationError (400 naming `messages`)."""
+        return self.chat_template.apply(messages)
 
     @staticmethod
     def _truncate(token_ids: list[int], params: GenerationParameters) -> list[int]:

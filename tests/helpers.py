@@ -147,3 +147,19 @@ JSON_SCHEMAS = [
         "required": ["name", "kind"], "additionalProperties": False}}, "ok": {"type": "boolean"}},
      "required": ["items", "ok"], "additionalProperties": False},
 ]
+
+
+# Tools for the tool-calling tests (docs/tools.md): enums and bounded strings, so the demo model's constrained
+# arguments end within a few tokens
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]},
+                                                       "unit": {"enum": ["celsius", "fahrenheit"]}},
+                      "required": ["city", "unit"], "additionalProperties": False}
+TIME_PARAMETERS = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 12}},
+                   "required": ["timezone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER_PARAMETERS}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+                                           "parameters": TIME_PARAMETERS}}]
+TOOL_PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}

@@ -140,3 +140,23 @@ def test_enable_streaming_and_strict_model_name_are_off_by_default_and_read_as_b
     assert settings.enable_streaming and settings.strict_model_name
     with pytest.raises(ConfigError, match="strict_model_name"):
         Settings.from_properties({"strict_model_name": "sometimes"})
+
+
+@pytest.mark.parametrize(("properties", "words"), [
+    ({"tool_call_parser": "qwen"}, "option.tool_call_parser='qwen': Input should be 'hermes', 'llama3_json', "
+                                   "'mistral' or 'pythonic'"),
+    ({"enable_auto_tool_choice": "true"}, "enable_auto_tool_choice=true needs a tool_call_parser (one of hermes, "
+                                          "llama3_json, mistral, pythonic)"),
+    ({"reasoning_parser": "o1"}, "option.reasoning_parser='o1': Input should be 'deepseek_r1' or 'qwen3'"),
+])
+def test_tool_and_reasoning_parsers_are_checked_at_start_up_naming_the_allowed_ones(properties, words):
+    with pytest.raises(ConfigError) as info:
+        Settings.from_properties(properties, environ={})
+    assert words in str(info.value)
+
+
+def test_auto_tool_choice_with_a_parser_and_a_reasoning_parser_are_taken_in_any_case():
+    settings = Settings.from_properties({"enable_auto_tool_choice": "true", "tool_call_parser": "Hermes",
+                                         "reasoning_parser": "QWEN3"}, environ={})
+    assert (settings.enable_auto_tool_choice, settings.tool_call_parser, settings.reasoning_parser) == \
+        (True, "hermes", "qwen3")

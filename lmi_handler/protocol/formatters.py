@@ -179,10 +179,16 @@ class _OpenAIFormatter(Formatter):
 
 
 class ChatDocument(_OpenAIFormatter):
-    """OpenAI chat.completion; an OpenAI error object on error."""
+    """OpenAI chat.completion; an OpenAI error object on error. With the plan's chat_output rule the text is
+    parsed into reasoning_content, tool_calls and content (chat_output.py)."""
 
     def _choice(self, index: int, text: str, reason: FinishReason | None, tokens: list[TokenOutput]) -> dict:
-        return openai.chat_choice(index, text, reason, self._logprobs(tokens))
+        choice = openai.chat_choice(index, text, reason, self._logprobs(tokens))
+        if self.plan.chat_output is not None:
+            parser = self.plan.chat_output.parser()
+            parser.parse(text)
+            choice.update(message=parser.message(), finish_reason=parser.finish_reason(reason))
+        return choice
 
 
 class CompletionDocument(_OpenAIFormatter):
@@ -312,6 +318,8 @@ class _OpenAIStream(_OpenAIFormatter):
         self.text_offset += len(text)
         reason = (FinishReason.LENGTH if self.plan.echo_only else out.finish_reason) if out.finished else None
         chunk = self._chunk(text, reason, logprobs)
+        if chunk is None:                # a parser holds the text back for now
+            return []
         if self.plan.include_usage:
             chunk["usage"] = None        # OpenAI: with include_usage, every other chunk has usage null
         return [chunk]
@@ -320,18 +328,37 @@ class _OpenAIStream(_OpenAIFormatter):
         """Prompt tokens whose log probs go first in this chunk's logprobs (completions' echo), else None."""
         return None
 
-    def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
+    def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict | None:
         raise NotImplementedError
 
 
 class ChatStream(_OpenAIStream):
     """OpenAI chat.completion.chunk stream of one choice. Every delta carries role "assistant" and
-    tool_calls null, as TGI sends them (OpenAI allows both; the TGI client's ChoiceDelta requires them)."""
+    tool_calls null, as TGI sends them (OpenAI allows both; the TGI client's ChoiceDelta requires them).
 
-    def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
-        delta = {"role": "assistant", "content": text, "tool_calls": None}
-        return openai.chat_completion_chunk(**self._ids(), index=self.index, delta=delta, finish_reason=reason,
-                                            logprobs=logprobs)
+    With the plan's chat_output rule the text goes through its parser: a delta carries the step's content
+    (null when it has none), `reasoning_content` when it has reasoning, and OpenAI's tool-call deltas; a
+    step whose text the parser holds back sends nothing (unless it has log probs or ends the choice).
+    """
+
+    def __init__(self, plan: RequestPlan, prompt: Prompt, seed: int | None = None, details: bool | None = None):
+        super().__init__(plan, prompt, seed, details)
+        self.parser = plan.chat_output.parser() if plan.chat_output is not None else None
+
+    def _chunk(self, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict | None:
+        delta: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": None}
+        finish_reason = openai.to_openai_finish_reason(reason)
+        if self.parser is not None:
+            parts = self.parser.feed(text, final=reason is not None)
+            finish_reason = self.parser.finish_reason(reason)
+            if not parts and reason is None and logprobs is None:
+                return None
+            delta = {"role": "assistant", "content": parts.content or None, "tool_calls": parts.tool_calls or None}
+            if parts.reasoning:
+                delta["reasoning_content"] = parts.reasoning
+        chunk = openai.chat_completion_chunk(**self._ids(), index=self.index, delta=delta, logprobs=logprobs)
+        chunk["choices"][0]["finish_reason"] = finish_reason
+        return chunk
 
 
 class CompletionStream(_OpenAIStream):

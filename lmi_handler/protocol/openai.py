@@ -4,6 +4,7 @@ Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); error object
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
@@ -13,13 +14,14 @@ from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.decoding import CONSTRAINT_FIELDS
 from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
 from lmi_handler.protocol.params import INT64_MAX, INT64_MIN, MAX_TOP_N_TOKENS, RULES, GenerationParameters
+from lmi_handler.protocol.tools import ToolRequest, parse_tool_request
 
 MAX_TEMPERATURE = 2.0            # OpenAI: temperature in [0, 2]
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI legacy completions: logprobs at most 5
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")   # function: legacy, sent as tool
 OPENAI_RULES: dict[str, str] = {
     **RULES,
     "model": "a string",
@@ -38,7 +40,17 @@ OPENAI_RULES: dict[str, str] = {
     "temperature": f"a number in [0, {MAX_TEMPERATURE:g}] (OpenAI; 0 = greedy)",
     "n": "an integer >= 1 (choices to return)",
     "user": "a string",
+    "chat_template_kwargs": "an object of extra variables for the chat template (e.g. {\"enable_thinking\": false})",
+    "add_generation_prompt": "true or false (end the prompt with the assistant's turn opened)",
+    "continue_final_message": "true or false (continue the last assistant message; needs add_generation_prompt "
+                              "false)",
 }
+# Chat fields about tools (protocol/tools.py checks them; completions refuse them as not implemented)
+TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+# apply_chat_template's own parameters: chat_template_kwargs may not set them (vLLM leaves them out too)
+TEMPLATE_PARAMETERS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 # OpenAI field -> GenerationParameters field, to name the client's field in errors.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_sequences": "stop", "top_n_tokens": "top_logprobs",
                 "return_full_text": "echo", "truncate": "truncate_prompt_tokens", "do_sample": "use_beam_search"}
@@ -65,7 +77,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="OpenAI: send a last chunk with usage and no choices")
 
 
-# Fields other servers honour that would change the answer, which this one does not implement: sent with
+# Fields other servers honour that would change the answer, which this one does not implement (tools and
+# functions: on completions; chat takes them, protocol/tools.py): sent with
 # a value other than the neutral one, they are refused (400 naming the field) rather than ignored, so a
 # client never gets an answer that silently dropped a constraint. Neutral values pass (clients such as
 # text-generation's `chat` send `"tools": null`; nulls never reach this check).
@@ -185,6 +198,38 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI: wins over max_tokens")
     logprobs: bool = Field(False, description="OpenAI: return each token's log prob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="OpenAI: alternatives, [0, 20]")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM: extra variables for the chat "
+                                                        "template, e.g. {\"enable_thinking\": false}")
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn opened")
+    continue_final_message: bool = Field(False, description="vLLM: the answer continues the last (assistant) "
+                                         "message; needs add_generation_prompt false")
+    _tools: ToolRequest | None = PrivateAttr(None)
+
+    @classmethod
+    def parse(cls, data: Any) -> "ChatCompletionRequest":
+        """Validate a chat body: the sampling fields (_SamplingRequest.parse), the tools (tools.py), the
+        template controls. Raises RequestValidationError naming the field."""
+        if not isinstance(data, dict):
+            raise RequestValidationError.out_of_range("body", data, "a JSON object")
+        request = super().parse({key: value for key, value in data.items() if key not in TOOL_FIELDS})
+        request._tools = parse_tool_request({key: data[key] for key in TOOL_FIELDS if data.get(key) is not None})
+        if request.continue_final_message and request.add_generation_prompt:
+            raise RequestValidationError("continue_final_message", "Invalid parameter `continue_final_message`: "
+                                         "needs add_generation_prompt=false (both open a new assistant turn)")
+        if request.continue_final_message and request.messages[-1].get("role") != "assistant":
+            raise RequestValidationError("continue_final_message", "Invalid parameter `continue_final_message`: "
+                                         "the last message must be the assistant's to continue")
+        reserved = sorted(set(request.chat_template_kwargs or ()) & set(TEMPLATE_PARAMETERS))
+        if reserved:
+            raise RequestValidationError("chat_template_kwargs", f"Invalid parameter `chat_template_kwargs`: "
+                                         f"{reserved[0]!r} is a parameter of the template call, not a template "
+                                         "variable (send it as its own field)")
+        return request
+
+    @property
+    def tools(self) -> ToolRequest | None:
+        """The request's tools and tool_choice (legacy functions mapped to them); None without tools."""
+        return self._tools
 
     @field_validator("messages")
     @classmethod
@@ -201,9 +246,11 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("non-text content part")
         return messages
 
-    def text_messages(self) -> list[dict[str, str]]:
-        """Messages with text parts joined into one string, as chat templates expect."""
-        return [{**m, "content": _text_of(m.get("content"))} for m in self.messages]
+    def text_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates expect them: text parts joined into one string, a legacy `function`
+        message as a `tool` message, and the arguments of an assistant's tool calls as objects (JSON text
+        that parses; transformers' templates index them, vLLM does the same)."""
+        return [_template_message(m) for m in self.messages]
 
     def to_generation_parameters(self, *, default_max_new_tokens: int | None = None,
                                  defaults: dict | None = None,
@@ -221,7 +268,10 @@ class ChatCompletionRequest(_SamplingRequest):
         values["max_new_tokens"] = self.max_completion_tokens or self.max_tokens or default_max_new_tokens
         values["top_n_tokens"] = (self.top_logprobs or 0) if self.logprobs else None
         values["num_beams"] = self.n if self.use_beam_search else 1
-        return _parse_generation(values)
+        params = _parse_generation(values)
+        if self._tools is not None and self._tools.constrained:     # required / named: the tools' schemas
+            params = params.with_constraint("tool_choice", self._tools.constraint())
+        return params
 
 
 # A completions prompt: text, or token ids (lm-evaluation-harness and vLLM's clients send ids)
@@ -294,6 +344,27 @@ class CompletionRequest(_SamplingRequest):
 
 def _is_text_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    out = {**message, "content": _text_of(message.get("content"))}
+    if out["role"] == "function":          # legacy function result
+        out["role"] = "tool"
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_with_argument_object(call) for call in calls]
+    return out
+
+
+def _with_argument_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _text_of(content: str | list | None) -> str:

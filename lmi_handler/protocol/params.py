@@ -303,6 +303,18 @@ class GenerationParameters(BaseModel):
             structured_output=self.constraint[1] if self.constraint else None,
             num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
+    def with_constraint(self, field: str, spec: StructuredOutputSpec) -> "GenerationParameters":
+        """A copy constrained to `spec` (tool_choice required / named: the tools' schemas, protocol/tools.py),
+        named `field` in errors. Raises RequestValidationError when the request already sent a constraint."""
+        if self._constraint is not None:
+            sent = self._constraint[0]
+            raise RequestValidationError(sent, f"Invalid parameter `{sent}`: one structured-output constraint per "
+                                         f"request, and `{field}` already constrains the output (to the tools' "
+                                         "schemas)")
+        params = self.model_copy()
+        params._constraint = (field, spec)
+        return params
+
     @property
     def constraint(self) -> tuple[str, StructuredOutputSpec] | None:
         """(the field it came in, the spec) of the request's structured-output constraint, or None."""

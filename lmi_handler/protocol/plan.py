@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmi_handler.engine.sequence import SamplingParams
+from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.dialects import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
@@ -89,6 +90,7 @@ class RequestPlan:
     constraint_field: str | None = None   # where the structured-output constraint came (a compile error's 400 names it)
     prompt_logprobs: bool = False         # vLLM prompt_logprobs on the OpenAI shapes
     echo_only: bool = False               # completions echo with max_tokens 0: the prompt alone (one token runs)
+    chat_output: ChatOutputRule | None = None   # chat: reasoning and tool calls to find in the text (chat_output.py)
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
     @property

@@ -1,6 +1,9 @@
 """The offline runner on the demo model: every example of the batch input format, bad lines, seeds, resume."""
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from lmi_handler.batch.runner import BatchRunner, EngineFailed
@@ -15,6 +18,7 @@ from tests.batch.helpers import (
     read_jsonl,
     write_jsonl,
 )
+from tests.helpers import NAMED_WEATHER, TOOLS, WEATHER_PARAMETERS, WEATHER_QUESTION
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +196,12 @@ def test_an_engine_broken_for_good_raises_engine_failed_and_writes_no_record_for
     with pytest.raises(EngineFailed, match="the engine cannot go on"):
         BatchRunner(service).run(source, out, err, BatchDefaults(), progress=False)
     assert read_jsonl(out) == [] and read_jsonl(err) == []     # all four were inside the engine: a rerun does them
+
+
+def test_a_line_with_tools_answers_tool_calls_as_the_route_does(runner, tmp_path):
+    body = {"model": "model", "messages": WEATHER_QUESTION, "tools": TOOLS, "tool_choice": NAMED_WEATHER,
+            "max_tokens": 40}
+    _, out, err = run(runner, tmp_path, [batch_line("tools", body)])
+    choice = out["tools"]["response"]["body"]["choices"][0]
+    assert err == {} and choice["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]), WEATHER_PARAMETERS)

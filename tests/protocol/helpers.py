@@ -68,3 +68,14 @@ def choices_plan(kind: Kind, count: int, num_choices: int, wire: Wire = Wire.JSO
     """A plan of `count` sampled sequences (seed 10) answered as `num_choices` OpenAI choices."""
     return make_plan(kind, wire, params=SAMPLED, sequences=SequencePlan(count, Combine.CHOICES, num_choices),
                      **fields)
+
+
+def token_pieces(tokenizer, text: str) -> list[str]:
+    """`text` as a server streams it: the demo tokenizer's tokens of it, each one's new text as the engine's
+    IncrementalDetokenizer gives it (special tokens kept: the family markers are plain text to this tokenizer)."""
+    from lmi_handler.engine.detokenizer import IncrementalDetokenizer
+
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    pieces = [detokenizer.decode_next(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    pieces.append(detokenizer.flush())
+    return [p for p in pieces if p]

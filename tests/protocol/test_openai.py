@@ -189,10 +189,7 @@ def test_n_and_best_of_stay_the_openai_rule_not_generation_parameters():
     assert params.to_sampling_params().greedy
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("suffix", "tail"), ("logits_processors", ["p"]),
-])
+@pytest.mark.parametrize(("field", "value"), [("suffix", "tail"), ("logits_processors", ["p"])])
 def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_refused_not_ignored(field, value):
     for parse in (lambda: chat(**{field: value}),
                   lambda: CompletionRequest.parse({"model": "smol", "prompt": "Hi", field: value})):

@@ -1,14 +1,19 @@
 """server/openai.py: the OpenAI routes through the `openai` package and Hugging Face's InferenceClient:
-chat, completions, n choices, best_of, logprobs, stop, penalties, seeds, errors, and the served-model rule.
+chat, completions, n choices, best_of, logprobs, stop, penalties, seeds, errors, the served-model rule, and
+tool calling (also through LangChain's bind_tools and /invocations' chat schema).
 """
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import httpx
+import jsonschema
 import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from tests.helpers import serve
+from tests.helpers import NAMED_WEATHER, TIME_PARAMETERS, TOOL_PARAMETERS, TOOLS, WEATHER_QUESTION, serve
 from tests.server.helpers import PROMPT, generated_text, solo_text
 
 pytestmark = pytest.mark.slow
@@ -400,3 +405,120 @@ def test_use_beam_search_through_extra_body_answers_n_choices_on_chat(sdk):
     assert [c.index for c in answer.choices] == [0, 1]
     assert answer.choices[0].message.content != answer.choices[1].message.content
     assert answer.usage.completion_tokens <= 20
+
+
+# ---- tool calling (protocol/tools.py, chat_output.py; docs/tools.md) ------------------------------------
+
+def ask_tools(sdk, **fields):
+    return sdk.chat.completions.create(model="model", messages=WEATHER_QUESTION, tools=TOOLS, temperature=0,
+                                       max_tokens=40, **fields)
+
+
+def check_tool_calls(calls) -> list:
+    """Every call names a tool and its arguments parse and validate against that tool's schema."""
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_PARAMETERS[call.function.name])
+    return calls
+
+
+def joined_tool_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    """The streamed tool-call deltas joined per index (id, name, arguments), the finish_reason, the content."""
+    calls: dict[int, dict] = {}
+    reason, content = None, ""
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or delta.id
+            call["name"] += (delta.function.name or "") if delta.function else ""
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        reason = choice.finish_reason or reason
+    return calls, reason, content
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER])
+def test_required_and_named_tool_choice_return_calls_whose_arguments_validate(sdk, tool_choice):
+    reply = ask_tools(sdk, tool_choice=tool_choice)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = check_tool_calls(choice.message.tool_calls)
+    if tool_choice == NAMED_WEATHER:
+        assert [c.function.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER])
+def test_streamed_tool_call_deltas_join_to_calls_whose_arguments_validate(sdk, tool_choice):
+    whole = ask_tools(sdk, tool_choice=tool_choice).choices[0].message.tool_calls
+    calls, reason, content = joined_tool_calls(ask_tools(sdk, tool_choice=tool_choice, stream=True))
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.function.name, c.function.arguments)
+                                                                     for c in whole]      # greedy: the same calls
+    for call in calls.values():
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), TOOL_PARAMETERS[call["name"]])
+
+
+def test_the_follow_up_turn_with_the_tool_result_answers(sdk):
+    call = ask_tools(sdk, tool_choice=NAMED_WEATHER).choices[0].message.tool_calls[0]
+    messages = [*WEATHER_QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "unit": "celsius"}'}]
+    reply = sdk.chat.completions.create(model="model", messages=messages, tools=TOOLS, tool_choice="none",
+                                        temperature=0, max_tokens=12)
+    assert reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == ("length" if reply.usage.completion_tokens == 12 else "stop")
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_langchain_bind_tools_round_trips(rolling_server):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "London", "Tokyo"]) -> str:
+        """The weather in a city."""
+        return f"Sunny in {city}"
+
+    llm = ChatOpenAI(base_url=rolling_server.url + "/v1", api_key="unused", model="model", temperature=0,
+                     max_tokens=30, max_retries=0)
+    # strict: additionalProperties false, so the demo model's arguments end after `city` (it would add others)
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True)
+    history = [HumanMessage("What is the weather in Paris?")]
+    reply = bound.invoke(history)
+    assert [c["name"] for c in reply.tool_calls] == ["get_weather"]
+    assert reply.tool_calls[0]["args"]["city"] in ("Paris", "London", "Tokyo") and reply.tool_calls[0]["id"].startswith("call_")
+    result = get_weather.invoke(reply.tool_calls[0])                  # a ToolMessage for the call's id
+    assert isinstance(result, ToolMessage)
+    answer = llm.bind_tools([get_weather]).invoke([*history, reply, result], tool_choice="none")
+    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+
+
+def test_invocations_chat_schema_and_legacy_functions_call_tools(client):
+    body = {"messages": WEATHER_QUESTION, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+    reply = client.post("/invocations", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] == "tool_calls"
+    legacy = {"messages": WEATHER_QUESTION, "functions": [t["function"] for t in TOOLS], "function_call": {"name": "get_time"},
+              "max_tokens": 40, "temperature": 0}
+    message = client.post("/v1/chat/completions", json=legacy).json()["choices"][0]["message"]
+    jsonschema.validate(json.loads(message["function_call"]["arguments"]), TIME_PARAMETERS)
+    assert message["tool_calls"][0]["function"] == message["function_call"]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters.type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS}, "tool_choice"),        # auto (the default) without option.enable_auto_tool_choice
+])
+def test_bad_tools_answer_400_naming_the_field(sdk, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="model", messages=WEATHER_QUESTION, max_tokens=4, **fields)
+    assert info.value.status_code == 400 and info.value.body["param"] == param
+    if fields == {"tools": TOOLS}:
+        assert "option.enable_auto_tool_choice" in info.value.body["message"]

@@ -17,6 +17,7 @@ from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
+from lmi_handler.protocol.checkpoint_defaults import CheckpointDefaults
 from lmi_handler.protocol.dialects import Dialect, dialect_of
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.invocations import InvocationRequest
@@ -43,6 +44,8 @@ class Service:
         # fail with "Already borrowed". The engine's tokenizer stays the engine loop's alone.
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.model_path))
         self._tokenizer_lock = threading.Lock()
+        # generation_config.json's sampling values for what requests leave out (option.generation_config)
+        self.checkpoint_defaults = CheckpointDefaults.read(settings.model_path, settings.generation_config)
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -65,6 +68,7 @@ class Service:
         context), sequences and wire. Raises RequestValidationError."""
         settings = self.settings
         kind = kind or rules.kind_of(request.route, request.chat is not None, settings.is_rolling)
+        request = replace(request, parameters=self.checkpoint_defaults.apply(request.parameters, kind))
         self._check_batching(request, kind)
         prompts = self._prompts(request, request_id, kind)
         why_streaming = rules.streaming_reason(kind, bool(request.stream), settings.output_formatter,

@@ -244,9 +244,12 @@ class Settings(BaseModel):
     def model_path(self) -> Path:
         """The model's local directory, found once (model_source.resolve_model: a Hub id is downloaded into, or
         read from, the Hub cache on first use). Raises ConfigError naming option.model_id."""
-        from lmi_handler.model_source import resolve_model
+        from lmi_handler.model_source import ModelSourceError, resolve_model
 
-        return resolve_model(self.model_id, self.model_dir, self.revision)
+        try:
+            return resolve_model(self.model_id, self.model_dir, self.revision)
+        except ModelSourceError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def batch_path(self) -> Path:

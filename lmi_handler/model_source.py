@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lmi_handler.config import ConfigError
-
 logger = logging.getLogger(__name__)
 
 # What a snapshot needs of a repository: configs, safetensors weights, tokenizer files, the chat template.
@@ -17,6 +15,11 @@ logger = logging.getLogger(__name__)
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 # Schemes LMI also accepts in model_id that this server does not fetch from
 REMOTE_SCHEMES = ("s3://", "gs://", "http://", "https://", "djl://")
+
+
+class ModelSourceError(ValueError):
+    """option.model_id (or option.revision) names no model this server can reach; the message names the option
+    (config.py raises it on as its ConfigError)."""
 
 
 def local_model_dir(model_id: str, model_dir: str | Path) -> Path:
@@ -56,23 +59,23 @@ def resolve_model(model_id: str, model_dir: str | Path, revision: str | None = N
     reached, a pre-filled cache serves with no network). `revision`: a branch, tag or commit of a Hub id.
 
     A local path is returned as it is (loading it reports what is missing there).
-    Raises ConfigError naming option.model_id (and option.revision where it is at fault): a remote URL, a
+    Raises ModelSourceError naming option.model_id (and option.revision where it is at fault): a remote URL, a
     repository or revision that is neither cached nor reachable, a snapshot without config.json.
     """
     if model_id.startswith(REMOTE_SCHEMES):
-        raise ConfigError(f"option.model_id={model_id!r}: remote URLs are not fetched here; give a local "
+        raise ModelSourceError(f"option.model_id={model_id!r}: remote URLs are not fetched here; give a local "
                           "directory or a Hugging Face Hub id (org/name)")
     repo_id = hub_repo_id(model_id, model_dir)
     if repo_id is None:
         return local_model_dir(model_id, model_dir)
     path = _download(repo_id, revision, local_model_dir(model_id, model_dir))
     if not (path / "config.json").is_file():
-        raise ConfigError(f"option.model_id={model_id!r}: the Hub snapshot at {path} has no config.json")
+        raise ModelSourceError(f"option.model_id={model_id!r}: the Hub snapshot at {path} has no config.json")
     return path
 
 
 def _download(repo_id: str, revision: str | None, local: Path) -> Path:
-    """snapshot_download of repo_id's HUB_FILES, errors turned into ConfigError naming the id."""
+    """snapshot_download of repo_id's HUB_FILES, errors turned into ModelSourceError naming the id."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -87,16 +90,16 @@ def _download(repo_id: str, revision: str | None, local: Path) -> Path:
         path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
     except LocalEntryNotFoundError:
         offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
-        raise ConfigError(f"{shown}: not a directory ({local} does not exist) and not in the Hugging Face cache "
+        raise ModelSourceError(f"{shown}: not a directory ({local} does not exist) and not in the Hugging Face cache "
                           f"at {constants.HF_HUB_CACHE} ({offline}); download it there first (e.g. "
                           f"`hf download {repo_id}` with the same HF_HOME), or name a model directory") from None
     except RevisionNotFoundError:
-        raise ConfigError(f"option.revision={revision!r}: no such revision of {repo_id!r} on the Hub") from None
+        raise ModelSourceError(f"option.revision={revision!r}: no such revision of {repo_id!r} on the Hub") from None
     except GatedRepoError:
-        raise ConfigError(f"{shown}: the repository is gated: accept its terms on the Hub and set HF_TOKEN") from None
+        raise ModelSourceError(f"{shown}: the repository is gated: accept its terms on the Hub and set HF_TOKEN") from None
     except RepositoryNotFoundError:
-        raise ConfigError(f"{shown}: no such repository on the Hub (or it is private: set HF_TOKEN)") from None
+        raise ModelSourceError(f"{shown}: no such repository on the Hub (or it is private: set HF_TOKEN)") from None
     except (HfHubHTTPError, OSError) as exc:
-        raise ConfigError(f"{shown}: the download failed: {exc}") from None
+        raise ModelSourceError(f"{shown}: the download failed: {exc}") from None
     logger.info("model %s%s: Hub snapshot %s", repo_id, f"@{revision}" if revision else "", path)
     return path

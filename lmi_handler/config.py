@@ -15,6 +15,9 @@ from typing import Literal, Mapping
 import javaproperties
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from lmi_handler.model_source import ModelSourceError, hub_repo_id, local_model_dir, resolve_model
+from lmi_handler.option_names import Kind, sort_key
+
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -234,8 +237,6 @@ class Settings(BaseModel):
     def served_model_names(self) -> tuple[str, ...]:
         """The served names, first the primary one; when none are set, a Hub id as given (vLLM), else the
         model directory's name."""
-        from lmi_handler.model_source import hub_repo_id, local_model_dir
-
         names = tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip())
         return names or (hub_repo_id(self.model_id, self.model_dir)
                          or local_model_dir(self.model_id, self.model_dir).resolve().name,)
@@ -244,8 +245,6 @@ class Settings(BaseModel):
     def model_path(self) -> Path:
         """The model's local directory, found once (model_source.resolve_model: a Hub id is downloaded into, or
         read from, the Hub cache on first use). Raises ConfigError naming option.model_id."""
-        from lmi_handler.model_source import ModelSourceError, resolve_model
-
         try:
             return resolve_model(self.model_id, self.model_dir, self.revision)
         except ModelSourceError as exc:
@@ -297,8 +296,6 @@ def check_option_names(data: Mapping[str, str], ours) -> None:
     """Every key that is not a field of ours (`ours`): a misspelling of one raises ConfigError naming the
     nearest; another engine's option (LMI's, vLLM's) and a key nothing resembles are logged by name, never
     dropped in silence; DJL's own keys pass (option_names.py)."""
-    from lmi_handler.option_names import Kind, sort_key
-
     for key in sorted(data):
         kind, name = sort_key(key, ours)
         if kind is Kind.MISSPELT:

@@ -14,6 +14,9 @@ setup(
         "tokenizers>=0.20",
         "pydantic>=2.6,<3",
         "safetensors>=0.4",
+        # option.model_id as a Hub id: snapshot_download into the Hub cache (model_source.py); also a
+        # dependency of transformers, named here because we call it ourselves
+        "huggingface_hub>=0.25",
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "python-multipart>=0.0.9",  # /v1/files uploads (multipart form)

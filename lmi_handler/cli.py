@@ -19,6 +19,8 @@ def _serve(args: argparse.Namespace) -> int:
     properties = read_serving_properties(args.properties)
     try:
         app = create_app(properties)
+        # a Hub id is fetched (or found in the Hub cache) before the server starts: a missing one exits here
+        logging.getLogger(__name__).info("model directory: %s", app.state.settings.model_path)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -41,7 +43,7 @@ def _prepare(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from lmi_handler.batch.cluster import LOCAL, ClusterError, ClusterPlan, run_on_ray
     from lmi_handler.batch.runner import BatchRejected, BatchRunner, EngineFailed
-    from lmi_handler.config import Settings, read_serving_properties
+    from lmi_handler.config import ConfigError, Settings, read_serving_properties
     from lmi_handler.protocol.batch_lines import BatchDefaults, read_batch
     from lmi_handler.protocol.errors import RequestValidationError
     from lmi_handler.service import Service
@@ -63,9 +65,14 @@ def _batch(args: argparse.Namespace) -> int:
     if rejection:
         print(f"error: batch rejected, nothing was run: {rejection}", file=sys.stderr)
         return 2
-    settings = Settings.from_properties(read_serving_properties(args.properties))
-    if not (settings.model_path / "config.json").is_file():   # e.g. run outside the checkout
-        print(f"error: no model at {settings.model_path} (from {args.properties}): pass --properties "
+    try:    # a refused option, or a Hub id neither cached nor reachable (model_path fetches it once)
+        settings = Settings.from_properties(read_serving_properties(args.properties))
+        model_path = settings.model_path
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (model_path / "config.json").is_file():   # e.g. run outside the checkout
+        print(f"error: no model at {model_path} (from {args.properties}): pass --properties "
               "PATH/serving.properties, or run where serving.properties names a prepared model", file=sys.stderr)
         return 2
     try:
@@ -155,10 +162,13 @@ def _restart_with_malloc_huge_pages(properties: Path) -> None:
     from lmi_handler.config import Settings, read_serving_properties
     from lmi_handler.engine.host_memory import restart_with_malloc_huge_pages
 
+    logging.disable(logging.WARNING)    # the command itself reports the options (it may run twice)
     try:
         settings = Settings.from_properties(read_serving_properties(properties))
     except Exception:  # noqa: BLE001 - the command itself reports a bad file or setting
         return
+    finally:
+        logging.disable(logging.NOTSET)
     restart_with_malloc_huge_pages(settings.malloc_tuning, settings.huge_pages)
 
 

@@ -5,20 +5,27 @@ Owns every configuration key and the only reads of os.environ; each part gets it
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal, Mapping
 
 import javaproperties
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from lmi_handler.model_source import ModelSourceError, hub_repo_id, local_model_dir, resolve_model
+from lmi_handler.option_names import Kind, sort_key
+
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
+logger = logging.getLogger(__name__)
+
 # Settings keys an environment variable of their own gives when the properties do not (OPTION_* work for every key)
-ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES", "api_key": "LMI_API_KEY"}
+ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES", "api_key": "LMI_API_KEY", "model_id": "HF_MODEL_ID"}
 # Keys whose values are never echoed (a bad value's error message names the key only)
 SECRET_KEYS = ("api_key",)
 
@@ -34,7 +41,17 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", use_attribute_docstrings=True)
 
     model_id: str = "model"
-    """Model directory (config.json + safetensors + tokenizer), absolute or relative to model_dir."""
+    """The model: a directory (config.json + safetensors + tokenizer), absolute or relative to model_dir, or a
+    Hugging Face Hub id (org/name) fetched with huggingface_hub into its cache (HF_HOME; with HF_HUB_OFFLINE=1
+    only the cache is read). An existing directory wins over a Hub id of the same spelling. The environment
+    variable HF_MODEL_ID gives it when the properties do not (LMI). docs/model-sources.md."""
+    revision: str | None = None
+    """Hub ids only: the branch, tag or commit to serve; unset: the repository's default branch (main)."""
+    generation_config: Literal["auto", "vllm"] = "auto"
+    """auto: the checkpoint's generation_config.json sampling values (temperature, top_p, top_k, min_p,
+    repetition_penalty) stand in for those a request leaves out, by the rule of docs/model-sources.md (OpenAI
+    routes: vLLM's; LMI, TGI and batch lines: only when the request samples). vllm: they are not read (vLLM's
+    `--generation-config vllm`); the schema's own defaults apply."""
     model_dir: str = "."
     """Directory of serving.properties; relative model_id paths start here."""
     rolling_batch: str = "lmi_handler"
@@ -272,14 +289,20 @@ class Settings(BaseModel):
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
-        """The served names, first the primary one; the model directory's name when none are set."""
+        """The served names, first the primary one; when none are set, a Hub id as given (vLLM), else the
+        model directory's name."""
         names = tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip())
-        return names or (self.model_path.resolve().name,)
+        return names or (hub_repo_id(self.model_id, self.model_dir)
+                         or local_model_dir(self.model_id, self.model_dir).resolve().name,)
 
-    @property
+    @cached_property
     def model_path(self) -> Path:
-        path = Path(self.model_id)
-        return path if path.is_absolute() else Path(self.model_dir) / path
+        """The model's local directory, found once (model_source.resolve_model: a Hub id is downloaded into, or
+        read from, the Hub cache on first use). Raises ConfigError naming option.model_id."""
+        try:
+            return resolve_model(self.model_id, self.model_dir, self.revision)
+        except ModelSourceError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def batch_path(self) -> Path:
@@ -313,6 +336,7 @@ class Settings(BaseModel):
         for key, name in ENVIRONMENT_SWITCHES.items():
             if key not in data and environ.get(name) is not None:
                 data[key] = environ[name]
+        check_option_names(data, cls.model_fields)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -320,6 +344,22 @@ class Settings(BaseModel):
             key = ".".join(str(p) for p in first["loc"])
             shown = "<secret>" if key in SECRET_KEYS else repr(first.get("input"))
             raise ConfigError(f"option.{key}={shown}: {first['msg']}") from None
+
+
+def check_option_names(data: Mapping[str, str], ours) -> None:
+    """Every key that is not a field of ours (`ours`): a misspelling of one raises ConfigError naming the
+    nearest; another engine's option (LMI's, vLLM's) and a key nothing resembles are logged by name, never
+    dropped in silence; DJL's own keys pass (option_names.py)."""
+    for key in sorted(data):
+        kind, name = sort_key(key, ours)
+        if kind is Kind.MISSPELT:
+            raise ConfigError(f"option.{key} is not an option: did you mean option.{name}?")
+        if kind is Kind.FOREIGN:
+            logger.warning("option.%s is not served here (an option of LMI's or vLLM's engines): ignored%s", key,
+                           f"; option.{name} does its job here" if name else "")
+        elif kind is Kind.UNKNOWN:
+            logger.warning("option.%s is not an option of this server: ignored%s", key,
+                           f" (nearest known name: option.{name}, not served here either)" if name else "")
 
 
 def _split_keys(text: str) -> tuple[str, ...]:

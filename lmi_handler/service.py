@@ -19,6 +19,7 @@ from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
 from lmi_handler.protocol.chat_output import ChatOutputRule
+from lmi_handler.protocol.checkpoint_defaults import CheckpointDefaults
 from lmi_handler.protocol.errors import RequestValidationError, show_value
 from lmi_handler.protocol.invocations import InvocationRequest
 from lmi_handler.protocol.openai import CompletionRequest
@@ -45,6 +46,8 @@ class Service:
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.model_path))
         self._tokenizer_lock = threading.Lock()
         self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text(), self._tokenizer_lock)
+        # generation_config.json's sampling values for what requests leave out (option.generation_config)
+        self.checkpoint_defaults = CheckpointDefaults.read(settings.model_path, settings.generation_config)
 
     # ---- plans -----------------------------------------------------------------------------
 
@@ -67,6 +70,7 @@ class Service:
         context), sequences and wire. Raises RequestValidationError."""
         settings = self.settings
         kind = kind or rules.kind_of(request.route, request.chat is not None, settings.is_rolling)
+        request = replace(request, parameters=self.checkpoint_defaults.apply(request.parameters, kind))
         self._check_batching(request, kind)
         prompts = self._prompts(request, request_id, kind)
         why_streaming = rules.streaming_reason(kind, bool(request.stream), settings.output_formatter,

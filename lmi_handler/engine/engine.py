@@ -12,11 +12,11 @@ from typing import Iterator
 
 import torch
 
-from lmi_handler.config import EngineConfig
+from lmi_handler.config import ConfigError, EngineConfig
 from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
 from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
-from lmi_handler.engine.model_runner import ModelOutput
+from lmi_handler.engine.model_runner import ModelOutput, read_model_config
 from lmi_handler.engine.output_processor import (
     OutputProcessor,
     PromptChunk,
@@ -79,14 +79,14 @@ class Engine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        check_max_model_len(config)
         self.device = pick_device(config.device_id)
         precision = pick_precision(config, self.device)
         (logger.warning if precision.warn else logger.info)("%s", precision.reason)
         # a ModelRunner, or under tensor parallelism rank 0's executor over the group (engine/parallel/)
         self.runner = start_runner(config, self.device, precision)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
-        model_len = self.runner.config.max_model_len
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.max_model_len = config.max_model_len or self.runner.config.max_model_len
         self.allocator = BlockAllocator(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    enable_prefix_caching=config.enable_prefix_caching),
@@ -361,3 +361,12 @@ class RowTables:
     def record(self, token_ids: torch.Tensor) -> None:
         """The (B,) int64 tokens just sampled for the rows of the last get()."""
         self._last_tokens = token_ids
+
+
+def check_max_model_len(config: EngineConfig) -> None:
+    """Refuse option.max_model_len past the model's own context (config.json max_position_embeddings), as vLLM
+    does, before anything loads: positions past it were never trained. Raises ConfigError naming both."""
+    model_len = read_model_config(config.model_path).max_model_len
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        raise ConfigError(f"option.max_model_len={config.max_model_len} exceeds the model's context of {model_len} "
+                          "tokens (max_position_embeddings in its config.json): set it to at most that, or unset")

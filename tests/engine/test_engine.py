@@ -145,6 +145,23 @@ def test_finish_reasons_length_eos_and_context_limit(tiny_model_dir, tiny_tokeni
         engine.add_request("long", [5] * 250, SamplingParams(max_new_tokens=10))  # context is 256
 
 
+def test_max_model_len_bounds_requests_and_past_max_position_embeddings_is_refused_before_loading(tiny_model_dir,
+                                                                                                  tiny_tokenizer):
+    from dataclasses import replace
+
+    from lmi_handler.config import ConfigError
+
+    config = EngineConfig(model_path=tiny_model_dir, dtype="float32", device_id=-1, max_num_seqs=2,
+                          max_num_batched_tokens=64, max_model_len=257, block_size=4, kv_cache_bytes=1 << 22)
+    with pytest.raises(ConfigError, match="option.max_model_len=257 exceeds the model's context of 256 tokens "
+                                          r"\(max_position_embeddings"):
+        Engine(config, tokenizer=tiny_tokenizer)
+    engine = Engine(replace(config, max_model_len=64), tokenizer=tiny_tokenizer)
+    assert engine.max_model_len == 64
+    with pytest.raises(RequestRejected, match="token limit of 64"):
+        engine.add_request("long", [5] * 60, SamplingParams(max_new_tokens=5))
+
+
 @pytest.mark.slow
 def test_engine_greedy_on_the_demo_model_equals_hf_generate_for_mt_bench_prompts(model_dir, tokenizer,
                                                                                  mt_bench_prompts):

@@ -247,40 +247,59 @@ class AdapterRegistry:
 # ---- the batched product ------------------------------------------------------------------------------
 
 
+@dataclass
+class TileLayout:
+    """Where each adapter row goes in lora_delta's tiles: rows grouped by slot, each slot's rows padded to whole
+    TILE-row tiles. Made once per step (LoraBatch) so the projections' calls need no host sync."""
+
+    rows: torch.Tensor          # (N,) int64 flat rows that have an adapter, grouped by slot
+    slots: torch.Tensor         # (N,) int64 their slots
+    place: torch.Tensor         # (N,) int64 their row in the tiles (num_tiles * TILE rows)
+    tile_slot: torch.Tensor     # (num_tiles,) int64 each tile's slot
+    num_tiles: int
+
+
+def tile_layout(row_slot: torch.Tensor) -> TileLayout | None:
+    """The tiles of a step's rows (row_slot (T,) int64, -1 = base); None when no row has an adapter."""
+    rows = torch.nonzero(row_slot >= 0).flatten()
+    if rows.numel() == 0:
+        return None
+    slots = row_slot[rows]
+    order = torch.argsort(slots, stable=True)
+    rows, slots = rows[order], slots[order]
+    used, counts = torch.unique_consecutive(slots, return_counts=True)
+    tiles_per_slot = [-(-n // TILE) for n in counts.tolist()]       # host sync: the tile count sizes the tensors
+    device = row_slot.device
+    tile_slot = torch.repeat_interleave(used, torch.tensor(tiles_per_slot, device=device))
+    first_tile = torch.tensor([0] + tiles_per_slot[:-1], device=device).cumsum(0)       # per used slot
+    first_row = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
+    group = torch.repeat_interleave(torch.arange(len(tiles_per_slot), device=device), counts)
+    place = first_tile[group] * TILE + torch.arange(rows.numel(), device=device) - first_row[group]
+    return TileLayout(rows, slots, place, tile_slot, sum(tiles_per_slot))
+
+
 def lora_delta(x: torch.Tensor, row_slot: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-               scale: torch.Tensor) -> torch.Tensor:
+               scale: torch.Tensor, layout: TileLayout | None = None) -> torch.Tensor:
     """Each row's LoRA term against its own adapter: (x A_s^T) B_s^T * scale_s for s = row_slot[t], 0 for -1.
 
     x: (T, in); row_slot: (T,) int64 on x's device, -1 = the base (no adapter); a_stack: (num_slots, r_max, in);
-    b_stack: (num_slots, out, r_max), ranks below r_max zero-padded; scale: (num_slots,). Returns (T, out) in
-    x's dtype, computed in a_stack's dtype. Grouped: each slot's rows are gathered into zero-padded TILE-row
-    tiles and all tiles go through one bmm against their slot's A then B (as llama.py's invariant linear), so
-    a row's bits depend only on itself and its adapter, never on the rows beside it.
+    b_stack: (num_slots, out, r_max), ranks below r_max zero-padded; scale: (num_slots,); layout: tile_layout(
+    row_slot), made here when not given. Returns (T, out) in x's dtype, computed in a_stack's dtype. Grouped:
+    each slot's rows are gathered into zero-padded TILE-row tiles and all tiles go through one bmm against their
+    slot's A then B (as llama.py's invariant linear), so a row's bits depend only on itself and its adapter,
+    never on the rows beside it.
     """
     out = torch.zeros(x.shape[0], b_stack.shape[1], dtype=x.dtype, device=x.device)
-    rows = torch.nonzero(row_slot >= 0).flatten()
-    if rows.numel() == 0:
+    layout = layout if layout is not None else tile_layout(row_slot)
+    if layout is None:
         return out
-    slots = row_slot[rows]
-    order = torch.argsort(slots, stable=True)
-    rows, slots = rows[order], slots[order]                                   # rows grouped by slot
-    used, counts = torch.unique_consecutive(slots, return_counts=True)
-    counts_host = counts.tolist()                                   # host sync: the tile layout needs the sizes
-    tiles_per_slot = [-(-n // TILE) for n in counts_host]
-    num_tiles = sum(tiles_per_slot)
-    tile_slot = torch.repeat_interleave(used, torch.tensor(tiles_per_slot, device=used.device))   # (num_tiles,)
-    first_tile = torch.tensor([0] + tiles_per_slot[:-1], device=x.device).cumsum(0)               # per used slot
-    first_row = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
-    group = torch.repeat_interleave(torch.arange(len(counts_host), device=x.device), counts)
-    within = torch.arange(rows.numel(), device=x.device) - first_row[group]
-    place = first_tile[group] * TILE + within                                 # each row's place in the tiles
     dtype = a_stack.dtype
-    xt = torch.zeros(num_tiles * TILE, x.shape[1], dtype=dtype, device=x.device)
-    xt[place] = x[rows].to(dtype)
-    shrink = _tiled_bmm(xt.view(num_tiles, TILE, -1), a_stack, tile_slot)            # (tiles, TILE, r_max)
-    expand = _tiled_bmm(shrink, b_stack, tile_slot)                                   # (tiles, TILE, out)
-    delta = expand.view(num_tiles * TILE, -1)[place] * scale[slots].to(dtype)[:, None]
-    out[rows] = delta.to(x.dtype)
+    xt = torch.zeros(layout.num_tiles * TILE, x.shape[1], dtype=dtype, device=x.device)
+    xt[layout.place] = x[layout.rows].to(dtype)
+    shrink = _tiled_bmm(xt.view(layout.num_tiles, TILE, -1), a_stack, layout.tile_slot)   # (tiles, TILE, r_max)
+    expand = _tiled_bmm(shrink, b_stack, layout.tile_slot)                               # (tiles, TILE, out)
+    delta = expand.view(layout.num_tiles * TILE, -1)[layout.place] * scale[layout.slots].to(dtype)[:, None]
+    out[layout.rows] = delta.to(x.dtype)
     return out
 
 
@@ -311,6 +330,7 @@ class LoraBatch:
     row_slot: torch.Tensor                          # (T,) int64, -1 = base
     scale: torch.Tensor                             # (num_slots,)
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    layout: TileLayout | None = None                # tile_layout(row_slot), once for every projection
 
     @classmethod
     def build(cls, adapters: list[LoraAdapter], rows_per_seq: list[int], seq_adapter: list[int | None],
@@ -331,7 +351,7 @@ class LoraBatch:
             parts = FUSED[name]
             for layer in sorted({layer for layer, module in keys if module in parts}):
                 stacks[(layer, name)] = _stack(adapters, layer, list(parts), shapes, device, dtype)
-        return cls(row_slot, scale, stacks)
+        return cls(row_slot, scale, stacks, tile_layout(row_slot))
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
         """y + this step's LoRA term for projection `module` of `layer` (y unchanged when no adapter of the
@@ -339,7 +359,7 @@ class LoraBatch:
         stack = self.stacks.get((layer, module))
         if stack is None:
             return y
-        return y + lora_delta(x, self.row_slot, stack[0], stack[1], self.scale)
+        return y + lora_delta(x, self.row_slot, stack[0], stack[1], self.scale, self.layout)
 
 
 def _stack(adapters: list[LoraAdapter], layer: int, parts: list[str], shapes: dict[str, tuple[int, int]],

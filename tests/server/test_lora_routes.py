@@ -171,3 +171,17 @@ def test_loading_and_unloading_while_requests_run_fails_none_of_them(tiny_dir):
         answers, admin = server.loop.run_until_complete(churn())
         assert [r.status_code for r in answers] == [200] * 4
         assert [r.status_code for r in admin] == [200] * 6 and _names(server) == ["alpha"]
+
+
+def test_the_djl_front_ends_adapter_header_reaches_the_plan_and_the_base_item_beside_it_is_served(tiny_dir):
+    """DJL's container path (handle(), no bundled server): the item's X-Amzn-SageMaker-Adapter-Identifier
+    property names the adapter; that item fails alone (424, the forward's message), the base item beside it runs."""
+    from tests.test_handler import body, decode, init_handler, rolling_call
+
+    worker = init_handler(tiny_dir / "tiny", enable_lora="true", num_threads="1")
+    call = rolling_call([("with-adapter", body("hello", max_new_tokens=2)), ("base", body("hello", max_new_tokens=2))])
+    call.properties["batch_000.X-Amzn-SageMaker-Adapter-Identifier"] = "alpha"
+    adapter_entry, base_entry = decode(worker.handle(call), 2)
+    assert adapter_entry["last"] == "true" and adapter_entry["code"] == "424"
+    assert FORWARD_TODO in adapter_entry["error"]
+    assert "code" not in base_entry

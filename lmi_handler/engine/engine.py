@@ -100,6 +100,10 @@ class Engine:
                                    self.allocator)
         # LoRA adapters by name (option.enable_lora), None when off; loaded by service.py and the adapter routes
         self.adapters = self._adapter_registry(config)
+        # Whether the model's forward adds the adapters' terms (engine/model/lora.py LoraBatch.add after each
+        # projection). Not yet: until the runner builds a LoraBatch per step and the forward calls it, requests
+        # naming an adapter are refused (LORA_NOT_APPLIED) rather than answered by the base model.
+        self.applies_lora = False
         self.sampler = Sampler()
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)
@@ -129,12 +133,6 @@ class Engine:
         """Names of the adapters live sequences hold (called from the adapter routes' thread: tuple() copies
         the dict's values in one step under the GIL)."""
         return {seq.adapter.name for seq in tuple(self.seqs.values()) if seq.adapter is not None}
-
-    @property
-    def applies_lora(self) -> bool:
-        """Whether the model's forward adds adapters' terms (it declares `applies_lora = True` once it calls
-        LoraBatch.add); until then requests naming an adapter are refused rather than served by the base."""
-        return bool(getattr(getattr(self.runner, "model", None), "applies_lora", False))
 
     def failure(self) -> Exception | None:
         """The EngineFatal error that ended this engine for good (a tensor-parallel rank failed), else None;

@@ -1,15 +1,23 @@
-"""engine/model/lora.py: PEFT adapters read and checked, the registry, and the batched LoRA product (exact
-against transformers with the adapter merged; a row's bits independent of the rows beside it)."""
+"""LoRA in the engine: engine/model/lora.py (PEFT adapters read and checked, the registry, the batched LoRA
+product: exact against transformers with the adapter merged, a row's bits independent of the rows beside it),
+the scheduler's prefix cache keyed on the adapter and max_loras, and the engine's gate (an adapter request is
+refused, never run on the base, while the forward does not apply adapters)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lmi_handler.config import EngineConfig, LoraConfig
+from lmi_handler.engine.engine import LORA_NOT_APPLIED, Engine, RequestRejected
+from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.lora import (
     AdapterRegistry,
+    LoraAdapter,
     LoraBatch,
     LoraError,
     LoraLimits,
@@ -18,6 +26,8 @@ from lmi_handler.engine.model.lora import (
     load_adapter,
     lora_delta,
 )
+from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
+from lmi_handler.engine.sequence import SamplingParams, Sequence
 from tests.engine.lora_helpers import PEFT_PREFIX, merge_adapter, write_peft_adapter
 
 
@@ -212,3 +222,98 @@ def test_the_registry_evicts_the_least_recently_used_adapter_no_request_holds(ti
         registry.get("b")
     assert err.value.status_code == 404
     assert registry.load("b", tmp_path / "b").key != first_key      # a new load never shares cached KV
+
+
+# ---- the scheduler: prefix cache keyed on the adapter, max_loras ----------------------------------------
+
+PROMPT = list(range(100, 117))      # 4 full blocks of 4 and one token more
+
+
+def _adapter(name: str) -> LoraAdapter:
+    return LoraAdapter(name, Path(name), rank=8, scale=1.0, weights={})
+
+
+def _seq(request_id: str, adapter: LoraAdapter | None) -> Sequence:
+    return Sequence(request_id, list(PROMPT), SamplingParams(max_new_tokens=4, adapter=adapter and adapter.name),
+                    adapter=adapter)
+
+
+def _run_step(sched: Scheduler) -> list[Sequence]:
+    """Pretend the model ran: the scheduled tokens are computed, a sequence at its end gets a token."""
+    out = sched.schedule()
+    sched.update_from_output(out)
+    for seq in out.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(1)
+    return out.seqs
+
+
+def _check_blocks(alloc: BlockAllocator) -> None:
+    assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
+
+
+def _cached_after(first: Sequence, second: Sequence) -> int:
+    """Tokens `second` finds in the prefix cache once `first` has computed the same prompt."""
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    sched.add(first)
+    _run_step(sched)
+    sched.add(second)
+    _run_step(sched)
+    _check_blocks(alloc)
+    return second.num_cached_tokens
+
+
+def test_two_adapters_never_share_cached_kv_and_one_adapter_does():
+    a, b = _adapter("a"), _adapter("b")
+    assert _cached_after(_seq("1", a), _seq("2", a)) == 16           # same adapter: the prefix is reused
+    assert _cached_after(_seq("1", a), _seq("2", b)) == 0            # another adapter: computed afresh
+    assert _cached_after(_seq("1", a), _seq("2", None)) == 0         # the base never reads an adapter's K/V
+    assert _cached_after(_seq("1", None), _seq("2", a)) == 0         # ... nor an adapter the base's
+    assert _cached_after(_seq("1", None), _seq("2", None)) == 16
+    assert _cached_after(_seq("1", a), _seq("2", _adapter("a"))) == 0  # the same name loaded again: a new key
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_the_base_runs_beside_them():
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_loras=2), alloc)
+    a, b, c = _adapter("a"), _adapter("b"), _adapter("c")
+    seqs = [_seq("a1", a), _seq("b1", b), _seq("c1", c), _seq("base", None), _seq("a2", a)]
+    for seq in seqs:
+        sched.add(seq)
+    first = _run_step(sched)
+    assert [s.request_id for s in first] == ["a1", "b1", "base", "a2"]   # c waits: a and b fill max_loras
+    sched.finish(seqs[0])
+    sched.finish(seqs[4])                                                  # adapter a has no running request left
+    assert "c1" in [s.request_id for s in _run_step(sched)]
+    _check_blocks(alloc)
+
+
+# ---- the engine's gate ----------------------------------------------------------------------------------
+
+def _config(model_dir):
+    return EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=4,
+                        max_num_batched_tokens=64, max_model_len=None, block_size=4, kv_cache_bytes=1 << 22)
+
+
+def test_an_adapter_request_is_refused_while_the_forward_cannot_apply_adapters(tiny_model_dir, tiny_tokenizer,
+                                                                              tmp_path):
+    from transformers import AutoConfig
+
+    write_peft_adapter(tmp_path / "a", AutoConfig.from_pretrained(tiny_model_dir))
+    engine = Engine(replace(_config(tiny_model_dir), lora=LoraConfig(max_loras=2, max_cpu_loras=2,
+                                                                     adapter_roots=(tmp_path,))), tiny_tokenizer)
+    engine.adapters.load("a", tmp_path / "a")
+    assert engine.applies_lora is False
+    with pytest.raises(RequestRejected, match="does not apply them yet") as err:
+        engine.add_request("r", [1, 5, 6], SamplingParams(adapter="a"))
+    assert str(err.value) == LORA_NOT_APPLIED and not engine.has_unfinished
+    engine.add_request("base", [1, 5, 6], SamplingParams(max_new_tokens=2))      # the base is served as ever
+    assert engine.seqs["base"].adapter is None and engine.seqs["base"].params.adapter is None
+
+
+def test_with_lora_off_the_engine_has_no_registry_and_refuses_adapter_requests(tiny_model_dir, tiny_tokenizer):
+    engine = Engine(_config(tiny_model_dir), tiny_tokenizer)
+    assert engine.adapters is None
+    with pytest.raises(RequestRejected, match="option.enable_lora"):
+        engine.add_request("r", [1, 5], SamplingParams(adapter="a"))

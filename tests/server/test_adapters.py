@@ -4,6 +4,7 @@ client can (refused with 501 until the forward applies adapters; 404 for one not
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -176,12 +177,19 @@ def test_loading_and_unloading_while_requests_run_fails_none_of_them(tiny_dir):
 def test_the_djl_front_ends_adapter_header_reaches_the_plan_and_the_base_item_beside_it_is_served(tiny_dir):
     """DJL's container path (handle(), no bundled server): the item's X-Amzn-SageMaker-Adapter-Identifier
     property names the adapter; that item fails alone (424, the forward's message), the base item beside it runs."""
-    from tests.test_handler import body, decode, init_handler, rolling_call
+    from lmi_handler.djl import OwnInput, PairList, binary_decode
+    from lmi_handler.handler import Handler
 
-    worker = init_handler(tiny_dir / "tiny", enable_lora="true", num_threads="1")
-    call = rolling_call([("with-adapter", body("hello", max_new_tokens=2)), ("base", body("hello", max_new_tokens=2))])
-    call.properties["batch_000.X-Amzn-SageMaker-Adapter-Identifier"] = "alpha"
-    adapter_entry, base_entry = decode(worker.handle(call), 2)
+    worker = Handler()
+    assert worker.handle(OwnInput({"model_id": str(tiny_dir / "tiny"), "enable_lora": "true", "num_threads": "1",
+                                   "device_id": "-1"})) is None
+    props, content = {"batch_size": "2", "batch_000.X-Amzn-SageMaker-Adapter-Identifier": "alpha"}, PairList()
+    for i, request_id in enumerate(("with-adapter", "base")):
+        content.add(f"batch_{i:03d}.data", json.dumps({"inputs": "hello", "parameters": {"max_new_tokens": 2}}).encode())
+        props[f"batch_{i:03d}.Content-Type"] = "application/json"
+        props[f"batch_{i:03d}.requestId"] = request_id
+    output = worker.handle(OwnInput(props, content))
+    adapter_entry, base_entry = (binary_decode(output.content.value_at(i)) for i in range(2))
     assert adapter_entry["last"] == "true" and adapter_entry["code"] == "424"
     assert FORWARD_TODO in adapter_entry["error"]
     assert "code" not in base_entry

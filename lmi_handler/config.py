@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 import javaproperties
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 
 from lmi_handler.model_source import ModelSourceError, hub_repo_id, local_model_dir, resolve_model
 from lmi_handler.option_names import Kind, sort_key
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 ENVIRONMENT_SWITCHES = {"huge_pages": "LMI_HUGE_PAGES", "api_key": "LMI_API_KEY", "model_id": "HF_MODEL_ID"}
 # Keys whose values are never echoed (a bad value's error message names the key only)
 SECRET_KEYS = ("api_key",)
+# The projections a LoRA adapter may change (option.lora_target_modules); Phi-3 fuses qkv and gate_up
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
 
 
 class ConfigError(ValueError):
@@ -185,6 +188,26 @@ class Settings(BaseModel):
     chat_template: str | None = None
     """The chat template instead of the tokenizer's: a file (absolute or relative to model_dir) or the Jinja
     template itself (text with {{ or {%); read and syntax-checked at start-up (vLLM's --chat-template)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters on the base model (PEFT format; docs/lora.md): from `<model>/adapters/<name>/` and
+    lora_modules at start-up, the adapter APIs at run time, chosen per request (`adapters`, the
+    X-Amzn-SageMaker-Adapter-Identifier header, OpenAI `model`, TGI `adapter_id`). false: adapter requests and
+    the adapter APIs answer 400."""
+    max_loras: int = Field(4, ge=1, le=256)
+    """Distinct adapters in one step, [1, 256]; a request of another adapter waits until one of theirs ends."""
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    """Largest adapter rank accepted, [1, 512]; a higher-rank adapter is refused at load (400)."""
+    max_cpu_loras: int | None = Field(None, ge=1, le=4096)
+    """Adapters kept loaded, [max_loras, 4096]; unset = max_loras. Loading one more evicts the least recently
+    used adapter that no running request holds (vLLM's --max-cpu-loras)."""
+    lora_target_modules: str | None = None
+    """Comma-separated projections adapters may change (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj; Phi-3: qkv_proj, gate_up_proj); an adapter touching another is refused. Unset: all of them."""
+    lora_modules: str | None = None
+    """Adapters loaded at start-up, vLLM's `name=path,name=path` (paths absolute or relative to model_dir)."""
+    lora_adapter_roots: str | None = None
+    """Comma-separated directories the run-time adapter APIs may load from, besides `<model>/adapters`; a path
+    outside them (symbolic links resolved) answers 400. Start-up sources are the operator's and not checked."""
     fault_injection: str | None = None
     """Tests only: a rule making the engine step fail for chosen sequences (see engine/faults.py)."""
 
@@ -229,6 +252,32 @@ class Settings(BaseModel):
     @classmethod
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _known_modules(cls, value: str | None) -> str | None:
+        names = _split_keys(value or "")
+        unknown = sorted(set(names) - set(LORA_MODULES))
+        if value is not None and (unknown or not names):
+            raise ValueError(f"must name projections among {', '.join(LORA_MODULES)}, got {value!r}")
+        return value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_path_pairs(cls, value: str | None) -> str | None:
+        for pair in _split_keys(value or ""):
+            name, sep, path = pair.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"must be name=path pairs separated by commas, got {pair!r}")
+        return value
+
+    @field_validator("max_cpu_loras")
+    @classmethod
+    def _cpu_loras_hold_a_step(cls, value: int | None, info: ValidationInfo) -> int | None:
+        max_loras = info.data.get("max_loras")
+        if value is not None and max_loras is not None and value < max_loras:
+            raise ValueError(f"must be >= max_loras ({max_loras}): the adapters of one step stay loaded")
+        return value
 
     @field_validator("bf16_kernel", mode="before")
     @classmethod
@@ -305,6 +354,23 @@ class Settings(BaseModel):
             raise ConfigError(str(exc)) from None
 
     @property
+    def lora_modules_list(self) -> tuple[tuple[str, Path], ...]:
+        """option.lora_modules as (name, path) pairs, relative paths from model_dir."""
+        pairs = (pair.partition("=") for pair in _split_keys(self.lora_modules or ""))
+        return tuple((name.strip(), Path(self.model_dir) / path.strip()) for name, _, path in pairs)
+
+    def lora_config(self) -> "LoraConfig | None":
+        """The engine's LoRA slice; None when enable_lora is off."""
+        if not self.enable_lora:
+            return None
+        roots = (self.model_path / "adapters",) + tuple(Path(self.model_dir) / r
+                                                        for r in _split_keys(self.lora_adapter_roots or ""))
+        targets = _split_keys(self.lora_target_modules) if self.lora_target_modules else None
+        return LoraConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras or self.max_loras, target_modules=targets,
+                          adapter_roots=roots)
+
+    @property
     def batch_path(self) -> Path:
         path = Path(self.batch_dir)
         return path if path.is_absolute() else Path(self.model_dir) / path
@@ -321,6 +387,7 @@ class Settings(BaseModel):
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
                             bf16_kernel=self.bf16_kernel,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
+                            lora=self.lora_config(),
                             parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
                                                     read_mpi_launch()))
 
@@ -406,6 +473,17 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """The engine's LoRA slice (option.enable_lora on): limits and where run-time loads may come from."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 4
+    target_modules: tuple[str, ...] | None = None
+    adapter_roots: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's slice of the settings."""
 
@@ -425,6 +503,7 @@ class EngineConfig:
     quantize: str | None = None
     bf16_kernel: str = "auto"
     structured_output_compile_timeout_s: float = 30.0
+    lora: LoraConfig | None = None
     parallel: ParallelConfig = ParallelConfig()
 
 

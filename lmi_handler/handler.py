@@ -24,7 +24,7 @@ from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_body
 from lmi_handler.protocol.formatters import Answer, StreamAnswer, outputs_line, response_body
 from lmi_handler.protocol.plan import RequestPlan
 from lmi_handler.protocol.sequences import Member
-from lmi_handler.service import Service
+from lmi_handler.service import ADAPTER_HEADER, Service
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def plan_item(service: Service, item: Input, request_id: str) -> RequestPlan:
     if handed is not None:
         return handed.plan
     return service.plan(item.get_as_bytes("data"), route=item.get_property(ROUTE_PROPERTY),
-                        content_type=item.get_property("Content-Type"), request_id=request_id)
+                        content_type=item.get_property("Content-Type"), request_id=request_id,
+                        adapter_header=item.get_property(ADAPTER_HEADER))
 
 
 @dataclass

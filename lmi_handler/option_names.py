@@ -31,9 +31,8 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "enable_chunked_prefill": "max_rolling_batch_prefill_tokens", "trust_remote_code": None,
     "disable_log_stats": None, "served_model_names": "served_model_name", "api_keys": "api_key",
     # LoRA and adapters
-    "enable_lora": None, "max_loras": None, "max_lora_rank": None, "max_cpu_loras": None, "lora_dtype": None,
-    "lora_extra_vocab_size": None, "fully_sharded_loras": None, "long_lora_scaling_factors": None,
-    "enable_lora_bias": None, "lora_modules": None, "adapters": None, "enable_prompt_adapter": None,
+    "lora_dtype": None, "lora_extra_vocab_size": None, "fully_sharded_loras": None, "long_lora_scaling_factors": None,
+    "enable_lora_bias": None, "adapters": None, "enable_prompt_adapter": None,
     "max_prompt_adapters": None, "max_prompt_adapter_token": None,
     # speculative decoding
     "speculative_config": None, "speculative_draft_model": None, "speculative_model": None,

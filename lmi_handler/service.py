@@ -13,8 +13,9 @@ from dataclasses import replace
 from typing import Any
 
 from lmi_handler.chat_template import ChatTemplate
-from lmi_handler.config import Settings
-from lmi_handler.engine.engine import Engine, RequestRejected, RequestTooLong
+from lmi_handler.config import ConfigError, Settings
+from lmi_handler.engine.engine import LORA_NOT_APPLIED, Engine, RequestRejected, RequestTooLong
+from lmi_handler.engine.model.lora import LoraAdapter, LoraError
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
@@ -28,6 +29,8 @@ from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan
 from lmi_handler.protocol.sequences import Member
 
 logger = logging.getLogger(__name__)
+
+ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"   # SageMaker's per-request adapter (LMI)
 
 
 class Service:
@@ -48,15 +51,17 @@ class Service:
         self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text(), self._tokenizer_lock)
         # generation_config.json's sampling values for what requests leave out (option.generation_config)
         self.checkpoint_defaults = CheckpointDefaults.read(settings.model_path, settings.generation_config)
+        self._load_startup_adapters()
 
     # ---- plans -----------------------------------------------------------------------------
 
     def plan(self, body: bytes | str | dict, route: str | None = None, content_type: str | None = None,
-             request_id: str | None = None) -> RequestPlan:
-        """Parse, tokenize and check a request of any route once. Raises RequestValidationError
-        (status 400, 404 for a `model` not served under option.strict_model_name, 413 ...) naming the field."""
+             request_id: str | None = None, adapter_header: str | None = None) -> RequestPlan:
+        """Parse, tokenize and check a request of any route once. `adapter_header`: the
+        X-Amzn-SageMaker-Adapter-Identifier header. Raises RequestValidationError (status 400, 404 for a
+        `model` not served under option.strict_model_name or an adapter not loaded, 413 ...) naming the field."""
         request = InvocationRequest.parse(body, content_type=content_type, route=route)
-        return self.plan_request(request, request_id or uuid.uuid4().hex)
+        return self.plan_request(request, request_id or uuid.uuid4().hex, adapter_header=adapter_header)
 
     def plan_openai_body(self, body: dict, url: str, request_id: str, kind: Kind = Kind.BATCH_LINE,
                          **generation: Any) -> RequestPlan:
@@ -65,19 +70,21 @@ class Service:
         default_max_new_tokens). Raises RequestValidationError."""
         return self.plan_request(InvocationRequest.parse_openai(body, url, **generation), request_id, kind)
 
-    def plan_request(self, request: InvocationRequest, request_id: str, kind: Kind | None = None) -> RequestPlan:
+    def plan_request(self, request: InvocationRequest, request_id: str, kind: Kind | None = None,
+                     adapter_header: str | None = None) -> RequestPlan:
         """The plan of a parsed request: its kind, prompts (tokenized, truncated, checked against the
-        context), sequences and wire. Raises RequestValidationError."""
+        context, each with its LoRA adapter), sequences and wire. Raises RequestValidationError."""
         settings = self.settings
         kind = kind or rules.kind_of(request.route, request.chat is not None, settings.is_rolling)
         request = replace(request, parameters=self.checkpoint_defaults.apply(request.parameters, kind))
         self._check_batching(request, kind)
-        prompts = self._prompts(request, request_id, kind)
+        adapters = self._adapter_names(request, adapter_header)
+        prompts = self._prompts(request, request_id, kind, adapters)
         why_streaming = rules.streaming_reason(kind, bool(request.stream), settings.output_formatter,
                                                rolling=settings.is_rolling, enable_streaming=settings.enable_streaming)
         stream = why_streaming is not None
         count = self._sequences(request, why_streaming)
-        model_name = self.answering_model(request.model, kind)
+        model_name = request.model if request.model in adapters else self.answering_model(request.model, kind)
         params = request.parameters
         openai = request.chat or request.completion
         return RequestPlan(
@@ -115,6 +122,75 @@ class Service:
             return None
         return ChatOutputRule(reasoning, tools, settings.tool_call_parser)
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def _adapter_names(self, request: InvocationRequest, header: str | None) -> list[str | None]:
+        """Each prompt's adapter (None = the base), by the first of: the body's `adapters` (LMI; a list gives
+        one per input), the X-Amzn-SageMaker-Adapter-Identifier header, TGI's parameters.adapter_id, an OpenAI
+        `model` that names a loaded adapter (vLLM). Raises RequestValidationError: 400 LoRA off, 404 not
+        loaded, 501 the forward cannot apply adapters yet."""
+        sources = ((request.adapters, "adapters"), (header, ADAPTER_HEADER),
+                   (request.parameters.adapter_id, "parameters.adapter_id"))
+        chosen, field = next(((value, name) for value, name in sources if value), (None, None))
+        if chosen is None and request.model is not None and self._is_adapter(request.model):
+            chosen, field = request.model, "model"
+        if chosen is None:
+            return [None]
+        names = chosen if isinstance(chosen, list) else [chosen]
+        for name in dict.fromkeys(names):
+            self._check_adapter(name, field)
+        return names
+
+    def _is_adapter(self, name: str) -> bool:
+        adapters = self.engine.adapters
+        return adapters is not None and not self.serves(name) and name in adapters
+
+    def _check_adapter(self, name: str, field: str) -> None:
+        if self.engine.adapters is None:
+            raise RequestValidationError(field, f"Invalid parameter `{field}`: adapter {name!r} requested but LoRA "
+                                         "adapters are off on this server (option.enable_lora=false)")
+        if name not in self.engine.adapters:
+            loaded = ", ".join(a.name for a in self.engine.adapters.adapters()) or "none"
+            raise RequestValidationError(field, f"The adapter `{name}` does not exist (loaded adapters: {loaded})",
+                                         status_code=404)
+        if not self.engine.applies_lora:
+            raise RequestValidationError(field, LORA_NOT_APPLIED, status_code=501)
+
+    def _load_startup_adapters(self) -> None:
+        """LMI's `<model>/adapters/<name>/` folders, then option.lora_modules (vLLM). Raises ConfigError naming
+        the adapter that cannot load, or when they are more than option.max_cpu_loras."""
+        registry = self.engine.adapters
+        if registry is None:
+            return
+        folder = self.settings.model_path / "adapters"
+        found = [(p.name, p) for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
+        found += list(self.settings.lora_modules_list)
+        if len(found) > registry.limits.max_cpu_loras:
+            raise ConfigError(f"option.max_cpu_loras={registry.limits.max_cpu_loras} holds fewer than the "
+                              f"{len(found)} adapters to load at start-up ({', '.join(n for n, _ in found)})")
+        for name, path in found:
+            try:
+                registry.load(name, path, check_root=False)
+            except LoraError as exc:
+                raise ConfigError(f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}") from None
+        if found:
+            logger.info("LoRA adapters loaded: %s", ", ".join(n for n, _ in found))
+
+    def load_adapter(self, name: str, src: str) -> LoraAdapter:
+        """The adapter APIs' load: `src` must be under option.lora_adapter_roots or `<model>/adapters`.
+        Raises LoraError (400 bad adapter or LoRA off, 409 name taken, 503 no room); nothing changes then."""
+        if self.engine.adapters is None:
+            raise LoraError("LoRA adapters are off on this server (option.enable_lora=false)")
+        if self.serves(name):
+            raise LoraError(f"adapter name {name!r} is the base model's served name", 409, "name")
+        return self.engine.adapters.load(name, src)
+
+    def unload_adapter(self, name: str) -> None:
+        """Raises LoraError (400 LoRA off, 404 not loaded)."""
+        if self.engine.adapters is None:
+            raise LoraError("LoRA adapters are off on this server (option.enable_lora=false)")
+        self.engine.adapters.unload(name)
+
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
         if not self.settings.is_rolling and request.stream and kind is not Kind.DYNAMIC_LIST:
             raise RequestValidationError("stream", "Invalid parameter `stream`: in dynamic batch only /invocations "
@@ -138,7 +214,7 @@ class Service:
         InferenceClient sends "tgi"). With option.strict_model_name=true the OpenAI routes answer 404 for a
         name not served, as vLLM does. Raises RequestValidationError (404)."""
         strict = self.settings.strict_model_name and kind in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION)
-        if strict and requested is not None and not self.serves(requested):
+        if strict and requested is not None and not self.serves(requested) and not self._is_adapter(requested):
             raise RequestValidationError("model", f"The model `{requested}` does not exist (this server serves "
                                          f"{', '.join(map(repr, self.served_names))})", status_code=404)
         return self.model_name
@@ -157,13 +233,15 @@ class Service:
         return sequences.tgi_best_of(params.n, params.best_of, streaming_why=why_streaming,
                                      max_count=self.settings.max_rolling_batch_size)
 
-    def _prompts(self, request: InvocationRequest, request_id: str, kind: Kind) -> tuple[Prompt, ...]:
+    def _prompts(self, request: InvocationRequest, request_id: str, kind: Kind,
+                 adapters: list[str | None]) -> tuple[Prompt, ...]:
         texts = self._prompt_texts(request)
         prompts = []
         for index, (text, token_ids) in enumerate(texts):
             token_ids = self._truncate(token_ids, request.parameters)
             generation = self._openai_length(request, kind, len(token_ids))
             params = self._echo_logprobs(request, self._token_controls(generation, generation.to_sampling_params()))
+            params = replace(params, adapter=adapters[index % len(adapters)])
             try:
                 self.engine.check_fits(len(token_ids), params.max_new_tokens, params.num_beams)
             except RequestTooLong as exc:

@@ -5,9 +5,11 @@ the parts it calls own their nouns (scheduler, model runner, sampler, stopping, 
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -16,6 +18,7 @@ from lmi_handler.config import ConfigError, EngineConfig
 from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
 from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.model.lora import AdapterRegistry, LoraAdapter, LoraError, LoraLimits
 from lmi_handler.engine.model_runner import ModelOutput, read_model_config
 from lmi_handler.engine.output_processor import (
     OutputProcessor,
@@ -32,6 +35,9 @@ from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingPar
 from lmi_handler.engine.stopping import StopTable
 
 logger = logging.getLogger(__name__)
+
+
+LORA_NOT_APPLIED = "LoRA adapters are loaded but the forward does not apply them yet (requests naming one are refused)"
 
 
 class RequestRejected(ValueError):
@@ -89,8 +95,15 @@ class Engine:
         self.max_model_len = config.max_model_len or self.runner.config.max_model_len
         self.allocator = BlockAllocator(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   enable_prefix_caching=config.enable_prefix_caching),
+                                                   enable_prefix_caching=config.enable_prefix_caching,
+                                                   max_loras=config.lora.max_loras if config.lora else None),
                                    self.allocator)
+        # LoRA adapters by name (option.enable_lora), None when off; loaded by service.py and the adapter routes
+        self.adapters = self._adapter_registry(config)
+        # Whether the model's forward adds the adapters' terms (engine/model/lora.py LoraBatch.add after each
+        # projection). Not yet: until the runner builds a LoraBatch per step and the forward calls it, requests
+        # naming an adapter are refused (LORA_NOT_APPLIED) rather than answered by the base model.
+        self.applies_lora = False
         self.sampler = Sampler()
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)
@@ -107,6 +120,19 @@ class Engine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.config.eos_token_ids
+
+    def _adapter_registry(self, config: EngineConfig) -> AdapterRegistry | None:
+        if config.lora is None:
+            return None
+        limits = LoraLimits(config.lora.max_lora_rank, config.lora.target_modules, config.lora.max_cpu_loras,
+                            config.lora.adapter_roots)
+        base = json.loads((Path(config.model_path) / "config.json").read_text())
+        return AdapterRegistry(base, limits, held=self._held_adapters)
+
+    def _held_adapters(self) -> set[str]:
+        """Names of the adapters live sequences hold (called from the adapter routes' thread: tuple() copies
+        the dict's values in one step under the GIL)."""
+        return {seq.adapter.name for seq in tuple(self.seqs.values()) if seq.adapter is not None}
 
     def failure(self) -> Exception | None:
         """The EngineFatal error that ended this engine for good (a tensor-parallel rank failed), else None;
@@ -150,7 +176,8 @@ class Engine:
             params = replace(params, seed=seed if seed is not None else random_seed())
         if params.uses_beam_search:
             params = replace(params, greedy=True)
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic(),
+                       adapter=self._adapter(params.adapter))
         if params.uses_beam_search:
             self.beams.add(seq, min(params.max_new_tokens, self.max_model_len - len(prompt_token_ids)))
         if params.structured_output is not None:
@@ -160,6 +187,20 @@ class Engine:
         self.output.add(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _adapter(self, name: str | None) -> LoraAdapter | None:
+        """The loaded adapter `name` names (None: the base). Raises RequestRejected (field "adapter") when LoRA
+        is off, the forward cannot apply adapters yet, or no adapter of that name is loaded."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise RequestRejected("adapter", f"adapter {name!r} requested but LoRA is off (option.enable_lora)")
+        if not self.applies_lora:
+            raise RequestRejected("adapter", LORA_NOT_APPLIED)
+        try:
+            return self.adapters.get(name)
+        except LoraError as exc:
+            raise RequestRejected("adapter", str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once (client gone, reset); frees its KV blocks. Unknown ids are ignored."""

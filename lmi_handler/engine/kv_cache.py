@@ -36,16 +36,17 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
-                        num_blocks: int) -> list[BlockHash]:
+                        num_blocks: int, salt: bytes | None = None) -> list[BlockHash]:
     """Append to `hashes` (a sequence's chain so far, kept on the Sequence) until it covers
-    `num_blocks` full blocks of `token_ids`; returns `hashes[:num_blocks]`.
+    `num_blocks` full blocks of `token_ids`; returns `hashes[:num_blocks]`. `salt` (a LoRA adapter's key)
+    is the first block's parent: K/V computed under different adapters never share a key.
 
     Raises: ValueError if token_ids hold fewer than num_blocks full blocks.
     """
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{len(token_ids)} tokens hold fewer than {num_blocks} blocks of {block_size}")
     for i in range(len(hashes), num_blocks):
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(hash_block(hashes[-1] if hashes else salt, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes[:num_blocks]
 
 

@@ -17,6 +17,7 @@ class SchedulerConfig:
     max_num_seqs: int                  # sequences decoded together
     max_num_batched_tokens: int        # tokens computed in one step (>= max_num_seqs)
     enable_prefix_caching: bool = True  # share computed full blocks between sequences (kv_cache.py)
+    max_loras: int | None = None       # distinct LoRA adapters running at once (option.max_loras); None = no LoRA
 
     @property
     def prefill_chunk_size(self) -> int:
@@ -144,11 +145,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in FIFO order while the batch, the budget and the KV cache allow."""
         seats = sum(_seats(s) for s in self.running)
+        adapters = {s.adapter.key for s in self.running if s.adapter is not None}
         for seq in list(self.waiting):
             if budget <= 0 or seats >= self.config.max_num_seqs:
                 break
             if seq.waiting_for_grammar or seq.status is not SequenceStatus.WAITING:
                 continue   # skipped until its grammar compiles (holding no blocks); or admitted with its group
+            if not self._adapter_fits(seq, adapters):
+                continue   # max_loras adapters run already: it waits for one of theirs to finish (vLLM's rule)
             group = seq.beam_group.beams if seq.in_beam_search else [seq]
             if seats + sum(_seats(b) for b in group) > self.config.max_num_seqs:
                 break
@@ -164,7 +168,16 @@ class Scheduler:
                     out.num_scheduled_tokens.append(n)
             budget -= sum(admitted)
             seats += sum(_seats(b) for b in group)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter.key)
         return budget
+
+    def _adapter_fits(self, seq: Sequence, running_adapters: set[bytes]) -> bool:
+        """Whether `seq` may join the step: the base, an adapter already running, or room for one more
+        (config.max_loras distinct adapters in one step)."""
+        limit = self.config.max_loras
+        return (seq.adapter is None or limit is None or seq.adapter.key in running_adapters
+                or len(running_adapters) < limit)
 
     def _admit_all(self, group: list[Sequence], budget: int) -> list[int] | None:
         """Admit every sequence of `group` (one sequence, or a preempted beam group) with its first chunk,
@@ -201,7 +214,8 @@ class Scheduler:
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         if len(seq.block_hashes) >= num_blocks:   # all_token_ids copies: build it only when needed
             return seq.block_hashes[:num_blocks]
-        return extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.allocator.block_size, num_blocks)
+        salt = seq.adapter.key if seq.adapter is not None else None      # two adapters never share cached K/V
+        return extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.allocator.block_size, num_blocks, salt)
 
     def _admit(self, seq: Sequence, hits: list[int], n: int) -> bool:
         """Give a waiting `seq` the cached blocks `hits` plus new blocks for its next `n` tokens;

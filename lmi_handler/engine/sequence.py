@@ -103,6 +103,7 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0         # finished score = sum of log probs / generated_len ** length_penalty
     early_stopping: bool | str = False  # True, False (transformers' heuristic) or "never"
+    adapter: str | None = None          # the LoRA adapter's name (option.enable_lora); None = the base model
 
     @property
     def uses_beam_search(self) -> bool:
@@ -167,6 +168,9 @@ class Sequence:
     grammar_ticket: Any = None                      # CompileTicket while the grammar compiles
     grammar: Any = None                             # GrammarState once compiled
     beam_group: Any = None                          # BeamGroup of a beam-search request (engine/beam_search.py)
+    # LoRA (engine/model/lora.py): the LoraAdapter params.adapter named, resolved at admission (a running
+    # request keeps it even if the adapter is unloaded meanwhile); its key salts the prefix-cache hashes
+    adapter: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,7 @@ from lmi_handler.protocol.plan import DecodeToken
 
 logger = logging.getLogger(__name__)
 
-_TOP_LEVEL = {"inputs", "parameters", "stream", "messages"}
+_TOP_LEVEL = {"inputs", "parameters", "stream", "messages", "adapters"}
 # Deeper JSON is refused by a rule, not by wherever the parser's recursion limit happens to fall
 # (json.loads fails near 1000 levels minus the caller's stack depth). Real bodies nest under 10.
 MAX_JSON_DEPTH = 512
@@ -42,6 +42,7 @@ class InvocationRequest:
     chat: ChatCompletionRequest | None = None
     completion: CompletionRequest | None = None
     route: str = ROUTE_INVOCATIONS
+    adapters: str | list[str] | None = None     # LMI: the LoRA adapter(s) answering (a list: one per input)
 
     @property
     def model(self) -> str | None:
@@ -68,6 +69,7 @@ class InvocationRequest:
             return cls(_check_inputs(_decode(body)), GenerationParameters(), route=route or ROUTE_INVOCATIONS)
         data = load_json(body)
         stream = _check_stream(data.get("stream"))
+        adapters = _check_adapters(data.get("adapters"), data.get("inputs"))
         if route == ROUTE_GENERATE and "messages" in data:
             raise RequestValidationError("messages", "Invalid field `messages`: /generate takes TGI's "
                                          '{"inputs", "parameters"}; chat goes to /v1/chat/completions')
@@ -76,8 +78,8 @@ class InvocationRequest:
                 raise RequestValidationError("parameters", "Invalid field `parameters`: a chat request (with "
                                              "`messages`) takes OpenAI fields at the top level (max_tokens, "
                                              "temperature, top_p, stop, seed, ...)")
-            chat = ChatCompletionRequest.parse(data)
-            return cls(None, chat.to_generation_parameters(), stream, chat.messages, chat)
+            chat = ChatCompletionRequest.parse({k: v for k, v in data.items() if k != "adapters"})
+            return cls(None, chat.to_generation_parameters(), stream, chat.messages, chat, adapters=adapters)
         unknown = sorted(set(data) - _TOP_LEVEL)
         if unknown:
             logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
@@ -85,7 +87,7 @@ class InvocationRequest:
             raise RequestValidationError("inputs", 'Missing field `inputs`: the request needs "inputs" '
                                          '(a string, or a list of strings in dynamic batch) or "messages"')
         return cls(_check_inputs(data["inputs"]), GenerationParameters.parse(data.get("parameters")), stream,
-                   route=route or ROUTE_INVOCATIONS)
+                   route=route or ROUTE_INVOCATIONS, adapters=adapters)
 
     @classmethod
     def parse_openai(cls, data: Any, route: str, **generation: Any) -> "InvocationRequest":
@@ -151,6 +153,19 @@ def _check_inputs(inputs: Any) -> str | list[str]:
     if isinstance(inputs, list) and inputs and all(isinstance(s, str) and s for s in inputs):
         return inputs
     raise RequestValidationError.out_of_range("inputs", inputs, allowed)
+
+
+def _check_adapters(adapters: Any, inputs: Any) -> str | list[str] | None:
+    """LMI `adapters`: one adapter name, or (a dynamic batch's list of inputs) one name per input."""
+    if adapters is None:
+        return None
+    if isinstance(adapters, str) and adapters:
+        return adapters
+    count = len(inputs) if isinstance(inputs, list) else None
+    if isinstance(adapters, list) and count == len(adapters) and all(isinstance(a, str) and a for a in adapters):
+        return adapters
+    allowed = "a non-empty adapter name" + (f", or a list of {count} names (one per input)" if count else "")
+    raise RequestValidationError.out_of_range("adapters", adapters, allowed)
 
 
 def _check_stream(stream: Any) -> bool:

@@ -61,6 +61,7 @@ RULES: dict[str, str] = {
     "structured_outputs": "an object with one of json, regex, choice, grammar, json_object",
     "response_format": 'an object {"type": "text" | "json_object" | "json_schema", ...}',
     "grammar": 'an object {"type": "json" | "json_object" | "regex" | "json_schema", "value"}',
+    "adapter_id": "a non-empty string (a loaded LoRA adapter's name)",
 }
 RULES["stop"] = RULES["stop_sequences"]
 RULES["ignore_eos_token"] = RULES["ignore_eos"]
@@ -145,6 +146,8 @@ class GenerationParameters(BaseModel):
     guided_regex: Any = Field(None, description="legacy vLLM/LMI: a regex the whole output matches")
     guided_choice: Any = Field(None, description="legacy vLLM/LMI: the output is exactly one of these strings")
     guided_grammar: Any = Field(None, description="legacy vLLM/LMI: a Lark or EBNF grammar")
+    adapter_id: str | None = Field(None, min_length=1, description="TGI: the LoRA adapter that answers "
+                                   "(service.py resolves it); None = the base model")
     _constraint: tuple[str, StructuredOutputSpec] | None = PrivateAttr(None)
     _logit_bias: tuple[tuple[int, float], ...] = PrivateAttr(())
     _sent: frozenset[str] = PrivateAttr(frozenset())      # the keys as the client spelled them (aliases)

@@ -19,6 +19,7 @@ from lmi_handler.config import Settings
 from lmi_handler.frontend.loops import make_front_end
 from lmi_handler.handler import Handler
 from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
+from lmi_handler.server.adapters import add_adapter_routes
 from lmi_handler.server.auth import RequireApiKey, log_access_rule, open_paths
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
@@ -57,6 +58,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     add_openai_routes(app)
     add_tgi_routes(app)
     add_token_routes(app)
+    add_adapter_routes(app)
     return app
 
 
@@ -111,5 +113,8 @@ def _add_djl_routes(app: FastAPI) -> None:
     async def djl_models() -> JSONResponse:
         """DJL's management listing: each served name, READY while the engine loop runs."""
         status = "READY" if state.front_end.alive else "UNHEALTHY"
+        registry = state.service.engine.adapters
+        adapters = [a.name for a in registry.adapters()] if registry is not None else []
         return JSONResponse({"models": [{"modelName": name, "modelUrl": str(state.settings.model_path),
-                                         "status": status} for name in state.service.served_names]})
+                                         "status": status, "adapters": adapters}
+                                        for name in state.service.served_names]})

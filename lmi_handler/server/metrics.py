@@ -65,6 +65,18 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("lmi_kv_cache_usage_ratio", "KV-cache blocks in use / in all (0-1)",
                                 used / total if total else 0.0)
         yield from _prefix_cache(allocator.prefix_cache_stats)
+        if engine.adapters is not None:
+            yield from _adapters(engine.adapters)
+
+
+def _adapters(registry) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """LoRA adapters loaded now (of option.max_cpu_loras), and loads and evictions since start."""
+    yield GaugeMetricFamily("lmi_lora_adapters_loaded", "LoRA adapters loaded", len(registry))
+    yield GaugeMetricFamily("lmi_lora_adapters_max", "LoRA adapters kept loaded at most (option.max_cpu_loras)",
+                            registry.limits.max_cpu_loras)
+    yield CounterMetricFamily("lmi_lora_adapter_loads", "LoRA adapters loaded since start", registry.num_loads)
+    yield CounterMetricFamily("lmi_lora_adapter_evictions", "LoRA adapters evicted (least recently used) since start",
+                              registry.num_evictions)
 
 
 def _prefix_cache(stats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -21,7 +21,13 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        """OpenAI's Model list: every served name (option.served_model_name), the answered one first."""
-        names = app.state.service.served_names
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": models_created,
-                                                         "owned_by": "lmi_handler"} for name in names]})
+        """OpenAI's Model list: every served name (option.served_model_name), the answered one first, then
+        each loaded LoRA adapter with `parent` = the base's name."""
+        service = app.state.service
+        cards = [{"id": name, "object": "model", "created": models_created, "owned_by": "lmi_handler"}
+                 for name in service.served_names]
+        registry = service.engine.adapters           # LoRA adapters, as vLLM lists them: parent = the base
+        cards += [{"id": a.name, "object": "model", "created": models_created, "owned_by": "lmi_handler",
+                   "root": str(a.path), "parent": service.model_name}
+                  for a in (registry.adapters() if registry is not None else [])]
+        return JSONResponse({"object": "list", "data": cards})

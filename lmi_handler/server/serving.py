@@ -29,7 +29,7 @@ from lmi_handler.protocol.formatters import stream_failure
 from lmi_handler.protocol.plan import RequestPlan
 from lmi_handler.server.metrics import RequestTracker
 from lmi_handler.server.ops import request_timeout
-from lmi_handler.service import Service
+from lmi_handler.service import ADAPTER_HEADER, Service
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ async def _plan(front_end: FrontEnd, service: Service, request: Request, route: 
     try:  # plan before inference: a bad request never reaches the batch
         client.plan = await asyncio.get_running_loop().run_in_executor(
             _VALIDATION, partial(service.plan, body, route=route, content_type=content_type,
-                                 request_id=client.request_id))
+                                 request_id=client.request_id, adapter_header=request.headers.get(ADAPTER_HEADER)))
     except RequestValidationError as exc:
         return error_response(dialect, str(exc), exc.status_code, exc.field)
     except Exception as exc:  # a bug, never the client's fault: still a JSON answer, and the server goes on

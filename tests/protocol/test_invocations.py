@@ -104,3 +104,31 @@ def test_build_details_shapes():
     assert streamed == {"finish_reason": "eos_token", "generated_tokens": 2, "inputs": "p"}
     tgi = build_details(finish_reason=FinishReason.STOP_SEQUENCE, tokens=tokens, inputs="p", tgi_compat=True)
     assert tgi["prefill"] == [] and "logprob" in tgi["tokens"][0]
+
+
+# ---- LoRA: the fields naming an adapter (/invocations `adapters`, TGI parameters.adapter_id) ----
+
+def test_adapters_is_one_name_or_one_name_per_input():
+    assert InvocationRequest.parse({"inputs": "hi", "adapters": "sql"}).adapters == "sql"
+    listed = InvocationRequest.parse({"inputs": ["a", "b"], "adapters": ["sql", "chat"]})
+    assert listed.adapters == ["sql", "chat"]
+    chat = InvocationRequest.parse({"messages": [{"role": "user", "content": "hi"}], "adapters": "sql"})
+    assert chat.adapters == "sql" and chat.chat is not None
+
+
+@pytest.mark.parametrize("body, allowed", [
+    ({"inputs": ["a", "b"], "adapters": ["sql"]}, "a list of 2 names (one per input)"),
+    ({"inputs": "hi", "adapters": ["sql"]}, "a non-empty adapter name, got"),
+    ({"inputs": "hi", "adapters": ""}, "a non-empty adapter name"),
+    ({"inputs": "hi", "adapters": 3}, "a non-empty adapter name"),
+])
+def test_a_bad_adapters_field_is_refused_naming_it(body, allowed):
+    with pytest.raises(RequestValidationError, match="adapters") as err:
+        InvocationRequest.parse(body)
+    assert allowed in str(err.value) and err.value.status_code == 400
+
+
+def test_tgi_adapter_id_is_a_non_empty_string():
+    assert InvocationRequest.parse({"inputs": "hi", "parameters": {"adapter_id": "sql"}}).parameters.adapter_id == "sql"
+    with pytest.raises(RequestValidationError, match="adapter_id"):
+        InvocationRequest.parse({"inputs": "hi", "parameters": {"adapter_id": ""}})

@@ -1,0 +1,319 @@
+"""LoRA in the engine: engine/model/lora.py (PEFT adapters read and checked, the registry, the batched LoRA
+product: exact against transformers with the adapter merged, a row's bits independent of the rows beside it),
+the scheduler's prefix cache keyed on the adapter and max_loras, and the engine's gate (an adapter request is
+refused, never run on the base, while the forward does not apply adapters)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmi_handler.config import EngineConfig, LoraConfig
+from lmi_handler.engine.engine import LORA_NOT_APPLIED, Engine, RequestRejected
+from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.model.lora import (
+    AdapterRegistry,
+    LoraAdapter,
+    LoraBatch,
+    LoraError,
+    LoraLimits,
+    base_module_shapes,
+    linear_with_lora,
+    load_adapter,
+    lora_delta,
+)
+from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.lora_helpers import PEFT_PREFIX, merge_adapter, write_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A tiny random Llama (transformers' own classes, fp32) and its config.json as a dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("lora_base")
+    model.save_pretrained(path)
+    return model, json.loads((path / "config.json").read_text())
+
+
+def _limits(tmp_path, **kw) -> LoraLimits:
+    return LoraLimits(**({"allowed_roots": (tmp_path,)} | kw))
+
+
+def _reference_forward(hf, input_ids: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+    """A plain-torch Llama forward over one sequence's rows (causal attention, no cache), every projection
+    through linear_with_lora: (T,) ids -> (T, vocab) logits."""
+    m, cfg = hf.model, hf.config
+    num_heads, num_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    t = input_ids.shape[0]
+    inv_freq = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(t).float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+
+    def rope(x):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def rms(x, norm):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    x = m.embed_tokens(input_ids)
+    for i, layer in enumerate(m.layers):
+        attn, mlp, h = layer.self_attn, layer.mlp, rms(x, layer.input_layernorm)
+        q = rope(linear_with_lora(h, attn.q_proj.weight, None, lora, i, "q_proj").view(t, num_heads, head_dim))
+        k = rope(linear_with_lora(h, attn.k_proj.weight, None, lora, i, "k_proj").view(t, num_kv, head_dim))
+        v = linear_with_lora(h, attn.v_proj.weight, None, lora, i, "v_proj").view(t, num_kv, head_dim)
+        rep = num_heads // num_kv
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                                           v.repeat_interleave(rep, 1).transpose(0, 1), is_causal=True)
+        x = x + linear_with_lora(o.transpose(0, 1).reshape(t, -1), attn.o_proj.weight, None, lora, i, "o_proj")
+        h = rms(x, layer.post_attention_layernorm)
+        gate = linear_with_lora(h, mlp.gate_proj.weight, None, lora, i, "gate_proj")
+        up = linear_with_lora(h, mlp.up_proj.weight, None, lora, i, "up_proj")
+        x = x + linear_with_lora(F.silu(gate) * up, mlp.down_proj.weight, None, lora, i, "down_proj")
+    return hf.lm_head(rms(x, m.norm))
+
+
+@torch.no_grad()
+def test_adapter_through_the_helper_matches_transformers_with_the_adapter_merged(tiny_hf, tmp_path):
+    hf, config = tiny_hf
+    tensors = write_peft_adapter(tmp_path / "a", hf.config, rank=8, alpha=16)
+    adapter = load_adapter("a", tmp_path / "a", config, _limits(tmp_path))
+    assert adapter.scale == 2.0 and adapter.modules == ("down_proj", "gate_proj", "o_proj", "q_proj", "v_proj")
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1))
+    lora = LoraBatch.build([adapter], [12], [0], base_module_shapes(config), torch.device("cpu"))
+    ours = _reference_forward(hf, ids, lora)
+    base = _reference_forward(hf, ids, None)
+    assert torch.allclose(base, hf(ids[None]).logits[0], atol=1e-4)         # the reference forward is right
+    merged = type(hf)(hf.config).eval()
+    merged.load_state_dict(hf.state_dict())
+    merge_adapter(merged, tensors, adapter.scale)
+    expected = merged(ids[None]).logits[0]
+    assert (ours - base).abs().max() > 0.1                                   # the adapter changes the answer
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rslora_scales_by_alpha_over_the_root_of_the_rank(tiny_hf, tmp_path):
+    hf, config = tiny_hf
+    write_peft_adapter(tmp_path / "r", hf.config, rank=4, alpha=8, use_rslora=True)
+    assert load_adapter("r", tmp_path / "r", config, _limits(tmp_path)).scale == 4.0
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_mixed_batch():
+    torch.manual_seed(0)
+    num_slots, r_max, in_features, out_features = 4, 8, 96, 80
+    a_stack, b_stack = torch.randn(num_slots, r_max, in_features), torch.randn(num_slots, out_features, r_max)
+    a_stack[2, 5:] = 0                                                        # a rank-5 adapter, zero-padded
+    b_stack[2, :, 5:] = 0
+    scale = torch.tensor([2.0, 0.5, 1.0, 4.0])
+    x = torch.randn(41, in_features)
+    row_slot = torch.tensor([i % 5 - 1 for i in range(41)])                  # base rows and all four adapters
+    mixed = lora_delta(x, row_slot, a_stack, b_stack, scale)
+    for t in range(41):
+        alone = lora_delta(x[t:t + 1], row_slot[t:t + 1], a_stack, b_stack, scale)
+        assert torch.equal(alone[0], mixed[t]), t
+        s = int(row_slot[t])
+        expected = torch.zeros(out_features) if s < 0 else (x[t] @ a_stack[s].T) @ b_stack[s].T * scale[s]
+        torch.testing.assert_close(mixed[t], expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(mixed[row_slot < 0], torch.zeros(int((row_slot < 0).sum()), out_features))
+
+
+def test_a_fused_projection_gives_each_part_its_own_term(tiny_hf, tmp_path):
+    hf, config = tiny_hf
+    write_peft_adapter(tmp_path / "a", hf.config, modules=("q_proj", "v_proj", "gate_proj"), seed=3)
+    write_peft_adapter(tmp_path / "b", hf.config, rank=4, modules=("k_proj", "up_proj"), seed=4)
+    limits, shapes = _limits(tmp_path), base_module_shapes(config)
+    adapters = [load_adapter(n, tmp_path / n, config, limits) for n in ("a", "b")]
+    lora = LoraBatch.build(adapters, [3, 2, 4], [0, None, 1], shapes, torch.device("cpu"),
+                           fused=("qkv_proj", "gate_up_proj"))
+    x = torch.randn(9, 64)
+    attn = hf.model.layers[1].self_attn
+    fused_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+    fused = linear_with_lora(x, fused_weight, None, lora, 1, "qkv_proj")
+    parts = torch.cat([linear_with_lora(x, getattr(attn, p).weight.detach(), None, lora, 1, p)
+                       for p in ("q_proj", "k_proj", "v_proj")], -1)
+    torch.testing.assert_close(fused, parts, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused[3:5], F.linear(x, fused_weight)[3:5])           # base rows: the base's bits
+
+
+@pytest.mark.parametrize("case, message", [
+    ("rank", "rank 32, over option.max_lora_rank=16"),
+    ("module", "module 'lm_head' "),
+    ("shape", "has shape (8, 63), the base model needs (8, 64)"),
+    ("layer", "names layer 5, the base has 2"),
+    ("lonely", "lora_A without lora_B"),
+    ("dora", "use_dora=True"),
+    ("target", "not in option.lora_target_modules"),
+    ("missing", "has no adapter_model.safetensors"),
+])
+def test_a_bad_adapter_is_refused_naming_what_is_wrong(tiny_hf, tmp_path, case, message):
+    hf, config = tiny_hf
+    good = f"{PEFT_PREFIX}.0.self_attn.q_proj"
+    kwargs, limits = {}, _limits(tmp_path)
+    if case == "rank":
+        kwargs = {"rank": 32}
+    elif case == "module":
+        kwargs = {"tensors": {f"{PEFT_PREFIX}.0.self_attn.lm_head.lora_A.weight": torch.ones(8, 64),
+                              f"{PEFT_PREFIX}.0.self_attn.lm_head.lora_B.weight": torch.ones(64, 8)}}
+    elif case == "shape":
+        kwargs = {"tensors": {f"{good}.lora_A.weight": torch.ones(8, 63), f"{good}.lora_B.weight": torch.ones(64, 8)}}
+    elif case == "layer":
+        kwargs = {"tensors": {f"{PEFT_PREFIX}.5.self_attn.q_proj.lora_A.weight": torch.ones(8, 64),
+                              f"{PEFT_PREFIX}.5.self_attn.q_proj.lora_B.weight": torch.ones(64, 8)}}
+    elif case == "lonely":
+        kwargs = {"tensors": {f"{good}.lora_A.weight": torch.ones(8, 64)}}
+    elif case == "dora":
+        kwargs = {"extra": {"use_dora": True}}
+    elif case == "target":
+        limits = _limits(tmp_path, target_modules=("q_proj",))
+    write_peft_adapter(tmp_path / "bad", hf.config, **kwargs)
+    if case == "missing":
+        (tmp_path / "bad" / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoraError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_adapter("bad", tmp_path / "bad", config, limits)
+    assert err.value.status_code == 400
+
+
+def test_a_path_outside_the_allowed_roots_is_refused(tiny_hf, tmp_path):
+    hf, config = tiny_hf
+    write_peft_adapter(tmp_path / "outside" / "a", hf.config)
+    limits = LoraLimits(allowed_roots=(tmp_path / "adapters",))
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "link").symlink_to(tmp_path / "outside" / "a")   # a link out is outside too
+    for path in (tmp_path / "outside" / "a", tmp_path / "adapters" / ".." / "outside" / "a",
+                 tmp_path / "adapters" / "link"):
+        with pytest.raises(LoraError, match="outside the allowed roots"):
+            load_adapter("a", path, config, limits)
+    assert load_adapter("a", tmp_path / "outside" / "a", config, limits, check_root=False).rank == 8
+
+
+def test_the_registry_evicts_the_least_recently_used_adapter_no_request_holds(tiny_hf, tmp_path):
+    hf, config = tiny_hf
+    for name in "abcd":
+        write_peft_adapter(tmp_path / name, hf.config)
+    held: set[str] = set()
+    registry = AdapterRegistry(config, _limits(tmp_path, max_cpu_loras=2), held=lambda: held)
+    registry.load("a", tmp_path / "a")
+    registry.load("b", tmp_path / "b")
+    registry.get("a")                                       # b is now the least recently used
+    held.add("b")                                           # ... but a running request holds it
+    registry.load("c", tmp_path / "c")
+    assert [a.name for a in registry.adapters()] == ["b", "c"] and registry.num_evictions == 1
+    held.add("c")
+    with pytest.raises(LoraError, match="in use by running requests") as err:
+        registry.load("d", tmp_path / "d")
+    assert err.value.status_code == 503 and [a.name for a in registry.adapters()] == ["b", "c"]
+    with pytest.raises(LoraError, match="already loaded") as err:
+        registry.load("b", tmp_path / "b")
+    assert err.value.status_code == 409
+    first_key = registry.get("b").key
+    registry.unload("b")
+    with pytest.raises(LoraError, match="'b' is not loaded") as err:
+        registry.get("b")
+    assert err.value.status_code == 404
+    assert registry.load("b", tmp_path / "b").key != first_key      # a new load never shares cached KV
+
+
+# ---- the scheduler: prefix cache keyed on the adapter, max_loras ----------------------------------------
+
+PROMPT = list(range(100, 117))      # 4 full blocks of 4 and one token more
+
+
+def _adapter(name: str) -> LoraAdapter:
+    return LoraAdapter(name, Path(name), rank=8, scale=1.0, weights={})
+
+
+def _seq(request_id: str, adapter: LoraAdapter | None) -> Sequence:
+    return Sequence(request_id, list(PROMPT), SamplingParams(max_new_tokens=4, adapter=adapter and adapter.name),
+                    adapter=adapter)
+
+
+def _run_step(sched: Scheduler) -> list[Sequence]:
+    """Pretend the model ran: the scheduled tokens are computed, a sequence at its end gets a token."""
+    out = sched.schedule()
+    sched.update_from_output(out)
+    for seq in out.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(1)
+    return out.seqs
+
+
+def _check_blocks(alloc: BlockAllocator) -> None:
+    assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
+
+
+def _cached_after(first: Sequence, second: Sequence) -> int:
+    """Tokens `second` finds in the prefix cache once `first` has computed the same prompt."""
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    sched.add(first)
+    _run_step(sched)
+    sched.add(second)
+    _run_step(sched)
+    _check_blocks(alloc)
+    return second.num_cached_tokens
+
+
+def test_two_adapters_never_share_cached_kv_and_one_adapter_does():
+    a, b = _adapter("a"), _adapter("b")
+    assert _cached_after(_seq("1", a), _seq("2", a)) == 16           # same adapter: the prefix is reused
+    assert _cached_after(_seq("1", a), _seq("2", b)) == 0            # another adapter: computed afresh
+    assert _cached_after(_seq("1", a), _seq("2", None)) == 0         # the base never reads an adapter's K/V
+    assert _cached_after(_seq("1", None), _seq("2", a)) == 0         # ... nor an adapter the base's
+    assert _cached_after(_seq("1", None), _seq("2", None)) == 16
+    assert _cached_after(_seq("1", a), _seq("2", _adapter("a"))) == 0  # the same name loaded again: a new key
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_the_base_runs_beside_them():
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_loras=2), alloc)
+    a, b, c = _adapter("a"), _adapter("b"), _adapter("c")
+    seqs = [_seq("a1", a), _seq("b1", b), _seq("c1", c), _seq("base", None), _seq("a2", a)]
+    for seq in seqs:
+        sched.add(seq)
+    first = _run_step(sched)
+    assert [s.request_id for s in first] == ["a1", "b1", "base", "a2"]   # c waits: a and b fill max_loras
+    sched.finish(seqs[0])
+    sched.finish(seqs[4])                                                  # adapter a has no running request left
+    assert "c1" in [s.request_id for s in _run_step(sched)]
+    _check_blocks(alloc)
+
+
+# ---- the engine's gate ----------------------------------------------------------------------------------
+
+def _config(model_dir):
+    return EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=4,
+                        max_num_batched_tokens=64, max_model_len=None, block_size=4, kv_cache_bytes=1 << 22)
+
+
+def test_an_adapter_request_is_refused_while_the_forward_cannot_apply_adapters(tiny_model_dir, tiny_tokenizer,
+                                                                              tmp_path):
+    from transformers import AutoConfig
+
+    write_peft_adapter(tmp_path / "a", AutoConfig.from_pretrained(tiny_model_dir))
+    engine = Engine(replace(_config(tiny_model_dir), lora=LoraConfig(max_loras=2, max_cpu_loras=2,
+                                                                     adapter_roots=(tmp_path,))), tiny_tokenizer)
+    engine.adapters.load("a", tmp_path / "a")
+    assert engine.applies_lora is False
+    with pytest.raises(RequestRejected, match="does not apply them yet") as err:
+        engine.add_request("r", [1, 5, 6], SamplingParams(adapter="a"))
+    assert str(err.value) == LORA_NOT_APPLIED and not engine.has_unfinished
+    engine.add_request("base", [1, 5, 6], SamplingParams(max_new_tokens=2))      # the base is served as ever
+    assert engine.seqs["base"].adapter is None and engine.seqs["base"].params.adapter is None
+
+
+def test_with_lora_off_the_engine_has_no_registry_and_refuses_adapter_requests(tiny_model_dir, tiny_tokenizer):
+    engine = Engine(_config(tiny_model_dir), tiny_tokenizer)
+    assert engine.adapters is None
+    with pytest.raises(RequestRejected, match="option.enable_lora"):
+        engine.add_request("r", [1, 5], SamplingParams(adapter="a"))

@@ -73,7 +73,7 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
 
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                        batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
-                       quantize=precision.quantize, **size_and_shard)
+                       quantize=precision.quantize, kernel_backend=config.kernel_backend, **size_and_shard)
 
 
 def _degree(config: EngineConfig) -> int:

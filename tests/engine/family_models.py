@@ -17,6 +17,7 @@ BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_atte
 TINY_FAMILIES = {
     "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "mistral-nowindow": ("mistral", dict(sliding_window=None)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "qwen2-nowindow": ("qwen2", dict(tie_word_embeddings=False)),
     "qwen3": ("qwen3", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
@@ -27,6 +28,7 @@ TINY_FAMILIES = {
                                         initializer_range=0.05,
                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
+    "phi3-nowindow": ("phi3", dict()),
     "phi3-longrope": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=32,
                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                     "partial_rotary_factor": 0.5,

@@ -18,7 +18,7 @@ from tests.engine.helpers import assert_logits_bitwise_identical_alone_and_in_ba
 CPU = torch.device("cpu")
 LONG_PROMPT = [1] + [(7 * i + 3) % 500 + 3 for i in range(26)]            # 27 tokens: past the window of 16
 PROMPTS = [LONG_PROMPT, [1, 250, 17, 99], [1] + list(range(40, 80))]       # the last one past phi3's 32 too
-CPP_FAMILIES = ("llama", "qwen2-nowindow")                                 # specs today's C++ path implements
+CPP_FAMILIES = ("llama", "mistral-nowindow", "qwen2-nowindow", "phi3-nowindow")                                 # specs today's C++ path implements
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
@@ -65,6 +65,15 @@ def test_every_family_s_logits_are_bitwise_the_same_alone_and_in_a_batch(family)
     runner = _runner(path, "torch")
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, LONG_PROMPT, PROMPTS[1:], 6, chunks=[3, 7])
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3-longrope"])
+def test_bf16_runs_every_op_in_bf16_and_stays_bitwise_batch_invariant(name, tmp_path):
+    build_tiny_family(tmp_path, name)
+    runner = _runner(tmp_path, dtype=torch.bfloat16)
+    assert runner.kernel_backend == "torch" and runner.kv_cache.dtype == torch.bfloat16
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[2], PROMPTS[:2], 4, chunks=[5, 2])
 
 
 @pytest.mark.parametrize("name", CPP_FAMILIES)

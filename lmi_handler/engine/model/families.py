@@ -141,7 +141,7 @@ def build_spec(cfg: dict) -> ModelSpec:
         model_type=family.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=num_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        max_position_embeddings=max_pos, layers=layers, norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=max_pos, layers=layers, norm_eps=float(cfg.get("rms_norm_eps", hf.rms_norm_eps)),
         norm_offset=family.norm_offset, norm_placement=family.norm_placement, qk_norm=family.qk_norm,
         qkv_bias=bias(family.qkv_bias), o_bias=bias(family.o_bias),
         mlp_bias=family.mlp_bias and bool(getattr(hf, "mlp_bias", False)), activation=ACTIVATIONS[act],

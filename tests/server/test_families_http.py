@@ -40,6 +40,7 @@ def test_the_invocations_and_openai_routes_answer_transformers_greedy_tokens(fam
                 "max_new_tokens": NEW_TOKENS, "do_sample": False, "details": True}})
             assert response.status_code == 200, response.text
             assert [t["id"] for t in response.json()["details"]["tokens"]] == want
+        assert server.service.engine.allocator.prefix_cache_stats.num_hit_tokens >= 16
         response = server.post("/v1/completions", json={"model": "any", "prompt": PROMPT, "max_tokens": NEW_TOKENS,
                                                         "temperature": 0, "logprobs": 1})
         assert response.status_code == 200, response.text

@@ -360,6 +360,12 @@ def keep_ray_on_loopback() -> None:
     os.environ.update(RAY_LOOPBACK_SWITCH)
 
 
+def triton_interpreted() -> bool:
+    """TRITON_INTERPRET=1 (Triton's own switch): Triton kernels run in its interpreter, on CPU tensors too
+    (tests). engine/model/backend.py lets option.kernel_backend=triton run on CPU only then."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def process_environment() -> dict[str, str]:
     """A copy of this process's environment variables, for what is not a setting: the GLIBC_TUNABLES that
     glibc reads at process start (engine/host_memory.py restarts a command with one added)."""

@@ -7,13 +7,22 @@ import json
 import pytest
 import torch
 
+from lmi_handler import handler
 from lmi_handler.config import ConfigError, Settings
+from lmi_handler.djl import OwnInput, PairList, binary_decode
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.backend import choose_backend
 from lmi_handler.engine.model.families import build_spec
 from lmi_handler.engine.model_runner import ModelRunner
 from tests.engine.family_models import TINY_FAMILIES, WINDOW, build_tiny_family
-from tests.engine.helpers import assert_logits_bitwise_identical_alone_and_in_batch, greedy_generate, hf_greedy
+from tests.engine.helpers import (
+    TINY_TOKENIZER_TEXTS,
+    assert_logits_bitwise_identical_alone_and_in_batch,
+    build_tiny_tokenizer,
+    greedy_generate,
+    hf_greedy,
+)
+from tests.server.helpers import fresh_server
 
 CPU = torch.device("cpu")
 LONG_PROMPT = [1] + [(7 * i + 3) % 500 + 3 for i in range(26)]            # 27 tokens: past the window of 16
@@ -194,3 +203,59 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
         choose_backend("cpp", llama, CPU)
     assert choose_backend("auto", llama, CPU) == ("torch", "auto: the C++ kernels are not built (no working C++ "
                                                             "compiler)")
+
+
+# ---- served end to end: handle() and the HTTP routes (Qwen3, Gemma 2, Phi-3 with a tokenizer) --------------
+
+TEXT_PROMPT = " ".join(TINY_TOKENIZER_TEXTS[:3])      # about 40 tokens: past the window of 16
+NEW_TOKENS = 8
+HTTP_OPTIONS = {"kv_cache_bytes": str(1 << 22), "dtype": "fp32", "num_threads": "1", "block_size": "4"}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "phi3"])
+def served_family(request, tmp_path_factory):
+    """(model_dir, transformers' greedy ids for PROMPT) of one tiny family checkpoint with a tokenizer."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny_family(path, request.param)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.save_pretrained(path)
+    prompt_ids = tokenizer(TEXT_PROMPT).input_ids
+    assert len(prompt_ids) > 16
+    want = hf_greedy(hf, prompt_ids, NEW_TOKENS)
+    return path, want[:want.index(2) + 1] if 2 in want else want      # generate() stops at eos (id 2) too
+
+
+def test_the_invocations_and_openai_routes_answer_transformers_greedy_tokens(served_family):
+    path, want = served_family
+    with fresh_server(model_id=str(path), **HTTP_OPTIONS) as server:
+        assert server.service.engine.runner.kernel_backend == "torch"
+        for _ in range(2):          # the second request reuses the first's cached prefix blocks
+            response = server.post("/invocations", json={"inputs": TEXT_PROMPT, "parameters": {
+                "max_new_tokens": NEW_TOKENS, "do_sample": False, "details": True}})
+            assert response.status_code == 200, response.text
+            assert [t["id"] for t in response.json()["details"]["tokens"]] == want
+        assert server.service.engine.allocator.prefix_cache_stats.num_hit_tokens >= 16
+        response = server.post("/v1/completions", json={"model": "any", "prompt": TEXT_PROMPT, "max_tokens": NEW_TOKENS,
+                                                        "temperature": 0, "logprobs": 1})
+        assert response.status_code == 200, response.text
+        tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == len(want)
+
+
+def test_handle_answers_a_rolling_batch_request_with_transformers_greedy_tokens(served_family):
+    path, want = served_family
+    worker = handler.Handler()
+    assert worker.handle(OwnInput({"model_id": str(path), "max_rolling_batch_size": "4", "device_id": "-1",
+                                   **HTTP_OPTIONS})) is None
+    body = json.dumps({"inputs": TEXT_PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "do_sample": False},
+                       "stream": True}).encode()
+    ids, last = [], "false"
+    for step in range(3 * NEW_TOKENS):
+        content = PairList()
+        content.add("batch_000.data", body if step == 0 else b"")
+        props = {"batch_size": "1", "batch_000.Content-Type": "application/json", "batch_000.requestId": "r"}
+        entry = binary_decode(worker.handle(OwnInput(props, content)).content.value_at(0))
+        ids += [json.loads(line)["token"]["id"] for line in entry["data"].splitlines() if line.strip()]
+        if (last := entry["last"]) == "true":
+            break
+    assert last == "true" and ids == want

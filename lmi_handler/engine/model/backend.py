@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 import torch
 
-from lmi_handler.config import ConfigError
+from lmi_handler.config import ConfigError, triton_interpreted
 from lmi_handler.engine.model.spec import ModelSpec
 
 KERNEL_BACKENDS = ("auto", "cpp", "triton", "torch")
@@ -76,7 +75,7 @@ def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor
         return "cpp", "asked for"
     if requested == "triton":
         _, why = triton_ops()
-        if not why and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not why and device.type != "cuda" and not triton_interpreted():
             why = f"device {device} is not CUDA (set TRITON_INTERPRET=1 to run the kernels interpreted on CPU)"
         if why:
             raise ConfigError(f"option.kernel_backend=triton cannot run here: {why}")

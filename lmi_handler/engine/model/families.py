@@ -123,82 +123,79 @@ def build_spec(cfg: dict) -> ModelSpec:
     family = family_of(cfg)
     check_rope_types(cfg)
     hf = hf_config_of(cfg)
-    act = getattr(hf, family.activation_key, None) or getattr(hf, "hidden_act", "silu")
+    c = hf.to_dict()                     # transformers' values, its defaults and legacy keys resolved
+    act = c.get(family.activation_key) or c.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
         raise ConfigError(f"config.json {family.activation_key}={act!r} is not supported; supported: "
                           f"{sorted(ACTIVATIONS)}")
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    max_pos = hf.max_position_embeddings
-    layers = _layers(hf, family, head_dim, max_pos)
+    num_heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
+    max_pos = c["max_position_embeddings"]
+    layers = _layers(hf, c, family, head_dim, max_pos)
     first_rope = next((layer.rope for layer in layers if layer.rope is not None), None)
-    rope_params = _rope_params(hf, None if first_rope is None else first_rope.layer_type)
+    rope_params = _rope_params(c, None if first_rope is None else first_rope.layer_type)
 
     def bias(rule: str) -> bool:
-        return rule == "always" or (rule == "attention_bias" and bool(getattr(hf, "attention_bias", False)))
+        return rule == "always" or (rule == "attention_bias" and bool(c.get("attention_bias")))
 
     return ModelSpec(
-        model_type=family.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        max_position_embeddings=max_pos, layers=layers, norm_eps=float(cfg.get("rms_norm_eps", hf.rms_norm_eps)),
+        model_type=family.model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=c.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+        max_position_embeddings=max_pos, layers=layers, norm_eps=float(cfg.get("rms_norm_eps", c["rms_norm_eps"])),
         norm_offset=family.norm_offset, norm_placement=family.norm_placement, qk_norm=family.qk_norm,
         qkv_bias=bias(family.qkv_bias), o_bias=bias(family.o_bias),
-        mlp_bias=family.mlp_bias and bool(getattr(hf, "mlp_bias", False)), activation=ACTIVATIONS[act],
-        attention_scale=_attention_scale(hf, family), embedding_scale=_embedding_scale(hf, family),
-        residual_scale=hf.residual_multiplier if family.granite else None,
-        logit_scale=hf.logits_scaling if family.granite else None,
-        final_logit_softcap=getattr(hf, "final_logit_softcapping", None) if family.softcaps else None,
-        attn_softcap=getattr(hf, "attn_logit_softcapping", None) if family.softcaps else None,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), fused_qkv=family.fused_qkv,
+        mlp_bias=family.mlp_bias and bool(c.get("mlp_bias")), activation=ACTIVATIONS[act],
+        attention_scale=_attention_scale(c, family), embedding_scale=_embedding_scale(c, family),
+        residual_scale=c["residual_multiplier"] if family.granite else None,
+        logit_scale=c["logits_scaling"] if family.granite else None,
+        final_logit_softcap=c.get("final_logit_softcapping") if family.softcaps else None,
+        attn_softcap=c.get("attn_logit_softcapping") if family.softcaps else None,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv,
         rope_theta=float(rope_params.get("rope_theta", 10000.0)),
         rope_scaling={k: v for k, v in rope_params.items() if k != "rope_theta"})
 
 
-def _rope_params(hf, layer_type: str | None) -> dict:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
+def _rope_params(c: dict, layer_type: str | None) -> dict:
+    params = dict(c.get("rope_parameters") or {})
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         params = dict(params[layer_type])
     if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+        params["rope_theta"] = c.get("rope_theta", 10000.0)
     return params
 
 
-def _layers(hf, family: Family, head_dim: int, max_pos: int) -> tuple[LayerSpec, ...]:
-    """Each layer's window and RoPE: one RopeSpec per layer type (shared by its layers)."""
-    layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
-    per_type = isinstance((getattr(hf, "rope_parameters", None) or {}).get(layer_types[0]), dict)
+def _layers(hf, c: dict, family: Family, head_dim: int, max_pos: int) -> tuple[LayerSpec, ...]:
+    """Each layer's window and RoPE: one RopeSpec per layer type (shared by its layers). hf: transformers'
+    config object (ROPE_INIT_FUNCTIONS read it), c: its values as a dict."""
+    num_layers = c["num_hidden_layers"]
+    layer_types = c.get("layer_types") or ["full_attention"] * num_layers
+    per_type = isinstance((c.get("rope_parameters") or {}).get(layer_types[0]), dict)
+    no_rope = c.get("no_rope_layers") if family.no_rope_layers else None
     ropes: dict = {}
     layers = []
-    for i in range(hf.num_hidden_layers):
-        kind = layer_types[i]
+    for i, kind in enumerate(layer_types[:num_layers]):
         key = kind if per_type else None
         if key not in ropes:
-            ropes[key] = build_rope(hf, _rope_params(hf, key), head_dim, max_pos, key)
-        window = getattr(hf, "sliding_window", None)
+            ropes[key] = build_rope(hf, _rope_params(c, key), head_dim, max_pos, key)
+        window = c.get("sliding_window")
         if family.window is None or (family.window == "layer_types" and kind != "sliding_attention"):
             window = None
-        rope = ropes[key]
-        if family.no_rope_layers and getattr(hf, "no_rope_layers", None) and not hf.no_rope_layers[i]:
-            rope = None
-        layers.append(LayerSpec(window=window, rope=rope))
+        layers.append(LayerSpec(window=window, rope=None if no_rope and not no_rope[i] else ropes[key]))
     return tuple(layers)
 
 
-def _attention_scale(hf, family: Family) -> float | None:
-    if family.attention_scale == "query_pre_attn_scalar":
-        return hf.query_pre_attn_scalar ** -0.5
-    if family.attention_scale == "attention_multiplier":
-        return float(hf.attention_multiplier)
-    return None
+def _attention_scale(c: dict, family: Family) -> float | None:
+    if family.attention_scale is None:
+        return None
+    value = c[family.attention_scale]
+    return value ** -0.5 if family.attention_scale == "query_pre_attn_scalar" else float(value)
 
 
-def _embedding_scale(hf, family: Family) -> float | None:
+def _embedding_scale(c: dict, family: Family) -> float | None:
     if family.embedding_scale == "sqrt_hidden":
-        return math.sqrt(hf.hidden_size)
-    if family.embedding_scale == "embedding_multiplier":
-        return float(hf.embedding_multiplier)
-    return None
+        return math.sqrt(c["hidden_size"])
+    return None if family.embedding_scale is None else float(c[family.embedding_scale])
 
 
 def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, str | list[str]]:

@@ -132,7 +132,7 @@ def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, dev
             t = _tensor(hf, names).to(device=device, dtype=dtype)
         except KeyError as exc:
             raise KeyError(f"weights missing from the checkpoint: {exc.args[0]}") from None
-        prepare = getattr(ops, "prepare_linear", None)
+        prepare = vars(ops).get("prepare_linear")             # optional: a backend's packing hook
         return prepare(t) if linear and prepare is not None else t
 
     linears = ("qkv", "o", "gate_up", "down")

@@ -86,10 +86,13 @@ def test_bf16_runs_every_op_in_bf16_and_stays_bitwise_batch_invariant(name, tmp_
 
 
 @pytest.mark.parametrize("name", CPP_FAMILIES)
-def test_llama_shaped_families_take_the_cpp_backend_and_give_transformers_tokens(name, tmp_path):
+def test_llama_shaped_families_take_the_cpp_backend_and_give_transformers_tokens(name, tmp_path, caplog):
     hf = build_tiny_family(tmp_path, name)
-    runner = _runner(tmp_path)
+    with caplog.at_level("INFO", logger="lmi_handler.engine.model.backend"):
+        runner = _runner(tmp_path)
     assert runner.kernel_backend == "cpp"
+    assert f"kernel_backend=cpp for model_type={TINY_FAMILIES[name][0]} (auto: CPU, the C++ kernels are built" \
+        in caplog.text
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     for prompt in PROMPTS:
         assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10)

@@ -208,6 +208,20 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
                                                             "compiler)")
 
 
+def test_tensor_parallelism_of_a_family_off_the_cpp_path_is_refused_before_any_rank_starts(tmp_path):
+    from lmi_handler.config import EngineConfig, ParallelConfig
+    from lmi_handler.engine.parallel.launch import ModelRunnerSpec
+    from lmi_handler.engine.precision import Precision
+
+    build_tiny_family(tmp_path, "gemma2")
+    config = EngineConfig(model_path=tmp_path, dtype="float32", device_id=-1, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=None, block_size=4, kv_cache_bytes=1 << 20, parallel=ParallelConfig(2))
+    spec = ModelRunnerSpec(config, Precision(torch.float32, None, "test"))
+    spec.check(1)
+    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1: model_type=gemma2 needs the cpp backend"):
+        spec.check(2)
+
+
 # ---- served end to end: handle() and the HTTP routes (Qwen3, Gemma 2, Phi-3 with a tokenizer) --------------
 
 TEXT_PROMPT = " ".join(TINY_TOKENIZER_TEXTS[:3])      # about 40 tokens: past the window of 16

@@ -97,6 +97,12 @@ class Settings(BaseModel):
     num_threads: int = Field(0, ge=0, le=1024)
     """CPU threads for PyTorch (torch.set_num_threads); 0 = PyTorch's default. On a shared CPU, 1 avoids
     threads waiting on each other."""
+    kernel_backend: Literal["auto", "cpp", "triton", "torch"] = "auto"
+    """Which kernels run the model, chosen once at load and logged with why (engine/model/backend.py): cpp =
+    the C++ CPU kernels (Llama-shaped models: RMSNorm pre-norm, SiLU, no window, cap or q/k norm); triton =
+    the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1); torch = the pure-PyTorch reference (any
+    model, any device). auto: triton on CUDA, cpp on CPU where the kernels build and implement the model,
+    torch otherwise. An explicit choice that cannot run is refused at start-up, never replaced."""
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""
@@ -248,6 +254,11 @@ class Settings(BaseModel):
                              f"quantization), got {value!r}")
         return text
 
+    @field_validator("kernel_backend", mode="before")
+    @classmethod
+    def _lower_backend(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
+
     @field_validator("rolling_batch")
     @classmethod
     def _lower(cls, value: str) -> str:
@@ -385,7 +396,7 @@ class Settings(BaseModel):
                             batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
                             malloc_tuning=self.malloc_tuning,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
-                            bf16_kernel=self.bf16_kernel,
+                            bf16_kernel=self.bf16_kernel, kernel_backend=self.kernel_backend,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
                             lora=self.lora_config(),
                             parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
@@ -502,6 +513,7 @@ class EngineConfig:
     malloc_tuning: bool = True
     quantize: str | None = None
     bf16_kernel: str = "auto"
+    kernel_backend: str = "auto"
     structured_output_compile_timeout_s: float = 30.0
     lora: LoraConfig | None = None
     parallel: ParallelConfig = ParallelConfig()
@@ -519,6 +531,12 @@ def keep_ray_on_loopback() -> None:
     started here takes 127.0.0.1 as its node address and listens there only (the cluster's processes inherit
     it). The one environment write of the package; cluster.py checks the node address it got."""
     os.environ.update(RAY_LOOPBACK_SWITCH)
+
+
+def triton_interpreted() -> bool:
+    """TRITON_INTERPRET=1 (Triton's own switch): Triton kernels run in its interpreter, on CPU tensors too
+    (tests). engine/model/backend.py lets option.kernel_backend=triton run on CPU only then."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def process_environment() -> dict[str, str]:

@@ -117,6 +117,8 @@ class ModelRunner:
     (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
     False: plain F.linear GEMMs, logits may move in the last bits with the batch.
     `huge_pages`: packed weights and the KV cache in huge-page memory (kernels.empty_huge; CPU).
+    `kernel_backend`: option.kernel_backend (auto | cpp | triton | torch, engine/model/backend.py), chosen
+    once here; `self.kernel_backend` names the one chosen.
     Tensor parallelism: `layout` (a ShardLayout) and `group` (its rank's TPGroup) make this runner one
     rank's: it loads only that shard, and its KV cache holds only the rank's own KV heads
     (layout.num_kv_heads); `num_blocks` is then the group's (the minimum over ranks). `config` stays the
@@ -126,13 +128,16 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
                  batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None,
-                 layout=None, group=None):
+                 layout=None, group=None, kernel_backend: str = "auto"):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant, self.quantize = batch_invariant, quantize
         self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
-                                quantize=quantize, huge_pages=huge_pages, layout=layout)
-        self.model.group = group
+                                quantize=quantize, huge_pages=huge_pages, layout=layout,
+                                kernel_backend=kernel_backend)
+        self.kernel_backend = self.model.kernel_backend
+        if group is not None:
+            self.model.group = group
         c = self.config
         num_kv_heads = c.num_kv_heads if layout is None else layout.num_kv_heads
         block_bytes = kv_block_bytes(c.num_layers, block_size, num_kv_heads, c.head_dim, dtype)

@@ -252,13 +252,14 @@ def fused_and_module_paths_agree(model_dir, dtype, quantize, **tol) -> list[int]
 
 
 def test_bf16_without_the_cpp_kernels_runs_the_pytorch_path_batch_invariant(tiny_model_dir, monkeypatch):
-    """Where the C++ kernels cannot be built, bf16 runs PyTorch's ops (16-row tiled bmm, one SDPA call per
-    sequence): slower, and a row's logits are still the same alone and in a batch."""
+    """Where the C++ kernels cannot be built, kernel_backend=auto takes the PyTorch reference backend (16-row
+    tiled bmm, one attention per sequence): slower, and a row's logits are still the same alone and in a batch."""
     from lmi_handler.engine.model.kernels import build
 
     monkeypatch.setitem(build._state, "module", None)
     runner = ModelRunner(tiny_model_dir, torch.bfloat16, torch.device("cpu"), block_size=4, num_blocks=64)
-    assert runner.model.layers[0].mlp.down_weight.dtype == torch.bfloat16       # a plain Parameter: not packed
+    assert runner.kernel_backend == "torch"
+    assert runner.model.layer_weights[0].down.dtype == torch.bfloat16       # a plain tensor: not packed
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[0], [list(range(3, 40)), [1, 2, 3]],
                                                        6, chunks=[6, 3])

@@ -1,8 +1,10 @@
-"""Read an HF model directory (config.json + model.safetensors or a sharded index) into our LlamaModel.
+"""Read an HF model directory (config.json + model.safetensors or a sharded index) into our model.
 
-Owns the config-key and weight-name mapping (HF names -> our fused q/k/v and gate/up weights) and, for a
-tensor-parallel rank, reading only its shard of each weight; leaves the architecture to llama.py, which
-slice a rank holds to engine/parallel/layout.py and the KV cache and batching to model_runner.py.
+Owns reading the checkpoint into the chosen backend's model: LlamaModel (the C++ path) or forward.DecoderModel,
+tensors fused by role (q/k/v and gate/up rows) and, for a tensor-parallel rank, only its shard of each weight;
+leaves what a family is and its tensor names to families.py, the backend choice to backend.py, the
+architecture to llama.py / forward.py, which slice a rank holds to engine/parallel/layout.py and the KV
+cache and batching to model_runner.py.
 """
 from __future__ import annotations
 
@@ -12,49 +14,28 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lmi_handler.engine.model.backend import backend_ops, choose_backend, log_choice
+from lmi_handler.engine.model.families import build_spec, layer_tensor_names
+from lmi_handler.engine.model.forward import DecoderModel, LayerWeights
 from lmi_handler.engine.model.kernels import cpu_kernels
 from lmi_handler.engine.model.llama import LlamaArgs, LlamaModel, rope_inv_freq
+from lmi_handler.engine.model.spec import ModelSpec
 from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
 
 def read_config(model_dir: str | Path) -> dict:
     """config.json as a dict. Raises FileNotFoundError when absent."""
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def args_from_config(cfg: dict) -> LlamaArgs:
-    """Map an HF config dict to LlamaArgs.
+def spec_from_config(cfg: dict) -> ModelSpec:
+    """The model's layer description (families.build_spec). Raises ConfigError for what we do not serve."""
+    return build_spec(cfg)
 
-    rope_theta comes from `rope_parameters` (transformers 5) or the top-level `rope_theta`;
-    scaling from `rope_parameters` or the older `rope_scaling`. Qwen2 always has q/k/v bias.
-    Raises: ValueError for a model_type we do not implement.
-    """
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not supported {SUPPORTED_MODEL_TYPES}")
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope.update(cfg.get("rope_scaling") or {})
-    rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    num_heads = cfg["num_attention_heads"]
-    return LlamaArgs(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope,
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-        o_proj_bias=model_type != "qwen2" and cfg.get("attention_bias", False),
-        mlp_bias=cfg.get("mlp_bias", False),
-    )
+
+def args_from_config(cfg: dict) -> LlamaArgs:
+    """The model's shapes (and, for the C++ Llama path, its whole description) as LlamaArgs, for any family
+    we serve: spec_from_config(cfg).llama_args(). Raises ConfigError for what we do not serve."""
+    return build_spec(cfg).llama_args()
 
 
 def safetensors_files(model_dir: str | Path) -> list[str]:
@@ -99,33 +80,74 @@ def _shard_or_skip(name: str, layout):
         return False
 
 
-def _layer_state(hf: dict[str, torch.Tensor], i: int, args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """Our parameter names for layer i, fusing q/k/v and gate/up by concatenating rows."""
-    p = f"model.layers.{i}."
-    ours = f"layers.{i}."
-    state = {
-        ours + "input_layernorm.weight": hf[p + "input_layernorm.weight"],
-        ours + "post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
-        ours + "self_attn.qkv_weight": torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-        ours + "self_attn.o_weight": hf[p + "self_attn.o_proj.weight"],
-        ours + "mlp.gate_up_weight": torch.cat([hf[p + "mlp.gate_proj.weight"],
-                                                hf[p + "mlp.up_proj.weight"]]),
-        ours + "mlp.down_weight": hf[p + "mlp.down_proj.weight"],
-    }
-    if args.attention_bias:
-        state[ours + "self_attn.qkv_bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-    if args.o_proj_bias:
-        state[ours + "self_attn.o_bias"] = hf[p + "self_attn.o_proj.bias"]
-    if args.mlp_bias:
-        state[ours + "mlp.gate_up_bias"] = torch.cat([hf[p + "mlp.gate_proj.bias"], hf[p + "mlp.up_proj.bias"]])
-        state[ours + "mlp.down_bias"] = hf[p + "mlp.down_proj.bias"]
-    return state
+def _tensor(hf: dict[str, torch.Tensor], names: str | list[str]) -> torch.Tensor:
+    """The checkpoint tensor `names`, or the row concatenation of a list of them (q/k/v, gate/up)."""
+    return hf[names] if isinstance(names, str) else torch.cat([hf[n] for n in names])
+
+
+LLAMA_ROLES = {"attn_pre": "input_layernorm.weight", "mlp_pre": "post_attention_layernorm.weight",
+               "qkv": "self_attn.qkv_weight", "o": "self_attn.o_weight", "gate_up": "mlp.gate_up_weight",
+               "down": "mlp.down_weight", "qkv_bias": "self_attn.qkv_bias", "o_bias": "self_attn.o_bias",
+               "gate_up_bias": "mlp.gate_up_bias", "down_bias": "mlp.down_bias"}
+
+
+def _layer_state(hf: dict[str, torch.Tensor], i: int, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """LlamaModel's parameter names for layer i (q/k/v and gate/up fused by rows unless the checkpoint
+    already fuses them, Phi-3)."""
+    return {f"layers.{i}.{LLAMA_ROLES[role]}": _tensor(hf, names)
+            for role, names in layer_tensor_names(spec, i).items()}
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
                quantize: str | None = None, lm_head_kind: str | None = None, huge_pages: bool = True,
-               layout: ShardLayout | None = None) -> LlamaModel:
-    """Build LlamaModel from an HF directory, in eval mode on `device`, activations in `dtype`.
+               layout: ShardLayout | None = None, kernel_backend: str = "auto"):
+    """Build the model of an HF directory, in eval mode on `device`, activations in `dtype`, on the kernel
+    backend option.kernel_backend picks (backend.choose_backend, logged): "cpp" is today's Llama path
+    (load_llama), "torch" and "triton" walk the spec in forward.DecoderModel (load_decoder). The model's
+    `kernel_backend` names the choice.
+    Raises: ConfigError for a model or backend we cannot serve here; KeyError naming a missing weight;
+    ValueError from load_llama (int8 where the packed kernels cannot run)."""
+    spec = build_spec(read_config(model_dir))
+    name, why = choose_backend(kernel_backend, spec, device, tensor_parallel=layout is not None, quantize=quantize)
+    log_choice(name, why, spec)
+    if name == "cpp":
+        model = load_llama(model_dir, spec, dtype, device, pack_weights, quantize, lm_head_kind, huge_pages, layout)
+    else:
+        model = load_decoder(model_dir, spec, dtype, device, name)
+    model.kernel_backend = name
+    return model
+
+
+def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 backend: str) -> DecoderModel:
+    """forward.DecoderModel of the checkpoint: every tensor by role (families.layer_tensor_names), fused
+    tensors kept fused and separate q/k/v, gate/up concatenated, on `device` in `dtype`. A backend module
+    may offer prepare_linear(weight) to pre-pack its linears' weights once, here.
+    Raises KeyError naming a missing weight."""
+    ops = backend_ops(backend)
+    hf = read_safetensors(model_dir)
+
+    def take(names, linear: bool = False) -> torch.Tensor:
+        try:
+            t = _tensor(hf, names).to(device=device, dtype=dtype)
+        except KeyError as exc:
+            raise KeyError(f"weights missing from the checkpoint: {exc.args[0]}") from None
+        prepare = vars(ops).get("prepare_linear")             # optional: a backend's packing hook
+        return prepare(t) if linear and prepare is not None else t
+
+    linears = ("qkv", "o", "gate_up", "down")
+    layers = [LayerWeights(**{role: take(names, role in linears)
+                              for role, names in layer_tensor_names(spec, i).items()})
+              for i in range(spec.num_layers)]
+    embed = take("model.embed_tokens.weight")
+    lm_head = take("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight", True)
+    return DecoderModel(spec, ops, embed, take("model.norm.weight"), lm_head, layers, backend).eval()
+
+
+def load_llama(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               pack_weights: bool = False, quantize: str | None = None, lm_head_kind: str | None = None,
+               huge_pages: bool = True, layout: ShardLayout | None = None) -> LlamaModel:
+    """Build LlamaModel (today's C++ path; spec.cpp_misfits() is []) from an HF directory.
 
     layout: a tensor-parallel rank's shard (LlamaModel's docstring): only its slices are read from the
     checkpoint (read_safetensors), before packing, so float32, bfloat16 and int8 panels are made per rank
@@ -141,16 +163,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     `huge_pages` puts the packed weights in huge-page memory.
     The other parameters (norms, biases, an embedding not read from lm_head's panels) are cast to
     `dtype`. A bf16 checkpoint loaded as bfloat16 is never widened.
-    Raises: KeyError naming a missing weight; ValueError for an unsupported architecture, or for
-    quantize="int8" where the packed kernels cannot run (not CPU, not float32/bfloat16, no C++ build).
+    Raises: KeyError naming a missing weight; ValueError for quantize="int8" where the packed kernels cannot
+    run (not CPU, not float32/bfloat16, no C++ build).
     """
-    args = args_from_config(read_config(model_dir))
+    args = spec.llama_args()
     hf = read_safetensors(model_dir, layout)
     state = {"embed_tokens": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     if not args.tie_word_embeddings:
         state["lm_head"] = hf["lm_head.weight"]
     for i in range(args.num_layers):
-        state.update(_layer_state(hf, i, args))
+        state.update(_layer_state(hf, i, spec))
     with torch.device("meta"):
         model = LlamaModel(args, layout)
     model.load_state_dict(state, strict=False, assign=True)

@@ -38,7 +38,15 @@ class ModelRunnerSpec:
         return args_from_config(read_config(self.config.model_path))
 
     def check(self, degree: int) -> None:
+        """Refuse a degree the model cannot be split by, or a model only one process runs (a family off the
+        cpp backend's Llama path, engine/model/backend.py), before any rank starts. Raises ConfigError."""
         check_degree(self._args(), degree)
+        if degree > 1:
+            from lmi_handler.engine.model.backend import choose_backend
+            from lmi_handler.engine.model.loader import read_config, spec_from_config
+
+            spec = spec_from_config(read_config(self.config.model_path))
+            choose_backend(self.config.kernel_backend, spec, torch.device("cpu"), tensor_parallel=True)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
         """kv_cache_bytes (per rank) over one block of this rank's KV heads (model_runner.kv_block_bytes)."""
@@ -73,7 +81,7 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
 
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                        batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
-                       quantize=precision.quantize, **size_and_shard)
+                       quantize=precision.quantize, kernel_backend=config.kernel_backend, **size_and_shard)
 
 
 def _degree(config: EngineConfig) -> int:

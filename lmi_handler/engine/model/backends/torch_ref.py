@@ -1,0 +1,92 @@
+"""The reference backend: the backend interface's ops in pure PyTorch, on any device.
+
+Every op computes a row from that row alone (linears over fixed 16-row tiles, attention one sequence at a
+time over exactly its own context), so a sequence's bits do not depend on the rest of its step; reductions
+run in float32. It is what forward.py runs where no faster backend fits (kernel_backend=torch, or auto with
+neither the C++ kernels for the spec nor Triton), and what the Triton kernels are tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmi_handler.engine.model.attention import AttentionMetadata, gather_context
+from lmi_handler.engine.model.llama import linear as _invariant_linear
+
+NAME = "torch"
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v (T, kv_heads, D) at their slots of the paged caches; a slot of -1 (padding) writes nothing."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal GQA attention over the paged cache, in float32, one sequence at a time: row j of sequence i
+    (absolute position p) attends to positions [max(0, p - window + 1), p]; softcap: scores = softcap *
+    tanh(scores / softcap) before the softmax. q: (T, H, D) -> (T, H, D) in q's dtype."""
+    out = torch.empty_like(q)
+    tables = meta.block_tables.long()
+    start = 0
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+        k = gather_context(k_cache, tables[i], ctx).float()             # (ctx, kvh, D)
+        v = gather_context(v_cache, tables[i], ctx).float()
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)             # (H, ctx, D)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qi = q[start:start + n].float().transpose(0, 1)                   # (H, n, D)
+        scores = (qi @ k.transpose(1, 2)) * scale                         # (H, n, ctx)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:start + n] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        start += n
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, K) @ weight (N, K).T (+ bias) over zero-padded 16-row tiles (llama.linear's invariant path)."""
+    return _invariant_linear(x, weight, bias, True)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual (or x); out = h * rsqrt(mean(h^2) + eps) * (weight_offset + weight) in float32, cast
+    to x's dtype, over the last dimension. Returns (out, h)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (weight_offset + weight.float())
+    return out.to(x.dtype), h
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) rotated by cos, sin (T, D) in transformers' rotate-half convention."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> act(gate) * up; act "silu" or "gelu_tanh"."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().log_softmax(-1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """(S, V) -> (S,) int64: the argmax, the lowest index on ties."""
+    return logits.argmax(-1)

@@ -1,0 +1,224 @@
+"""model_type -> its ModelSpec and checkpoint tensor names: one table row per family.
+
+Owns the table of the families we serve and the start-up refusals (an unknown model_type or architectures
+entry, an unknown RoPE type, an activation we do not implement, a pre-quantized checkpoint), each naming the
+value and the supported list. The config is read through transformers' own config class for its model_type,
+so legacy keys (rope_scaling, rope_local_base_freq, sliding_window_pattern, use_sliding_window /
+max_window_layers) are normalized exactly as transformers' model would see them. A family that is a variant
+of these is a new row, not new code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmi_handler.config import ConfigError
+from lmi_handler.engine.model.spec import ACTIVATIONS, ROPE_TYPES, LayerSpec, ModelSpec, build_rope
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model_type differs from Llama.
+
+    qkv_bias / o_bias: "always", "never" or "attention_bias" (the config's switch). window: "all" (every
+    layer takes config.sliding_window: Mistral, Phi-3), "layer_types" (the layers transformers' config marks
+    sliding_attention: Qwen2/3's use_sliding_window + max_window_layers, Gemma 2/3 alternating, SmolLM3),
+    None. embedding_scale: "sqrt_hidden" (Gemma) or "embedding_multiplier" (Granite). attention_scale:
+    None (head_dim ** -0.5), "query_pre_attn_scalar" (Gemma) or "attention_multiplier" (Granite).
+    """
+
+    model_type: str
+    architectures: tuple[str, ...]
+    norm_placement: str = "pre"
+    norm_offset: float = 0.0
+    qk_norm: str | None = None
+    qkv_bias: str = "attention_bias"
+    o_bias: str = "attention_bias"
+    mlp_bias: bool = False          # read config.mlp_bias
+    activation_key: str = "hidden_act"
+    window: str | None = None
+    fused_qkv: bool = False         # qkv_proj and gate_up_proj in the checkpoint (Phi-3)
+    embedding_scale: str | None = None
+    attention_scale: str | None = None
+    granite: bool = False           # residual_multiplier and logits_scaling
+    softcaps: bool = False          # final_logit_softcapping, attn_logit_softcapping (Gemma 2 / 3)
+    no_rope_layers: bool = False    # SmolLM3's no_rope_layers (1: RoPE, 0: none)
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("llama", ("LlamaForCausalLM",), mlp_bias=True),
+    Family("mistral", ("MistralForCausalLM",), qkv_bias="never", o_bias="never", window="all"),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias="always", o_bias="never", window="layer_types"),
+    Family("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", window="layer_types"),
+    Family("gemma2", ("Gemma2ForCausalLM",), norm_placement="both", norm_offset=1.0,
+           activation_key="hidden_activation", window="layer_types", embedding_scale="sqrt_hidden",
+           attention_scale="query_pre_attn_scalar", softcaps=True),
+    Family("gemma3_text", ("Gemma3ForCausalLM",), norm_placement="both", norm_offset=1.0, qk_norm="head",
+           activation_key="hidden_activation", window="layer_types", embedding_scale="sqrt_hidden",
+           attention_scale="query_pre_attn_scalar", softcaps=True),
+    Family("phi3", ("Phi3ForCausalLM",), qkv_bias="never", o_bias="never", window="all", fused_qkv=True),
+    Family("smollm3", ("SmolLM3ForCausalLM",), mlp_bias=True, window="layer_types", no_rope_layers=True),
+    Family("granite", ("GraniteForCausalLM",), mlp_bias=True, embedding_scale="embedding_multiplier",
+           attention_scale="attention_multiplier", granite=True),
+    Family("olmo2", ("Olmo2ForCausalLM",), norm_placement="post", qk_norm="full"),
+)}
+
+NORM_NAMES = {   # placement -> (before attention, after attention, before the MLP, after the MLP)
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    "both": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm"),
+}
+
+
+def family_of(cfg: dict) -> Family:
+    """The table row of config.json's model_type (default llama), its architectures entries checked and
+    no quantization_config. Raises: ConfigError naming the value and what is supported."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ConfigError(f"config.json quantization_config (quant_method={method!r}): pre-quantized checkpoints "
+                          "(AWQ, GPTQ, FP8, bitsandbytes, ...) are not supported; serve the unquantized "
+                          "checkpoint (option.quantize=int8 quantizes its weights at load on CPU)")
+    model_type = cfg.get("model_type", "llama")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ConfigError(f"config.json model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+    for arch in cfg.get("architectures") or ():
+        if arch not in family.architectures:
+            raise ConfigError(f"config.json architectures entry {arch!r} is not supported for model_type="
+                              f"{model_type!r}; supported: {list(family.architectures)}")
+    return family
+
+
+def _rope_dicts(cfg: dict) -> list[dict]:
+    """Every RoPE parameter dict config.json holds (per layer type for Gemma 3), old and new keys."""
+    found = []
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key) or {}
+        nested = [v for v in value.values() if isinstance(v, dict)]
+        found += nested or [value]
+    return found
+
+
+def check_rope_types(cfg: dict) -> None:
+    """Raises ConfigError for a RoPE type we do not implement, naming it and ROPE_TYPES."""
+    for params in _rope_dicts(cfg):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"config.json rope_type={kind!r} is not supported; supported: {list(ROPE_TYPES)}")
+
+
+def hf_config_of(cfg: dict):
+    """transformers' config object for this model_type (its defaults and legacy-key handling)."""
+    from transformers import AutoConfig
+
+    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")}
+    return AutoConfig.for_model(cfg.get("model_type", "llama"), **kwargs)
+
+
+def build_spec(cfg: dict) -> ModelSpec:
+    """The ModelSpec of a config.json dict. Raises ConfigError (family_of, check_rope_types, an activation
+    not in spec.ACTIVATIONS)."""
+    family = family_of(cfg)
+    check_rope_types(cfg)
+    hf = hf_config_of(cfg)
+    c = hf.to_dict()                     # transformers' values, its defaults and legacy keys resolved
+    act = c.get(family.activation_key) or c.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"config.json {family.activation_key}={act!r} is not supported; supported: "
+                          f"{sorted(ACTIVATIONS)}")
+    num_heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
+    max_pos = c["max_position_embeddings"]
+    layers = _layers(hf, c, family, head_dim, max_pos)
+    first_rope = next((layer.rope for layer in layers if layer.rope is not None), None)
+    rope_params = _rope_params(c, None if first_rope is None else first_rope.layer_type)
+
+    def bias(rule: str) -> bool:
+        return rule == "always" or (rule == "attention_bias" and bool(c.get("attention_bias")))
+
+    return ModelSpec(
+        model_type=family.model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=c.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+        max_position_embeddings=max_pos, layers=layers, norm_eps=float(cfg.get("rms_norm_eps", c["rms_norm_eps"])),
+        norm_offset=family.norm_offset, norm_placement=family.norm_placement, qk_norm=family.qk_norm,
+        qkv_bias=bias(family.qkv_bias), o_bias=bias(family.o_bias),
+        mlp_bias=family.mlp_bias and bool(c.get("mlp_bias")), activation=ACTIVATIONS[act],
+        attention_scale=_attention_scale(c, family), embedding_scale=_embedding_scale(c, family),
+        residual_scale=c["residual_multiplier"] if family.granite else None,
+        logit_scale=c["logits_scaling"] if family.granite else None,
+        final_logit_softcap=c.get("final_logit_softcapping") if family.softcaps else None,
+        attn_softcap=c.get("attn_logit_softcapping") if family.softcaps else None,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv,
+        rope_theta=float(rope_params.get("rope_theta", 10000.0)),
+        rope_scaling={k: v for k, v in rope_params.items() if k != "rope_theta"})
+
+
+def _rope_params(c: dict, layer_type: str | None) -> dict:
+    params = dict(c.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    if "rope_theta" not in params:
+        params["rope_theta"] = c.get("rope_theta", 10000.0)
+    return params
+
+
+def _layers(hf, c: dict, family: Family, head_dim: int, max_pos: int) -> tuple[LayerSpec, ...]:
+    """Each layer's window and RoPE: one RopeSpec per layer type (shared by its layers). hf: transformers'
+    config object (ROPE_INIT_FUNCTIONS read it), c: its values as a dict."""
+    num_layers = c["num_hidden_layers"]
+    layer_types = c.get("layer_types") or ["full_attention"] * num_layers
+    per_type = isinstance((c.get("rope_parameters") or {}).get(layer_types[0]), dict)
+    no_rope = c.get("no_rope_layers") if family.no_rope_layers else None
+    ropes: dict = {}
+    layers = []
+    for i, kind in enumerate(layer_types[:num_layers]):
+        key = kind if per_type else None
+        if key not in ropes:
+            ropes[key] = build_rope(hf, _rope_params(c, key), head_dim, max_pos, key)
+        window = c.get("sliding_window")
+        if family.window is None or (family.window == "layer_types" and kind != "sliding_attention"):
+            window = None
+        layers.append(LayerSpec(window=window, rope=None if no_rope and not no_rope[i] else ropes[key]))
+    return tuple(layers)
+
+
+def _attention_scale(c: dict, family: Family) -> float | None:
+    if family.attention_scale is None:
+        return None
+    value = c[family.attention_scale]
+    return value ** -0.5 if family.attention_scale == "query_pre_attn_scalar" else float(value)
+
+
+def _embedding_scale(c: dict, family: Family) -> float | None:
+    if family.embedding_scale == "sqrt_hidden":
+        return math.sqrt(c["hidden_size"])
+    return None if family.embedding_scale is None else float(c[family.embedding_scale])
+
+
+def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, str | list[str]]:
+    """Our role -> the checkpoint's tensor name(s) for layer i (a list: concatenated by rows at load).
+    Roles: qkv, o, gate_up, down (weights), their biases qkv_bias, o_bias, gate_up_bias, down_bias, the norms
+    attn_pre, attn_post, mlp_pre, mlp_post (those the placement has) and q_norm, k_norm."""
+    p = f"model.layers.{i}."
+    if spec.fused_qkv:
+        names = {"qkv": p + "self_attn.qkv_proj.weight", "gate_up": p + "mlp.gate_up_proj.weight"}
+    else:
+        names = {"qkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                 "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]}
+    names.update(o=p + "self_attn.o_proj.weight", down=p + "mlp.down_proj.weight")
+    if spec.qkv_bias:
+        names["qkv_bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if spec.o_bias:
+        names["o_bias"] = p + "self_attn.o_proj.bias"
+    if spec.mlp_bias:
+        names["gate_up_bias"] = [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
+        names["down_bias"] = p + "mlp.down_proj.bias"
+    for role, name in zip(("attn_pre", "attn_post", "mlp_pre", "mlp_post"), NORM_NAMES[spec.norm_placement]):
+        if name is not None:
+            names[role] = p + name + ".weight"
+    if spec.qk_norm is not None:
+        names.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
+    return names

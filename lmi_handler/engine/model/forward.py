@@ -1,0 +1,127 @@
+"""The decoder stack of any ModelSpec: for each layer, the spec's ops in order, calling one backend's ops.
+
+Owns DecoderModel (the weights by role, the per-step RoPE rows, the layer walk and the logits' caps and
+scales); leaves what a family is to spec.py / families.py, reading the checkpoint to loader.py and the ops
+themselves to the backend (backends/torch_ref.py, backends/triton/). The spec and the backend are fixed at
+load: nothing here checks a device or a dtype per call. One process only (tensor parallelism runs on the
+C++ Llama path, llama.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.spec import ModelSpec, RopeSpec, rope_cos_sin_rows
+
+NORM_ROLES = ("attn_pre", "attn_post", "mlp_pre", "mlp_post", "q_norm", "k_norm")
+
+
+@dataclass
+class LayerWeights:
+    """One layer's tensors by role (families.layer_tensor_names): fused qkv and gate_up rows, the norms the
+    spec's placement has (None otherwise)."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    attn_pre: torch.Tensor | None = None
+    attn_post: torch.Tensor | None = None
+    mlp_pre: torch.Tensor | None = None
+    mlp_post: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers as `spec` describes them and lm_head, over a flat token batch, with
+    `ops` (a backend module) doing the arithmetic. The same call contract as llama.LlamaModel: forward(
+    input_ids, positions, kv_caches, meta, invariant) -> final-norm hidden states, compute_logits(hidden)."""
+
+    group = None        # no tensor-parallel shard on this path
+
+    def __init__(self, spec: ModelSpec, ops, embed: torch.Tensor, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, layers: list[LayerWeights], backend_name: str):
+        super().__init__()
+        self.spec, self.ops, self.kernel_backend = spec, ops, backend_name
+        self.embed_tokens, self.final_norm, self.lm_head, self.layer_weights = embed, final_norm, lm_head, layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                invariant: bool = True) -> torch.Tensor:
+        """input_ids, positions: (T,) int64 -> (T, hidden) after the final norm; writes this step's K/V."""
+        spec = self.spec
+        x = F.embedding(input_ids, self.embed_tokens)
+        if spec.embedding_scale is not None:
+            x = x * torch.tensor(spec.embedding_scale, dtype=x.dtype)
+        ropes = self._rope_rows(positions, meta, x.dtype)
+        for layer, w, (k_cache, v_cache) in zip(spec.layers, self.layer_weights, kv_caches):
+            h = self._norm(x, w.attn_pre)
+            a = self._attention(h, w, k_cache, v_cache, meta, layer.window, ropes.get(id(layer.rope)))
+            x = self._add(x, self._norm(a, w.attn_post))
+            m = self._mlp(self._norm(x, w.mlp_pre), w)
+            x = self._add(x, self._norm(m, w.mlp_post))
+        return self._norm(x, self.final_norm)
+
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor:
+        """hidden (N, hidden_size) -> (N, vocab) float32, Granite's logits_scaling and Gemma 2's final cap
+        applied."""
+        spec = self.spec
+        logits = self.ops.linear(hidden, self.lm_head, None)
+        if spec.logit_scale is not None:
+            logits = logits / spec.logit_scale
+        if spec.final_logit_softcap is not None:
+            logits = torch.tanh(logits / spec.final_logit_softcap) * spec.final_logit_softcap
+        return logits.float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:
+            return x
+        rows = x.reshape(-1, x.shape[-1])           # q / k per head: (T * heads, head_dim) rows
+        return self.ops.rms_norm(rows, weight, self.spec.norm_eps, None, self.spec.norm_offset)[0].view(x.shape)
+
+    def _add(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        scale = self.spec.residual_scale
+        return x + (delta if scale is None else delta * scale)
+
+    def _attention(self, h, w: LayerWeights, k_cache, v_cache, meta, window, cos_sin):
+        spec, ops = self.spec, self.ops
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q, k, v = ops.linear(h, w.qkv, w.qkv_bias).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        if spec.qk_norm == "full":                                   # OLMo-2: over the whole projection
+            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
+        q, k, v = q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim)
+        if spec.qk_norm == "head":                                   # Qwen3, Gemma 3: over each head
+            q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
+        if cos_sin is not None:
+            q, k = self._rotate(q, *cos_sin), self._rotate(k, *cos_sin)
+        ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = ops.paged_attention(q, k_cache, v_cache, meta, spec.scale, window, spec.attn_softcap)
+        return ops.linear(o.reshape(-1, heads * dim), w.o, w.o_bias)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotary = cos.shape[-1]
+        if rotary == x.shape[-1]:
+            return self.ops.rope(x, cos, sin)
+        return torch.cat((self.ops.rope(x[..., :rotary].contiguous(), cos, sin), x[..., rotary:]), dim=-1)
+
+    def _mlp(self, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        act = self.ops.act_mul(self.ops.linear(h, w.gate_up, w.gate_up_bias), self.spec.activation)
+        return self.ops.linear(act, w.down, w.down_bias)
+
+    def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
+        """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""
+        ropes: dict[int, RopeSpec] = {id(layer.rope): layer.rope for layer in self.spec.layers if layer.rope}
+        seq_lens = None
+        if any(rope.depends_on_length for rope in ropes.values()):
+            seq_lens = torch.repeat_interleave(torch.tensor(meta.context_lens_host),
+                                               torch.tensor(meta.query_lens))
+        return {key: rope_cos_sin_rows(rope, positions, seq_lens, dtype) for key, rope in ropes.items()}

@@ -1,0 +1,193 @@
+"""The layer description: everything a forward needs to know about a model, read once from config.json.
+
+Owns ModelSpec / LayerSpec / RopeSpec (plain frozen values, built by families.py at load, never per token)
+and the RoPE frequencies of every scaling kind (transformers' ROPE_INIT_FUNCTIONS for yarn, dynamic and
+longrope). Leaves which model_type maps to which description to families.py, reading tensors to loader.py
+and walking the description to forward.py (or, for a plain Llama-shaped spec, llama.py's C++ path).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True, eq=False)
+class RopeSpec:
+    """One rotary embedding (a model may hold two: Gemma 3's local and global bases).
+
+    inv_freq: (rotary_dim // 2,) float32; cos and sin are multiplied by attention_scaling (yarn, longrope).
+    rotary_dim < head_dim (Phi-4-mini's partial_rotary_factor): only the first rotary_dim features rotate.
+    Sequence-length-dependent kinds pick their frequencies per sequence from the step's context length
+    (as transformers does for a sequence generated alone): longrope takes long_inv_freq once the sequence is
+    longer than original_max_position_embeddings; dynamic recomputes from hf_config past
+    max_position_embeddings.
+    """
+
+    kind: str
+    rotary_dim: int
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+    long_inv_freq: torch.Tensor | None = None       # longrope
+    original_max_position_embeddings: int | None = None  # longrope / dynamic: where scaling starts
+    hf_config: object | None = field(default=None, repr=False)   # dynamic: recomputed per sequence length
+    layer_type: str | None = None
+
+    @property
+    def depends_on_length(self) -> bool:
+        return self.kind in ("dynamic", "longrope")
+
+    def inv_freq_for(self, seq_len: int) -> torch.Tensor:
+        """The frequencies transformers uses for a sequence of `seq_len` tokens (its dynamic_rope_update)."""
+        if self.kind == "longrope":
+            return self.long_inv_freq if seq_len > self.original_max_position_embeddings else self.inv_freq
+        if self.kind == "dynamic" and seq_len > self.original_max_position_embeddings:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            return ROPE_INIT_FUNCTIONS["dynamic"](self.hf_config, "cpu", seq_len=seq_len,
+                                                  layer_type=self.layer_type)[0].float()
+        return self.inv_freq
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What varies from layer to layer: the attention window and the rotary embedding (None: no RoPE,
+    SmolLM3's NoPE layers)."""
+
+    window: int | None = None       # attends to positions [p - window + 1, p]; None = every earlier one
+    rope: RopeSpec | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only model, as forward.py walks it.
+
+    Norms: RMSNorm with `norm_offset` added to the weight (Gemma: 1.0). norm_placement: "pre" (Llama: a norm
+    before attention and before the MLP), "post" (OLMo-2: a norm on each block's output before the residual
+    add), "both" (Gemma 2 / 3: the four of them). qk_norm: None, "head" (RMSNorm over each head's head_dim:
+    Qwen3, Gemma 3) or "full" (over the whole q / k projection: OLMo-2). Scalars: embedding_scale multiplies
+    the embeddings (Gemma: sqrt(hidden), Granite: embedding_multiplier), residual_scale each block's output
+    before its residual add (Granite), logit_scale divides the logits (Granite's logits_scaling),
+    final_logit_softcap / attn_softcap are Gemma 2's tanh caps.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    layers: tuple[LayerSpec, ...]
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    norm_placement: str = "pre"
+    qk_norm: str | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"
+    attention_scale: float | None = None      # None: head_dim ** -0.5
+    embedding_scale: float | None = None
+    residual_scale: float | None = None
+    logit_scale: float | None = None
+    final_logit_softcap: float | None = None
+    attn_softcap: float | None = None
+    tie_word_embeddings: bool = False
+    fused_qkv: bool = False                   # the checkpoint holds qkv_proj / gate_up_proj (Phi-3)
+    rope_theta: float = 10000.0               # the (first) rope's base, for the Llama path
+    rope_scaling: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    def cpp_misfits(self) -> list[str]:
+        """Why today's C++ Llama path (llama.LlamaModel: fused C++ decoder stack) cannot run this spec; []
+        when it can: RMSNorm pre-norm, SiLU, optional q/k/v, o and MLP biases, one full-width RoPE of kind
+        default / linear / llama3 on every layer, no window, cap, q/k norm or multiplier."""
+        rope = self.layers[0].rope
+        checks = {
+            "norm_offset (Gemma's 1 + weight)": self.norm_offset != 0.0,
+            f"norm_placement={self.norm_placement}": self.norm_placement != "pre",
+            f"qk_norm={self.qk_norm}": self.qk_norm is not None,
+            f"activation={self.activation}": self.activation != "silu",
+            "a sliding window": any(layer.window is not None and layer.window < self.max_position_embeddings
+                                    for layer in self.layers),
+            "layers without RoPE": any(layer.rope is None for layer in self.layers),
+            "per-layer RoPE": any(layer.rope is not rope for layer in self.layers),
+            f"rope {rope.kind if rope else None}": rope is not None and (
+                rope.kind not in ("default", "linear", "llama3") or rope.rotary_dim != self.head_dim
+                or rope.attention_scaling != 1.0),
+            "an attention scale other than head_dim ** -0.5": self.attention_scale is not None,
+            "embedding / residual / logit multipliers": any(
+                v is not None for v in (self.embedding_scale, self.residual_scale, self.logit_scale)),
+            "soft-capping": self.final_logit_softcap is not None or self.attn_softcap is not None,
+        }
+        return [name for name, misfit in checks.items() if misfit]
+
+    def llama_args(self):
+        """The LlamaArgs of llama.LlamaModel (today's C++ path; meaningful where cpp_misfits() is [])."""
+        from lmi_handler.engine.model.llama import LlamaArgs
+
+        return LlamaArgs(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                         intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         rms_norm_eps=self.norm_eps, max_position_embeddings=self.max_position_embeddings,
+                         rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling),
+                         tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.qkv_bias,
+                         o_proj_bias=self.o_bias, mlp_bias=self.mlp_bias)
+
+
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """(dim // 2,) float32: 1 / theta ** (2i / dim), as transformers' default RoPE computes it."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def build_rope(hf_config, params: dict, head_dim: int, max_position_embeddings: int,
+               layer_type: str | None = None) -> RopeSpec:
+    """The RopeSpec of one rope_parameters dict (transformers 5's standardized form: rope_type, rope_theta,
+    partial_rotary_factor and the kind's own keys). Scaled kinds call transformers' ROPE_INIT_FUNCTIONS
+    with hf_config (the config object transformers' own model would be built from), so the frequencies are
+    its bits. The caller has checked rope_type against ROPE_TYPES."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = params.get("rope_type", params.get("type", "default"))
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if kind == "default":
+        return RopeSpec(kind, rotary_dim, default_inv_freq(params["rope_theta"], rotary_dim), layer_type=layer_type)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu", layer_type=layer_type)
+    inv_freq = inv_freq.float()
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    if kind == "longrope":
+        long_inv, _ = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu", seq_len=original + 1, layer_type=layer_type)
+        return RopeSpec(kind, rotary_dim, inv_freq, float(scaling), long_inv.float(), original, layer_type=layer_type)
+    if kind == "dynamic":
+        return RopeSpec(kind, rotary_dim, inv_freq, float(scaling), None, max_position_embeddings, hf_config,
+                        layer_type=layer_type)
+    return RopeSpec(kind, rotary_dim, inv_freq, float(scaling), layer_type=layer_type)
+
+
+def rope_cos_sin_rows(rope: RopeSpec, positions: torch.Tensor, seq_lens: torch.Tensor | None,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, rotary_dim) in `dtype` for positions (T,) int64, computed in float32 as transformers'
+    rotary embeddings do (cat(freqs, freqs), times attention_scaling). seq_lens (T,): each row's sequence
+    length this step, read only by the length-dependent kinds."""
+    device = positions.device
+    if rope.depends_on_length:
+        lens = seq_lens.tolist()
+        table = {n: rope.inv_freq_for(n).to(device) for n in set(lens)}
+        inv = torch.stack([table[n] for n in lens]) if lens else rope.inv_freq.to(device)[None]
+        freqs = positions.float()[:, None] * inv
+    else:
+        freqs = positions.float()[:, None] * rope.inv_freq.to(device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if rope.attention_scaling != 1.0:
+        cos, sin = cos * rope.attention_scaling, sin * rope.attention_scaling
+    return cos.to(dtype), sin.to(dtype)

@@ -1,0 +1,58 @@
+"""Tiny random checkpoints of every family we serve, built with transformers' own classes (seeded; 3 layers,
+GQA, window 16 where the family has one), for the family tests against transformers' generate()."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.engine.helpers import TINY_VOCAB
+
+WINDOW = 16
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=TINY_VOCAB, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (model_type, config overrides); a name is a family, or a family's variant after a dash
+TINY_FAMILIES = {
+    "llama": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "mistral-nowindow": ("mistral", dict(sliding_window=None)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen2-nowindow": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    # untied, smaller weights: tied tiny Gemmas repeat one token, which would check little
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=3.0, tie_word_embeddings=False, initializer_range=0.05)),
+    "gemma3_text": ("gemma3_text", dict(query_pre_attn_scalar=16, sliding_window=WINDOW, tie_word_embeddings=False,
+                                        initializer_range=0.05,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),
+    "phi3-nowindow": ("phi3", dict()),
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=32,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5,
+                                                    "short_factor": [1.0, 1.1, 1.3, 1.7],
+                                                    "long_factor": [1.5, 2.0, 3.0, 5.0],
+                                                    "original_max_position_embeddings": 32})),
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=WINDOW)),
+    "granite": ("granite", dict(embedding_multiplier=4.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                                logits_scaling=2.0)),
+    "olmo2": ("olmo2", dict()),
+}
+
+
+def build_tiny_family(path: Path, name: str, seed: int = 0):
+    """Write the tiny checkpoint `name` (TINY_FAMILIES) to `path` with save_pretrained; return the HF model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = TINY_FAMILIES[name]
+    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():   # biases and norm weights start at 0 / 1: make them matter
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return model

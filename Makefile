@@ -67,8 +67,8 @@ test: model tgi-client
 # Extra flags: make bench BENCH_ARGS="--write-readme".
 BENCH_ARGS ?=
 bench-setup: $(VENV)/.installed
-	$(BIN)/python benchmarks/vllm_peer.py setup || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
-	$(BIN)/python benchmarks/llamacpp_peer.py setup || echo "llama.cpp set-up failed (benchmarks/.venv-llamacpp/setup.log): make bench goes on without it"
+	$(BIN)/python benchmarks/peers.py setup vllm || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
+	$(BIN)/python benchmarks/peers.py setup llamacpp || echo "llama.cpp set-up failed (benchmarks/.venv-llamacpp/setup.log): make bench goes on without it"
 
 bench: model bench-setup
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

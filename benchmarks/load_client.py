@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 import httpx
-from stats import percentiles
+from round_protocol import percentiles
 
 
 @dataclass

@@ -79,9 +79,9 @@ def _batch_command_exists() -> bool:
 
 
 def _llamacpp_ready() -> bool:
-    import llamacpp_peer
+    import peers
 
-    return llamacpp_peer.is_ready()
+    return peers.llamacpp_ready()
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """The benchmark: one workload through every engine, one engine after the other, in one invocation.
 
-    .venv/bin/python benchmarks/bench.py [--smoke] [--dtype fp32,bf16] [--write-readme] [--skip vllm,hf ...]
+    .venv/bin/python benchmarks/bench.py [--smoke] [--dtype fp32,bf16] [--write-docs] [--skip vllm,hf ...]
 
 Workload (workload.py): the first 64 MT-bench prompts (turns[0]) through the chat template, 128
 greedy tokens each, EOS ignored. Phases, never two engines running at once:
@@ -24,7 +24,7 @@ greedy tokens each, EOS ignored. Phases, never two engines running at once:
 
 A phase that cannot run (peer not set up, command missing, an option this engine build lacks, a failure)
 is recorded with its reason and the run goes on. Writes results/bench-<stamp>.json and .png;
---write-readme updates the README table.
+--write-docs re-renders docs/performance.md (the newest run of each host kind in benchmarks/results).
 """
 from __future__ import annotations
 
@@ -476,9 +476,6 @@ def _unwind_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__)
     _unwind_on_sigterm()
-    if args.readme_from:
-        report_mod.write_readme(json.loads(args.readme_from.read_text()), args.readme_from.name)
-        return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = run(args)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M")
@@ -488,9 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     report_mod.plot(result, stem.with_suffix(".png"))
     print(report_mod.table(result))
     print(f"\nwrote {stem}.json and {stem}.png")
-    if args.write_readme:
-        report_mod.write_readme(result, stem.with_suffix(".json").name)
-        print("updated benchmarks/README.md")
+    if args.write_docs:
+        report_mod.write_docs()
+        print(f"updated {report_mod.PERFORMANCE}")
     return 0
 
 

@@ -26,16 +26,16 @@ import types
 from pathlib import Path
 
 import torch
-from profiling import DTYPE_VARIANTS, decode_batch, read_bandwidth_gbs, weight_bytes  # noqa: E402
-from profiling import SHAPES as KERNEL_SHAPES  # noqa: E402
-from workload import REPO, bench_engine, build_workload  # noqa: E402
+from profiling import DTYPE_VARIANTS, decode_batch, read_bandwidth_gbs, weight_bytes
+from profiling import SHAPES as KERNEL_SHAPES
+from workload import REPO, bench_engine, build_workload
 
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.kernels import build, cpu_kernels, pack_weight
 from lmi_handler.engine.model.kernels.build import (
     BF16_DP,
     bf16_dot_form,
-    empty_huge,  # noqa: E402
+    empty_huge,
 )
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput

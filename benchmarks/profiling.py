@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from workers import drop_prefix_cache  # noqa: E402
-from workload import REPO, WEIGHT_BYTES, bench_engine, build_workload, step_linears, weight_bytes_per_token  # noqa: E402
+from workers import drop_prefix_cache
+from workload import REPO, WEIGHT_BYTES, bench_engine, build_workload, step_linears, weight_bytes_per_token
 
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged, attention_per_sequence

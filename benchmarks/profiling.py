@@ -938,6 +938,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] not in COMMANDS:
         sys.exit(f"unknown command {argv[0]!r}: one of {', '.join(COMMANDS)} (--help says what each measures)")
     run, _ = COMMANDS[argv[0]]
+    sys.argv[0] = f"{Path(sys.argv[0]).name} {argv[0]}"      # the command's --help and errors name it
     run(argv[1:])
 
 

@@ -315,8 +315,6 @@ step is `demo_step_s`, its fraction `demo_fraction_of_ceiling`: names from when 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profiling.py fixed-costs [--dtype bf16] [--rounds 6] [--tokens 128]
         [--threads 2] [--model model] [--skeleton-dir DIR] [--out FILE.json]
 
-(The runs of record in benchmarks/README.md: "What a batch-1 step costs besides its weights", `--rounds 8`, before
-the plain read; "Zen 4: batch-1 weights streamed by the hardware's prefetchers alone", `--rounds 6`, with it.)
 """
 
 SKELETON_VOCAB = 512

@@ -91,7 +91,7 @@ def median_round(rounds: list[dict]) -> dict:
 
 def summarize(rounds: list[dict]) -> dict:
     """A worker's round fields for its final JSON: the median round's fields at the top level (report.py
-    and the README table read those), which round that was, every round, and the first round's token ids
+    and its tables read those), which round that was, every round, and the first round's token ids
     (the greedy-agreement check). Raises ValueError when no round was run."""
     if not rounds:
         raise ValueError("'finish' before any 'run K': no round to report")

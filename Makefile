@@ -69,11 +69,11 @@ docs: $(VENV)/.installed
 # one after the other, in each of --dtype (fp32, bf16); llama.cpp as the batch-1 peer. bench-setup installs
 # vLLM (benchmarks/.venv-vllm, with TCMalloc from apt and libiomp5 for its LD_PRELOAD) and llama-cpp-python
 # (benchmarks/.venv-llamacpp, built from source); when one fails the benchmark says so and runs without it.
-# Extra flags: make bench BENCH_ARGS="--write-readme".
+# Extra flags: make bench BENCH_ARGS="--write-docs" (re-renders docs/performance.md, the newest run per host kind).
 BENCH_ARGS ?=
 bench-setup: $(VENV)/.installed
-	$(BIN)/python benchmarks/vllm_peer.py setup || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
-	$(BIN)/python benchmarks/llamacpp_peer.py setup || echo "llama.cpp set-up failed (benchmarks/.venv-llamacpp/setup.log): make bench goes on without it"
+	$(BIN)/python benchmarks/peers.py setup vllm || echo "vLLM set-up failed (benchmarks/.venv-vllm/setup.log): make bench goes on without it"
+	$(BIN)/python benchmarks/peers.py setup llamacpp || echo "llama.cpp set-up failed (benchmarks/.venv-llamacpp/setup.log): make bench goes on without it"
 
 bench: model bench-setup
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)

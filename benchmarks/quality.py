@@ -22,7 +22,8 @@ reference's hidden states bit for bit. Where generate() picked among bf16 logits
 
 Writes benchmarks/results/quality-<UTC date and time, YYYY-MM-DD-HHMM>.json (rewritten after each variant) and a plot beside it (.png: per
 variant the prompts whose greedy tokens equal generate()'s, those that part at a tie in generate()'s logits, and
-the mean and max |Δ log-prob|). Commit them only as a run benchmarks/README.md cites.
+the mean and max |Δ log-prob|). Commit them only as a run a document cites
+(tests/benchmarks/test_bench_tool.py).
 """
 from __future__ import annotations
 

@@ -1,19 +1,28 @@
-"""The benchmark's report: summary rows and ratios per dtype, batch-1 against its ceiling, the printed/README
-table, and the PNG plot.
+"""The benchmark's report: summary rows and ratios per dtype, batch-1 against its ceiling, the printed table,
+docs/performance.md's tables (the newest run of each host kind), and the PNG plot.
+
+    .venv/bin/python benchmarks/report.py --write-docs     # re-render docs/performance.md from benchmarks/results
 
 Owns turning bench.py's phase results into numbers people read; measuring is bench.py's. Reads results of
 this version (phases named <phase>_<dtype>) and older ones (one dtype, unsuffixed names) alike.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import re
 import statistics
+import sys
 from pathlib import Path
 
 from round_protocol import headline
 
-README = Path(__file__).resolve().parent / "README.md"
-TABLE_START, TABLE_END = "<!-- bench-table:start (bench.py --write-readme) -->", "<!-- bench-table:end -->"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PERFORMANCE = REPO / "docs" / "performance.md"
+DOCS_START = "<!-- perf-tables:start (rendered by `python benchmarks/report.py --write-docs`) -->"
+DOCS_END = "<!-- perf-tables:end -->"
 
 
 def _p(stats: dict | None, key: str, scale: float = 1.0) -> float | None:
@@ -526,26 +535,176 @@ def rounds_lines(result: dict) -> list[str]:
     return out
 
 
-def write_readme(result: dict, source: str, readme: Path = README) -> None:
-    """Replace the block between the table markers in the README with this result's table."""
+def host_kind(result: dict) -> str:
+    """The kind of host a run was on: CPU model, family and model (ratios move with it; results/ keeps the
+    newest run of each kind)."""
+    cpu = result["machine"].get("cpu")
+    if not isinstance(cpu, dict):
+        return str(cpu)
+    fms = cpu.get("family_model_stepping")
+    return f"{cpu['model']}, family {fms[0]} model {fms[1]}" if fms else cpu["model"]
+
+
+def latest_per_host_kind(results_dir: Path = RESULTS, paths: list[Path] | None = None) -> list[Path]:
+    """The newest bench-*.json (by its recorded date; smoke runs left out) of each host kind in `results_dir`
+    (or among `paths`), in host-kind order: the runs docs/performance.md shows."""
+    newest: dict[str, tuple[str, Path]] = {}
+    for path in results_dir.glob("bench-*.json") if paths is None else paths:
+        if not path.name.startswith("bench-") or path.suffix != ".json" or path.name.startswith("bench-smoke-"):
+            continue
+        result = json.loads(path.read_text())
+        cpu = result["machine"].get("cpu")
+        if not isinstance(cpu, dict) or not cpu.get("family_model_stepping"):
+            continue                    # older runs record no CPU family and model: no host kind
+        kind = host_kind(result)
+        if kind not in newest or result["date"] > newest[kind][0]:
+            newest[kind] = (result["date"], path)
+    return [newest[kind][1] for kind in sorted(newest)]
+
+
+def _gflops(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f} GFLOP/s"
+
+
+def docs_section(result: dict, json_path: str) -> str:
+    """One host kind's current table for docs/performance.md: date, host, commit, ours against vLLM and
+    llama.cpp, against the ceilings, and the plot beside the JSON (`json_path` relative to docs/)."""
     if "rows" not in result:
         add_summary(result)
-    w, c = result["workload"], result["config"]
-    dtype = ",".join(c["dtype"]) if isinstance(c["dtype"], list) else c["dtype"]
-    rev = result.get("source") or {}   # bench.source_revision (runs before it have none)
-    commit = (f", commit {rev['commit'][:12]}{' with uncommitted changes' if rev.get('dirty') else ''}"
-              if rev.get("commit") else "")
-    block = (f"{TABLE_START}\n_Run {result['date']} (`results/{source}`{commit}): {w['num_prompts']} prompts × "
-             f"{w['max_new_tokens']} tokens, dtype {dtype}, {c['threads']} threads._\n\n"
-             f"{table(result)}\n{TABLE_END}")
-    text = readme.read_text()
-    pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
+    dtypes = [d for d in dtypes_of(result) if d]
+    ratios, rows = result["ratios"], {r["name"]: r for r in result.get("batch1") or []}
+    rev = result.get("source") or {}
+    commit = (f"commit {rev['commit'][:12]}{' with uncommitted changes' if rev.get('dirty') else ''}"
+              if rev.get("commit") else "commit not recorded")
+    w, c, m = result["workload"], result["config"], result["machine"]
+    offline = {d: _ok(result["phases"], f"ours_offline_{d}") for d in dtypes}
+    lines = [f"### {host_kind(result)}", "",
+             f"Run {result['date']} on {host_kind(result)} ({m['affinity_cpus']} CPUs, {c['threads']} threads), "
+             f"{commit}: {w['num_prompts']} MT-bench prompts × {w['max_new_tokens']} greedy tokens "
+             f"([`{Path(json_path).name}`]({json_path})).", "",
+             "| | " + " | ".join(dtypes) + " |", "|---|" + "---:|" * len(dtypes)]
+
+    def row(label: str, cells: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("ours offline, output tok/s", [_fmt((offline[d] or {}).get("output_tokens_per_s"), ".1f") for d in dtypes])
+    row("ours / vLLM CPU, offline (median of per-round ratios)",
+        [_fmt(ratios.get(f"ours_offline_{d}_vs_vllm_offline_{d}"), ".2f") for d in dtypes])
+    row("ours / vLLM CPU, batch-1 decode", [_fmt(ratios.get(f"ours_batch1_{d}_vs_vllm_batch1_{d}"), ".2f") for d in dtypes])
+    row("ours int8 weights / llama.cpp Q4_1, batch-1 decode",
+        [_fmt(ratios.get(f"ours_batch1_int8_{d}_vs_llamacpp_batch1"), ".2f") for d in dtypes])
+    row("ours offline / compute bound (workload FLOPs at the peak matmul rate)",
+        [_fmt(ratios.get(f"ours_offline_{d}_vs_compute_bound"), ".2f") for d in dtypes])
+    row("ours batch-1 / read-bandwidth ceiling (weight bytes a token)",
+        [_fmt((rows.get(f"ours {d}") or {}).get("fraction_of_ceiling"), ".2f") for d in dtypes])
+    bw = result.get("read_bandwidth_bytes_per_s") or read_bandwidth(result["phases"])
+    peaks = result.get("compute_bound_by_dtype") or {}
+    fma = (result.get("fma_bound") or {}).get("peak_gflops_per_s")
+    lines += ["", f"Ceilings, measured in the same run: read bandwidth {_fmt(bw['best'] and bw['best'] / 1e9, '.1f')} GB/s; "
+              + "; ".join(f"peak matmul {d} {_gflops((peaks.get(d) or {}).get('peak_gflops_per_s'))}" for d in dtypes)
+              + (f"; float32 FMA peak {_gflops(fma)}" if fma else "") + ".", "",
+              f"![{host_kind(result)}]({str(Path(json_path).with_suffix('.png'))})"]
+    return "\n".join(lines)
+
+
+def render_docs(runs: list[Path], doc: Path = PERFORMANCE) -> str:
+    """The block between the markers of `doc`: each run's section, in the order given."""
+    sections = [docs_section(json.loads(run.read_text()), os.path.relpath(run, doc.parent)) for run in runs]
+    return f"{DOCS_START}\n" + "\n\n".join(sections) + f"\n{DOCS_END}"
+
+
+def write_docs(runs: list[Path] | None = None, doc: Path = PERFORMANCE) -> None:
+    """Replace the block between the markers in `doc` with the tables of `runs` (default: the newest run of
+    each host kind in benchmarks/results)."""
+    block = render_docs(latest_per_host_kind() if runs is None else runs, doc)
+    text = doc.read_text()
+    pattern = re.compile(re.escape(DOCS_START) + ".*?" + re.escape(DOCS_END), re.S)
     if not pattern.search(text):
-        raise ValueError(f"{readme} has no {TABLE_START} ... {TABLE_END} block")
-    readme.write_text(pattern.sub(lambda _: block, text))
+        raise ValueError(f"{doc} has no {DOCS_START} ... {DOCS_END} block")
+    doc.write_text(pattern.sub(lambda _: block, text))
+
+
+# ---- the plot --------------------------------------------------------------------------------------------
+
+def _color(label: str) -> str:
+    if label.startswith("compute"):
+        return "tab:gray"
+    if "vLLM" in label:
+        return "tab:orange"
+    if "llama.cpp" in label:
+        return "tab:purple"
+    return "tab:green" if "transformers" in label else "tab:blue"
+
+
+def _bars(ax, rows: list[dict], key: str, title: str, xlabel: str) -> None:
+    """Horizontal bars of rows[i][key], a black dot per round (the bar is the median round)."""
+    bars = ax.barh([r["name"] for r in rows], [r[key] for r in rows], color=[_color(r["name"]) for r in rows])
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    for y, r in enumerate(rows):
+        rates = r.get("round_tokens_per_s") or []
+        ax.plot(rates, [y] * len(rates), "k.", markersize=5)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_title(title, fontsize=10)
 
 
 def plot(result: dict, path: Path) -> None:
-    from report_plot import plot as _plot
+    """The PNG: throughput per engine and dtype (a dot per round), batch-1 against its bandwidth ceiling, and the
+    servers' TTFT and ITL against concurrency; the four panels to `path` (matplotlib's Agg backend) to `path` (PNG, matplotlib's Agg backend)."""
+    import matplotlib
 
-    _plot(result, path)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(18, 11), gridspec_kw={"width_ratios": [2.2, 1]})
+    rows = [r for r in result["rows"] if r["output_tokens_per_s"]]
+    _bars(axes[0][0], rows, "output_tokens_per_s", "Throughput (dots: the rounds, bar: the median round)",
+          "output tokens / s")
+    b1 = [r for r in result.get("batch1") or [] if r["decode_tokens_per_s"]]
+    _bars(axes[1][0], b1, "decode_tokens_per_s", "Batch-1 decode (x: the read-bandwidth ceiling, same run)",
+          "decode tokens / s")
+    for y, r in enumerate(b1):
+        if r["ceiling_tokens_per_s"]:
+            axes[1][0].plot([r["ceiling_tokens_per_s"]], [y], "rx", markersize=9)
+    for server, label, color in (("ours_server", "ours", "tab:blue"), ("vllm_server", "vLLM", "tab:orange")):
+        levels = (_ok(result["phases"], server) or {}).get("levels", [])
+        cs = [lv["concurrency"] for lv in levels]
+        axes[0][1].plot(cs, [_p(lv["ttft_s"], "p50") for lv in levels], "o-", color=color, label=label)
+        axes[1][1].plot(cs, [_p(lv["itl_s"], "p50", 1e3) for lv in levels], "o-", color=color, label=label)
+    for ax, title in ((axes[0][1], "Servers: TTFT p50 (s)"), (axes[1][1], "Servers: ITL p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title, fontsize=10)
+        ax.legend()
+    w, m, c = result["workload"], result["machine"], result["config"]
+    cpu = m["cpu"]["model"] if isinstance(m.get("cpu"), dict) else m.get("cpu")
+    dtype = ",".join(c["dtype"]) if isinstance(c["dtype"], list) else c["dtype"]
+    fig.suptitle(f"{w['num_prompts']} MT-bench prompts × {w['max_new_tokens']} greedy tokens (EOS ignored), dtype "
+                 f"{dtype}; {cpu}, {m['affinity_cpus']} CPUs, {c['threads']} threads, {result['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write-docs", action="store_true",
+                   help="replace docs/performance.md's tables with the newest run of each host kind in benchmarks/results")
+    p.add_argument("runs", nargs="*", type=Path, help="result JSONs to print the table of (default: none)")
+    args = p.parse_args(argv)
+    for run in args.runs:
+        result = json.loads(run.read_text())
+        if "rows" not in result:
+            add_summary(result)
+        print(table(result))
+    if args.write_docs:
+        write_docs()
+        print(f"updated {PERFORMANCE}")
+    elif not args.runs:
+        p.error("nothing to do: give --write-docs or a result JSON")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

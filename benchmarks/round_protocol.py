@@ -1,7 +1,8 @@
 """The offline workers' side of the rounds protocol: announce ready, run one round per command, a file per round.
 
 Owns the wire between a long-lived offline worker (workers.py ours-offline, vllm_worker.py) and
-bench.py's driver (offline_rounds.py), and which round a worker's top-level figures come from.
+bench.py's driver (offline_rounds.py), which round a worker's top-level figures come from, and the latency
+percentiles (TTFT, ITL) every process reports.
 Commands are lines on the worker's stdin and results are JSON files in its control directory, so
 nothing an engine prints on stdout/stderr can break it. Plain Python: both venvs import it.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -89,7 +91,7 @@ def median_round(rounds: list[dict]) -> dict:
 
 def summarize(rounds: list[dict]) -> dict:
     """A worker's round fields for its final JSON: the median round's fields at the top level (report.py
-    and the README table read those), which round that was, every round, and the first round's token ids
+    and its tables read those), which round that was, every round, and the first round's token ids
     (the greedy-agreement check). Raises ValueError when no round was run."""
     if not rounds:
         raise ValueError("'finish' before any 'run K': no round to report")
@@ -99,3 +101,18 @@ def summarize(rounds: list[dict]) -> dict:
     top = {k: v for k, v in median.items() if k not in ROUND_ONLY_KEYS}
     return {**top, "median_round": median["round"], "num_rounds": len(rounds), "rounds": rounds,
             "output_token_ids": ids}
+
+
+def percentiles(values: list[float]) -> dict | None:
+    """mean, p50, p90, p99, min, max of `values` (linear interpolation between ranks); None when empty."""
+    if not values:
+        return None
+    values = sorted(values)
+
+    def pct(p: float) -> float:
+        k = (len(values) - 1) * p
+        lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+        return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+    return {"n": len(values), "mean": statistics.fmean(values), "p50": pct(0.5), "p90": pct(0.9),
+            "p99": pct(0.99), "min": values[0], "max": values[-1]}

@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from preload import mapped_in  # noqa: E402
-from round_protocol import serve, summarize  # noqa: E402
-from stats import percentiles  # noqa: E402
+from peers import mapped_in  # noqa: E402
+from round_protocol import percentiles, serve, summarize  # noqa: E402
 from workload import Workload  # noqa: E402
 
 

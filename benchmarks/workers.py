@@ -20,14 +20,12 @@ from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_protocol import READY, serve, summarize, write_json  # noqa: E402
+from round_protocol import READY, percentiles, serve, summarize, write_json  # noqa: E402
 from workload import REPO, Workload  # noqa: E402
 
 
 def latency_stats(token_times: dict[str, list[float]], start: float) -> dict:
     """TTFT per request (start -> first token) and pooled ITL (gaps between a request's tokens), seconds."""
-    from stats import percentiles
-
     ttft = [times[0] - start for times in token_times.values() if times]
     gaps = [b - a for times in token_times.values() for a, b in pairwise(times)]
     return {"ttft_s": percentiles(ttft), "itl_s": percentiles(gaps)}
@@ -188,10 +186,10 @@ def ours_batch1(args, workload: Workload) -> dict | None:
 
 
 def read_probe_before_round(threads: int, scratch: Path) -> dict:
-    """The read bandwidth of this minute (probes.read_bandwidth, 3 passes of its default buffer, the same
+    """The read bandwidth of this minute (host.read_bandwidth, 3 passes of its default buffer, the same
     threads), taken just before a batch-1 round so that its ceiling is the round's own: the host's bandwidth
     moved 2x between one run's start and end probes. {"read_bytes_per_s": B/s} or {"read_probe_skipped": why}."""
-    from probes import read_bandwidth
+    from host import read_bandwidth
 
     try:
         return {"read_bytes_per_s": read_bandwidth(threads, None, 3, scratch)["best_bytes_per_s"]}
@@ -336,11 +334,11 @@ def grammar_backend() -> str:
 # ---------------------------------------------------------------- the machine's ceilings
 
 def peak(args, workload: Workload) -> dict:
-    """The probes of probes.py: peak matmul FLOP/s in each of --dtypes (the first one's also at the top
+    """The probes of host.py: peak matmul FLOP/s in each of --dtypes (the first one's also at the top
     level, as older results had it), the memory read bandwidth and the cores' peak float32 FMA rate (each
     or why it could not be measured)."""
     import torch
-    from probes import fma_peak, peak_matmul, read_bandwidth
+    from host import fma_peak, peak_matmul, read_bandwidth
 
     config = json.loads((Path(workload.model) / "config.json").read_text())
     decode_shape = (64, config["hidden_size"], config["intermediate_size"])

@@ -160,3 +160,13 @@ def weight_bytes_per_token(config: dict, weights: str) -> dict:
     scale_bytes = 4 * rows if weights == "int8" else 0
     return {"weights": weights, "params": params, "bytes": params * WEIGHT_BYTES[weights] + scale_bytes,
             "scale_bytes": scale_bytes}
+
+
+def bench_engine(model: str, dtype: str, threads: int, quantize: str | None = None):
+    """An Engine with the benchmark's offline settings (64 sequences, 2048 tokens a step, 1 GiB of KV cache)."""
+    from lmi_handler.config import EngineConfig
+    from lmi_handler.engine.engine import Engine
+
+    return Engine(EngineConfig(model_path=model, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], device_id=-1,
+                               max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None, block_size=16,
+                               kv_cache_bytes=1 << 30, num_threads=threads, quantize=quantize))

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -250,24 +249,7 @@ def test_every_dialect_has_its_error_shape_and_every_shape_its_formatters():
         assert "boom" in json.dumps(body) and isinstance(body["error"], (str, dict))
 
 
-# ---- benchmarks/results keeps what is cited; the narrative is benchmarks/README.md's ------------------
-
-def test_benchmark_results_hold_the_latest_run_and_the_runs_the_readme_cites_and_nothing_else():
-    narrative = (REPO / "benchmarks" / "README.md").read_text()
-    kept = _committed("benchmarks/results")       # a local run's files (bench-smoke-*, tmp-*/) are ignored by git
-    runs = {Path(p).stem for p in kept if p.endswith(".json")}
-    cited = set(re.findall(r"results/((?:bench|soak|storm|fixed-costs|quality)-[0-9-]+(?:-[a-z0-9-]+)?)\.json", narrative))
-    latest = max(run for run in runs if run.startswith("bench-"))     # the others are kept only if cited
-    assert cited <= runs, f"cited but missing: {sorted(cited - runs)}"
-    assert runs == cited | {latest}, f"kept but not cited: {sorted(runs - cited - {latest})}"
-    assert sorted(kept) == sorted(f"benchmarks/results/{run}.{ext}" for run in runs for ext in ("json", "png"))
-
-
-def _committed(folder: str) -> list[str]:
-    """The files git tracks under `folder` (the repository's, not a local run's)."""
-    listed = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True, check=True)
-    return listed.stdout.split()
-
+# ---- the benchmark narrative is not README's (benchmarks/results: tests/benchmarks/test_bench_tool.py) ---------
 
 def test_the_readme_cites_no_benchmark_run_and_links_the_performance_page():
     readme = (REPO / "README.md").read_text()

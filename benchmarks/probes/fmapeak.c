@@ -5,10 +5,10 @@
  *
  * The vectors are as wide as the build's widest float unit (64 bytes with AVX-512, else 32), ACC chains
  * enough to cover the FMA latency on both pipes of current x86 cores. It is the ceiling a float32 GEMM can
- * approach (2 FLOPs per lane per FMA); a library matmul (probes.py peak_matmul) may stay well below it.
+ * approach (2 FLOPs per lane per FMA); a library matmul (host.py peak_matmul) may stay well below it.
  * Prints one JSON object on stdout: the best rate over all threads in FLOP/s, per pass the seconds and the
  * least CPU time any thread got over the pass's wall time (below about 0.9: the threads were descheduled).
- * Built and run by benchmarks/probes.py.
+ * Built and run by benchmarks/host.py.
  */
 #define _GNU_SOURCE
 #include <omp.h>

@@ -7,7 +7,7 @@
  * slice (its pages land on that thread's NUMA node). The sum of every word is printed, so the compiler
  * cannot drop the loads. Each pass also records the least CPU time any thread got over the pass's wall
  * time ("cpu_fraction"): below about 0.9 the threads were descheduled (a busy machine) and the figure is
- * the machine's share, not its bandwidth. Built and run by benchmarks/probes.py.
+ * the machine's share, not its bandwidth. Built and run by benchmarks/host.py.
  */
 #define _GNU_SOURCE
 #include <omp.h>

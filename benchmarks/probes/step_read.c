@@ -5,7 +5,7 @@
  * and median of SWEEPS sweeps. The same read as probes/linears_read.c (which hard-codes the demo model's bf16
  * layer shapes and prints text) for any shapes, with the lm_head, as one JSON object on stdout: what streaming
  * the weights costs before any arithmetic, the floor under a batch-1 step's weight stream
- * (benchmarks/profile_fixed_costs.py runs it each round beside the read probe).
+ * (benchmarks/profiling.py fixed-costs runs it each round beside the read probe).
  *
  *     step_read SWEEPS LAYERS TAIL SIZE...      (threads from OMP_NUM_THREADS)
  *

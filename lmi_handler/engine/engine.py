@@ -28,7 +28,7 @@ from lmi_handler.engine.output_processor import (
     plan_prompt_logprobs,
 )
 from lmi_handler.engine.parallel.launch import start_runner
-from lmi_handler.engine.precision import Precision, checkpoint_dtype, resolve_precision
+from lmi_handler.engine.precision import pick_device, pick_precision
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, random_seed
@@ -57,24 +57,6 @@ class RequestTooLong(RequestRejected):
         super().__init__(field, message)
         self.num_prompt_tokens, self.max_new_tokens = num_prompt_tokens, max_new_tokens
         self.limit, self.limit_name = limit, limit_name
-
-
-def pick_device(device_id: int) -> torch.device:
-    """cuda:device_id (cuda:0 for -1) when CUDA is present, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device(f"cuda:{max(device_id, 0)}")
-    return torch.device("cpu")
-
-
-def pick_precision(config: EngineConfig, device: torch.device) -> Precision:
-    """option.dtype and option.quantize for this checkpoint on this device (precision.resolve_precision).
-    Raises: ConfigError naming option.quantize when the engine cannot serve it."""
-    from lmi_handler.engine.model.kernels import cpu_kernels
-    from lmi_handler.engine.model.kernels.build import native_bf16_cpu
-
-    return resolve_precision(config.dtype, config.quantize, checkpoint_dtype(config.model_path), device,
-                             native_bf16=device.type == "cpu" and native_bf16_cpu(),
-                             kernels_built=lambda: cpu_kernels() is not None)
 
 
 class Engine:

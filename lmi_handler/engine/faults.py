@@ -3,7 +3,7 @@
 Owns StepGuard (one engine step; a failure ends only the sequences it can be pinned to, and it decides
 whether the engine can still generate at all: the state is engine/health.py's) and the fault-injection
 switch (`option.fault_injection`). The engine itself is unchanged: the guard drives Engine.step / Engine.abort
-and parks sequences by moving them out of the scheduler's queues. What a dead engine means to clients
+and parks sequences through the scheduler's own `park` / `restore`. What a dead engine means to clients
 (503s, exiting for the supervisor) is the front end's.
 
 Rules of isolation (issue 8, "Faults"):
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from lmi_handler.engine.health import EngineDead, EngineFatal, EngineHealth, fatal_reason
+from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -219,17 +219,11 @@ class StepGuard:
     def _parked(self, seqs: list[Sequence]) -> Iterator[None]:
         """Take `seqs` out of the running queue and hold the waiting queue back; both come back after."""
         scheduler = self.engine.scheduler
-        order = {id(seq): i for i, seq in enumerate(scheduler.running)}
-        ids = {id(seq) for seq in seqs}
-        parked = [seq for seq in scheduler.running if id(seq) in ids]
-        scheduler.running[:] = [seq for seq in scheduler.running if id(seq) not in ids]
-        waiting, scheduler.waiting = scheduler.waiting, deque()
+        parked = scheduler.park(seqs)
         try:
             yield
         finally:
-            back = [seq for seq in parked if seq.status is SequenceStatus.RUNNING]
-            scheduler.running[:] = sorted(scheduler.running + back, key=lambda s: order.get(id(s), len(order)))
-            scheduler.waiting.extend(waiting)   # preempted during the step first, then the held-back ones
+            scheduler.restore(parked)
 
     def _fail(self, request_ids: list[str], message: str) -> dict[str, str]:
         for request_id in request_ids:
@@ -325,7 +319,7 @@ class FaultRule:
 class FaultInjector:
     """Makes the engine step fail for the sequences the rules pick, every time they reach that stage.
 
-    Installed over `engine.scheduler.schedule`: right after scheduling (blocks reserved, before the
+    One of the scheduler's `fault_hooks`: right after scheduling (blocks reserved, before the
     forward pass) it raises InjectedFault (or SequenceFault for pinned rules) when a scheduled sequence
     matches, so the error surfaces inside Engine.step as a model failure would. Once a `broken` or `cuda`
     rule has hit, every step that schedules anything raises (`broken_by` says which request broke it).
@@ -336,11 +330,9 @@ class FaultInjector:
         self.rules = rules
         self.prompts: dict[str, tuple[Sequence, str]] = {}   # request id -> (its sequence, prompt text)
         self.broken_by: tuple[FaultRule, str] | None = None  # (the rule, its request id) once broken
-        self.schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = self._schedule
+        engine.scheduler.fault_hooks.append(self._check)
 
-    def _schedule(self):
-        out = self.schedule()
+    def _check(self, out: SchedulerOutput) -> None:
         for seq in out.seqs:
             if seq.request_id.startswith(PROBE_ID_PREFIX):   # the guard's probe is nobody's request
                 continue
@@ -359,7 +351,6 @@ class FaultInjector:
                 raise RuntimeError(INJECTED_CUDA_ERROR)
             raise InjectedFault(f"injected fault: the engine is broken for good (since request {request_id}'s "
                                 f"{rule.stage})")
-        return out
 
     def _prompt_text(self, seq: Sequence) -> str:
         known = self.prompts.get(seq.request_id)

@@ -1,8 +1,9 @@
 """Which dtype a model runs in and whether its weights are quantized: option.dtype and option.quantize
 turned into one decision, with the sentence the engine logs about it.
 
-Owns the rules (vLLM's where users expect them) and reading the checkpoint's dtype; leaves the
-kernels to model/ and building the runner to engine.py.
+Owns the rules (vLLM's where users expect them), reading the checkpoint's dtype, and the device and
+precision an EngineConfig gets (pick_device, pick_precision: engine.py and parallel/launch.py both take
+them from here); leaves the kernels to model/ and building the runner to engine.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from lmi_handler.config import ConfigError
+from lmi_handler.config import ConfigError, EngineConfig
 
 QUANTIZE_KINDS = ("int8",)    # option.quantize values the engine serves (None: the checkpoint's weights)
 
@@ -122,3 +123,21 @@ def _why_slow_bf16(native_bf16: bool) -> str:
 
 def _name(dtype: torch.dtype | None) -> str:
     return "of unknown dtype" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def pick_device(device_id: int) -> torch.device:
+    """cuda:device_id (cuda:0 for -1) when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{max(device_id, 0)}")
+    return torch.device("cpu")
+
+
+def pick_precision(config: EngineConfig, device: torch.device) -> Precision:
+    """option.dtype and option.quantize for this checkpoint on this device (precision.resolve_precision).
+    Raises: ConfigError naming option.quantize when the engine cannot serve it."""
+    from lmi_handler.engine.model.kernels import cpu_kernels
+    from lmi_handler.engine.model.kernels.build import native_bf16_cpu
+
+    return resolve_precision(config.dtype, config.quantize, checkpoint_dtype(config.model_path), device,
+                             native_bf16=device.type == "cpu" and native_bf16_cpu(),
+                             kernels_built=lambda: cpu_kernels() is not None)

@@ -6,6 +6,7 @@ hits, recompute preemption); it never sees a tensor: the model runner turns its 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from lmi_handler.engine.kv_cache import BlockAllocator, BlockHash, extend_block_hashes, num_blocks_needed
@@ -45,6 +46,15 @@ class SchedulerOutput:
         return not self.seqs
 
 
+@dataclass
+class Parked:
+    """What `Scheduler.park` set aside: running sequences in their queue order, and the whole waiting queue."""
+
+    running: list[Sequence]
+    order: dict[int, int]              # id(seq) -> its index in the running queue when parked
+    waiting: deque[Sequence]
+
+
 class Scheduler:
     """vLLM-v1-style token-budget scheduler: running sequences first, then waiting ones in FIFO order.
 
@@ -77,6 +87,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._copies: list[tuple[int, int]] = []
+        # Each called, in order, with each step's work once scheduled (blocks reserved, before the forward
+        # pass); what one raises surfaces inside Engine.step as a model failure would (faults.FaultInjector).
+        self.fault_hooks: list[Callable[[SchedulerOutput], None]] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -99,7 +112,29 @@ class Scheduler:
             budget = self._schedule_waiting(out, budget)
         self._schedule_running(out, budget, prefill=True)
         out.blocks_to_copy, self._copies = self._copies, []
+        for hook in self.fault_hooks:
+            hook(out)
         return out
+
+    def park(self, seqs: Iterable[Sequence]) -> Parked:
+        """Set `seqs` (those of them running) aside and hold the whole waiting queue back, so the next
+        steps see only the other running sequences (engine/faults.py steps a batch without its suspects).
+        Nothing is freed: a parked sequence keeps its blocks. `restore` puts them back."""
+        ids = {id(seq) for seq in seqs}
+        parked = Parked([seq for seq in self.running if id(seq) in ids],
+                        {id(seq): i for i, seq in enumerate(self.running)}, self.waiting)
+        self.running[:] = [seq for seq in self.running if id(seq) not in ids]
+        self.waiting = deque()
+        return parked
+
+    def restore(self, parked: Parked) -> None:
+        """Undo `park`: the parked sequences still running rejoin the running queue in their old order
+        (one admitted meanwhile goes last); the held-back waiting queue goes behind any sequence
+        preempted meanwhile. A parked sequence that finished meanwhile (aborted) stays out."""
+        back = [seq for seq in parked.running if seq.status is SequenceStatus.RUNNING]
+        last = len(parked.order)
+        self.running[:] = sorted(self.running + back, key=lambda s: parked.order.get(id(s), last))
+        self.waiting.extend(parked.waiting)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: bool) -> int:
         """Schedule the running sequences in decode (prefill=False) or in chunked prefill (True)."""

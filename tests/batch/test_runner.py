@@ -165,10 +165,8 @@ def test_constrained_and_beam_lines_are_enforced_and_a_bad_constraint_fails_alon
 def inject_faults(service):
     """Install option.fault_injection rules on the session engine's scheduler (engine/faults.py); taken off, and
     every sequence dropped, after the test. Runners made meanwhile get a fresh StepGuard (and health) of their own."""
-    scheduler = service.engine.scheduler
-    schedule = scheduler.schedule
     yield lambda rules: FaultInjector(service.engine, FaultRule.parse_all(rules))
-    scheduler.schedule = schedule
+    service.engine.scheduler.fault_hooks.clear()
     service.engine.abort_all()
 
 

@@ -26,7 +26,6 @@ import bench  # noqa: E402
     (["--kv-cache-gib", "-1"], "--kv-cache-gib -1.0: must be > 0"),
     (["--skip", "hf,hff"], "--skip hff: unknown phase"),
     (["--offline-rounds", "0"], "--offline-rounds 0: at least 1"),
-    (["--readme-from", "/no/such/result.json"], "no such file"),
     (["--with", "vllm"], "--with only applies to --smoke"),
     (["--dtype", "fp8"], "argument --dtype: 'fp8': unknown dtype; one or more of fp32, bf16"),
     (["--dtype", ","], "argument --dtype: empty: one or more of fp32, bf16"),

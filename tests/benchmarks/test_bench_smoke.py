@@ -79,13 +79,13 @@ def _batch_command_exists() -> bool:
 
 
 def _llamacpp_ready() -> bool:
-    import llamacpp_peer
+    import peers
 
-    return llamacpp_peer.is_ready()
+    return peers.llamacpp_ready()
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_path):
+def test_smoke_run_writes_every_phase_a_plot_and_a_performance_table(model_dir, tmp_path):
     run_benchmark("bench.py", "--smoke", "--out-dir", str(tmp_path), timeout_s=1200)
     (json_path,) = tmp_path.glob("bench-smoke-*.json")
     (png_path,) = tmp_path.glob("bench-smoke-*.png")
@@ -174,12 +174,15 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_readme_table(model_dir, tmp_p
     assert machine["before"]["loadavg_1_5_15"] and machine["cpu"]["model"] and machine["mem_total_bytes"] > 0
     assert isinstance(machine["cpu"]["flags_of_interest"], list) and result["rows"] and "ratios" in result
 
-    readme = tmp_path / "README.md"
-    shutil.copy(REPO / "benchmarks" / "README.md", readme)
-    before = readme.read_text()
-    report.write_readme(result, json_path.name, readme)
-    after = readme.read_text()
-    head = before.split(report.TABLE_START)[0]
-    assert after.startswith(head) and json_path.name in after and "| ours offline fp32 (default" in after
-    assert "| ours | JSON schema |" in after and "| ours | unconstrained |" in after
-    assert "| ours bf16 | bf16 |" in after and after.count(report.TABLE_START) == 1 and after.count(report.TABLE_END) == 1
+    doc = tmp_path / "performance.md"
+    shutil.copy(REPO / "docs" / "performance.md", doc)
+    before = doc.read_text()
+    report.write_docs([json_path], doc)
+    after = doc.read_text()
+    assert after.startswith(before.split(report.DOCS_START)[0]) and json_path.name in after
+    assert after.count(report.DOCS_START) == 1 and after.count(report.DOCS_END) == 1
+    assert "| ours / vLLM CPU, offline (median of per-round ratios) | – | – |" in after   # --smoke: no vLLM
+    assert f"{json_path.stem}.png" in after
+    text = report.table(result)
+    assert "| ours offline fp32 (default" in text and "| ours | JSON schema |" in text
+    assert "| ours | unconstrained |" in text and "| ours bf16 | bf16 |" in text

@@ -1,4 +1,4 @@
-"""benchmarks/host.py and probes.py: the host record (cpuinfo, meminfo, sysfs on temp trees), the CPUs vLLM's
+"""benchmarks/host.py: the host record (cpuinfo, meminfo, sysfs on temp trees), the CPUs vLLM's
 threads are bound to, and the read-bandwidth probe on a small buffer."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import host  # noqa: E402
-import probes  # noqa: E402
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -89,14 +88,14 @@ def test_omp_binding_takes_cpus_this_process_may_use():
 
 
 def test_the_bandwidth_buffer_is_past_the_last_level_cache_and_within_memory():
-    assert probes.default_buffer_bytes(260 << 20, 64 << 30) == 1040 << 20
-    assert probes.default_buffer_bytes(None, None) == 1 << 30
-    assert probes.default_buffer_bytes(64 << 20, 2 << 30) == 512 << 20  # a quarter of what is available
+    assert host.default_buffer_bytes(260 << 20, 64 << 30) == 1040 << 20
+    assert host.default_buffer_bytes(None, None) == 1 << 30
+    assert host.default_buffer_bytes(64 << 20, 2 << 30) == 512 << 20  # a quarter of what is available
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_the_read_bandwidth_probe_builds_and_reports_every_pass(tmp_path):
-    result = probes.read_bandwidth(1, 8 << 20, 3, tmp_path)
+    result = host.read_bandwidth(1, 8 << 20, 3, tmp_path)
     assert result["bytes"] == 8 << 20 and result["threads"] == 1 and len(result["seconds"]) == 3
     assert result["best_s"] == min(result["seconds"]) > 0
     assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
@@ -106,15 +105,15 @@ def test_the_read_bandwidth_probe_builds_and_reports_every_pass(tmp_path):
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_a_probe_is_compiled_once_per_source_and_reused_by_later_rounds(tmp_path):
-    first = probes.build_probe(tmp_path, probes.MEMBW_SOURCE)
+    first = host.build_probe(tmp_path, host.MEMBW_SOURCE)
     built_at = first.stat().st_mtime_ns
-    assert probes.build_probe(tmp_path, probes.MEMBW_SOURCE) == first and first.stat().st_mtime_ns == built_at
-    probes.read_bandwidth(1, 8 << 20, 1, tmp_path)          # a round's probe: no second binary, no rebuild
+    assert host.build_probe(tmp_path, host.MEMBW_SOURCE) == first and first.stat().st_mtime_ns == built_at
+    host.read_bandwidth(1, 8 << 20, 1, tmp_path)          # a round's probe: no second binary, no rebuild
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name] and first.stat().st_mtime_ns == built_at
-    edited = tmp_path / "src" / probes.MEMBW_SOURCE.name       # another source text: a binary of its own
+    edited = tmp_path / "src" / host.MEMBW_SOURCE.name       # another source text: a binary of its own
     edited.parent.mkdir()
-    edited.write_text(probes.MEMBW_SOURCE.read_text() + "\n/* edited */\n")
-    other = probes.build_probe(tmp_path, edited)
+    edited.write_text(host.MEMBW_SOURCE.read_text() + "\n/* edited */\n")
+    other = host.build_probe(tmp_path, edited)
     assert other != first and other.is_file() and first.is_file()
 
 
@@ -127,19 +126,19 @@ def test_the_step_read_probe_reads_the_bytes_a_decode_step_streams_in_one_region
     layers, layer, lm_head = step_linears(config)
     for dtype, size in (("bf16", 2), ("fp32", 4)):
         sizes = [rows * cols * size for rows, cols in layer]
-        result = probes.step_read(2, layers, sizes, lm_head[0] * lm_head[1] * size, 3, tmp_path)
+        result = host.step_read(2, layers, sizes, lm_head[0] * lm_head[1] * size, 3, tmp_path)
         assert result["bytes"] == weight_bytes_per_token(config, dtype)["bytes"]   # every linear and the lm_head
         assert result["regions"] == 4 * 3 + 1 and result["sweeps"] == 3 and result["threads"] == 2
         assert 0 < result["best_s"] <= result["median_s"]
         assert result["best_bytes_per_s"] == pytest.approx(result["bytes"] / result["best_s"], rel=1e-3)
         assert result["bound_cpus"] and "sink" not in result
     with pytest.raises(RuntimeError, match="step_read exit code 2"):   # the probe refuses a model of no layers
-        probes.step_read(1, 0, [64], 64, 1, tmp_path)
+        host.step_read(1, 0, [64], 64, 1, tmp_path)
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_the_fma_peak_probe_counts_two_flops_per_lane_per_fma_and_reports_every_pass(tmp_path):
-    result = probes.fma_peak(1, tmp_path, iters=2_000_000, repeats=3)
+    result = host.fma_peak(1, tmp_path, iters=2_000_000, repeats=3)
     assert result["threads"] == 1 and result["lanes"] in (8, 16) and len(result["seconds"]) == 3
     flops = 2 * result["lanes"] * result["chains"] * result["iters"] * result["threads"]
     assert result["best_flops_per_s"] == pytest.approx(flops / min(result["seconds"]), rel=1e-3)

@@ -1,5 +1,5 @@
 """benchmarks/report.py on hand-made results: per-dtype rows and ratios, batch-1 against the same run's
-bandwidth ceiling, the llama.cpp row and ratio, and the README block (no engine runs here)."""
+bandwidth ceiling, the llama.cpp row and ratio, docs/performance.md's tables (no engine runs here)."""
 from __future__ import annotations
 
 import json
@@ -136,28 +136,36 @@ def test_the_table_shows_both_dtypes_batch1_ceilings_the_host_and_what_was_prelo
     assert "flags avx512_bf16" in text
     assert "vLLM LD_PRELOAD: /usr/lib/libtcmalloc_minimal.so.4 (not preloaded: iomp5: no libiomp5.so)" in text
     assert "Skipped ours_batch1_int8_fp32: option.quantize=int8: not supported by this engine build" in text
-    readme = tmp_path / "README.md"
-    readme.write_text(f"head\n{report.TABLE_START}\nold\n{report.TABLE_END}\ntail\n")
-    report.write_readme(result, "bench-x.json", readme)
-    out = readme.read_text()
-    assert out.startswith("head\n") and out.endswith("tail\n") and "dtype fp32,bf16, 2 threads" in out
-    assert "(`results/bench-x.json`):" in out     # no source recorded (runs before bench.source_revision)
+    run = tmp_path / "results" / "bench-x.json"
+    run.parent.mkdir()
+    run.write_text(json.dumps(result))
+    doc = tmp_path / "docs" / "performance.md"
+    doc.parent.mkdir()
+    doc.write_text(f"head\n{report.DOCS_START}\nold\n{report.DOCS_END}\ntail\n")
+    report.write_docs([run], doc)
+    out = doc.read_text()
+    assert out.startswith("head\n") and out.endswith("tail\n") and "### Test CPU, family 25 model 17" in out
+    assert "commit not recorded" in out and "([`bench-x.json`](../results/bench-x.json))" in out
+    assert "| ours / vLLM CPU, offline (median of per-round ratios) | 1.10 | 1.10 |" in out
+    assert "| ours int8 weights / llama.cpp Q4_1, batch-1 decode | – | 2.00 |" in out
+    assert "| ours batch-1 / read-bandwidth ceiling (weight bytes a token) | 0.80 | 0.80 |" in out
+    assert "Ceilings, measured in the same run: read bandwidth 25.0 GB/s; peak matmul fp32 100 GFLOP/s; peak matmul bf16 –." in out
+    assert "![Test CPU, family 25 model 17](../results/bench-x.png)" in out
     result["source"] = {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True}
-    report.write_readme(result, "bench-x.json", readme)
-    assert "(`results/bench-x.json`, commit 0123456789ab with uncommitted changes):" in readme.read_text()
+    run.write_text(json.dumps(result))
+    report.write_docs([run], doc)
+    assert "commit 0123456789ab with uncommitted changes" in doc.read_text()
     report.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_an_older_single_dtype_result_still_renders():
-    old = REPO / "benchmarks" / "results" / "bench-2026-12-01-1635.json"
-    if not old.is_file():
-        pytest.skip("the older result file was pruned")
+def test_an_older_single_dtype_result_still_renders_and_names_no_host_kind():
+    old = REPO / "tests" / "benchmarks" / "data" / "bench-single-dtype.json"   # a run from before the dtype loop
     result = json.loads(old.read_text())
     report.add_summary(result)
     text = report.table(result)
-    assert "| ours offline (default, batch-invariant) | 178.2 |" in text
-    assert "| ours | fp32 | 32.4 | – | – | – |" in text and "hf 64/64" in text
+    assert "| ours offline (default, batch-invariant) | 164.4 |" in text and "Skipped hf: --skip" in text
+    assert report.latest_per_host_kind(old.parent) == []   # no CPU family recorded: not any host kind's run
 
 
 def test_weight_bytes_per_token_count_every_matrix_once_and_int8_adds_a_scale_per_row(model_dir):

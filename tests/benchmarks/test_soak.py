@@ -11,7 +11,7 @@ import pytest
 from tests.benchmarks.helpers import REPO, run_benchmark
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from soak_report import SERIES, growth
+from soak import SERIES, growth
 from soak_traffic import ROUTES, Answer, judge, parse_stream
 
 

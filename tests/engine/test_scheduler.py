@@ -1,6 +1,8 @@
 """Scheduler invariants on toy sizes: token budget, batch size, KV blocks, recompute preemption, prefix caching."""
 import random
 
+import pytest
+
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -322,3 +324,63 @@ def test_random_workloads_with_shared_prefixes_keep_block_and_cache_accounting_e
         assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_used_blocks == 0
         assert alloc.num_evictable_blocks == alloc.num_cached_blocks
         assert alloc.prefix_cache_stats.num_hit_tokens > 0, f"seed {seed}: the workload never hit the cache"
+
+
+def test_park_sets_sequences_aside_with_their_blocks_and_restore_brings_them_back_in_order():
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    seqs = [make_seq(i, 6) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)                                   # all three running, prompts computed
+    late = make_seq(3, 5)
+    sched.add(late)                                   # waiting
+    tables = [list(s.block_table) for s in seqs]
+
+    parked = sched.park([seqs[0], seqs[2]])
+    assert sched.running == [seqs[1]] and list(sched.waiting) == []
+    assert [s.block_table for s in seqs] == tables    # parked, not freed
+    assert run_step(sched) == [seqs[1]]               # the step sees only what is left, admits nobody
+    sched.restore(parked)
+    assert sched.running == seqs and list(sched.waiting) == [late]
+    check_invariants(sched, alloc)
+    assert run_step(sched) == [*seqs, late]
+
+
+def test_restore_leaves_out_a_parked_sequence_that_finished_and_keeps_one_preempted_meanwhile_first():
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    seqs = [make_seq(i, 6) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)
+    held = make_seq(3, 5)
+    sched.add(held)
+    parked = sched.park([seqs[0]])
+    sched.finish(seqs[0])                             # aborted while parked
+    sched._preempt(seqs[2])                           # preempted by a step while the others were parked
+    sched.restore(parked)
+    assert sched.running == [seqs[1]] and list(sched.waiting) == [seqs[2], held]
+    assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].block_table == []
+    check_invariants(sched, alloc)
+
+
+def test_fault_hooks_see_each_steps_work_in_order_and_what_one_raises_leaves_the_queues_as_scheduled():
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
+    seen = []
+    sched.fault_hooks.append(lambda out: seen.append([s.request_id for s in out.seqs]))
+    sched.add(make_seq(0, 6))
+    run_step(sched)
+    assert seen == [["r0"]]
+
+    def fail(out):
+        raise RuntimeError("boom")
+
+    sched.fault_hooks.append(fail)
+    sched.add(make_seq(1, 6))
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.schedule()
+    assert seen == [["r0"], ["r0", "r1"]]                          # in order: the first hook ran, then the second
+    assert [s.request_id for s in sched.running] == ["r0", "r1"]   # admitted, blocks reserved, as a failed step leaves it
+    check_invariants(sched, alloc)

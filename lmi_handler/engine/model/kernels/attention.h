@@ -111,7 +111,7 @@ template <> inline Vec load_vec<bf16>(const bf16* p) { return Vec::load_bf16(p);
 // float32 2.75 -> 2.39 ms a layer, bfloat16 2.32 -> 1.91 (the rest is mostly reading K/V). Then the
 // key loop of score_group16 unrolled to sixteen register accumulators, the sums placed by one permute,
 // the softmax weights rounded to bf16 in exp's pass and the first value block prefetched during the
-// last key block (benchmarks/ab_attention.py, 64 rows x 112-240 keys, old and new interleaved, bitwise
+// last key block (benchmarks/ab.py attention, 64 rows x 112-240 keys, old and new interleaved, bitwise
 // equal): old/new 1.10-1.24 in bfloat16 and 1.07-1.32 in float32 over two runs at 1 and 2 threads. A score s[h * ld + t] is one dot chain over d (vector lanes, lanes summed
 // in a fixed order, scalar tail), an output lane one FMA chain over t in order from zero, stored and
 // reloaded between blocks (exact): the same operations whatever else is in the batch.
@@ -241,9 +241,9 @@ inline float score_group16(const float* q, const T* krows, int64_t row_stride, i
 // 18-20 instead of 13-15 in bfloat16, 2 threads, AMD EPYC Zen 5. (A row split by KV head, batch 1, has one
 // weighted sum a block, so its value prefetch is one share: 64 lines in float32, within the misses it can hold.)
 // The block after the next goes to L2 in the same shares (LEVEL 2: its misses wait in L2's buffers, not
-// L1's): measured (ab_attention.py, 12 interleaved rounds, 2 threads) 1.17-1.18x the K/V rate in bfloat16,
+// L1's): measured (ab.py attention, 12 interleaved rounds, 2 threads) 1.17-1.18x the K/V rate in bfloat16,
 // 1.04-1.05x in float32; three blocks ahead gave the same (AMD Zen 5). float32 sends the block three ahead to L2
-// as well (FAR_BLOCKS in attend_row): on AMD Zen 4 (ab_attention.py, 10 rounds) 1.13x the K/V rate, where four
+// as well (FAR_BLOCKS in attend_row): on AMD Zen 4 (ab.py attention, 10 rounds) 1.13x the K/V rate, where four
 // ahead gave 1.10-1.12x and six 1.05x (too many prefetches in flight stall the loop); bfloat16 gained nothing
 // from three or four (0.97-1.00x) and keeps two.
 template <int LEVEL = 1, class T>

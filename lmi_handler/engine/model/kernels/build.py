@@ -167,7 +167,7 @@ def bf16_dot_form() -> int:
     - BF16_FMA (0): two FMAs per pair on widened values (any CPU).
 
     choose_bf16_dot overrides the choice ("fma", "native", "amx"). Measured, one core or two, wall
-    clock (benchmarks/README.md, benchmarks/bench_kernels.py):
+    clock (benchmarks/README.md, benchmarks/profiling.py kernels):
       Intel Xeon with AMX (2 cores): AMX tiles 670-1100 GFLOP/s at 64 and 512 rows on the demo model's
         linears against about 195 for VDPBF16PS (oneDNN's bf16 matmul, also AMX: 690-1345).
       Intel Xeon (AVX512_BF16, no AMX): VDPBF16PS zmm retires 0.5 per cycle (16 multiply-adds a cycle)
@@ -190,7 +190,7 @@ def choose_bf16_dot(mode: str) -> None:
     conditions hold and it times faster, else the FMA form), "fma" (always the FMA form), "native"
     (VDPBF16PS where the CPU has it and it gives the documented bits, without timing) or "amx" (AMX tiles
     where the build and the OS allow them, else as "auto" without AMX), for the linears run after this
-    call (benchmarks/bench_kernels.py compares them). Raises: ValueError for another mode."""
+    call (benchmarks/profiling.py kernels compares them). Raises: ValueError for another mode."""
     if mode not in BF16_DOT_MODES:
         raise ValueError(f"bf16 dot mode must be one of {BF16_DOT_MODES}, got {mode!r}")
     _state["bf16_dot_mode"] = mode

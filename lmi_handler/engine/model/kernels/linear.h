@@ -42,7 +42,7 @@ constexpr int64_t M_BLOCK = 96;         // rows per cache block, a multiple of e
 // CPU time, the demo model's four linear shapes, interleaved builds): bf16 at 64 rows 82 -> 108 GFLOP/s,
 // at 200 rows 85 -> 96; int8 74 -> 81 at 64 rows. float32 gained at 64 rows and lost at 200 on AMD Zen 5;
 // on Intel Xeon (Sapphire Rapids class, 2 threads) a 64-sequence fp32 decode step, old and new kernels
-// interleaved (benchmarks/ab_kernels.py --batch 64), went 253.6 -> 236.1 ms with 12 rows, and the
+// interleaved (benchmarks/ab.py batch1 --batch 64), went 253.6 -> 236.1 ms with 12 rows, and the
 // 512-row linears 91-118 -> 119-163 GFLOP/s (not interleaved): float32 takes the tall tile too.
 constexpr int64_t MR_WIDE = NV == 2 ? 12 : MR;
 constexpr int ACC_WIDE = NV == 2 ? 24 : 12;
@@ -53,7 +53,7 @@ static_assert(NV % 2 == 0, "PANEL must hold an even number of vectors");
 // float32 tiles of 8 rows instead of MR_WIDE's 12 past a few rows, VDPBF16PS tiles of 6 instead of MR_DP's 8
 // (f32_tile_rows, dp_tile_rows; every count divides M_BLOCK). A tile's height changes which rows share a k
 // loop, never an element's chain, so the bits are the same (tested). Measured on Zen 4 (EPYC, 2 threads,
-// benchmarks/ab_linears.py: the demo model's 120 layer linears from DRAM, old and new interleaved): float32 8
+// benchmarks/ab.py linears: the demo model's 120 layer linears from DRAM, old and new interleaved): float32 8
 // rows 0.965x the 12-row time at 64 rows (10 rounds), 0.976x at 1882 (4 rounds); bf16 6 rows 0.959x the 8-row
 // time at 64 rows (8 rounds; 4 rows 0.970x, 12 rows 1.028x slower), 0.970x at 1882. Every other CPU keeps the
 // wide tiles: float32's 12 rows were measured best on Zen 5 (8 rows 1.00x at 64 rows and 1.04x slower at 1882);
@@ -544,7 +544,7 @@ constexpr int64_t PREFETCH_BYTES = 16384;   // at most this much of the next K b
 
 // packed_gemm's prefetch_bytes for bf16 and int8 panels at M rows: none for a few rows (M <= SMALL_M, the
 // weight streamed once) where the tiles are narrow (narrow_tiles: AMD Zen 4, where this was measured), the
-// hardware's prefetchers alone; PREFETCH_BYTES otherwise. Measured on Zen 4 (benchmarks/ab_batch1.py, the whole
+// hardware's prefetchers alone; PREFETCH_BYTES otherwise. Measured on Zen 4 (benchmarks/ab.py engine, the whole
 // engine at batch 1 against the next K block prefetched to L1, 10-12 rounds each): bf16 1.062x and 1.063x the
 // rate, int8 weights (bf16 activations) 1.103x (medians of the per-round ratios); 4 KiB of the next block instead
 // of 16 was 0.957x. A plain read of the same weights in the same call pattern with no software prefetch
@@ -720,10 +720,10 @@ inline FloatRows float_rows(const torch::Tensor& x, int64_t width, bool round) {
 // one M block (prefill) or at least TILED_MIN_PANELS panels. Measured (AMD Zen 4, 2 threads): a copy of the k loop, one
 // thread, weights in cache, 64 rows: row-major in K blocks of 128 98-104 GFLOP/s, this layout in K blocks 106-110,
 // this layout over the whole K 112-115 (FMA peak 117); the packed linear with the weight in cache at 64 rows, 2
-// threads: gate_up's shape 202 -> 220 GFLOP/s, the lm_head's 195 -> 206. From DRAM (ab_linears.py, the demo model's 120 layer linears,
+// threads: gate_up's shape 202 -> 220 GFLOP/s, the lm_head's 195 -> 206. From DRAM (ab.py linears, the demo model's 120 layer linears,
 // interleaved): at 64 rows gate_up 0.961x the time and the 576-column linears (o, down: 18 panels, each thread's
 // first panel cold, now whole) 1.00-1.03x slower with this form, so fewer panels keep the K blocks; at 1882 rows
-// all four 0.969x. The engine's round (profile_steps.py, HEAD and this tree alternating in 4 pairs of
+// all four 0.969x. The engine's round (profiling.py steps, HEAD and this tree alternating in 4 pairs of
 // processes): 0.962x the time, prefill 0.975x, decode 0.96x.
 constexpr int64_t TILED_MIN_ROWS = 8;     // a few-row step (team mode included) keeps the row-major streaming forms
 constexpr int64_t TILED_MIN_PANELS = 64;  // 2048 output columns: gate_up and the lm_head of the demo model

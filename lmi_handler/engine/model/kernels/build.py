@@ -229,7 +229,9 @@ def _pick_bf16_dot() -> int:
     if mode in ("native", "amx"):
         log.info("bf16 linears: VDPBF16PS above 4 rows, the FMA form below (chosen: %s)", mode)
         return BF16_DP
-    native_s, fma_s = _time_bf16_dots(module)
+    if "bf16_timing" not in _state:    # timed once a process: choosing "auto" again gives the same form
+        _state["bf16_timing"] = _time_bf16_dots(module)
+    native_s, fma_s = _state["bf16_timing"]
     log.info("bf16 linears: %s (start-up probe, 64 x 576 x 1024: VDPBF16PS %.3f ms, FMA form %.3f ms)",
              "VDPBF16PS" if native_s < fma_s else "FMA form", native_s * 1e3, fma_s * 1e3)
     return BF16_DP if native_s < fma_s else BF16_FMA

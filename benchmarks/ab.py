@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 
 import torch
-from profiling import DTYPE_VARIANTS, decode_batch, read_bandwidth_gbs, weight_bytes
+from profiling import DTYPE_VARIANTS, decode_batch, read_bandwidth_gbs, run_command, weight_bytes
 from profiling import SHAPES as KERNEL_SHAPES
 from workload import REPO, bench_engine, build_workload
 
@@ -524,15 +524,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     """`ab.py COMMAND [its options]`; `ab.py COMMAND --help` for a command's own."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return
-    if argv[0] not in COMMANDS:
-        sys.exit(f"unknown command {argv[0]!r}: one of {', '.join(COMMANDS)} (--help says what each measures)")
-    run, _ = COMMANDS[argv[0]]
-    sys.argv[0] = f"{Path(sys.argv[0]).name} {argv[0]}"      # the command's --help and errors name it
-    run(argv[1:])
+    run_command(COMMANDS, __doc__, argv)
 
 
 if __name__ == "__main__":

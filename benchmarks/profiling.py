@@ -927,17 +927,23 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`profiling.py COMMAND [its options]`; `profiling.py COMMAND --help` for a command's own."""
+def run_command(commands: dict, doc: str, argv: list[str] | None = None) -> None:
+    """`TOOL COMMAND [its options]` over `commands` (name -> (main, doc)); no command or --help prints `doc`,
+    an unknown one exits naming the known ones. Shared by profiling.py and ab.py."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(doc)
         return
-    if argv[0] not in COMMANDS:
-        sys.exit(f"unknown command {argv[0]!r}: one of {', '.join(COMMANDS)} (--help says what each measures)")
-    run, _ = COMMANDS[argv[0]]
+    if argv[0] not in commands:
+        sys.exit(f"unknown command {argv[0]!r}: one of {', '.join(commands)} (--help says what each measures)")
+    run, _ = commands[argv[0]]
     sys.argv[0] = f"{Path(sys.argv[0]).name} {argv[0]}"      # the command's --help and errors name it
     run(argv[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`profiling.py COMMAND [its options]`; `profiling.py COMMAND --help` for a command's own."""
+    run_command(COMMANDS, __doc__, argv)
 
 
 if __name__ == "__main__":

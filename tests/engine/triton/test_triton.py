@@ -73,10 +73,8 @@ def test_rope_and_act_mul_equal_the_reference(dtype, device):
 
 def test_the_reference_backend_agrees_with_the_float64_references_the_kernels_are_held_to():
     """backends/torch_ref.py (what kernel_backend=torch runs) and reference.py's float64 definitions are the same
-    ops, so a kernel equal to one is equal to the other (no Triton needed)."""
+    ops, so a kernel equal to one is equal to the other (no Triton needed; attention: test_attention.py)."""
     from lmi_handler.engine.model.backends import torch_ref
-    from tests.engine.triton.test_attention import BLOCK_SIZE, HEAD_DIM, MIXED_STEP, filled_cache, mixed_step_tables
-    from tests.engine.triton.test_attention import queries as attention_queries
 
     x, weight, bias = randn(5, HIDDEN), randn(70, HIDDEN, seed=1), randn(70, seed=2)
     torch.testing.assert_close(torch_ref.linear(x, weight, bias), ref.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
@@ -91,13 +89,6 @@ def test_the_reference_backend_agrees_with_the_float64_references_the_kernels_ar
     gate_up = randn(3, 2 * INTER, seed=7) * 3
     for act in ("silu", "gelu_tanh"):
         torch.testing.assert_close(torch_ref.act_mul(gate_up, act), ref.act_mul(gate_up, act), atol=1e-5, rtol=1e-5)
-    k_cache, v_cache, tables = filled_cache([c for c, _ in MIXED_STEP], torch.float32, "cpu")
-    meta = ref.make_meta(MIXED_STEP, mixed_step_tables(tables), BLOCK_SIZE, torch.device("cpu"))
-    q = attention_queries(sum(n for _, n in MIXED_STEP), torch.float32, "cpu")
-    for window, softcap in [(None, None), (20, None), (None, 2.0)]:
-        torch.testing.assert_close(torch_ref.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window, softcap),
-                                   ref.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window, softcap),
-                                   atol=2e-6, rtol=1e-5)
 
 
 @needs_triton

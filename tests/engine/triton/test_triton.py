@@ -168,6 +168,22 @@ def test_without_triton_the_backend_imports_and_an_op_says_what_is_missing(monke
         tb.greedy(torch.zeros(1, 4))
 
 
+def test_without_triton_kernel_backend_triton_is_refused_at_start_up_and_auto_on_cuda_takes_torch(monkeypatch):
+    from transformers import LlamaConfig
+
+    from lmi_handler.config import ConfigError
+    from lmi_handler.engine.model.backend import choose_backend
+    from lmi_handler.engine.model.families import build_spec
+
+    spec = build_spec(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  num_hidden_layers=1).to_dict())
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(ConfigError, match=r"kernel_backend=triton cannot run here: .*\(pip install triton\)"):
+        choose_backend("triton", spec, torch.device("cpu"))
+    name, why = choose_backend("auto", spec, torch.device("cuda"))      # only the device's type is read
+    assert name == "torch" and "pip install triton" in why
+
+
 # Every kernel compiles for an H100/H200 (sm_90) without a GPU: the interpreter runs what the compiler may refuse
 # (a type, a loop-carried value, a 3-D block), so the compiler itself checks the GPU path here.
 ROOT = Path(__file__).resolve().parents[3]

@@ -6,8 +6,12 @@ MLP 1536, vocab 49152), bf16.
     python benchmarks/gpu_kernels_check.py --out DIR       # where gpu-kernels-<UTC date>.json goes ($OUT or
                                                            # benchmarks/results by default)
     TRITON_INTERPRET=1 python benchmarks/gpu_kernels_check.py --smoke   # CPU: tiny shapes, checks the script
+    python benchmarks/gpu_kernels_check.py --summary DIR --kernels-json K --bench-json B --rc NAME=CODE ...
+        # gpu_check.sh's last word: DIR/gpu-<UTC date>.json from this script's JSON, bench.py's JSON and the
+        # steps' exit codes, with the GPU's read bandwidth measured here (--smoke: on CPU, a small buffer)
 
-Exit status: 0 when the tests passed, 1 when one failed, 2 when there is no GPU (without --smoke).
+Exit status: 0 when the tests passed, 1 when one failed, 2 when there is no GPU (without --smoke); --summary:
+0 once the JSON is written.
 The torch peers: attention_per_sequence (one SDPA call per sequence: today's batch-invariant CUDA path) and
 attention_padded (one padded SDPA call with a mask: today's fast path) from engine/model/attention.py;
 torch.nn.functional.linear (cuBLAS, which may split K) for the linears.
@@ -38,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tiny shapes, any device (CPU under TRITON_INTERPRET=1): checks the script, not speed")
     parser.add_argument("--skip-tests", action="store_true", help="time only")
     parser.add_argument("--tests-timeout-s", type=int, default=240, help="limit for the kernel tests")
+    parser.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/gpu-<UTC date>.json (gpu_check.sh)")
+    parser.add_argument("--kernels-json", default="", help="with --summary: this script's gpu-kernels-*.json")
+    parser.add_argument("--bench-json", default="", help="with --summary: bench.py's bench-*.json")
+    parser.add_argument("--rc", action="append", default=[], metavar="NAME=CODE",
+                        help="with --summary: a gpu_check.sh step's exit code")
     return parser.parse_args(argv)
 
 
@@ -137,24 +146,77 @@ def time_kernels(smoke: bool, device) -> list[dict]:
     return rows
 
 
+def read_bandwidth_gb_s(device, smoke: bool) -> float:
+    """The device's read bandwidth: the best of 10 sums over a 2 GiB float32 buffer (64 MiB in --smoke), in GB/s."""
+    import torch
+    x = torch.ones((64 if smoke else 2048) << 18, dtype=torch.float32, device=device)
+    return x.numel() * x.element_size() / time_us(torch.sum, x) / 1e3
+
+
+def load_json(path: str) -> dict:
+    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+
+
+def summary(args: argparse.Namespace, device, device_name: str) -> dict:
+    """issue 38's record of a GPU check: the throughputs from bench.py's phases (None where a phase did not
+    run), the read bandwidth measured now, and invariance_bitwise: the Triton tests and gpu_check.sh's
+    invariance tests all passed."""
+    kernels, bench = load_json(args.kernels_json), load_json(args.bench_json)
+    rcs = {name: int(code) for name, _, code in (item.partition("=") for item in args.rc) if code.lstrip("-").isdigit()}
+    phases = bench.get("phases") or {}
+
+    def rate(phase: str, key: str = "output_tokens_per_s"):
+        value = (phases.get(phase) or {}).get(key)
+        return round(value, 1) if isinstance(value, (int, float)) else None
+
+    record = {"device": device_name,
+              "offline_tok_s_invariant": rate("ours_offline_bf16"),
+              "offline_tok_s_fast": rate("ours_offline_plain_bf16"),
+              "batch1_tok_s": rate("ours_batch1_bf16", "decode_tokens_per_s"),
+              "hf_tok_s": rate("hf"),
+              "bandwidth_gb_s": round(read_bandwidth_gb_s(device, args.smoke), 1),
+              "invariance_bitwise": bool((kernels.get("tests") or {}).get("passed")) and rcs.get("invariance") == 0}
+    flops = (phases.get("peak_start") or {}).get("peak_flops_per_s")
+    record.update({
+        "kernel_backend": "triton",
+        "offline_vs_hf": (round(record["offline_tok_s_invariant"] / record["hf_tok_s"], 2)
+                          if record["offline_tok_s_invariant"] and record["hf_tok_s"] else None),
+        "matmul_bf16_tflop_s": round(flops / 1e12, 1) if flops else None,
+        "workload": bench.get("workload", {}).get("num_prompts"), "max_new_tokens":
+            bench.get("workload", {}).get("max_new_tokens"),
+        "exit_codes": rcs, "kernels_json": Path(args.kernels_json).name if args.kernels_json else None,
+        "bench_json": Path(args.bench_json).name if args.bench_json else None})
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
-    import triton
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     if not on_gpu and not args.smoke:
         print("gpu_kernels_check: no CUDA device (or TRITON_INTERPRET=1 set): nothing to check; --smoke runs the "
               "script on tiny shapes under the interpreter")
         return 2
     device = torch.device("cuda" if on_gpu else "cpu")
-    result = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)", "torch": torch.__version__,
+    device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)"
+    stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H%M%SZ}"
+    if args.summary:
+        record = summary(args, device, device_name)
+        args.summary.mkdir(parents=True, exist_ok=True)
+        path = args.summary / f"gpu-{stamp}.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps(record, indent=1))
+        print(f"gpu_kernels_check: wrote {path}")
+        return 0
+    import triton
+    result = {"device": device_name, "torch": torch.__version__,
               "triton": triton.__version__, "smoke": args.smoke}
     if not args.skip_tests:
         result["tests"] = run_tests(args.tests_timeout_s)
     result["timings"] = time_kernels(args.smoke, device)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu-kernels-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H%M%SZ}.json"
+    path = args.out / f"gpu-kernels-{stamp}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"gpu_kernels_check: tests {'skipped' if args.skip_tests else result['tests']}; wrote {path}")
     return 0 if args.skip_tests or result["tests"]["passed"] else 1

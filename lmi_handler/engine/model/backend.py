@@ -33,6 +33,8 @@ def triton_ops():
     missing = [op for op in OPS if not hasattr(module, op)]
     if missing:
         return None, f"the Triton backend lacks the ops {missing}"
+    if not module.available():          # the package imports without triton; its kernels do not
+        return None, "the triton package is not installed (pip install triton)"
     return module, ""
 
 

@@ -1,5 +1,7 @@
-"""Small pure-PyTorch references for the Triton kernel tests, computed in float32 (float64 where noted)
-straight from the definitions in INTERFACE.md; the model helper's backends/torch_ref.py is the shared one."""
+"""The references the Triton kernel tests compare against. Where the op is the same, it is the reference
+backend's own (backends/torch_ref.py: store_kv, log_softmax, greedy); attention, linear and the row-wise ops
+are recomputed here in float64 straight from the definitions in backends/__init__.py, stricter than
+torch_ref's float32 (test_triton.py checks that torch_ref agrees with them)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.backends import torch_ref
+
+store_kv, log_softmax, greedy = torch_ref.store_kv, torch_ref.log_softmax, torch_ref.greedy
 
 
 def make_meta(seqs: list[tuple[int, int]], block_tables: list[list[int]], block_size: int,

@@ -60,9 +60,7 @@ def test_store_kv_copies_each_row_to_its_slot_bitwise_and_a_padding_slot_writes_
     slots = torch.tensor([3, -1, 17, 30, -1], dtype=torch.int64, device=device)
     tb.store_kv(k_cache, v_cache, k, v, slots)
     expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    kept = slots >= 0
-    expected_k.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots[kept]] = k[kept]
-    expected_v.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots[kept]] = v[kept]
+    ref.store_kv(expected_k, expected_v, k, v, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -138,3 +136,18 @@ def test_a_decode_row_has_the_bits_of_its_position_in_a_prefill_a_chunked_prefil
         assert torch.equal(rows[kind][-1], rows["decode"][0]), kind
         overlap = min(rows[kind].shape[0], rows["chunked prefill"].shape[0])
         assert torch.equal(rows[kind][-overlap:], rows["chunked prefill"][-overlap:]), kind
+
+
+def test_the_reference_backend_s_attention_agrees_with_the_float64_reference_the_kernel_is_held_to():
+    """backends/torch_ref.py's paged_attention (kernel_backend=torch) against reference.py's float64 one on the
+    mixed step, causal, windowed and capped (no Triton needed)."""
+    from lmi_handler.engine.model.backends import torch_ref
+
+    k_cache, v_cache, tables = filled_cache([c for c, _ in MIXED_STEP], torch.float32, "cpu")
+    meta = ref.make_meta(MIXED_STEP, mixed_step_tables(tables), BLOCK_SIZE, torch.device("cpu"))
+    q = queries(sum(n for _, n in MIXED_STEP), torch.float32, "cpu")
+    for window, softcap in [(None, None), (20, None), (None, 2.0)]:
+        torch.testing.assert_close(torch_ref.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window,
+                                                             softcap),
+                                   ref.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window, softcap),
+                                   atol=2e-6, rtol=1e-5)

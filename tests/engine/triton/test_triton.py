@@ -71,6 +71,26 @@ def test_rope_and_act_mul_equal_the_reference(dtype, device):
                                    rtol=rtol)
 
 
+def test_the_reference_backend_agrees_with_the_float64_references_the_kernels_are_held_to():
+    """backends/torch_ref.py (what kernel_backend=torch runs) and reference.py's float64 definitions are the same
+    ops, so a kernel equal to one is equal to the other (no Triton needed; attention: test_attention.py)."""
+    from lmi_handler.engine.model.backends import torch_ref
+
+    x, weight, bias = randn(5, HIDDEN), randn(70, HIDDEN, seed=1), randn(70, seed=2)
+    torch.testing.assert_close(torch_ref.linear(x, weight, bias), ref.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    residual, norm_weight = randn(5, HIDDEN, seed=3), randn(HIDDEN, seed=4)
+    for got, expected in zip(torch_ref.rms_norm(x, norm_weight, 1e-6, residual, 1.0),
+                             ref.rms_norm(x, norm_weight, 1e-6, residual, 1.0)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    angles = randn(3, 8, seed=5).repeat(1, 2)
+    rows = randn(3, 6, 16, seed=6)
+    torch.testing.assert_close(torch_ref.rope(rows, angles.cos(), angles.sin()),
+                               ref.rope(rows, angles.cos(), angles.sin()), atol=1e-6, rtol=1e-6)
+    gate_up = randn(3, 2 * INTER, seed=7) * 3
+    for act in ("silu", "gelu_tanh"):
+        torch.testing.assert_close(torch_ref.act_mul(gate_up, act), ref.act_mul(gate_up, act), atol=1e-5, rtol=1e-5)
+
+
 @needs_triton
 def test_act_mul_refuses_an_unknown_activation_naming_the_allowed_ones():
     with pytest.raises(ValueError, match="'silu' or 'gelu_tanh', got 'relu'"):
@@ -85,7 +105,7 @@ def test_log_softmax_equals_torch_in_float32_with_masked_tokens(dtype, device):
     logits = logits.to(dtype)
     out = tb.log_softmax(logits.to(device)).cpu()
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, torch.log_softmax(logits.float(), dim=-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref.log_softmax(logits), atol=1e-5, rtol=1e-5)
 
 
 @needs_triton
@@ -93,7 +113,7 @@ def test_greedy_takes_the_argmax_and_the_lowest_index_on_ties(device):
     logits = randn(3, VOCAB, seed=4)
     logits[1, [7, 1500, 2100]] = 50.0                         # ties across vocab blocks
     logits[2, [1030, 1031]] = 50.0                            # ties inside one block
-    assert tb.greedy(logits.to(device)).tolist() == [int(logits[0].argmax()), 7, 1030]
+    assert tb.greedy(logits.to(device)).tolist() == ref.greedy(logits).tolist() == [int(logits[0].argmax()), 7, 1030]
 
 
 @needs_triton
@@ -146,6 +166,22 @@ def test_without_triton_the_backend_imports_and_an_op_says_what_is_missing(monke
     assert not tb.available()
     with pytest.raises(RuntimeError, match=r"needs the triton package \(pip install triton\)"):
         tb.greedy(torch.zeros(1, 4))
+
+
+def test_without_triton_kernel_backend_triton_is_refused_at_start_up_and_auto_on_cuda_takes_torch(monkeypatch):
+    from transformers import LlamaConfig
+
+    from lmi_handler.config import ConfigError
+    from lmi_handler.engine.model.backend import choose_backend
+    from lmi_handler.engine.model.families import build_spec
+
+    spec = build_spec(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  num_hidden_layers=1).to_dict())
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(ConfigError, match=r"kernel_backend=triton cannot run here: .*\(pip install triton\)"):
+        choose_backend("triton", spec, torch.device("cpu"))
+    name, why = choose_backend("auto", spec, torch.device("cuda"))      # only the device's type is read
+    assert name == "torch" and "pip install triton" in why
 
 
 # Every kernel compiles for an H100/H200 (sm_90) without a GPU: the interpreter runs what the compiler may refuse

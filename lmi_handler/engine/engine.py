@@ -37,7 +37,8 @@ from lmi_handler.engine.stopping import StopTable
 logger = logging.getLogger(__name__)
 
 
-LORA_NOT_APPLIED = "LoRA adapters are loaded but the forward does not apply them yet (requests naming one are refused)"
+LORA_NOT_APPLIED = ("LoRA adapters are not applied under tensor parallelism (tensor_parallel_degree > 1): requests "
+                    "naming one are refused")
 
 
 class RequestRejected(ValueError):
@@ -100,10 +101,10 @@ class Engine:
                                    self.allocator)
         # LoRA adapters by name (option.enable_lora), None when off; loaded by service.py and the adapter routes
         self.adapters = self._adapter_registry(config)
-        # Whether the model's forward adds the adapters' terms (engine/model/lora.py LoraBatch.add after each
-        # projection). Not yet: until the runner builds a LoraBatch per step and the forward calls it, requests
-        # naming an adapter are refused (LORA_NOT_APPLIED) rather than answered by the base model.
-        self.applies_lora = False
+        # Whether the model's forward adds the adapters' terms (the runner's LoraBatch per step, LoraBatch.add
+        # after each projection): a one-process ModelRunner does; a tensor-parallel executor does not, and
+        # requests naming an adapter are refused there (LORA_NOT_APPLIED), never answered by the base model.
+        self.applies_lora = getattr(self.runner, "applies_lora", False)
         self.sampler = Sampler()
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)

@@ -396,3 +396,29 @@ def test_with_lora_off_the_engine_has_no_registry_and_refuses_adapter_requests(t
     assert engine.adapters is None
     with pytest.raises(RequestRejected, match="option.enable_lora"):
         engine.add_request("r", [1, 5], SamplingParams(adapter="a"))
+
+
+@pytest.mark.slow
+def test_a_random_adapter_on_the_demo_model_answers_as_transformers_with_it_merged(model_dir, tokenizer, tmp_path):
+    """SmolLM2-135M with a random rank-8 adapter on q/v/o/gate/down (fp32): the engine's greedy tokens for an
+    adapter request equal transformers' with the adapter merged, and a base request in the same steps equals
+    transformers' base model."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tensors = write_peft_adapter(tmp_path / "demo", hf.config, seed=5, std=0.05)
+    lora = LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(tmp_path,))
+    config = replace(_config(model_dir), lora=lora, block_size=16, kv_cache_bytes=64 << 20)
+    engine = Engine(config, tokenizer)
+    engine.adapters.load("demo", tmp_path / "demo")
+    prompt = tokenizer("The capital of France is").input_ids
+    greedy = dict(max_new_tokens=8, greedy=True, ignore_eos=True)
+    results = engine.generate([("demo", prompt, SamplingParams(**greedy, adapter="demo")),
+                               ("base", prompt, SamplingParams(**greedy))])
+    tokens = {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+    ids = torch.tensor([prompt])
+    expected_base = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prompt):].tolist()
+    merge_adapter(hf, tensors, 2.0)
+    expected = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prompt):].tolist()
+    assert tokens["base"] == expected_base
+    assert tokens["demo"] == expected and expected != expected_base

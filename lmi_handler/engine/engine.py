@@ -104,7 +104,7 @@ class Engine:
         # Whether the model's forward adds the adapters' terms (the runner's LoraBatch per step, LoraBatch.add
         # after each projection): a one-process ModelRunner does; a tensor-parallel executor does not, and
         # requests naming an adapter are refused there (LORA_NOT_APPLIED), never answered by the base model.
-        self.applies_lora = getattr(self.runner, "applies_lora", False)
+        self.applies_lora = self.runner.applies_lora
         self.sampler = Sampler()
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)

@@ -1,7 +1,7 @@
 """LoRA on the real app (in process, a tiny random Llama, httpx and the openai SDK): the adapter APIs (LMI's
 management routes and vLLM's), the listings, bad adapters, and requests naming an adapter by every way a
 client can (answered by that adapter: transformers' tokens with it merged; 404 for one not loaded; 400 with
-LoRA off)."""
+LoRA off; 501 under tensor parallelism, which does not apply them)."""
 from __future__ import annotations
 
 import asyncio
@@ -246,3 +246,17 @@ def test_the_djl_front_ends_adapter_header_gives_its_item_the_adapters_answer_be
     assert [t["id"] for t in adapter["details"]["tokens"]] == _merged_greedy(tiny_dir, prompt_ids, 6)
     assert [t["id"] for t in base["details"]["prefill"]] == prompt_ids and base["generated_text"] != adapter[
         "generated_text"]
+
+
+@pytest.mark.slow
+def test_under_tensor_parallelism_a_request_naming_an_adapter_answers_501_and_the_base_is_served(tiny_dir):
+    """Tensor-parallel shards hold a slice of each projection's input, which the LoRA term needs whole: the
+    adapters load and list, a request naming one answers 501 saying why (never the base's answer), the base 200."""
+    with fresh_server(**_options(tiny_dir, tensor_parallel_degree="2", kv_cache_bytes=str(8 << 20))) as server:
+        assert _names(server) == ["alpha"]
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}
+        assert server.post("/invocations", json=body).status_code == 200
+        refused = server.post("/invocations", json={**body, "adapters": "alpha"})
+        assert refused.status_code == 501 and "not applied under tensor parallelism" in refused.text, refused.text
+        chat = server.post("/v1/completions", json={"model": "alpha", "prompt": "hello", "max_tokens": 2})
+        assert chat.status_code == 501 and "tensor parallelism" in chat.json()["error"]["message"]

@@ -131,6 +131,21 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_mixed_batch():
     assert torch.equal(mixed[row_slot < 0], torch.zeros(int((row_slot < 0).sum()), out_features))
 
 
+def test_a_row_gets_the_same_bits_however_many_tiles_its_adapter_fills():
+    """Slots of several 16-row tiles each (a prefill's rows): a row's term is the same bits alone, in a slice of
+    the step and in the whole step."""
+    torch.manual_seed(1)
+    a_stack, b_stack, scale = torch.randn(3, 24, 96), torch.randn(3, 160, 24), torch.tensor([0.5, 2.0, 1.0])
+    x, row_slot = torch.randn(230, 96), torch.randint(-1, 3, (230,), generator=torch.Generator().manual_seed(2))
+    mixed = lora_delta(x, row_slot, a_stack, b_stack, scale)
+    for t in range(0, 230, 9):
+        for n in (1, 40):
+            assert torch.equal(lora_delta(x[t:t + n], row_slot[t:t + n], a_stack, b_stack, scale)[0], mixed[t]), t
+    s = row_slot[5]
+    expected = (x[5] @ a_stack[s].T) @ b_stack[s].T * scale[s] if s >= 0 else torch.zeros(160)
+    torch.testing.assert_close(mixed[5], expected, atol=1e-3, rtol=1e-4)
+
+
 def test_a_fused_projection_gives_each_part_its_own_term(tiny_hf, tmp_path):
     hf, config = tiny_hf
     write_peft_adapter(tmp_path / "a", hf.config, modules=("q_proj", "v_proj", "gate_proj"), seed=3)

@@ -191,7 +191,7 @@ class Engine:
 
     def _adapter(self, name: str | None) -> LoraAdapter | None:
         """The loaded adapter `name` names (None: the base). Raises RequestRejected (field "adapter") when LoRA
-        is off, the forward cannot apply adapters yet, or no adapter of that name is loaded."""
+        is off, the runner does not apply adapters (tensor parallelism), or no adapter of that name is loaded."""
         if name is None:
             return None
         if self.adapters is None:

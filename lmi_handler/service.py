@@ -128,7 +128,7 @@ class Service:
         """Each prompt's adapter (None = the base), by the first of: the body's `adapters` (LMI; a list gives
         one per input), the X-Amzn-SageMaker-Adapter-Identifier header, TGI's parameters.adapter_id, an OpenAI
         `model` that names a loaded adapter (vLLM). Raises RequestValidationError: 400 LoRA off, 404 not
-        loaded, 501 the forward cannot apply adapters yet."""
+        loaded, 501 the runner cannot apply adapters (tensor parallelism)."""
         sources = ((request.adapters, "adapters"), (header, ADAPTER_HEADER),
                    (request.parameters.adapter_id, "parameters.adapter_id"))
         chosen, field = next(((value, name) for value, name in sources if value), (None, None))

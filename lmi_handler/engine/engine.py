@@ -37,7 +37,8 @@ from lmi_handler.engine.stopping import StopTable
 logger = logging.getLogger(__name__)
 
 
-LORA_NOT_APPLIED = "LoRA adapters are loaded but the forward does not apply them yet (requests naming one are refused)"
+LORA_NOT_APPLIED = ("LoRA adapters are not applied under tensor parallelism (tensor_parallel_degree > 1): requests "
+                    "naming one are refused")
 
 
 class RequestRejected(ValueError):
@@ -82,10 +83,10 @@ class Engine:
                                    self.allocator)
         # LoRA adapters by name (option.enable_lora), None when off; loaded by service.py and the adapter routes
         self.adapters = self._adapter_registry(config)
-        # Whether the model's forward adds the adapters' terms (engine/model/lora.py LoraBatch.add after each
-        # projection). Not yet: until the runner builds a LoraBatch per step and the forward calls it, requests
-        # naming an adapter are refused (LORA_NOT_APPLIED) rather than answered by the base model.
-        self.applies_lora = False
+        # Whether the model's forward adds the adapters' terms (the runner's LoraBatch per step, LoraBatch.add
+        # after each projection): a one-process ModelRunner does; a tensor-parallel executor does not, and
+        # requests naming an adapter are refused there (LORA_NOT_APPLIED), never answered by the base model.
+        self.applies_lora = self.runner.applies_lora
         self.sampler = Sampler()
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)
@@ -172,7 +173,7 @@ class Engine:
 
     def _adapter(self, name: str | None) -> LoraAdapter | None:
         """The loaded adapter `name` names (None: the base). Raises RequestRejected (field "adapter") when LoRA
-        is off, the forward cannot apply adapters yet, or no adapter of that name is loaded."""
+        is off, the runner does not apply adapters (tensor parallelism), or no adapter of that name is loaded."""
         if name is None:
             return None
         if self.adapters is None:

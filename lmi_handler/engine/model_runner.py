@@ -16,6 +16,7 @@ from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config
+from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes, tile_layout
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
@@ -84,6 +85,7 @@ class ModelInput:
     num_chunk_rows: int                 # leading entries of logit_rows that are prompt-logprob chunks
     chunk_spans: dict[int, tuple[int, int]]  # caller's index -> rows [a, b) of lm_head's output (its chunk)
     blocks_to_copy: torch.Tensor | None = None  # (N, 2) int64 (src, dst) block ids, copied before the forward
+    lora: LoraBatch | None = None       # the step's LoRA adapters (on the runner's device); None: no row has one
 
     @property
     def num_seqs(self) -> int:
@@ -123,7 +125,12 @@ class ModelRunner:
     rank's: it loads only that shard, and its KV cache holds only the rank's own KV heads
     (layout.num_kv_heads); `num_blocks` is then the group's (the minimum over ranks). `config` stays the
     whole model's; `execute` returns the logits on rank 0 and None on the others.
+    LoRA: `prepare` gives a step whose sequences have adapters a LoraBatch (the forward adds each row's
+    adapter term after every projection); `applies_lora` says whether this runner does (one process only: a
+    shard holds a slice of each projection's input, the LoRA term needs all of it).
     """
+
+    LORA_STACKS_KEPT = 8     # the stacked A/B of this many recent adapter sets (a set recurs step after step)
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
@@ -147,11 +154,39 @@ class ModelRunner:
         shape = (c.num_layers, 2, self.num_blocks, block_size, num_kv_heads, c.head_dim)
         self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device, huge_pages=huge_pages).zero_()
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.applies_lora = layout is None
+        self._model_dir = Path(model_dir)
+        self._lora_stacks: dict[tuple[bytes, ...], LoraBatch] = {}    # adapter keys -> stacks, oldest first
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        """prepare_host's ModelInput on the runner's device (host -> device copies, no sync)."""
+        """prepare_host's ModelInput on the runner's device (host -> device copies, no sync), with the step's
+        LoraBatch when a sequence has an adapter."""
         model_input = self.prepare_host(sched)
-        return model_input if self.device.type == "cpu" else model_input.to(self.device)
+        if self.device.type != "cpu":
+            model_input = model_input.to(self.device)
+        if any(seq.adapter is not None for seq in sched.seqs):
+            model_input.lora = self.lora_batch(sched.seqs, sched.num_scheduled_tokens)
+        return model_input
+
+    def lora_batch(self, seqs: list[Sequence], counts: list[int]) -> LoraBatch:
+        """The step's LoraBatch: sequence j's counts[j] rows take its adapter's slot (-1 for the base). The
+        slots are the distinct adapters ordered by their load key, so the same set of adapters gets the same
+        stacks whatever the order of its sequences; stacks are kept for the LORA_STACKS_KEPT latest sets (a
+        set is keyed by its adapters' load keys: a reloaded adapter is a new set)."""
+        adapters = sorted({seq.adapter.key: seq.adapter for seq in seqs if seq.adapter is not None}.items())
+        keys = tuple(key for key, _ in adapters)
+        stacks = self._lora_stacks.pop(keys, None)
+        if stacks is None:
+            shapes = base_module_shapes(read_config(self._model_dir))
+            stacks = LoraBatch.build([a for _, a in adapters], [], [], shapes, self.device, fused=tuple(FUSED))
+            while len(self._lora_stacks) >= self.LORA_STACKS_KEPT:
+                del self._lora_stacks[next(iter(self._lora_stacks))]
+        self._lora_stacks[keys] = stacks                                # most recently used last
+        slot = {key: i for i, key in enumerate(keys)}
+        row_slot = torch.repeat_interleave(
+            torch.tensor([-1 if s.adapter is None else slot[s.adapter.key] for s in seqs], dtype=torch.int64),
+            torch.tensor(counts, dtype=torch.int64)).to(self.device)
+        return replace(stacks, row_slot=row_slot, layout=tile_layout(row_slot))
 
     def prepare_host(self, sched: SchedulerOutput) -> ModelInput:
         """Flatten the step: sequence i computes seq.all_token_ids[c : c+n] at positions c..c+n-1, where
@@ -232,7 +267,7 @@ class ModelRunner:
         invariant = self.batch_invariant
         if mi.blocks_to_copy is not None:
             copy_blocks(self.kv_cache, mi.blocks_to_copy)
-        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant)  # (T, hidden)
+        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant, mi.lora)  # (T, hidden)
         # one row per sequence and no prompt-logprob chunk: logit_rows is every row in order (no copy)
         rows = hidden if mi.num_chunk_rows == 0 and hidden.shape[0] == mi.num_seqs else hidden[mi.logit_rows]
         logits = self.model.compute_logits(rows, invariant)                                # (R, vocab) f32

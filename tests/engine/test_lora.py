@@ -1,7 +1,9 @@
 """LoRA in the engine: engine/model/lora.py (PEFT adapters read and checked, the registry, the batched LoRA
 product: exact against transformers with the adapter merged, a row's bits independent of the rows beside it),
-the scheduler's prefix cache keyed on the adapter and max_loras, and the engine's gate (an adapter request is
-refused, never run on the base, while the forward does not apply adapters)."""
+the scheduler's prefix cache keyed on the adapter and max_loras, and the engine applying adapters in its
+forward on every path (the C++ per-op path, llama.py's module path, forward.py's spec walk): greedy tokens as
+transformers' with the adapter merged, the base beside them as the base alone, a request's bits the same
+whatever other adapters share its step."""
 from __future__ import annotations
 
 import json
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmi_handler.config import EngineConfig, LoraConfig
-from lmi_handler.engine.engine import LORA_NOT_APPLIED, Engine, RequestRejected
+from lmi_handler.engine.engine import Engine, RequestRejected
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.lora import (
     AdapterRegistry,
@@ -28,6 +30,7 @@ from lmi_handler.engine.model.lora import (
 )
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.helpers import hf_greedy
 from tests.engine.lora_helpers import PEFT_PREFIX, merge_adapter, write_peft_adapter
 
 
@@ -126,6 +129,21 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_mixed_batch():
         expected = torch.zeros(out_features) if s < 0 else (x[t] @ a_stack[s].T) @ b_stack[s].T * scale[s]
         torch.testing.assert_close(mixed[t], expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(mixed[row_slot < 0], torch.zeros(int((row_slot < 0).sum()), out_features))
+
+
+def test_a_row_gets_the_same_bits_however_many_tiles_its_adapter_fills():
+    """Slots of several 16-row tiles each (a prefill's rows): a row's term is the same bits alone, in a slice of
+    the step and in the whole step."""
+    torch.manual_seed(1)
+    a_stack, b_stack, scale = torch.randn(3, 24, 96), torch.randn(3, 160, 24), torch.tensor([0.5, 2.0, 1.0])
+    x, row_slot = torch.randn(230, 96), torch.randint(-1, 3, (230,), generator=torch.Generator().manual_seed(2))
+    mixed = lora_delta(x, row_slot, a_stack, b_stack, scale)
+    for t in range(0, 230, 9):
+        for n in (1, 40):
+            assert torch.equal(lora_delta(x[t:t + n], row_slot[t:t + n], a_stack, b_stack, scale)[0], mixed[t]), t
+    s = row_slot[5]
+    expected = (x[5] @ a_stack[s].T) @ b_stack[s].T * scale[s] if s >= 0 else torch.zeros(160)
+    torch.testing.assert_close(mixed[5], expected, atol=1e-3, rtol=1e-4)
 
 
 def test_a_fused_projection_gives_each_part_its_own_term(tiny_hf, tmp_path):
@@ -296,20 +314,96 @@ def _config(model_dir):
                         max_num_batched_tokens=64, max_model_len=None, block_size=4, kv_cache_bytes=1 << 22)
 
 
-def test_an_adapter_request_is_refused_while_the_forward_cannot_apply_adapters(tiny_model_dir, tiny_tokenizer,
-                                                                              tmp_path):
-    from transformers import AutoConfig
+@pytest.fixture(scope="module")
+def lora_base(tiny_model_dir, tmp_path_factory):
+    """The tiny GQA checkpoint, three random rank-8 adapters of it (a, b: q/v/o/gate/down; c: rank 4 on
+    k/up, the parts of the fused projections the others leave out) and transformers' model with each merged
+    (fp32)."""
+    from transformers import LlamaForCausalLM
 
-    write_peft_adapter(tmp_path / "a", AutoConfig.from_pretrained(tiny_model_dir))
-    engine = Engine(replace(_config(tiny_model_dir), lora=LoraConfig(max_loras=2, max_cpu_loras=2,
-                                                                     adapter_roots=(tmp_path,))), tiny_tokenizer)
-    engine.adapters.load("a", tmp_path / "a")
-    assert engine.applies_lora is False
-    with pytest.raises(RequestRejected, match="does not apply them yet") as err:
-        engine.add_request("r", [1, 5, 6], SamplingParams(adapter="a"))
-    assert str(err.value) == LORA_NOT_APPLIED and not engine.has_unfinished
-    engine.add_request("base", [1, 5, 6], SamplingParams(max_new_tokens=2))      # the base is served as ever
-    assert engine.seqs["base"].adapter is None and engine.seqs["base"].params.adapter is None
+    root = tmp_path_factory.mktemp("lora_adapters")
+    base = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tensors = {"a": write_peft_adapter(root / "a", base.config, seed=11),
+               "b": write_peft_adapter(root / "b", base.config, seed=12),
+               "c": write_peft_adapter(root / "c", base.config, rank=4, seed=13, modules=("k_proj", "up_proj"))}
+    merged = {}
+    for name, weights in tensors.items():
+        model = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+        merge_adapter(model, weights, 16.0 / (4 if name == "c" else 8))
+        merged[name] = model
+    return tiny_model_dir, root, base, merged
+
+
+def _lora_engine(lora_base, tokenizer, **options) -> Engine:
+    model_dir, root, _, _ = lora_base
+    lora = LoraConfig(max_loras=4, max_cpu_loras=4, adapter_roots=(root,))
+    engine = Engine(replace(_config(model_dir), lora=lora, **options), tokenizer)
+    for name in ("a", "b", "c"):
+        engine.adapters.load(name, root / name)
+    return engine
+
+
+PROMPTS = [[1, 17, 300, 45, 9, 88], [1, 250, 3], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.mark.parametrize("path, options", [
+    ("cpp", {}),                                                  # packed weights: _forward_split's C++ ops
+    ("module", {"batch_invariant": False}),                       # llama.py's PyTorch modules
+    ("spec", {"kernel_backend": "torch"}),                        # forward.py over the torch reference ops
+])
+def test_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_base_requests(
+        lora_base, tiny_tokenizer, path, options):
+    _, _, base, merged = lora_base
+    engine = _lora_engine(lora_base, tiny_tokenizer, **options)
+    assert engine.applies_lora
+    assert (engine.runner.kernel_backend == "torch") == (path == "spec")
+    requests = [(f"{name}{i}", prompt, SamplingParams(max_new_tokens=6, greedy=True, adapter=name))
+                for i, prompt in enumerate(PROMPTS) for name in ("a", "b", "c", None)]
+    results = engine.generate(requests)                           # one step mixes all three and the base
+    tokens = {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[f"None{i}"] == hf_greedy(base, prompt, 6)
+        for name in ("a", "b", "c"):
+            assert tokens[f"{name}{i}"] == hf_greedy(merged[name], prompt, 6), (name, i)
+        assert tokens[f"a{i}"] != tokens[f"None{i}"]               # the adapter changes the answer
+
+
+def test_a_step_without_adapters_keeps_the_fused_stack_and_one_with_an_adapter_takes_the_split_path(
+        lora_base, tiny_tokenizer, monkeypatch):
+    """The demo model's speed without adapters: a base-only step never leaves the one-call C++ stack."""
+    from lmi_handler.engine.model.llama import LlamaModel
+
+    engine = _lora_engine(lora_base, tiny_tokenizer)
+    taken = []
+    for name in ("_forward_fused", "_forward_split"):
+        original = getattr(LlamaModel, name)
+        monkeypatch.setattr(LlamaModel, name, lambda self, *a, _f=original, _n=name: taken.append(_n) or _f(self, *a))
+    engine.generate([("base", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True))])
+    assert taken and set(taken) == {"_forward_fused"}
+    taken.clear()
+    engine.generate([("base", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True, ignore_eos=True)),
+                     ("a", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True, ignore_eos=True, adapter="a"))])
+    assert taken and set(taken) == {"_forward_split"}                # every step holds the adapter's row
+
+
+def test_a_requests_tokens_and_log_probs_are_bitwise_the_same_whatever_adapters_share_its_step(
+        lora_base, tiny_tokenizer):
+    engine = _lora_engine(lora_base, tiny_tokenizer, enable_prefix_caching=False)
+
+    def answer(requests):
+        results = engine.generate(requests)
+        return {rid: [(t.id, t.log_prob, t.top_tokens) for out in outs for t in out.new_tokens]
+                for rid, outs in results.items()}
+
+    params = {name: SamplingParams(max_new_tokens=5, greedy=True, ignore_eos=True, top_n_tokens=4, adapter=name)
+              for name in ("a", "b", None)}
+    alone = {name: answer([("t", PROMPTS[2], params[name])])["t"] for name in ("a", "b", None)}
+    mixed = answer([("x", PROMPTS[0], params["b"]), ("a", PROMPTS[2], params["a"]), ("y", PROMPTS[1], params[None]),
+                    ("b", PROMPTS[2], params["b"]), ("base", PROMPTS[2], params[None]),
+                    ("z", PROMPTS[1], params["a"])])
+    for name, rid in (("a", "a"), ("b", "b"), (None, "base")):
+        assert mixed[rid] == alone[name], name                    # floats compared exactly
+    assert alone["a"] != alone[None] and alone["b"] != alone["a"]
 
 
 def test_with_lora_off_the_engine_has_no_registry_and_refuses_adapter_requests(tiny_model_dir, tiny_tokenizer):
@@ -317,3 +411,29 @@ def test_with_lora_off_the_engine_has_no_registry_and_refuses_adapter_requests(t
     assert engine.adapters is None
     with pytest.raises(RequestRejected, match="option.enable_lora"):
         engine.add_request("r", [1, 5], SamplingParams(adapter="a"))
+
+
+@pytest.mark.slow
+def test_a_random_adapter_on_the_demo_model_answers_as_transformers_with_it_merged(model_dir, tokenizer, tmp_path):
+    """SmolLM2-135M with a random rank-8 adapter on q/v/o/gate/down (fp32): the engine's greedy tokens for an
+    adapter request equal transformers' with the adapter merged, and a base request in the same steps equals
+    transformers' base model."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tensors = write_peft_adapter(tmp_path / "demo", hf.config, seed=5, std=0.05)
+    lora = LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(tmp_path,))
+    config = replace(_config(model_dir), lora=lora, block_size=16, kv_cache_bytes=64 << 20)
+    engine = Engine(config, tokenizer)
+    engine.adapters.load("demo", tmp_path / "demo")
+    prompt = tokenizer("The capital of France is").input_ids
+    greedy = dict(max_new_tokens=8, greedy=True, ignore_eos=True)
+    results = engine.generate([("demo", prompt, SamplingParams(**greedy, adapter="demo")),
+                               ("base", prompt, SamplingParams(**greedy))])
+    tokens = {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+    ids = torch.tensor([prompt])
+    expected_base = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prompt):].tolist()
+    merge_adapter(hf, tensors, 2.0)
+    expected = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prompt):].tolist()
+    assert tokens["base"] == expected_base
+    assert tokens["demo"] == expected and expected != expected_base

@@ -1,6 +1,7 @@
 """LoRA on the real app (in process, a tiny random Llama, httpx and the openai SDK): the adapter APIs (LMI's
 management routes and vLLM's), the listings, bad adapters, and requests naming an adapter by every way a
-client can (refused with 501 until the forward applies adapters; 404 for one not loaded; 400 with LoRA off)."""
+client can (answered by that adapter: transformers' tokens with it merged; 404 for one not loaded; 400 with
+LoRA off; 501 under tensor parallelism, which does not apply them)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,12 +9,13 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from tests.engine.helpers import build_tiny_llama, build_tiny_tokenizer
-from tests.engine.lora_helpers import write_peft_adapter
+from tests.engine.lora_helpers import merge_adapter, write_peft_adapter
 from tests.server.helpers import fresh_server
 
-FORWARD_TODO = "the forward does not apply them yet"
+GREEDY = {"max_new_tokens": 6, "ignore_eos": True, "do_sample": False}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,8 @@ def tiny_dir(tmp_path_factory):
     tokenizer = build_tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tokenizer.save_pretrained(root / "tiny")
-    write_peft_adapter(root / "tiny" / "adapters" / "alpha", model.config, seed=1)
+    merge_adapter(model, write_peft_adapter(root / "tiny" / "adapters" / "alpha", model.config, seed=1), 2.0)
+    torch.save(model.state_dict(), root / "alpha_merged.pt")    # transformers' model with alpha merged (fp32)
     for seed, name in enumerate(("beta", "gamma")):
         write_peft_adapter(root / "runtime" / name, model.config, seed=2 + seed)
     write_peft_adapter(root / "runtime" / "wide", model.config, rank=32)
@@ -89,46 +92,79 @@ def test_a_bad_adapter_answers_its_4xx_naming_the_problem_and_changes_nothing(ti
         assert server.post("/models/nope/adapters", params={"name": "x", "src": "y"}).status_code == 404
 
 
-def test_requests_naming_an_adapter_are_refused_until_the_forward_applies_adapters(tiny_dir):
-    """No request is silently answered by the base model: every way of naming a loaded adapter answers 501
-    (the forward's hook is not in yet), a name not loaded 404 in the route's shape, the base 200."""
-    from openai import AsyncOpenAI, NotFoundError
+def _merged_greedy(tiny_dir, prompt_ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of transformers' model with adapter alpha merged (argmax; never stops at eos)."""
+    from transformers import LlamaForCausalLM
 
-    with fresh_server(**_options(tiny_dir)) as server:
-        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}
-        assert server.post("/invocations", json=body).status_code == 200
-        ways = [server.post("/invocations", json={**body, "adapters": "alpha"}),
-                server.post("/invocations", json=body, headers={"X-Amzn-SageMaker-Adapter-Identifier": "alpha"}),
-                server.post("/generate", json={"inputs": "hello", "parameters": {"adapter_id": "alpha"}}),
-                server.post("/v1/completions", json={"model": "alpha", "prompt": "hello", "max_tokens": 2}),
-                server.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}],
-                                                  "adapters": "alpha"})]
-        for response in ways:
-            assert response.status_code == 501 and FORWARD_TODO in response.text, response.text
-        unknown = server.post("/invocations", json={**body, "adapters": "nope"})
+    model = LlamaForCausalLM.from_pretrained(tiny_dir / "tiny").eval()
+    model.load_state_dict(torch.load(tiny_dir / "alpha_merged.pt"))
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def _invoke(server, body: dict, **kwargs) -> dict:
+    response = server.post("/invocations", json=body, **kwargs)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_requests_naming_an_adapter_are_answered_by_it_through_every_way_a_client_names_one(tiny_dir):
+    """/invocations `adapters`, the SageMaker header, TGI's adapter_id, the openai SDK's model=<adapter> and a
+    batch file's line all give adapter alpha's answer: transformers' greedy tokens with alpha merged. A base
+    request in the same step gives the base's answer; a name not loaded is 404 in the route's shape."""
+    from openai import AsyncOpenAI
+
+    with fresh_server(**_options(tiny_dir, batch_dir=str(tiny_dir / "batches"))) as server:
+        body = {"inputs": "hello", "parameters": {**GREEDY, "details": True, "decoder_input_details": True}}
+        base_alone = _invoke(server, body)
+        adapter, base = server.gather(server.client.post("/invocations", json={**body, "adapters": "alpha"}),
+                                      server.client.post("/invocations", json=body))
+        adapter, base = adapter.json(), base.json()
+        prompt_ids = [t["id"] for t in adapter["details"]["prefill"]]
+        assert [t["id"] for t in adapter["details"]["tokens"]] == _merged_greedy(tiny_dir, prompt_ids, 6)
+        assert base == base_alone and base["generated_text"] != adapter["generated_text"]
+        text = adapter["generated_text"]
+        plain = {"inputs": "hello", "parameters": GREEDY}
+        assert _invoke(server, plain, headers={"X-Amzn-SageMaker-Adapter-Identifier": "alpha"})["generated_text"] == text
+        tgi = server.post("/generate", json={"inputs": "hello", "parameters": {**GREEDY, "adapter_id": "alpha"}})
+        assert tgi.status_code == 200 and tgi.json()["generated_text"] == text
+        unknown = server.post("/invocations", json={**plain, "adapters": "nope"})
         assert unknown.status_code == 404 and unknown.json() == {
             "error": "The adapter `nope` does not exist (loaded adapters: alpha)", "code": 404}
-        header = server.post("/invocations", json=body, headers={"X-Amzn-SageMaker-Adapter-Identifier": "nope"})
+        header = server.post("/invocations", json=plain, headers={"X-Amzn-SageMaker-Adapter-Identifier": "nope"})
         assert header.status_code == 404 and "`nope`" in header.json()["error"]
-        bad = server.post("/invocations", json={**body, "adapters": ["alpha", "alpha"]})
+        bad = server.post("/invocations", json={**plain, "adapters": ["alpha", "alpha"]})
         assert bad.status_code == 400 and "adapters" in bad.json()["error"]
+        line = {"model": "alpha", "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
         async def sdk():
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://app/v1")
             client = AsyncOpenAI(api_key="none", base_url="http://app/v1", http_client=http, max_retries=0)
-            with pytest.raises(Exception) as err:
-                await client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=2)
+            completion = await client.completions.create(model="alpha", prompt="hello", max_tokens=6, temperature=0,
+                                                         extra_body={"ignore_eos": True})
             models = await client.models.list()
+            upload = await client.files.create(file=("lines.jsonl", json.dumps(
+                {"custom_id": "one", "method": "POST", "url": "/v1/completions", "body": line}).encode()),
+                purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                completion_window="24h")
+            for _ in range(600):
+                batch = await client.batches.retrieve(batch.id)
+                if batch.status in ("completed", "failed", "cancelled", "expired"):
+                    break
+                await asyncio.sleep(0.05)
+            records = (await client.files.content(batch.output_file_id)).text if batch.output_file_id else ""
             await http.aclose()
-            return err.value, [m.id for m in models.data]
+            return completion, [m.id for m in models.data], batch.status, records
 
-        error, ids = server.loop.run_until_complete(sdk())
-        assert getattr(error, "status_code", None) == 501 and FORWARD_TODO in str(error)
-        assert not isinstance(error, NotFoundError) and ids == ["tiny", "alpha"]
-        line = {"model": "alpha", "prompt": "hi", "max_tokens": 2}
-        with pytest.raises(Exception, match=FORWARD_TODO):                     # a batch file's line, the same
-            server.service.plan_openai_body(line, "/v1/completions", "line-1")
+        completion, ids, status, records = server.loop.run_until_complete(sdk())
+        assert completion.choices[0].text == text and completion.model == "alpha" and ids == ["tiny", "alpha"]
+        assert status == "completed", records
+        record = json.loads(records.splitlines()[0])["response"]["body"]
+        assert record["choices"][0]["text"] == text and record["model"] == "alpha"
 
 
 def test_with_lora_off_adapter_requests_and_routes_answer_400(tiny_dir):
@@ -174,9 +210,10 @@ def test_loading_and_unloading_while_requests_run_fails_none_of_them(tiny_dir):
         assert [r.status_code for r in admin] == [200] * 6 and _names(server) == ["alpha"]
 
 
-def test_the_djl_front_ends_adapter_header_reaches_the_plan_and_the_base_item_beside_it_is_served(tiny_dir):
+def test_the_djl_front_ends_adapter_header_gives_its_item_the_adapters_answer_beside_a_base_item(tiny_dir):
     """DJL's container path (handle(), no bundled server): the item's X-Amzn-SageMaker-Adapter-Identifier
-    property names the adapter; that item fails alone (424, the forward's message), the base item beside it runs."""
+    property names the adapter; that item gets transformers' tokens with it merged, the base item beside it
+    the base's."""
     from lmi_handler.djl import OwnInput, PairList, binary_decode
     from lmi_handler.handler import Handler
 
@@ -185,11 +222,41 @@ def test_the_djl_front_ends_adapter_header_reaches_the_plan_and_the_base_item_be
                                    "device_id": "-1"})) is None
     props, content = {"batch_size": "2", "batch_000.X-Amzn-SageMaker-Adapter-Identifier": "alpha"}, PairList()
     for i, request_id in enumerate(("with-adapter", "base")):
-        content.add(f"batch_{i:03d}.data", json.dumps({"inputs": "hello", "parameters": {"max_new_tokens": 2}}).encode())
+        content.add(f"batch_{i:03d}.data", json.dumps({"inputs": "hello", "parameters": {
+            **GREEDY, "details": True, "decoder_input_details": True}}).encode())
         props[f"batch_{i:03d}.Content-Type"] = "application/json"
         props[f"batch_{i:03d}.requestId"] = request_id
     output = worker.handle(OwnInput(props, content))
-    adapter_entry, base_entry = (binary_decode(output.content.value_at(i)) for i in range(2))
-    assert adapter_entry["last"] == "true" and adapter_entry["code"] == "424"
-    assert FORWARD_TODO in adapter_entry["error"]
-    assert "code" not in base_entry
+    data, last = ["", ""], [False, False]
+    for _ in range(20):                     # later calls: the running items, empty data, until both end
+        for i in range(2):
+            entry = binary_decode(output.content.value_at(i)) if output.content.size() > i else None
+            if entry is not None and not last[i]:
+                assert "code" not in entry, entry
+                data[i] += entry["data"]
+                last[i] = entry["last"] == "true"
+        if all(last):
+            break
+        running, content = {"batch_size": "2"}, PairList()
+        for i in range(2):
+            content.add(f"batch_{i:03d}.data", b"")
+        output = worker.handle(OwnInput(running, content))
+    adapter, base = (json.loads(d) for d in data)
+    prompt_ids = [t["id"] for t in adapter["details"]["prefill"]]
+    assert [t["id"] for t in adapter["details"]["tokens"]] == _merged_greedy(tiny_dir, prompt_ids, 6)
+    assert [t["id"] for t in base["details"]["prefill"]] == prompt_ids and base["generated_text"] != adapter[
+        "generated_text"]
+
+
+@pytest.mark.slow
+def test_under_tensor_parallelism_a_request_naming_an_adapter_answers_501_and_the_base_is_served(tiny_dir):
+    """Tensor-parallel shards hold a slice of each projection's input, which the LoRA term needs whole: the
+    adapters load and list, a request naming one answers 501 saying why (never the base's answer), the base 200."""
+    with fresh_server(**_options(tiny_dir, tensor_parallel_degree="2", kv_cache_bytes=str(8 << 20))) as server:
+        assert _names(server) == ["alpha"]
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}
+        assert server.post("/invocations", json=body).status_code == 200
+        refused = server.post("/invocations", json={**body, "adapters": "alpha"})
+        assert refused.status_code == 501 and "not applied under tensor parallelism" in refused.text, refused.text
+        chat = server.post("/v1/completions", json={"model": "alpha", "prompt": "hello", "max_tokens": 2})
+        assert chat.status_code == 501 and "tensor parallelism" in chat.json()["error"]["message"]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.lora import LoraBatch
 from lmi_handler.engine.model.spec import ModelSpec, RopeSpec, rope_cos_sin_rows
 
 NORM_ROLES = ("attn_pre", "attn_post", "mlp_pre", "mlp_post", "q_norm", "k_norm")
@@ -44,7 +45,9 @@ class LayerWeights:
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers as `spec` describes them and lm_head, over a flat token batch, with
     `ops` (a backend module) doing the arithmetic. The same call contract as llama.LlamaModel: forward(
-    input_ids, positions, kv_caches, meta, invariant) -> final-norm hidden states, compute_logits(hidden)."""
+    input_ids, positions, kv_caches, meta, invariant, lora) -> final-norm hidden states, compute_logits(hidden).
+    A step with LoRA adapters (`lora`, a LoraBatch) adds each row's adapter term after every projection
+    (qkv_proj, o_proj, gate_up_proj, down_proj: the fused rows this model holds)."""
 
     group = None        # no tensor-parallel shard on this path
 
@@ -56,18 +59,19 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                invariant: bool = True) -> torch.Tensor:
-        """input_ids, positions: (T,) int64 -> (T, hidden) after the final norm; writes this step's K/V."""
+                invariant: bool = True, lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,) int64 -> (T, hidden) after the final norm; writes this step's K/V.
+        `lora`: the step's adapters, None when no row has one."""
         spec = self.spec
         x = F.embedding(input_ids, self.embed_tokens)
         if spec.embedding_scale is not None:
             x = x * torch.tensor(spec.embedding_scale, dtype=x.dtype)
         ropes = self._rope_rows(positions, meta, x.dtype)
-        for layer, w, (k_cache, v_cache) in zip(spec.layers, self.layer_weights, kv_caches):
+        for i, (layer, w, (k_cache, v_cache)) in enumerate(zip(spec.layers, self.layer_weights, kv_caches)):
             h = self._norm(x, w.attn_pre)
-            a = self._attention(h, w, k_cache, v_cache, meta, layer.window, ropes.get(id(layer.rope)))
+            a = self._attention(h, w, k_cache, v_cache, meta, layer.window, ropes.get(id(layer.rope)), lora, i)
             x = self._add(x, self._norm(a, w.attn_post))
-            m = self._mlp(self._norm(x, w.mlp_pre), w)
+            m = self._mlp(self._norm(x, w.mlp_pre), w, lora, i)
             x = self._add(x, self._norm(m, w.mlp_post))
         return self._norm(x, self.final_norm)
 
@@ -92,10 +96,14 @@ class DecoderModel(nn.Module):
         scale = self.spec.residual_scale
         return x + (delta if scale is None else delta * scale)
 
-    def _attention(self, h, w: LayerWeights, k_cache, v_cache, meta, window, cos_sin):
+    def _attention(self, h, w: LayerWeights, k_cache, v_cache, meta, window, cos_sin, lora: LoraBatch | None,
+                   index: int):
         spec, ops = self.spec, self.ops
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q, k, v = ops.linear(h, w.qkv, w.qkv_bias).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        qkv = ops.linear(h, w.qkv, w.qkv_bias)
+        if lora is not None:
+            qkv = lora.add(qkv, h, index, "qkv_proj")
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         if spec.qk_norm == "full":                                   # OLMo-2: over the whole projection
             q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
         q, k, v = q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim)
@@ -105,7 +113,9 @@ class DecoderModel(nn.Module):
             q, k = self._rotate(q, *cos_sin), self._rotate(k, *cos_sin)
         ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = ops.paged_attention(q, k_cache, v_cache, meta, spec.scale, window, spec.attn_softcap)
-        return ops.linear(o.reshape(-1, heads * dim), w.o, w.o_bias)
+        o = o.reshape(-1, heads * dim)
+        out = ops.linear(o, w.o, w.o_bias)
+        return out if lora is None else lora.add(out, o, index, "o_proj")
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotary = cos.shape[-1]
@@ -113,9 +123,13 @@ class DecoderModel(nn.Module):
             return self.ops.rope(x, cos, sin)
         return torch.cat((self.ops.rope(x[..., :rotary].contiguous(), cos, sin), x[..., rotary:]), dim=-1)
 
-    def _mlp(self, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        act = self.ops.act_mul(self.ops.linear(h, w.gate_up, w.gate_up_bias), self.spec.activation)
-        return self.ops.linear(act, w.down, w.down_bias)
+    def _mlp(self, h: torch.Tensor, w: LayerWeights, lora: LoraBatch | None, index: int) -> torch.Tensor:
+        gate_up = self.ops.linear(h, w.gate_up, w.gate_up_bias)
+        if lora is not None:
+            gate_up = lora.add(gate_up, h, index, "gate_up_proj")
+        act = self.ops.act_mul(gate_up, self.spec.activation)
+        out = self.ops.linear(act, w.down, w.down_bias)
+        return out if lora is None else lora.add(out, act, index, "down_proj")
 
     def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
         """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmi_handler.engine.model.attention import AttentionMetadata, attend, attention_paged, write_kv
+from lmi_handler.engine.model.lora import LoraBatch
 from lmi_handler.engine.model.kernels import (
     PackedWeight,
     bf16_dot_form,
@@ -197,9 +198,11 @@ class LlamaAttention(nn.Module):
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, invariant: bool,
-                group: Collectives | None = None):
+                group: Collectives | None = None, lora: LoraBatch | None = None, index: int = 0):
         a = self.args
         qkv = linear(x, self.qkv_weight, self.qkv_bias, invariant)
+        if lora is not None:
+            qkv = lora.add(qkv, x, index, "qkv_proj")
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
                              a.num_kv_heads * a.head_dim], dim=-1)
         q = apply_rope(q.reshape(-1, a.num_heads, a.head_dim), cos, sin)
@@ -207,9 +210,9 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, a.num_kv_heads, a.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = attend(q, k_cache, v_cache, meta, self.scale, invariant)   # (T, H, D)
-        return row_parallel_linear(o.reshape(-1, a.num_heads * a.head_dim), self.o_weight, self.o_bias, invariant,
-                                   group)
+        o = attend(q, k_cache, v_cache, meta, self.scale, invariant).reshape(-1, a.num_heads * a.head_dim)
+        out = row_parallel_linear(o, self.o_weight, self.o_bias, invariant, group)
+        return out if lora is None else lora.add(out, o, index, "o_proj")
 
 
 class LlamaMLP(nn.Module):
@@ -221,9 +224,15 @@ class LlamaMLP(nn.Module):
                              if args.mlp_bias else None)
         self.down_bias = nn.Parameter(torch.zeros(args.hidden_size)) if args.mlp_bias else None
 
-    def forward(self, x: torch.Tensor, invariant: bool, group: Collectives | None = None) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, invariant).chunk(2, dim=-1)
-        return row_parallel_linear(F.silu(gate) * up, self.down_weight, self.down_bias, invariant, group)
+    def forward(self, x: torch.Tensor, invariant: bool, group: Collectives | None = None,
+                lora: LoraBatch | None = None, index: int = 0) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, invariant)
+        if lora is not None:
+            gate_up = lora.add(gate_up, x, index, "gate_up_proj")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        out = row_parallel_linear(act, self.down_weight, self.down_bias, invariant, group)
+        return out if lora is None else lora.add(out, act, index, "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -234,9 +243,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = LlamaMLP(args)
 
-    def forward(self, x, cos, sin, kv_cache, meta, invariant: bool, group: Collectives | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, invariant, group)
-        return x + self.mlp(self.post_attention_layernorm(x), invariant, group)
+    def forward(self, x, cos, sin, kv_cache, meta, invariant: bool, group: Collectives | None = None,
+                lora: LoraBatch | None = None, index: int = 0):
+        """`lora`: the step's adapters, added after each projection of layer `index` (one process only)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, invariant, group, lora, index)
+        return x + self.mlp(self.post_attention_layernorm(x), invariant, group, lora, index)
 
 
 class LlamaModel(nn.Module):
@@ -257,6 +268,10 @@ class LlamaModel(nn.Module):
     rank order (row_parallel_linear); compute_logits gathers the vocabulary slices to rank 0. The fused
     C++ layer has no place for the reduce, so packed shards run the same C++ ops one by one from Python
     with the reduce between them (`_forward_split`; at degree 1 bitwise the fused layer's result).
+
+    LoRA: a step with adapters (`lora`, a LoraBatch) adds each row's adapter term after every projection
+    (LoraBatch.add: qkv_proj, o_proj, gate_up_proj, down_proj). The fused C++ stack has no place for it, so
+    such a step runs `_forward_split`; a step without adapters keeps the fused stack.
     """
 
     fused = True
@@ -334,19 +349,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, invariant: bool = True) -> torch.Tensor:
+                meta: AttentionMetadata, invariant: bool = True, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) int64. kv_caches[l]: (K, V), each (num_blocks, block_size,
-        num_kv_heads, head_dim). Writes this step's K/V; returns final-norm hidden states (T, hidden)."""
+        num_kv_heads, head_dim). `lora`: the step's adapters (None: no row has one; never on a shard).
+        Writes this step's K/V; returns final-norm hidden states (T, hidden)."""
         x = self.embed(input_ids)
         if self.fused and isinstance(self.layers[0].self_attn.qkv_weight, PackedWeight) \
                 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
-            forward = self._forward_fused if self.group is None else self._forward_split
             cos, sin = self._rope_rows(positions, max(meta.context_lens_host, default=0), x.dtype)
-            return forward(x, cos, sin, kv_caches, meta)
+            if self.group is None and lora is None:
+                return self._forward_fused(x, cos, sin, kv_caches, meta)
+            return self._forward_split(x, cos, sin, kv_caches, meta, lora)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]                         # (T, 1, D)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, invariant, self.group)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, cos, sin, kv_cache, meta, invariant, self.group, lora, i)
         return self.norm(x)
 
     _rope_table = None   # (cos, sin) of positions 0 .. len - 1, (len, head_dim) in one dtype; see _rope_rows
@@ -402,25 +419,36 @@ class LlamaModel(nn.Module):
                                 first.input_layernorm.eps, self.norm.eps, first.self_attn.scale)
 
     def _forward_split(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                       lora: LoraBatch | None = None) -> torch.Tensor:
         """_forward_fused's computation as C++ ops called one by one (the gate_up linear, then silu_mul,
         where the stack fuses them), so that a tensor-parallel shard can all-reduce after
-        o_proj and down_proj (row_parallel_linear). Each residual add is folded into the next norm (as
-        in the fused layer); with group None the result is bitwise _forward_fused's."""
+        o_proj and down_proj (row_parallel_linear), and a step with LoRA adapters (`lora`) can add their
+        terms after each projection. Each residual add is folded into the next norm (as in the fused
+        layer); with group and lora None the result is bitwise _forward_fused's."""
         a, group = self.args, self.group
         x = x.contiguous().clone()          # updated in place by every residual add
         cos, sin = cos.contiguous(), sin.contiguous()
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             h = fused_add_rmsnorm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
             qkv = packed_linear(h, attn.qkv_weight, attn.qkv_bias)
+            if lora is not None:
+                qkv = lora.add(qkv, h, i, "qkv_proj")
             q = fused_rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, a.num_heads, a.num_kv_heads)
-            o = attention_paged(q, k_cache, v_cache, meta, attn.scale)                   # (T, H, D)
-            delta = row_parallel_linear(o.view(x.shape[0], -1), attn.o_weight, attn.o_bias, True, group)
+            o = attention_paged(q, k_cache, v_cache, meta, attn.scale).view(x.shape[0], -1)   # (T, H * D)
+            delta = row_parallel_linear(o, attn.o_weight, attn.o_bias, True, group)
+            if lora is not None:
+                delta = lora.add(delta, o, i, "o_proj")
             h = fused_add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            act = fused_silu_mul(packed_linear(h, mlp.gate_up_weight, mlp.gate_up_bias))
+            gate_up = packed_linear(h, mlp.gate_up_weight, mlp.gate_up_bias)
+            if lora is not None:
+                gate_up = lora.add(gate_up, h, i, "gate_up_proj")
+            act = fused_silu_mul(gate_up)
             delta = row_parallel_linear(act, mlp.down_weight, mlp.down_bias, True, group)
+            if lora is not None:
+                delta = lora.add(delta, act, i, "down_proj")
         return fused_add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor | None:

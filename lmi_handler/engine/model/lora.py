@@ -13,6 +13,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
+from itertools import accumulate
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -257,6 +258,7 @@ class TileLayout:
     place: torch.Tensor         # (N,) int64 their row in the tiles (num_tiles * TILE rows)
     tile_slot: torch.Tensor     # (num_tiles,) int64 each tile's slot
     num_tiles: int
+    groups: tuple[tuple[int, int, int], ...] = ()   # (slot, first tile, tiles) of each slot used, host ints (CPU)
 
 
 def tile_layout(row_slot: torch.Tensor) -> TileLayout | None:
@@ -275,7 +277,11 @@ def tile_layout(row_slot: torch.Tensor) -> TileLayout | None:
     first_row = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
     group = torch.repeat_interleave(torch.arange(len(tiles_per_slot), device=device), counts)
     place = first_tile[group] * TILE + torch.arange(rows.numel(), device=device) - first_row[group]
-    return TileLayout(rows, slots, place, tile_slot, sum(tiles_per_slot))
+    groups = ()
+    if device.type == "cpu":                          # a CPU tensor's values are on the host already
+        starts = [0] + list(accumulate(tiles_per_slot))[:-1]
+        groups = tuple(zip(used.tolist(), starts, tiles_per_slot))
+    return TileLayout(rows, slots, place, tile_slot, sum(tiles_per_slot), groups)
 
 
 def lora_delta(x: torch.Tensor, row_slot: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
@@ -296,16 +302,24 @@ def lora_delta(x: torch.Tensor, row_slot: torch.Tensor, a_stack: torch.Tensor, b
     dtype = a_stack.dtype
     xt = torch.zeros(layout.num_tiles * TILE, x.shape[1], dtype=dtype, device=x.device)
     xt[layout.place] = x[layout.rows].to(dtype)
-    shrink = _tiled_bmm(xt.view(layout.num_tiles, TILE, -1), a_stack, layout.tile_slot)   # (tiles, TILE, r_max)
-    expand = _tiled_bmm(shrink, b_stack, layout.tile_slot)                               # (tiles, TILE, out)
+    tiles = xt.view(layout.num_tiles, TILE, -1)
+    shrink = _tiled_bmm(tiles, a_stack, layout.tile_slot, layout.groups)         # (tiles, TILE, r_max)
+    expand = _tiled_bmm(shrink, b_stack, layout.tile_slot, layout.groups)        # (tiles, TILE, out)
     delta = expand.view(layout.num_tiles * TILE, -1)[layout.place] * scale[layout.slots].to(dtype)[:, None]
     out[layout.rows] = delta.to(x.dtype)
     return out
 
 
-def _tiled_bmm(tiles: torch.Tensor, stack: torch.Tensor, tile_slot: torch.Tensor) -> torch.Tensor:
+def _tiled_bmm(tiles: torch.Tensor, stack: torch.Tensor, tile_slot: torch.Tensor,
+               groups: tuple[tuple[int, int, int], ...] = ()) -> torch.Tensor:
     """tiles[i] @ stack[tile_slot[i]]^T for every tile: (n, TILE, k) x (num_slots, m, k) -> (n, TILE, m).
-    CUDA: CUDA_TILES_PER_CALL tiles a call (the last padded), so the kernel cuBLAS picks never depends on n."""
+    CPU: one bmm per slot used (`groups`, TileLayout's), its weight broadcast over the slot's tiles (a stride-0
+    view, as llama.py's tiled matmul: MKL runs every tile through the same kernel whatever their number), so
+    no tile copies its weight. CUDA: CUDA_TILES_PER_CALL tiles a call (the last padded), so the kernel cuBLAS
+    picks never depends on n."""
+    if tiles.device.type == "cpu" and groups:
+        outs = [torch.bmm(tiles[first:first + n], stack[slot].t().expand(n, -1, -1)) for slot, first, n in groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
     weights = stack.index_select(0, tile_slot).transpose(1, 2)                # (n, k, m)
     if tiles.device.type == "cpu":
         return torch.bmm(tiles, weights)

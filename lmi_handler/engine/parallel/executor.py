@@ -137,6 +137,8 @@ class TensorParallelExecutor:
     running a step. `close()` ends the followers (also at interpreter exit).
     """
 
+    applies_lora = False    # a shard holds a slice of each projection's input; the LoRA term needs all of it
+
     def __init__(self, runner, group: TPGroup, store, followers: dict[int, subprocess.Popen]):
         self.runner, self.group, self.store, self.followers = runner, group, store, followers
         self._failure: RankFailed | None = None

@@ -92,6 +92,9 @@ def _batch(args: argparse.Namespace) -> int:
     except BatchRejected as exc:
         print(f"error: batch rejected, nothing was run: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:     # refused when the engine is built (option.max_model_len past the model's, ...)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (EngineFailed, ClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -84,7 +84,9 @@ class Service:
                                                rolling=settings.is_rolling, enable_streaming=settings.enable_streaming)
         stream = why_streaming is not None
         count = self._sequences(request, why_streaming)
-        model_name = request.model if request.model in adapters else self.answering_model(request.model, kind)
+        # `adapters` is [None] for the base: a request without `model` must not answer `"model": null`
+        chosen = request.model is not None and request.model in adapters
+        model_name = request.model if chosen else self.answering_model(request.model, kind)
         params = request.parameters
         openai = request.chat or request.completion
         return RequestPlan(

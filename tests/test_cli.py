@@ -78,3 +78,15 @@ def test_a_refused_setting_ends_serve_with_one_line_naming_it_and_exit_code_2(tm
     assert main(["serve", "--properties", str(props), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_setting_the_engine_refuses_ends_batch_with_one_line_naming_it_and_exit_code_2(tmp_path, capsys, model_dir):
+    from lmi_handler.cli import main
+
+    props = tmp_path / "serving.properties"
+    props.write_text(f"engine=Python\noption.model_id={model_dir}\noption.max_model_len=40000\n")
+    source = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", {"prompt": "x", "max_tokens": 2}, COMPLETIONS)])
+    assert main(["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--properties", str(props)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: option.max_model_len=40000 exceeds the model's context of 8192 tokens")
+    assert "Traceback" not in err and err.count("\n") == 1 and not (tmp_path / "out.jsonl").exists()

@@ -74,6 +74,16 @@ def test_by_default_any_model_name_is_answered_by_the_loaded_model_on_every_open
         assert live.model_name == line.model_name == service.model_name
 
 
+def test_a_request_without_model_is_answered_with_the_served_name_not_null(service):
+    """OpenAI's `model` is optional in a request but a string in every answer (vLLM answers its served name)."""
+    chat = service.plan(b'{"messages": [{"role": "user", "content": "Hi"}]}', route=ROUTE_CHAT)
+    completion = service.plan(b'{"prompt": [504, 3575], "max_tokens": 1}', route=ROUTE_COMPLETIONS)
+    lmi_chat = service.plan(b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}')
+    line = service.plan_openai_body({"prompt": "Hi", "max_tokens": 2}, ROUTE_COMPLETIONS, "line-1",
+                                    greedy_when_unset=True)
+    assert chat.model_name == completion.model_name == lmi_chat.model_name == line.model_name == service.model_name
+
+
 def test_under_tgi_compat_any_model_name_is_the_model_as_tgi_clients_send_tgi_or_dummy(service):
     for name in ("tgi", "dummy", "gpt-4"):
         plan = service.plan(json.dumps({"model": name, "prompt": "Hi"}).encode(), route=ROUTE_COMPLETIONS)

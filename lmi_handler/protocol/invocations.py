@@ -123,7 +123,7 @@ def load_json(body: bytes | str | dict) -> dict:
         return body
     text = _decode(body)
     if not text.strip():
-        raise RequestValidationError("body", "Request body is empty: send a JSON object with \"inputs\"")
+        raise RequestValidationError("body", "Request body is empty: send a JSON object")  # every route's
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # bad JSON, 4300+ digit integers, absurd nesting

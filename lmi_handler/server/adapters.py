@@ -24,6 +24,10 @@ def adapter_card(adapter: LoraAdapter) -> dict:
             "modules": list(adapter.modules)}
 
 
+# LoraError.field (LMI's query parameters name / src; "adapter" for the folder's contents) -> vLLM's body field
+VLLM_FIELDS = {"name": "lora_name", "src": "lora_path", "adapter": "lora_path"}
+
+
 def add_adapter_routes(app: FastAPI) -> None:
     state = app.state
 
@@ -34,11 +38,13 @@ def add_adapter_routes(app: FastAPI) -> None:
         return error_response(Dialect.LMI, f"model {model!r} is not served here (this server serves {served})", 404)
 
     async def run(call, dialect: Dialect) -> Response | object:
-        """`call` off the event loop (it reads files); a LoraError becomes its answer in `dialect`."""
+        """`call` off the event loop (it reads files); a LoraError becomes its answer in `dialect`, its field
+        named as that API's request names it (vLLM's body: lora_name, lora_path)."""
         try:
             return await asyncio.get_running_loop().run_in_executor(None, call)
         except LoraError as exc:
-            return error_response(dialect, str(exc), exc.status_code, exc.field)
+            field = VLLM_FIELDS.get(exc.field, exc.field) if dialect is Dialect.OPENAI else exc.field
+            return error_response(dialect, str(exc), exc.status_code, field)
 
     @app.get("/models/{model}/adapters")
     async def list_adapters(model: str) -> Response:

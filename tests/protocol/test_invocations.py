@@ -7,7 +7,13 @@ import pytest
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.protocol.invocations import InvocationRequest, build_details, prefill_to_dicts, token_to_dict
+from lmi_handler.protocol.invocations import (
+    InvocationRequest,
+    build_details,
+    load_json,
+    prefill_to_dicts,
+    token_to_dict,
+)
 from tests.helpers import load_case
 
 
@@ -42,6 +48,13 @@ def test_bad_body_names_the_field(body, field):
         InvocationRequest.parse(body)
     assert info.value.field == field and info.value.status_code == 400
     assert field in info.value.message
+
+
+def test_an_empty_body_asks_for_a_json_object_without_naming_one_routes_field():
+    """load_json serves every route: "inputs" would mislead an OpenAI client (its fields are prompt, messages)."""
+    with pytest.raises(RequestValidationError) as info:
+        load_json(b"")
+    assert info.value.field == "body" and info.value.message == "Request body is empty: send a JSON object"
 
 
 def test_c06_top_p_errors_mention_top_p():

@@ -71,6 +71,7 @@ def test_adapters_load_list_and_unload_through_both_apis(tiny_dir):
         assert _names(server) == ["alpha"]
         gone = server.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
         assert gone.status_code == 404 and "'gamma' is not loaded" in gone.json()["error"]["message"]
+        assert gone.json()["error"]["param"] == "lora_name"
 
 
 BAD_SOURCES = [("runtime/wide", 400, "rank 32, over option.max_lora_rank=16"),
@@ -87,6 +88,7 @@ def test_a_bad_adapter_answers_its_4xx_naming_the_problem_and_changes_nothing(ti
             assert lmi.status_code == status and message in lmi.json()["error"], lmi.text
             vllm = server.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tiny_dir / src)})
             assert vllm.status_code == status and message in vllm.json()["error"]["message"]
+            assert vllm.json()["error"]["param"] == ("lora_name" if status == 409 else "lora_path")   # vLLM's fields
             assert _names(server) == ["alpha"]
         assert server.post("/v1/load_lora_adapter", json={"lora_name": "x"}).json()["error"]["param"] == "lora_path"
         assert server.post("/models/nope/adapters", params={"name": "x", "src": "y"}).status_code == 404

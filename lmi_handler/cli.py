@@ -24,7 +24,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    serve(app, args.host, args.port, args.log_level.lower())  # uvicorn, draining on SIGTERM
+    try:
+        serve(app, args.host, args.port, args.log_level.lower())  # uvicorn, draining on SIGTERM
+    except SystemExit:
+        if not isinstance(app.state.front_end.init_error, ConfigError):
+            raise
+    # refused while the engine is built (option.max_model_len past the model's, a kernel_backend that cannot
+    # run here, an adapter that does not load): the same one line and status 2 as the refusals above
+    if isinstance(app.state.front_end.init_error, ConfigError):
+        print(f"error: {app.state.front_end.init_error}", file=sys.stderr)
+        return 2
     return 0
 
 

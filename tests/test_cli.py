@@ -90,3 +90,20 @@ def test_a_setting_the_engine_refuses_ends_batch_with_one_line_naming_it_and_exi
     err = capsys.readouterr().err
     assert err.startswith("error: option.max_model_len=40000 exceeds the model's context of 8192 tokens")
     assert "Traceback" not in err and err.count("\n") == 1 and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_setting_the_engine_refuses_ends_serve_with_its_line_last_and_exit_code_2(tmp_path, model_dir):
+    """A refusal found while the engine is built (here option.max_model_len past max_position_embeddings) ends
+    `lmi-handler serve` as the refusals before it do: status 2, the last line of stderr `error: ...` naming the
+    option, the front end's log line without a traceback."""
+    import sys
+
+    props = tmp_path / "serving.properties"
+    props.write_text(f"engine=Python\noption.model_id={model_dir}\noption.max_model_len=40000\n")
+    proc = subprocess.run([sys.executable, "-m", "lmi_handler.cli", "serve", "--properties", str(props),
+                           "--host", "127.0.0.1", "--port", "0"], capture_output=True, text=True, timeout=300,
+                          env=cli_env())
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: option.max_model_len=40000 exceeds the model's context of 8192 tokens"), last
+    assert "model initialization refused: option.max_model_len=40000" in proc.stderr

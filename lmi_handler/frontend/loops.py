@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable
 
-from lmi_handler.config import Settings
+from lmi_handler.config import ConfigError, Settings
 from lmi_handler.djl import OwnInput, OwnOutput, PairList, binary_decode
 from lmi_handler.engine.health import EngineDead
 from lmi_handler.engine.sequence import random_seed
@@ -212,7 +212,10 @@ class FrontEnd:
         try:  # the initialization call: properties only, empty content (DESIGN §2)
             self.handle(OwnInput(self.properties))
         except BaseException as exc:  # reported by /ping and the server start
-            logger.exception("model initialization failed")
+            if isinstance(exc, ConfigError):    # a setting refused: its message says it all (no traceback)
+                logger.error("model initialization refused: %s", exc)
+            else:
+                logger.exception("model initialization failed")
             self.init_error = exc
             self.ready.set()
             return

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmi_handler.batch.server import BatchApi
-from lmi_handler.config import Settings
+from lmi_handler.config import ConfigError, Settings
 from lmi_handler.frontend.loops import make_front_end
 from lmi_handler.handler import Handler
 from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
@@ -68,6 +68,8 @@ async def _lifespan(app: FastAPI):
     log_access_rule(state.settings.api_keys, open_paths(state.settings.metrics_require_key))
     state.front_end.start()
     await asyncio.get_running_loop().run_in_executor(None, state.front_end.ready.wait)
+    if isinstance(state.front_end.init_error, ConfigError):
+        raise state.front_end.init_error    # a setting refused: cli.py says it in one line, status 2
     if state.front_end.init_error is not None:
         raise RuntimeError(f"model initialization failed: {state.front_end.init_error}")
     state.service = state.handler.service

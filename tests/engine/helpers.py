@@ -12,7 +12,7 @@ import torch
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.engine import Engine
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
-from lmi_handler.engine.scheduler import SchedulerOutput
+from lmi_handler.engine.scheduler import Scheduler, SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 512
@@ -149,3 +149,14 @@ def assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target
     assert batch_tokens[0] == alone_tokens[0]
     diffs = [(a - b).abs().max().item() for a, b in zip(alone_logits[0], batch_logits[0])]
     assert all(torch.equal(a, b) for a, b in zip(alone_logits[0], batch_logits[0])), f"max abs diffs {diffs}"
+
+
+def run_step(sched: Scheduler) -> list:
+    """Pretend the model ran one scheduled step: advance the computed tokens and append a token to the
+    sequences at their end; returns the step's sequences (scheduler and LoRA-admission tests)."""
+    out = sched.schedule()
+    sched.update_from_output(out)
+    for seq in out.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(1)
+    return out.seqs

@@ -30,7 +30,7 @@ from lmi_handler.engine.model.lora import (
 )
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
-from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import hf_greedy, run_step
 from tests.engine.lora_helpers import PEFT_PREFIX, merge_adapter, write_peft_adapter
 
 
@@ -256,16 +256,6 @@ def _seq(request_id: str, adapter: LoraAdapter | None) -> Sequence:
                     adapter=adapter)
 
 
-def _run_step(sched: Scheduler) -> list[Sequence]:
-    """Pretend the model ran: the scheduled tokens are computed, a sequence at its end gets a token."""
-    out = sched.schedule()
-    sched.update_from_output(out)
-    for seq in out.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(1)
-    return out.seqs
-
-
 def _check_blocks(alloc: BlockAllocator) -> None:
     assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
 
@@ -275,9 +265,9 @@ def _cached_after(first: Sequence, second: Sequence) -> int:
     alloc = BlockAllocator(32, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), alloc)
     sched.add(first)
-    _run_step(sched)
+    run_step(sched)
     sched.add(second)
-    _run_step(sched)
+    run_step(sched)
     _check_blocks(alloc)
     return second.num_cached_tokens
 
@@ -299,11 +289,11 @@ def test_a_step_holds_at_most_max_loras_adapters_and_the_base_runs_beside_them()
     seqs = [_seq("a1", a), _seq("b1", b), _seq("c1", c), _seq("base", None), _seq("a2", a)]
     for seq in seqs:
         sched.add(seq)
-    first = _run_step(sched)
+    first = run_step(sched)
     assert [s.request_id for s in first] == ["a1", "b1", "base", "a2"]   # c waits: a and b fill max_loras
     sched.finish(seqs[0])
     sched.finish(seqs[4])                                                  # adapter a has no running request left
-    assert "c1" in [s.request_id for s in _run_step(sched)]
+    assert "c1" in [s.request_id for s in run_step(sched)]
     _check_blocks(alloc)
 
 

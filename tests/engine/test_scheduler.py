@@ -6,22 +6,13 @@ import pytest
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from tests.engine.helpers import run_step
 
 
 def make_seq(i: int, prompt_len: int, prefix: list[int] = (), prompt_logprobs: bool = False) -> Sequence:
     """Request r{i}: `prefix`, then prompt tokens no other request has (so only `prefix` can hit the cache)."""
     own = list(range(1000 * (i + 1), 1000 * (i + 1) + prompt_len - len(prefix)))
     return Sequence(f"r{i}", list(prefix) + own, SamplingParams(max_new_tokens=8, prompt_logprobs=prompt_logprobs))
-
-
-def run_step(sched: Scheduler) -> list[Sequence]:
-    """Pretend the model ran: advance computed tokens and append a token to sequences at their end."""
-    out = sched.schedule()
-    sched.update_from_output(out)
-    for seq in out.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(1)
-    return out.seqs
 
 
 def check_invariants(sched: Scheduler, alloc: BlockAllocator) -> None:

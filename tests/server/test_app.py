@@ -184,8 +184,13 @@ def test_dynamic_batch_answers_chat_and_openai_routes_in_openai_shapes(dynamic_s
         assert lmi_chat.json()["choices"][0]["message"]["content"] == chat.json()["choices"][0]["message"]["content"]
         completion = http.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 4, "temperature": 0})
         assert completion.json()["object"] == "text_completion"
-        listed = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4})
-        assert listed.status_code == 400 and "prompt" in listed.json()["error"]["message"]
+        # a list of prompts: one choice set per prompt (OpenAI, vLLM), the first the single prompt's answer
+        listed = http.post("/v1/completions", json={"prompt": ["The sky is", "Grass is"], "max_tokens": 4,
+                                                    "temperature": 0})
+        assert listed.status_code == 200, listed.text
+        choices = listed.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1]
+        assert choices[0]["text"] == completion.json()["choices"][0]["text"]
 
 
 BODY = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6, "details": True}}

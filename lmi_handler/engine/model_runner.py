@@ -155,7 +155,8 @@ class ModelRunner:
         self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device, huge_pages=huge_pages).zero_()
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.applies_lora = layout is None
-        self._model_dir = Path(model_dir)
+        # the base's projection shapes the adapters' stacks are built to, read once (not at every new adapter set)
+        self._lora_shapes = base_module_shapes(read_config(model_dir)) if self.applies_lora else None
         self._lora_stacks: dict[tuple[bytes, ...], LoraBatch] = {}    # adapter keys -> stacks, oldest first
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
@@ -177,8 +178,8 @@ class ModelRunner:
         keys = tuple(key for key, _ in adapters)
         stacks = self._lora_stacks.pop(keys, None)
         if stacks is None:
-            shapes = base_module_shapes(read_config(self._model_dir))
-            stacks = LoraBatch.build([a for _, a in adapters], [], [], shapes, self.device, fused=tuple(FUSED))
+            stacks = LoraBatch.build([a for _, a in adapters], [], [], self._lora_shapes, self.device,
+                                     fused=tuple(FUSED))
             while len(self._lora_stacks) >= self.LORA_STACKS_KEPT:
                 del self._lora_stacks[next(iter(self._lora_stacks))]
         self._lora_stacks[keys] = stacks                                # most recently used last

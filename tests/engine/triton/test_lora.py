@@ -82,12 +82,12 @@ def lora_llama(tmp_path_factory):
     return path, root, base, merged
 
 
-def test_the_engine_on_triton_answers_as_transformers_with_the_adapter_merged_beside_a_base_request(
+def test_the_engine_on_triton_answers_as_transformers_with_the_adapter_merged_beside_a_base_request_bitwise(
         lora_llama, device):
     path, root, base, merged = lora_llama
     config = EngineConfig(model_path=path, dtype="float32", device_id=0 if device.type == "cuda" else -1,
                           max_num_seqs=4, max_num_batched_tokens=16, max_model_len=None, block_size=4,
-                          kv_cache_bytes=1 << 20, kernel_backend="triton",
+                          kv_cache_bytes=1 << 20, kernel_backend="triton", enable_prefix_caching=False,
                           lora=LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(root,)))
     engine = Engine(config, tokenizer=build_tiny_tokenizer())
     engine.adapters.load("a", root / "a")
@@ -95,8 +95,14 @@ def test_the_engine_on_triton_answers_as_transformers_with_the_adapter_merged_be
     params = SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True)
     requests = [("a0", PROMPTS[0], replace(params, adapter="a")), ("base", PROMPTS[0], params),
                 ("a1", PROMPTS[1], replace(params, adapter="a"))]
-    results = engine.generate(requests)                           # every step holds adapter rows and base rows
-    tokens = {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+
+    def answer(requests):
+        results = engine.generate(requests)
+        return {rid: [(t.id, t.log_prob) for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+
+    mixed = answer(requests)                                      # every step holds adapter rows and base rows
+    tokens = {rid: [token for token, _ in out] for rid, out in mixed.items()}
     assert tokens["base"] == hf_greedy(base, PROMPTS[0], 4)
     assert tokens["a0"] == hf_greedy(merged, PROMPTS[0], 4) and tokens["a1"] == hf_greedy(merged, PROMPTS[1], 4)
     assert tokens["a0"] != tokens["base"]                         # the adapter changes the answer
+    assert answer(requests[:1])["a0"] == mixed["a0"]              # log-probs compared exactly: alone = beside others

@@ -48,18 +48,20 @@ def test_the_triton_lora_term_equals_lora_delta_with_base_rows_untouched(dtype, 
     torch.testing.assert_close(out.float(), (y.float() + delta).to(dtype).float(), atol=1e-5, rtol=rtol)
 
 
-def test_a_row_gets_the_same_bits_alone_and_in_batches_of_3_and_8_beside_other_adapters(device):
+def test_a_row_gets_the_same_bits_alone_and_in_batches_of_3_8_and_20_beside_other_adapters(device):
+    """Batches of 3 and 8 (one row block) and of 20 (two: row 17 in the second)."""
     a, b, scale = _stacks(device, seed=3)
-    x = torch.randn(8, IN, generator=torch.Generator().manual_seed(4)).to(device)
-    row_slot = torch.tensor([1, 0, -1, 2, 0, 1, 2, -1], device=device)
-    zeros = torch.zeros(8, OUT, device=device)
-    batch8 = tb.lora_add(zeros.clone(), x, row_slot, a, b, scale)
+    x = torch.randn(20, IN, generator=torch.Generator().manual_seed(4)).to(device)
+    row_slot = torch.tensor([1, 0, -1, 2, 0, 1, 2, -1, 0, 0, 1, 2, -1, 2, 1, 0, 2, 0, 1, -1], device=device)
+    zeros = torch.zeros(20, OUT, device=device)
+    batch20 = tb.lora_add(zeros.clone(), x, row_slot, a, b, scale)
+    batch8 = tb.lora_add(zeros[:8].clone(), x[:8], row_slot[:8], a, b, scale)
     batch3 = tb.lora_add(zeros[:3].clone(), x[3:6], row_slot[3:6], a, b, scale)     # rows 3, 4, 5 at 0, 1, 2
-    for t in (0, 4):
+    for t in (0, 4, 17):
         alone = tb.lora_add(zeros[:1].clone(), x[t:t + 1], row_slot[t:t + 1], a, b, scale)
-        assert torch.equal(alone[0], batch8[t]), t
-    assert torch.equal(batch3, batch8[3:6])
-    assert not torch.equal(batch8[4], torch.zeros(OUT, device=device))
+        assert torch.equal(alone[0], batch20[t]), t
+    assert torch.equal(batch8, batch20[:8]) and torch.equal(batch3, batch20[3:6])
+    assert not torch.equal(batch20[17], torch.zeros(OUT, device=device))
 
 
 # ---- the engine on kernel_backend=triton ------------------------------------------------------------------

@@ -125,6 +125,14 @@ BENCH_JSON=$(ls -t "$BENCH_DIR"/bench-*.json 2>/dev/null | head -1)
 if [[ -n "$BENCH_JSON" ]]; then cp "$BENCH_JSON" "$OUT_DIR/"; fi
 echo "benchmark: exit $bench_rc in $(( $(date +%s) - start )) s"
 
+echo "== LoRA (issue 41): 64 requests over 4 adapters against the same 64 on the base, bf16, auto = triton =="
+# benchmarks/ab.py lora: the Triton LoRA kernel in the engine (its bitwise tests ran with the kernel tests above);
+# its result line goes to gpu-bench.log, where the summary reads lora_base_tok_s, lora_tok_s and lora_vs_base
+start=$(date +%s)
+timeout "$(left "${LORA_TIMEOUT:-60}")" "$PY" benchmarks/ab.py lora --dtype bf16 --rounds 2 --threads 4 2>&1 \
+  | tee -a "$OUT_DIR/gpu-bench.log"
+echo "LoRA throughput: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/gpu-bench.log"
+
 echo "== batch invariance on CUDA (the tests that compare a row alone and in a batch; auto = triton on CUDA) =="
 start=$(date +%s)
 timeout "$(left "${INVARIANCE_TIMEOUT:-90}")" "$PY" -m pytest -q -p no:cacheprovider --tb=short "${DESELECT[@]}" \

@@ -1,6 +1,6 @@
 """The Triton backend's kernels on a GPU: their tests compiled (not interpreted), then paged attention and the
 linear timed against torch on the demo model's shapes (SmolLM2-135M: hidden 576, 9 heads over 3 KV heads of 64,
-MLP 1536, vocab 49152), bf16.
+MLP 1536, vocab 49152), bf16, and the LoRA term (4 adapters of rank 16) against lora.py's torch product.
 
     python benchmarks/gpu_kernels_check.py                 # on a CUDA machine, from the repo root
     python benchmarks/gpu_kernels_check.py --out DIR       # where gpu-kernels-<UTC date>.json goes ($OUT or
@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -143,6 +144,42 @@ def time_kernels(smoke: bool, device) -> list[dict]:
                    "max_abs_diff_vs_torch": diff.max().item()}
             rows.append(row)
             print(json.dumps(row))
+    rows += time_lora(smoke, device, dtype)
+    return rows
+
+
+def torch_lora_add(y, x, row_slot, a_stack, b_stack, scale, layout):
+    """The torch path's LoRA step: y + lora.py's tiled product."""
+    from lmi_handler.engine.model.lora import lora_delta
+    return y + lora_delta(x, row_slot, a_stack, b_stack, scale, layout)
+
+
+def time_lora(smoke: bool, device, dtype) -> list[dict]:
+    """The LoRA term (issue 41) on the demo's widest and narrowest-output projections: 4 adapters of rank 16, 64
+    decode rows on adapter i % 4 and a 2048-row prefill of 4 adapters' runs; the Triton kernel (added in place)
+    against lora.py's tiled bmm (its tile layout made once, as once per step in the engine)."""
+    import torch
+
+    from lmi_handler.engine.model.backends import triton as tb
+    from lmi_handler.engine.model.lora import lora_delta, tile_layout
+    rows = []
+    for name in (("qkv",) if smoke else ("gate_up", "down")):
+        k, n = LINEARS[name]
+        a = torch.randn(4, 16, k, device=device) / k ** 0.5
+        b, scale = torch.randn(4, n, 16, device=device) / 4, torch.full((4,), 2.0, device=device)
+        for kind, num_rows in ([("decode", 8)] if smoke else [("decode", 64), ("prefill", 2048)]):
+            order = torch.arange(num_rows, device=device)
+            row_slot = order % 4 if kind == "decode" else order * 4 // num_rows
+            x = torch.randn(num_rows, k, dtype=dtype, device=device)
+            y, layout = torch.zeros(num_rows, n, dtype=dtype, device=device), tile_layout(row_slot)
+            delta = lora_delta(x, row_slot, a, b, scale, layout)
+            diff = (tb.lora_add(torch.zeros_like(y), x, row_slot, a, b, scale).float() - delta.float()).abs()
+            row = {"op": "lora", "name": name, "kind": kind, "rows": num_rows, "k": k, "n": n, "rank": 16,
+                   "adapters": 4, "triton_us": time_us(tb.lora_add, y, x, row_slot, a, b, scale),
+                   "torch_us": time_us(torch_lora_add, y, x, row_slot, a, b, scale, layout),
+                   "max_abs_diff_vs_torch": diff.max().item()}
+            rows.append(row)
+            print(json.dumps(row))
     return rows
 
 
@@ -155,6 +192,15 @@ def read_bandwidth_gb_s(device, smoke: bool) -> float:
 
 def load_json(path: str) -> dict:
     return json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+
+
+def lora_rates(log: Path) -> dict:
+    """gpu_check.sh's LoRA row (benchmarks/ab.py lora's last line, appended to gpu-bench.log): 64 requests over 4
+    adapters against the same 64 on the base, output tok/s; None where it did not run."""
+    found = re.findall(r"base ([\d.]+) tok/s, lora ([\d.]+) tok/s, lora / base ([\d.]+)",
+                       log.read_text(errors="replace") if log.is_file() else "")
+    base, lora, ratio = (float(v) for v in found[-1]) if found else (None, None, None)
+    return {"lora_base_tok_s": base, "lora_tok_s": lora, "lora_vs_base": ratio}
 
 
 def summary(args: argparse.Namespace, device, device_name: str) -> dict:
@@ -177,6 +223,7 @@ def summary(args: argparse.Namespace, device, device_name: str) -> dict:
               "bandwidth_gb_s": round(read_bandwidth_gb_s(device, args.smoke), 1),
               "invariance_bitwise": bool((kernels.get("tests") or {}).get("passed")) and rcs.get("invariance") == 0}
     flops = (phases.get("peak_start") or {}).get("peak_flops_per_s")
+    record.update(lora_rates(args.summary / "gpu-bench.log"))
     record.update({
         "kernel_backend": "triton",
         "offline_vs_hf": (round(record["offline_tok_s_invariant"] / record["hf_tok_s"], 2)

@@ -55,6 +55,7 @@ class DecoderModel(nn.Module):
                  lm_head: torch.Tensor, layers: list[LayerWeights], backend_name: str):
         super().__init__()
         self.spec, self.ops, self.kernel_backend = spec, ops, backend_name
+        self._lora_add = getattr(ops, "lora_add", None)     # a backend's own LoRA kernel (triton), else lora.py's
         self.embed_tokens, self.final_norm, self.lm_head, self.layer_weights = embed, final_norm, lm_head, layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -101,8 +102,7 @@ class DecoderModel(nn.Module):
         spec, ops = self.spec, self.ops
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qkv = ops.linear(h, w.qkv, w.qkv_bias)
-        if lora is not None:
-            qkv = lora.add(qkv, h, index, "qkv_proj")
+        qkv = self._lora(qkv, h, lora, index, "qkv_proj")
         q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
         if spec.qk_norm == "full":                                   # OLMo-2: over the whole projection
             q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
@@ -115,7 +115,7 @@ class DecoderModel(nn.Module):
         o = ops.paged_attention(q, k_cache, v_cache, meta, spec.scale, window, spec.attn_softcap)
         o = o.reshape(-1, heads * dim)
         out = ops.linear(o, w.o, w.o_bias)
-        return out if lora is None else lora.add(out, o, index, "o_proj")
+        return self._lora(out, o, lora, index, "o_proj")
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotary = cos.shape[-1]
@@ -125,11 +125,19 @@ class DecoderModel(nn.Module):
 
     def _mlp(self, h: torch.Tensor, w: LayerWeights, lora: LoraBatch | None, index: int) -> torch.Tensor:
         gate_up = self.ops.linear(h, w.gate_up, w.gate_up_bias)
-        if lora is not None:
-            gate_up = lora.add(gate_up, h, index, "gate_up_proj")
+        gate_up = self._lora(gate_up, h, lora, index, "gate_up_proj")
         act = self.ops.act_mul(gate_up, self.spec.activation)
         out = self.ops.linear(act, w.down, w.down_bias)
-        return out if lora is None else lora.add(out, act, index, "down_proj")
+        return self._lora(out, act, lora, index, "down_proj")
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoraBatch | None, index: int,
+              module: str) -> torch.Tensor:
+        """y + the step's LoRA term of projection `module` of layer `index`: the backend's kernel (added onto y,
+        a fresh projection output, in place) where it has one, LoraBatch.add's tiled product otherwise."""
+        if lora is None or self._lora_add is None:
+            return y if lora is None else lora.add(y, x, index, module)
+        stack = lora.stacks.get((index, module))
+        return y if stack is None else self._lora_add(y, x, lora.row_slot, stack[0], stack[1], lora.scale)
 
     def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
         """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lmi_handler.engine.model.backends.triton import attention, matmul, rowwise, sampling
+from lmi_handler.engine.model.backends.triton import attention, lora, matmul, rowwise, sampling
 
 # the demo model's shapes (SmolLM2-135M): 9 heads over 3 KV heads of 64, hidden 576, MLP 1536
 ATTENTION = {"GROUP": 3, "GROUP_PAD": 4, "HEAD_DIM": 64, "DIM_PAD": 64, "SEQ_CHUNK": attention.SEQ_CHUNK, "TILE": attention.KV_TILE}
@@ -37,6 +37,9 @@ def cases(dt: str):
     for seeded in (False, True):
         yield sampling._argmax_kernel, {"out": "*i64", "scores": "*fp32", "seeds": "*i64", "positions": "*i64"}, \
             {"SEEDED": seeded, "BLOCK": sampling.VOCAB_BLOCK}
+    yield lora._lora_kernel, {"y": f"*{dt}", "row_slot": "*i64", "a_stack": "*fp32", "b_stack": "*fp32",
+                              "scale": "*fp32"}, \
+        {"BLOCK_M": lora.BLOCK_M, "BLOCK_N": lora.BLOCK_N, "BLOCK_K": lora.BLOCK_K, "BLOCK_R": 16}
 
 
 def compile_all(arch: int) -> list[str]:

@@ -20,3 +20,47 @@ def test_the_triton_graph_step_with_padding_equals_the_unpadded_step(tmp_path, d
     runner = ModelRunner(tmp_path, torch.float32, device, block_size=4, num_blocks=32, kernel_backend="triton")
     assert runner.model.ops is tb and runner.graphs is None      # enforce_eager by default when built directly
     assert_padded_step_equals_unpadded(runner, BlockAllocator(runner.num_blocks, runner.block_size))
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (gpu_check.sh runs it)")
+
+
+@cuda_only
+def test_on_cuda_a_replayed_decode_graph_gives_the_eager_steps_bits_and_cache(tmp_path):
+    """Captured at start-up (sizes 1, 2, 4), replayed for a decode step of 3 sequences: the logits and the KV
+    cache bitwise those of the same step run eagerly (graphs off)."""
+    from lmi_handler.engine.scheduler import SchedulerOutput
+    from tests.engine.graph_helpers import PROMPTS, prefilled
+
+    build_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    runner = ModelRunner(tmp_path, torch.float32, torch.device("cuda"), block_size=4, num_blocks=32,
+                         kernel_backend="triton", enforce_eager=False, max_num_seqs=4)
+    assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4]
+    seqs = prefilled(runner, BlockAllocator(runner.num_blocks, runner.block_size), PROMPTS)
+    sched = SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1, 1, 1])
+    before = runner.kv_cache.clone()
+    replayed = runner.execute(runner.prepare(sched)).logits.clone()
+    cache_replayed = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    graphs, runner.graphs = runner.graphs, None
+    eager = runner.execute(runner.prepare(sched)).logits
+    runner.graphs = graphs
+    assert torch.equal(replayed, eager) and torch.equal(runner.kv_cache, cache_replayed)
+
+
+@cuda_only
+def test_on_cuda_gpu_memory_utilization_sizes_the_kv_cache_and_too_little_is_refused(tmp_path):
+    from lmi_handler.config import ConfigError
+
+    build_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    free, total = torch.cuda.mem_get_info()
+    runner = ModelRunner(tmp_path, torch.float32, torch.device("cuda"), block_size=4, kernel_backend="triton",
+                         gpu_memory_utilization=(total - free) / total + 0.05, enforce_eager=False, max_num_seqs=4)
+    assert runner.num_blocks * runner.kv_cache[0, 0, 0].nbytes * runner.kv_cache.shape[0] * 2 < 0.05 * total
+    assert runner.num_blocks > 1000
+    del runner
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    with pytest.raises(ConfigError, match="option.gpu_memory_utilization"):
+        ModelRunner(tmp_path, torch.float32, torch.device("cuda"), block_size=4, kernel_backend="triton",
+                    gpu_memory_utilization=max((total - free) / total - 0.01, 0.001))

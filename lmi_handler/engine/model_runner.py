@@ -25,6 +25,7 @@ from lmi_handler.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class ModelConfig:
     """What the engine needs to know about the model (config.json + generation_config.json)."""

@@ -132,17 +132,18 @@ class DecodeGraphs:
         """Capture every size's step, largest first, into one memory pool (CUDA). Each capture follows an
         eager run of the same step (Triton compiles its kernels outside the capture). The rows are all
         padding meanwhile, so the KV cache is never written. Returns (seconds, bytes of GPU memory taken)."""
-        start, (free_before, _) = time.perf_counter(), torch.cuda.mem_get_info()
+        device = self.logits.device
+        start, (free_before, _) = time.perf_counter(), torch.cuda.mem_get_info(device)
         self.slot_mapping.fill_(-1)
         self.context_lens.zero_()
         self.context_lens_host[:] = [0] * len(self.context_lens_host)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self.step(size)                                  # warm-up: compiles, autotunes, fills caches
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.step(size)
             self.graphs[size] = graph
-        torch.cuda.synchronize()
-        return time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start, free_before - torch.cuda.mem_get_info(device)[0]

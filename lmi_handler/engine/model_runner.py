@@ -152,6 +152,8 @@ class ModelRunner:
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant, self.quantize = batch_invariant, quantize
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # Triton launches and graph replays go to the current device
         self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
                                 quantize=quantize, huge_pages=huge_pages, layout=layout,
                                 kernel_backend=kernel_backend)

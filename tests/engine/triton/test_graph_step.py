@@ -64,3 +64,38 @@ def test_on_cuda_gpu_memory_utilization_sizes_the_kv_cache_and_too_little_is_ref
     with pytest.raises(ConfigError, match="option.gpu_memory_utilization"):
         ModelRunner(tmp_path, torch.float32, torch.device("cuda"), block_size=4, kernel_backend="triton",
                     gpu_memory_utilization=max((total - free) / total - 0.01, 0.001))
+
+
+@cuda_only
+def test_on_cuda_a_steady_decode_step_on_graphs_syncs_the_host_once_for_its_sampled_ids(tmp_path):
+    """torch's sync debug mode counts the synchronizing CUDA calls of four decode steps of three sequences
+    (graphs replayed, tokens picked by the Triton sampler, stop checks on the device): one each, the copy of
+    the step's results to the host (output_processor._to_host)."""
+    import warnings
+
+    from lmi_handler.config import EngineConfig
+    from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.sequence import SamplingParams
+    from tests.engine.graph_helpers import PROMPTS
+    from tests.engine.helpers import build_tiny_tokenizer
+
+    build_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = EngineConfig(model_path=tmp_path, dtype="float32", device_id=0, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=None, block_size=4, kv_cache_bytes=1 << 20, kernel_backend="triton")
+    engine = Engine(config, tokenizer=build_tiny_tokenizer())
+    assert engine.runner.graphs is not None and engine.sampler.ops is tb
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for _ in range(3):                 # the prefill, then decode steps (the sampling tables built, then advanced)
+        engine.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(4):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 4, syncs

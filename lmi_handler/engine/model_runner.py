@@ -139,7 +139,8 @@ class ModelRunner:
     memory left after the weights, a profiling forward of the largest step and the graphs (engine/gpu_memory.py)
     instead of `kv_cache_bytes`; unless `enforce_eager`, decode steps of up to `max_num_seqs` sequences replay
     CUDA graphs captured here (engine/cuda_graphs.py, `self.graphs`; None where there are none, CPU included).
-    `max_num_batched_tokens` sizes the profiling forward.
+    `max_num_batched_tokens` sizes the profiling forward. Built directly, a runner is eager (enforce_eager=True);
+    the engine's (parallel/launch.py) takes option.enforce_eager, false by default.
     """
 
     LORA_STACKS_KEPT = 8     # the stacked A/B of this many recent adapter sets (a set recurs step after step)

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # GPU check (issue 38, item 6): on a CUDA machine, within 8 minutes, the engine on option.kernel_backend=triton
-# (auto picks it on CUDA): the Triton kernels' tests compiled, bitwise ones included, and their timings against
-# torch (benchmarks/gpu_kernels_check.py); the engine's batch-invariance tests; the 64 x 128 MT-bench workload
-# in bf16 batch-invariant and not, batch-1 decode and transformers' generate() (static batch of 64) as the
+# (auto picks it on CUDA): the Triton kernels' tests compiled, bitwise ones included, the CUDA-graph replay and
+# gpu_memory_utilization tests among them, and the kernels' timings against torch
+# (benchmarks/gpu_kernels_check.py); the engine's batch-invariance tests; the 64 x 128 MT-bench workload in
+# bf16 with the defaults a GPU user gets (decode steps as CUDA graphs, the KV cache sized by
+# option.gpu_memory_utilization=0.9), again with option.enforce_eager=true (the same steps without graphs),
+# and with batch_invariant=false; batch-1 decode and transformers' generate() (static batch of 64) as the
 # same-run peer (benchmarks/bench.py); the GPU's read bandwidth and bf16 matmul FLOP/s; then the rest of the
 # engine's tests with the time left. vLLM's CPU build is not a GPU peer, so the vLLM phases are skipped.
 #
 #   bash benchmarks/gpu_check.sh            # from the repo root; results under $OUT (or benchmarks/results)
 #   bash benchmarks/gpu_check.sh --prepare  # HERE, with network: fill .gpu-carry/ for a bare device machine
 #
-# Writes gpu-<UTC date>.json with device, offline_tok_s_invariant, offline_tok_s_fast, batch1_tok_s, hf_tok_s,
-# bandwidth_gb_s and invariance_bitwise (true when the Triton tests and the invariance tests all passed on the
-# GPU), beside gpu-kernels-*.json, bench-*.json and the logs (7 files: the device tool brings back at most 8).
+# Writes gpu-<UTC date>.json with device, offline_tok_s_invariant (graphs), offline_tok_s_eager
+# (enforce_eager=true), offline_tok_s_fast, batch1_tok_s, hf_tok_s, bandwidth_gb_s and invariance_bitwise (true
+# when the Triton tests and the invariance tests all passed on the GPU), beside gpu-kernels-*.json, bench-*.json
+# and the logs (7 files: the device tool brings back at most 8; the eager run's JSON stays in a temporary folder).
 #
 # On a machine set up with `make install model` nothing else is needed. A bare device machine (no
 # network, its own python3 with torch/transformers/triton but not fastapi/uvicorn/pydantic, no model/) gets:
@@ -23,11 +27,13 @@
 #                      ignored), and the engine tests compare against transformers on the same weights,
 #                      but the tests that need the real demo weights are deselected; the output says so.
 # Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Every step's timeout is cut to
-# what is left of BUDGET_S (default 470 s), the most telling steps first: KERNELS_TIMEOUT 170, BENCH_TIMEOUT
-# 200, INVARIANCE_TIMEOUT 90, tensor parallelism 60, then the engine tests (TESTS_TIMEOUT 200) with the rest.
+# what is left of BUDGET_S (default 470 s), the most telling steps first: KERNELS_TIMEOUT 150, BENCH_TIMEOUT
+# 170, EAGER_TIMEOUT 70, INVARIANCE_TIMEOUT 80, tensor parallelism 60, then the engine tests (TESTS_TIMEOUT 200)
+# with the rest.
 # PROFILE=1 adds a cProfile of a step (90 s, outside the budget).
 #
-# Status: the Triton backend has not run on a GPU yet (no device was lent since it was written); the C++ /
+# Status: the Triton backend, the CUDA graphs and gpu_memory_utilization have not run on a GPU yet (no device was
+# lent since they were written); the C++ /
 # PyTorch path's run on one NVIDIA H200 is in benchmarks/README.md ("GPU check on an NVIDIA H200"; logs in
 # benchmarks/measurements/gpu-check-2026-12-04-h200/). The tensor-parallel step (NCCL across the visible
 # GPUs) is untested: no machine with two GPUs was lent.
@@ -104,26 +110,38 @@ fi
 
 echo "== the Triton kernels compiled: tests/engine/triton (bitwise ones included), timings against torch =="
 start=$(date +%s)
-kernels_timeout=$(left "${KERNELS_TIMEOUT:-170}")
+kernels_timeout=$(left "${KERNELS_TIMEOUT:-150}")
 timeout "$kernels_timeout" "$PY" benchmarks/gpu_kernels_check.py --out "$OUT_DIR" \
   --tests-timeout-s $(( kernels_timeout > 60 ? kernels_timeout - 40 : kernels_timeout )) 2>&1 \
   | tee "$OUT_DIR/gpu-kernels.log"
 kern_rc=${PIPESTATUS[0]}
 echo "Triton kernels: exit $kern_rc in $(( $(date +%s) - start )) s"
 
-echo "== benchmark, bf16, kernel_backend=triton: offline batch-invariant and not, batch-1, transformers' generate() =="
+echo "== benchmark, bf16, kernel_backend=triton, CUDA graphs, gpu_memory_utilization=0.9: offline batch-invariant and not, batch-1, transformers' generate() =="
 start=$(date +%s)
 PROMPTS_ARG=()
 if [[ -f $CARRY/mt_bench_questions.jsonl ]]; then PROMPTS_ARG=(--prompts "$CARRY/mt_bench_questions.jsonl"); fi
 BENCH_DIR=$(mktemp -d)      # bench.py writes a .png beside its .json: only the .json is kept
-timeout "$(left "${BENCH_TIMEOUT:-200}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
-  --option kernel_backend triton --hf-batch-sizes 64 --out-dir "$BENCH_DIR" \
+# bench.py sets option.kv_cache_bytes; gpu_memory_utilization set too sizes the cache as a GPU user's default does
+timeout "$(left "${BENCH_TIMEOUT:-170}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
+  --option kernel_backend triton --option gpu_memory_utilization 0.9 --hf-batch-sizes 64 --out-dir "$BENCH_DIR" \
   --skip vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1_int8,peak_end "${PROMPTS_ARG[@]}" \
   --phase-timeout-s 120 2>&1 | tee "$OUT_DIR/gpu-bench.log"
 bench_rc=${PIPESTATUS[0]}
 BENCH_JSON=$(ls -t "$BENCH_DIR"/bench-*.json 2>/dev/null | head -1)
 if [[ -n "$BENCH_JSON" ]]; then cp "$BENCH_JSON" "$OUT_DIR/"; fi
 echo "benchmark: exit $bench_rc in $(( $(date +%s) - start )) s"
+
+echo "== the same offline workload with option.enforce_eager=true (every step eager, no CUDA graphs) =="
+start=$(date +%s)
+EAGER_DIR=$(mktemp -d)
+timeout "$(left "${EAGER_TIMEOUT:-70}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
+  --option kernel_backend triton --option gpu_memory_utilization 0.9 --option enforce_eager true --no-plain \
+  --out-dir "$EAGER_DIR" --skip peak,vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1,hf \
+  "${PROMPTS_ARG[@]}" --phase-timeout-s 60 2>&1 | tee -a "$OUT_DIR/gpu-bench.log"
+eager_rc=${PIPESTATUS[0]}
+EAGER_JSON=$(ls -t "$EAGER_DIR"/bench-*.json 2>/dev/null | head -1)
+echo "benchmark, enforce_eager: exit $eager_rc in $(( $(date +%s) - start )) s"
 
 echo "== LoRA (issue 41): 64 requests over 4 adapters against the same 64 on the base, bf16, auto = triton =="
 # benchmarks/ab.py lora: the Triton LoRA kernel in the engine (its bitwise tests ran with the kernel tests above);
@@ -135,7 +153,7 @@ echo "LoRA throughput: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | 
 
 echo "== batch invariance on CUDA (the tests that compare a row alone and in a batch; auto = triton on CUDA) =="
 start=$(date +%s)
-timeout "$(left "${INVARIANCE_TIMEOUT:-90}")" "$PY" -m pytest -q -p no:cacheprovider --tb=short "${DESELECT[@]}" \
+timeout "$(left "${INVARIANCE_TIMEOUT:-80}")" "$PY" -m pytest -q -p no:cacheprovider --tb=short "${DESELECT[@]}" \
   tests/engine/test_engine.py tests/engine/test_attention.py tests/engine/test_llama.py \
   -k "bitwise or invariant or alone or tiled or per_sequence" 2>&1 | tee "$OUT_DIR/gpu-invariance.log"
 inv_rc=${PIPESTATUS[0]}
@@ -179,8 +197,8 @@ echo "tensor parallelism: exit $tp_rc"
 echo "== the summary: gpu-<UTC date>.json (and the GPU's read bandwidth, measured here) =="
 KERNELS_JSON=$(ls -t "$OUT_DIR"/gpu-kernels-*.json 2>/dev/null | head -1)
 timeout 60 "$PY" benchmarks/gpu_kernels_check.py --summary "$OUT_DIR" --kernels-json "${KERNELS_JSON:-}" \
-  --bench-json "${BENCH_JSON:-}" --rc kernels="$kern_rc" --rc invariance="$inv_rc" --rc bench="$bench_rc" \
-  --rc tensor_parallel="$tp_rc"
+  --bench-json "${BENCH_JSON:-}" --bench-eager-json "${EAGER_JSON:-}" --rc kernels="$kern_rc" \
+  --rc invariance="$inv_rc" --rc bench="$bench_rc" --rc bench_eager="$eager_rc" --rc tensor_parallel="$tp_rc"
 sum_rc=$?
 echo "summary: exit $sum_rc"
 
@@ -221,4 +239,5 @@ timeout "$(left "${TESTS_TIMEOUT:-200}")" "$PY" -m pytest -q -p no:cacheprovider
   "${DESELECT[@]}" --deselect "$crash" --ignore tests/engine/triton 2>&1 | tee -a "$OUT_DIR/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: exit $tests_rc in $(( $(date +%s) - start )) s (124: cut at the budget)"
-exit $(( kern_rc != 0 || inv_rc != 0 || tp_rc != 0 || bench_rc != 0 || sum_rc != 0 || (tests_rc != 0 && tests_rc != 124) ))
+exit $(( kern_rc != 0 || inv_rc != 0 || tp_rc != 0 || bench_rc != 0 || eager_rc != 0 || sum_rc != 0 \
+  || (tests_rc != 0 && tests_rc != 124) ))

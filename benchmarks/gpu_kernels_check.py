@@ -6,7 +6,8 @@ MLP 1536, vocab 49152), bf16, and the LoRA term (4 adapters of rank 16) against 
     python benchmarks/gpu_kernels_check.py --out DIR       # where gpu-kernels-<UTC date>.json goes ($OUT or
                                                            # benchmarks/results by default)
     TRITON_INTERPRET=1 python benchmarks/gpu_kernels_check.py --smoke   # CPU: tiny shapes, checks the script
-    python benchmarks/gpu_kernels_check.py --summary DIR --kernels-json K --bench-json B --rc NAME=CODE ...
+    python benchmarks/gpu_kernels_check.py --summary DIR --kernels-json K --bench-json B [--bench-eager-json E]
+        --rc NAME=CODE ...
         # gpu_check.sh's last word: DIR/gpu-<UTC date>.json from this script's JSON, bench.py's JSON and the
         # steps' exit codes, with the GPU's read bandwidth measured here (--smoke: on CPU, a small buffer)
 
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/gpu-<UTC date>.json (gpu_check.sh)")
     parser.add_argument("--kernels-json", default="", help="with --summary: this script's gpu-kernels-*.json")
     parser.add_argument("--bench-json", default="", help="with --summary: bench.py's bench-*.json")
+    parser.add_argument("--bench-eager-json", default="",
+                        help="with --summary: bench.py's bench-*.json of the option.enforce_eager=true run")
     parser.add_argument("--rc", action="append", default=[], metavar="NAME=CODE",
                         help="with --summary: a gpu_check.sh step's exit code")
     return parser.parse_args(argv)
@@ -208,15 +211,17 @@ def summary(args: argparse.Namespace, device, device_name: str) -> dict:
     run), the read bandwidth measured now, and invariance_bitwise: the Triton tests and gpu_check.sh's
     invariance tests all passed."""
     kernels, bench = load_json(args.kernels_json), load_json(args.bench_json)
+    eager_phases = load_json(args.bench_eager_json).get("phases") or {}
     rcs = {name: int(code) for name, _, code in (item.partition("=") for item in args.rc) if code.lstrip("-").isdigit()}
     phases = bench.get("phases") or {}
 
-    def rate(phase: str, key: str = "output_tokens_per_s"):
-        value = (phases.get(phase) or {}).get(key)
+    def rate(phase: str, key: str = "output_tokens_per_s", source: dict | None = None):
+        value = ((phases if source is None else source).get(phase) or {}).get(key)
         return round(value, 1) if isinstance(value, (int, float)) else None
 
     record = {"device": device_name,
               "offline_tok_s_invariant": rate("ours_offline_bf16"),
+              "offline_tok_s_eager": rate("ours_offline_bf16", source=eager_phases),
               "offline_tok_s_fast": rate("ours_offline_plain_bf16"),
               "batch1_tok_s": rate("ours_batch1_bf16", "decode_tokens_per_s"),
               "hf_tok_s": rate("hf"),
@@ -228,11 +233,15 @@ def summary(args: argparse.Namespace, device, device_name: str) -> dict:
         "kernel_backend": "triton",
         "offline_vs_hf": (round(record["offline_tok_s_invariant"] / record["hf_tok_s"], 2)
                           if record["offline_tok_s_invariant"] and record["hf_tok_s"] else None),
+        "graphs_vs_eager": (round(record["offline_tok_s_invariant"] / record["offline_tok_s_eager"], 2)
+                            if record["offline_tok_s_invariant"] and record["offline_tok_s_eager"] else None),
         "matmul_bf16_tflop_s": round(flops / 1e12, 1) if flops else None,
         "workload": bench.get("workload", {}).get("num_prompts"), "max_new_tokens":
             bench.get("workload", {}).get("max_new_tokens"),
         "exit_codes": rcs, "kernels_json": Path(args.kernels_json).name if args.kernels_json else None,
-        "bench_json": Path(args.bench_json).name if args.bench_json else None})
+        "bench_json": Path(args.bench_json).name if args.bench_json else None,
+        "cuda_graphs": "offline_tok_s_invariant, batch1_tok_s and offline_tok_s_fast: decode steps as CUDA graphs "
+                       "(the default); offline_tok_s_eager: option.enforce_eager=true"})
     return record
 
 

@@ -125,7 +125,17 @@ class Settings(BaseModel):
     evicted least recently used when blocks run out. Outputs are unchanged by it; requests with
     decoder_input_details compute their whole prompt (vLLM: prompt log probs skip the cache)."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
-    """KV-cache size in bytes (all layers, K and V)."""
+    """KV-cache size in bytes (all layers, K and V). On CUDA gpu_memory_utilization sizes the cache instead,
+    unless this is set and that is not."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, allow_inf_nan=False)
+    """CUDA: the fraction of the GPU's memory this engine may use, in (0, 1] (vLLM's and LMI's option). The KV
+    cache gets what is left of it after the weights, the CUDA graphs and a profiling forward of the largest
+    step (engine/gpu_memory.py); too little left refuses the start naming the bytes. CPU: ignored
+    (kv_cache_bytes)."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly. false (default): decode steps replay CUDA graphs captured at start-up, one
+    per padded batch size up to max_rolling_batch_size (engine/cuda_graphs.py); prefill and mixed steps run
+    eagerly either way. CPU: ignored (no graphs)."""
     structured_output_compile_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
     """Seconds a request's grammar (JSON schema, regex, choice, Lark) may take to compile, off the engine
     loop, before that request alone fails with an error; (0, 3600]."""
@@ -253,6 +263,17 @@ class Settings(BaseModel):
             raise ValueError(f"must be 'int8' (per-output-channel int8 weights) or 'none' / empty / unset (no "
                              f"quantization), got {value!r}")
         return text
+
+    @field_validator("gpu_memory_utilization", mode="before")
+    @classmethod
+    def _fraction(cls, value):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if isinstance(value, bool) or number is None or not 0.0 < number <= 1.0:
+            raise ValueError(f"must be a fraction of the GPU's memory in (0, 1], got {value!r}")
+        return number
 
     @field_validator("kernel_backend", mode="before")
     @classmethod
@@ -397,10 +418,18 @@ class Settings(BaseModel):
                             malloc_tuning=self.malloc_tuning,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
                             bf16_kernel=self.bf16_kernel, kernel_backend=self.kernel_backend,
+                            gpu_memory_utilization=self._utilization(), enforce_eager=self.enforce_eager,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
                             lora=self.lora_config(),
                             parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
                                                     read_mpi_launch()))
+
+    def _utilization(self) -> float | None:
+        """gpu_memory_utilization, or None where kv_cache_bytes is set and it is not (that size then holds on CUDA)."""
+        explicit = self.model_fields_set
+        if "kv_cache_bytes" in explicit and "gpu_memory_utilization" not in explicit:
+            return None
+        return self.gpu_memory_utilization
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "Settings":
@@ -514,6 +543,8 @@ class EngineConfig:
     quantize: str | None = None
     bf16_kernel: str = "auto"
     kernel_backend: str = "auto"
+    gpu_memory_utilization: float | None = None   # CUDA: size the KV cache by it (None: kv_cache_bytes)
+    enforce_eager: bool = False                   # CUDA: no decode graphs
     structured_output_compile_timeout_s: float = 30.0
     lora: LoraConfig | None = None
     parallel: ParallelConfig = ParallelConfig()

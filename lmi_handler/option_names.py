@@ -26,7 +26,7 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     # vLLM engine arguments with an equivalent here
     "max_num_seqs": "max_rolling_batch_size", "max_num_batched_tokens": "max_rolling_batch_prefill_tokens",
     "tensor_parallel_size": "tensor_parallel_degree", "pipeline_parallel_size": "pipeline_parallel_degree",
-    "quantization": "quantize", "gpu_memory_utilization": "kv_cache_bytes", "model": "model_id",
+    "quantization": "quantize", "model": "model_id",
     "max_seq_len": "max_model_len", "n_positions": "max_model_len", "max_input_len": None,
     "enable_chunked_prefill": "max_rolling_batch_prefill_tokens", "trust_remote_code": None,
     "disable_log_stats": None, "served_model_names": "served_model_name", "api_keys": "api_key",
@@ -43,7 +43,7 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "reasoning_parser": None, "enable_reasoning": None, "chat_template": None, "chat_template_content_format": None,
     "response_role": None,
     # memory, scheduling, kernels
-    "swap_space": None, "cpu_offload_gb": None, "kv_cache_dtype": None, "enforce_eager": None,
+    "swap_space": None, "cpu_offload_gb": None, "kv_cache_dtype": None,
     "max_seq_len_to_capture": None, "disable_custom_all_reduce": None, "num_scheduler_steps": None,
     "multi_step_stream_outputs": None, "use_v2_block_manager": None, "preemption_mode": None,
     "scheduling_policy": None, "scheduler_delay_factor": None, "num_gpu_blocks_override": None,

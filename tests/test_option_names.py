@@ -12,7 +12,7 @@ from lmi_handler.option_names import FOREIGN_OPTIONS, FRONT_END_KEYS, Kind, sort
 OURS = frozenset(Settings.model_fields)
 
 
-@pytest.mark.parametrize("key", ["fully_sharded_loras", "speculative_config", "lora_dtype", "gpu_memory_utilization"])
+@pytest.mark.parametrize("key", ["fully_sharded_loras", "speculative_config", "lora_dtype", "swap_space"])
 def test_an_lmi_or_vllm_option_we_do_not_serve_logs_a_warning_naming_it_at_start_up(key, caplog):
     with caplog.at_level(logging.WARNING, logger="lmi_handler.config"):
         settings = Settings.from_properties({key: "true", "max_rolling_batch_size": "8"})

@@ -18,6 +18,7 @@ from lmi_handler.config import ConfigError, EngineConfig
 from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
 from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.model.backend import backend_ops
 from lmi_handler.engine.model.lora import AdapterRegistry, LoraAdapter, LoraError, LoraLimits
 from lmi_handler.engine.model_runner import ModelOutput, read_model_config
 from lmi_handler.engine.output_processor import (
@@ -87,7 +88,9 @@ class Engine:
         # after each projection): a one-process ModelRunner does; a tensor-parallel executor does not, and
         # requests naming an adapter are refused there (LORA_NOT_APPLIED), never answered by the base model.
         self.applies_lora = self.runner.applies_lora
-        self.sampler = Sampler()
+        # on the Triton backend its row-wise log_softmax / greedy / seeded draw pick the tokens (on the device)
+        self.sampler = Sampler(backend_ops("triton") if getattr(self.runner, "kernel_backend", None) == "triton"
+                               else None)
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)
         self.output = OutputProcessor(self.tokenizer)

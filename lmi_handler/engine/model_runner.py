@@ -6,12 +6,15 @@ Owns the paged KV-cache tensors, ModelConfig, ModelInput and the Sequence -> ten
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from lmi_handler.engine.cuda_graphs import DecodeGraphs, graph_unfit
+from lmi_handler.engine.gpu_memory import blocks_for_gpu
 from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.kernels import empty_huge
@@ -19,6 +22,8 @@ from lmi_handler.engine.model.loader import load_model, read_config
 from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes, tile_layout
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,11 +101,13 @@ class ModelInput:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device) -> "ModelInput":
-        """The same step with every tensor on `device` (host -> device copies, no sync)."""
-        attn = replace(self.attn, **{f: getattr(self.attn, f).to(device) for f in _ATTN_TENSORS})
-        copies = self.blocks_to_copy.to(device) if self.blocks_to_copy is not None else None
-        return replace(self, input_ids=self.input_ids.to(device), positions=self.positions.to(device),
-                       attn=attn, logit_rows=self.logit_rows.to(device), blocks_to_copy=copies)
+        """The same step with every tensor on `device` (host -> device copies, no sync: a copy from pageable
+        host memory is staged before it returns, so non_blocking is safe in this direction only)."""
+        attn = replace(self.attn, **{f: getattr(self.attn, f).to(device, non_blocking=True) for f in _ATTN_TENSORS})
+        copies = self.blocks_to_copy.to(device, non_blocking=True) if self.blocks_to_copy is not None else None
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True),
+                       positions=self.positions.to(device, non_blocking=True), attn=attn,
+                       logit_rows=self.logit_rows.to(device, non_blocking=True), blocks_to_copy=copies)
 
 
 _ATTN_TENSORS = ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q")
@@ -128,6 +135,12 @@ class ModelRunner:
     LoRA: `prepare` gives a step whose sequences have adapters a LoraBatch (the forward adds each row's
     adapter term after every projection); `applies_lora` says whether this runner does (one process only: a
     shard holds a slice of each projection's input, the LoRA term needs all of it).
+    CUDA (one process): `gpu_memory_utilization` (not None, and `num_blocks` None) sizes the KV cache from the
+    memory left after the weights, a profiling forward of the largest step and the graphs (engine/gpu_memory.py)
+    instead of `kv_cache_bytes`; unless `enforce_eager`, decode steps of up to `max_num_seqs` sequences replay
+    CUDA graphs captured here (engine/cuda_graphs.py, `self.graphs`; None where there are none, CPU included).
+    `max_num_batched_tokens` sizes the profiling forward. Built directly, a runner is eager (enforce_eager=True);
+    the engine's (parallel/launch.py) takes option.enforce_eager, false by default.
     """
 
     LORA_STACKS_KEPT = 8     # the stacked A/B of this many recent adapter sets (a set recurs step after step)
@@ -135,10 +148,13 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
                  batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None,
-                 layout=None, group=None, kernel_backend: str = "auto"):
+                 layout=None, group=None, kernel_backend: str = "auto", gpu_memory_utilization: float | None = None,
+                 enforce_eager: bool = True, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.batch_invariant, self.quantize = batch_invariant, quantize
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # Triton launches and graph replays go to the current device
         self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
                                 quantize=quantize, huge_pages=huge_pages, layout=layout,
                                 kernel_backend=kernel_backend)
@@ -148,6 +164,11 @@ class ModelRunner:
         c = self.config
         num_kv_heads = c.num_kv_heads if layout is None else layout.num_kv_heads
         block_bytes = kv_block_bytes(c.num_layers, block_size, num_kv_heads, c.head_dim, dtype)
+        why_eager = "enforce_eager" if enforce_eager else (
+            "tensor parallelism" if layout is not None else graph_unfit(self.model, self.device))
+        if self.device.type == "cuda" and num_blocks is None and gpu_memory_utilization is not None:
+            num_blocks = blocks_for_gpu(self, gpu_memory_utilization, block_bytes, num_kv_heads, max_num_seqs,
+                                        max_num_batched_tokens, graphs=not why_eager)
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_bytes} bytes")
@@ -158,15 +179,32 @@ class ModelRunner:
         # the base's projection shapes the adapters' stacks are built to, read once (not at every new adapter set)
         self._lora_shapes = base_module_shapes(read_config(model_dir)) if self.applies_lora else None
         self._lora_stacks: dict[tuple[bytes, ...], LoraBatch] = {}    # adapter keys -> stacks, oldest first
+        self.graphs: DecodeGraphs | None = None
+        if not why_eager:
+            self.graphs = self._capture_graphs(max_num_seqs)
+        elif self.device.type == "cuda":
+            logger.info("CUDA graphs off, every step eager: %s", why_eager)
+
+    def _capture_graphs(self, max_num_seqs: int) -> DecodeGraphs:
+        """Decode steps of 1..max_num_seqs sequences as CUDA graphs over this runner's cache, logged."""
+        max_blocks = min(self.num_blocks, -(-self.config.max_model_len // self.block_size))
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_blocks,
+                              self.config.vocab_size, self.device, self.batch_invariant)
+        with torch.inference_mode():
+            seconds, nbytes = graphs.capture()
+        logger.info("CUDA graphs: decode steps of %s sequences captured in %.2f s, %.1f MiB of GPU memory",
+                    ",".join(map(str, graphs.sizes)), seconds, nbytes / 2**20)
+        return graphs
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """prepare_host's ModelInput on the runner's device (host -> device copies, no sync), with the step's
-        LoraBatch when a sequence has an adapter."""
+        LoraBatch when a sequence has an adapter. A step the decode graphs take stays on the host: run()
+        copies its rows straight into the graphs' buffers."""
         model_input = self.prepare_host(sched)
-        if self.device.type != "cpu":
-            model_input = model_input.to(self.device)
         if any(seq.adapter is not None for seq in sched.seqs):
             model_input.lora = self.lora_batch(sched.seqs, sched.num_scheduled_tokens)
+        if self.device.type != "cpu" and not (self.graphs is not None and self.graphs.takes(model_input)):
+            model_input = model_input.to(self.device)     # (a graph's step copies its rows into its buffers)
         return model_input
 
     def lora_batch(self, seqs: list[Sequence], counts: list[int]) -> LoraBatch:
@@ -265,6 +303,8 @@ class ModelRunner:
         """Run one step: write its K/V into the cache, return float32 logits in the caller's order (None on a
         tensor-parallel rank other than 0, which only joins the collectives)."""
         mi = model_input
+        if self.graphs is not None and self.graphs.takes(mi):                             # CUDA decode
+            return ModelOutput(logits=self.graphs.run(mi), chunk_logits={})
         invariant = self.batch_invariant
         if mi.blocks_to_copy is not None:
             copy_blocks(self.kv_cache, mi.blocks_to_copy)

@@ -314,7 +314,15 @@ class Sampler:
     rows only temperature, top_k, top_p, min_p, typical_p; then the exponential race
     argmax(p / E), E ~ Exp(1) from exponential_log_noise, so a seeded row's token depends only on
     its seed, its output position and its own logits. Greedy rows take argmax of the penalized logits.
+
+    `ops`: a kernel backend whose log_softmax, greedy and seeded_sample do the picking (the Triton backend,
+    engine/model/backends/triton/sampling.py: one program per row, the same hash of (seed, position, token),
+    so a row's token is the one torch's ops pick, on the device without a host sync); None: torch's ops (and
+    the C++ kernels on CPU). The processors before the pick are torch's either way.
     """
+
+    def __init__(self, ops=None):
+        self.ops = ops
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         return self.pick(self.process(logits, meta), meta)
@@ -338,7 +346,7 @@ class Sampler:
         """Choose each row's token from processed logits (Sampler.process): greedy rows by argmax, sampled
         rows by temperature, the filters and the seeded exponential race."""
         if meta.all_greedy:
-            return greedy_sample(logits, meta.max_top_n)
+            return greedy_sample(logits, meta.max_top_n, self.ops)
         sampled_rows, greedy_rows = _rows(meta)
         if greedy_rows.numel() == 0:
             token_ids, logprobs = self._sample(logits, meta, None)
@@ -347,13 +355,14 @@ class Sampler:
             logprobs = torch.empty_like(logits)
             s_ids, s_logprobs = self._sample(logits.index_select(0, sampled_rows), meta, sampled_rows)
             g_logits = logits.index_select(0, greedy_rows)
-            token_ids.index_copy_(0, sampled_rows, s_ids).index_copy_(0, greedy_rows, row_argmax(g_logits))
+            g_ids = row_argmax(g_logits) if self.ops is None else self.ops.greedy(g_logits)
+            g_logprobs = torch.log_softmax(g_logits, dim=-1) if self.ops is None else self.ops.log_softmax(g_logits)
+            token_ids.index_copy_(0, sampled_rows, s_ids).index_copy_(0, greedy_rows, g_ids)
             logprobs.index_copy_(0, sampled_rows, s_logprobs)
-            logprobs.index_copy_(0, greedy_rows, torch.log_softmax(g_logits, dim=-1))
+            logprobs.index_copy_(0, greedy_rows, g_logprobs)
         return _output(token_ids, logprobs, meta.max_top_n)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata,
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Process and draw for the sampled rows. logits: (Ns, V); rows: their batch indices (None = all).
 
@@ -372,12 +381,15 @@ class Sampler:
             logits = apply_min_p(logits, take(meta.min_p))
         if meta.use_typical_p:
             logits = apply_typical_p(logits, take(meta.typical_p))
+        if self.ops is not None:
+            logprobs = self.ops.log_softmax(logits)
+            return self.ops.seeded_sample(logprobs, take(meta.seeds), take(meta.positions)), logprobs
         logprobs = torch.log_softmax(logits, dim=-1)
         noise = exponential_log_noise(take(meta.seeds), take(meta.positions), logits.shape[1])
         return row_argmax(logprobs - noise), logprobs    # argmax(p / E) in log space
 
 
-def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
+def greedy_sample(logits: torch.Tensor, max_top_n: int, ops=None) -> SamplerOutput:
     """All-greedy batch: argmax of the logits (row_argmax: torch.argmax's indices, a C++ pass on CPU);
     log-probs from the same log_softmax the mixed path uses.
 
@@ -386,7 +398,10 @@ def greedy_sample(logits: torch.Tensor, max_top_n: int) -> SamplerOutput:
     (torch.logsumexp splits a lone row's reduction over threads): see `row_sum`. On CPU with the kernels built,
     the argmax, the log_softmax (torch's own kernel, called from C++) and the chosen ids' log-probs come from one
     call (vmath.h greedy_pick: the same values; a batch-1 step spent more on these ops' dispatch than on them).
+    `ops` (a kernel backend, Sampler's): its greedy and log_softmax instead.
     """
+    if ops is not None:
+        return _output(ops.greedy(logits), ops.log_softmax(logits), max_top_n)
     module = built_kernels()
     if module is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
             and logits.shape[1] > 0:

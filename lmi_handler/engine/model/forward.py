@@ -8,7 +8,7 @@ C++ Llama path, llama.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,9 @@ class DecoderModel(nn.Module):
         self.spec, self.ops, self.kernel_backend = spec, ops, backend_name
         self._lora_add = getattr(ops, "lora_add", None)     # a backend's own LoRA kernel (triton), else lora.py's
         self.embed_tokens, self.final_norm, self.lm_head, self.layer_weights = embed, final_norm, lm_head, layers
+        # id(RopeSpec) -> the rope with its frequencies on the weights' device, moved once here: a copy from the
+        # host per step would cost a transfer, and a CUDA graph cannot record one
+        self.ropes = {id(layer.rope): _on_device(layer.rope, embed.device) for layer in spec.layers if layer.rope}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -141,9 +144,15 @@ class DecoderModel(nn.Module):
 
     def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
         """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""
-        ropes: dict[int, RopeSpec] = {id(layer.rope): layer.rope for layer in self.spec.layers if layer.rope}
+        ropes: dict[int, RopeSpec] = self.ropes
         seq_lens = None
         if any(rope.depends_on_length for rope in ropes.values()):
             seq_lens = torch.repeat_interleave(torch.tensor(meta.context_lens_host),
                                                torch.tensor(meta.query_lens))
         return {key: rope_cos_sin_rows(rope, positions, seq_lens, dtype) for key, rope in ropes.items()}
+
+
+def _on_device(rope: RopeSpec, device: torch.device) -> RopeSpec:
+    """`rope` with its frequency tensors on `device`."""
+    long_inv_freq = rope.long_inv_freq.to(device) if rope.long_inv_freq is not None else None
+    return replace(rope, inv_freq=rope.inv_freq.to(device), long_inv_freq=long_inv_freq)

@@ -67,7 +67,8 @@ class ModelRunnerSpec:
 
 def model_runner(config: EngineConfig, precision: Precision, device: torch.device, **size_and_shard):
     """A ModelRunner of config's model in `precision` on `device`, the options every rank shares applied;
-    `size_and_shard`: kv_cache_bytes (one process) or num_blocks, layout and group (a tensor-parallel rank).
+    `size_and_shard`: kv_cache_bytes and gpu_memory_utilization (one process) or num_blocks, layout and group (a
+    tensor-parallel rank). option.enforce_eager and the batch limits reach the runner's CUDA graphs.
     On CPU with option.malloc_tuning, this rank's process first fixes malloc's thresholds (host_memory);
     on CPU it sets the process's bf16 linear kernel to option.bf16_kernel (kernels.build.choose_bf16_dot)."""
     from lmi_handler.engine.model_runner import ModelRunner
@@ -81,7 +82,9 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
 
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                        batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
-                       quantize=precision.quantize, kernel_backend=config.kernel_backend, **size_and_shard)
+                       quantize=precision.quantize, kernel_backend=config.kernel_backend,
+                       enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=config.max_num_batched_tokens, **size_and_shard)
 
 
 def _degree(config: EngineConfig) -> int:
@@ -102,7 +105,8 @@ def start_runner(config: EngineConfig, device: torch.device, precision: Precisio
     """
     degree = _degree(config)
     if degree == 1:
-        return model_runner(config, precision, device, kv_cache_bytes=config.kv_cache_bytes)
+        return model_runner(config, precision, device, kv_cache_bytes=config.kv_cache_bytes,
+                            gpu_memory_utilization=config.gpu_memory_utilization)
     return start_tensor_parallel(ModelRunnerSpec(config, precision), degree, device, config.parallel.timeout_s,
                                  num_threads=config.num_threads, mpi=config.parallel.mpi)
 

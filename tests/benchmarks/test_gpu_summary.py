@@ -1,0 +1,48 @@
+"""benchmarks/gpu_kernels_check.py, gpu_check.sh's last word, on CPU: without a GPU it refuses with status 2;
+its summary (--smoke: a small bandwidth buffer) records the graphs' and the eager run's throughputs from two
+bench.py JSONs, with their ratios."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_kernels_check  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_without_a_gpu_the_kernel_check_refuses_with_status_2(capsys):
+    assert gpu_kernels_check.main(["--out", "/nonexistent"]) == 2
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_the_summary_records_the_graphs_and_the_eager_throughputs_and_their_ratios(tmp_path):
+    bench = {"phases": {"ours_offline_bf16": {"output_tokens_per_s": 12000.0},
+                        "ours_offline_plain_bf16": {"output_tokens_per_s": 15000.0},
+                        "ours_batch1_bf16": {"decode_tokens_per_s": 450.0}, "hf": {"output_tokens_per_s": 3000.0}},
+             "workload": {"num_prompts": 64, "max_new_tokens": 128}}
+    eager = {"phases": {"ours_offline_bf16": {"output_tokens_per_s": 4000.0}}}
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    (tmp_path / "e.json").write_text(json.dumps(eager))
+    out = tmp_path / "out"
+    assert gpu_kernels_check.main(["--smoke", "--summary", str(out), "--bench-json", str(tmp_path / "b.json"),
+                                   "--bench-eager-json", str(tmp_path / "e.json"), "--rc", "invariance=0"]) == 0
+    record = json.loads(next(out.glob("gpu-*.json")).read_text())
+    assert record["offline_tok_s_invariant"] == 12000.0 and record["offline_tok_s_eager"] == 4000.0
+    assert record["offline_tok_s_fast"] == 15000.0 and record["batch1_tok_s"] == 450.0
+    assert record["graphs_vs_eager"] == 3.0 and record["offline_vs_hf"] == 4.0
+    assert record["bandwidth_gb_s"] > 0 and record["invariance_bitwise"] is False    # no kernel tests ran
+    for key in ("device", "offline_tok_s_fast", "hf_tok_s"):
+        assert key in record
+
+
+def test_the_summary_without_an_eager_run_leaves_its_figures_empty(tmp_path):
+    out = tmp_path / "out"
+    assert gpu_kernels_check.main(["--smoke", "--summary", str(out)]) == 0
+    record = json.loads(next(out.glob("gpu-*.json")).read_text())
+    assert record["offline_tok_s_eager"] is None and record["graphs_vs_eager"] is None

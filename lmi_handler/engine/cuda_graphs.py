@@ -41,10 +41,9 @@ def graph_unfit(model, device: torch.device) -> str:
     loops over host lists; the C++ path is CPU), and no RoPE whose frequencies depend on the step's lengths."""
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    if getattr(model, "kernel_backend", None) != "triton":
-        return f"kernel_backend={getattr(model, 'kernel_backend', None)} reads host-side lengths each step"
-    spec = getattr(model, "spec", None)
-    if spec is not None and any(layer.rope is not None and layer.rope.depends_on_length for layer in spec.layers):
+    if model.kernel_backend != "triton":
+        return f"kernel_backend={model.kernel_backend} reads host-side lengths each step"
+    if any(layer.rope is not None and layer.rope.depends_on_length for layer in model.spec.layers):  # DecoderModel
         return "the model's RoPE frequencies depend on each step's sequence lengths (dynamic / longrope)"
     return ""
 

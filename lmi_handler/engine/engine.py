@@ -89,7 +89,7 @@ class Engine:
         # requests naming an adapter are refused there (LORA_NOT_APPLIED), never answered by the base model.
         self.applies_lora = self.runner.applies_lora
         # on the Triton backend its row-wise log_softmax / greedy / seeded draw pick the tokens (on the device)
-        self.sampler = Sampler(backend_ops("triton") if getattr(self.runner, "kernel_backend", None) == "triton"
+        self.sampler = Sampler(backend_ops("triton") if self.runner.kernel_backend == "triton"
                                else None)
         self.row_tables = RowTables(self.runner.config.vocab_size, self.eos_token_ids, self.max_model_len,
                                     self.device)

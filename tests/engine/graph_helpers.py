@@ -1,5 +1,5 @@
 """The decode-graph step's check, shared by the PyTorch-reference test (tests/engine/test_cuda_graphs.py) and the
-Triton one under the interpreter (tests/engine/triton/test_graph_step.py): the step that CUDA graphs record,
+Triton one under the interpreter (tests/engine/triton/test_cuda_graphs.py): the step that CUDA graphs record,
 run eagerly on CPU over its static buffers with a padding row, against the runner's unpadded step."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """engine/cuda_graphs.py on CPU: the padded batch sizes, which steps and models the graphs take, and the step a
 CUDA graph records, run eagerly over its static buffers with padding rows, against the unpadded step (tiny
-random Llama on the PyTorch reference backend; the Triton backend's run is tests/engine/triton/test_graph_step.py).
+random Llama on the PyTorch reference backend; the Triton backend's run is tests/engine/triton/test_cuda_graphs.py).
 Capture and replay themselves need CUDA (benchmarks/gpu_check.sh)."""
 from __future__ import annotations
 

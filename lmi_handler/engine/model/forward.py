@@ -55,7 +55,7 @@ class DecoderModel(nn.Module):
                  lm_head: torch.Tensor, layers: list[LayerWeights], backend_name: str):
         super().__init__()
         self.spec, self.ops, self.kernel_backend = spec, ops, backend_name
-        self._lora_add = getattr(ops, "lora_add", None)     # a backend's own LoRA kernel (triton), else lora.py's
+        self._lora_add = ops.lora_add      # a backend's own LoRA kernel (triton), None: LoraBatch.add's
         self.embed_tokens, self.final_norm, self.lm_head, self.layer_weights = embed, final_norm, lm_head, layers
         # id(RopeSpec) -> the rope with its frequencies on the weights' device, moved once here: a copy from the
         # host per step would cost a transfer, and a CUDA graph cannot record one

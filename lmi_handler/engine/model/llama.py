@@ -275,6 +275,7 @@ class LlamaModel(nn.Module):
     """
 
     fused = True
+    kernel_backend = "cpp"      # option.kernel_backend's name for this path (loader.py sets the chosen one)
     _stack = None   # (kernels module, its DecoderStack), made by _forward_fused
 
     def __init__(self, args: LlamaArgs, layout=None):

@@ -6,6 +6,7 @@
 //
 // Invariance by construction: every output element is one fixed sequence of float operations that
 // reads only its own row's inputs (see each header), whatever M is and wherever the row sits.
+#include "families.h"   // the ops of the families beyond Llama (it includes rowwise.h)
 #include "rowwise.h"
 
 #include <chrono>
@@ -72,6 +73,7 @@ std::tuple<torch::Tensor, int64_t> walk_counts(int64_t n, double slow_us) {
 constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_family_ops(m);   // families.h: the C++ ops backend's window, cap, norm offset, rope, GeGLU
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.attr("NATIVE_BF16") = NATIVE_BF16;

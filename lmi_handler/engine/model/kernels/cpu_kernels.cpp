@@ -6,7 +6,6 @@
 //
 // Invariance by construction: every output element is one fixed sequence of float operations that
 // reads only its own row's inputs (see each header), whatever M is and wherever the row sits.
-#include "families.h"   // the ops of the families beyond Llama (it includes rowwise.h)
 #include "rowwise.h"
 
 #include <chrono>
@@ -72,8 +71,11 @@ std::tuple<torch::Tensor, int64_t> walk_counts(int64_t n, double slow_us) {
 // touch no Python object; TORCH_CHECK's exception crosses back once the GIL is held again.
 constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 
+// families.cpp (a translation unit of its own): the C++ ops backend's masked attention, norm offset, rope, GeGLU
+void register_family_ops(py::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_family_ops(m);   // families.h: the C++ ops backend's window, cap, norm offset, rope, GeGLU
+  register_family_ops(m);
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.attr("NATIVE_BF16") = NATIVE_BF16;

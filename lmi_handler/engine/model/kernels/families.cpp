@@ -1,20 +1,25 @@
-// The row-wise ops the families beyond Llama need, for the C++ ops backend (engine/model/backends/cpp.py,
-// which forward.DecoderModel calls op by op): paged attention with a sliding window and Gemma 2's score cap
-// (attention.h's kernel, its MASKED form), RMSNorm with the weight offset and every product in float32 (Gemma's
+// The ops the families beyond Llama need, for the C++ ops backend (engine/model/backends/cpp.py, which
+// forward.DecoderModel calls op by op): paged attention with a sliding window and Gemma 2's score cap
+// (attention.h's kernel, its masked form), RMSNorm with the weight offset and every product in float32 (Gemma's
 // 1 + weight; the interface's rms_norm), RoPE on its own (rotary rows of any head layout) and GELU-tanh * up
 // (Gemma's GeGLU). Llama's fused path (rowwise.h's DecoderStack) calls none of them.
 //
-// Invariance by construction, as the other headers: every output element is one fixed sequence of float
+// A translation unit of its own (build.py compiles it beside cpu_kernels.cpp; cpu_kernels.cpp's module calls
+// register_family_ops): the compiler decides what to inline per unit, and with the masked attention in
+// cpu_kernels.cpp's unit its helpers (exp_sum_keep, values_group) had two callers and were no longer inlined
+// into the unmasked kernel; the Llama path's unit holds only the unmasked form, built as before.
+//
+// Invariance by construction, as the other kernels: every output element is one fixed sequence of float
 // operations on its own row's inputs (vector lanes and scalar tails give the same bits: the vector forms use
 // the same operations, and exp where exp16_glibc has glibc's bits), whatever the number of rows.
-#pragma once
-
-#include "rowwise.h"
+#include "attention.h"
+#include "vmath.h"
 
 namespace {
 
 // attention.h's paged_attention with `window` (0: none; else a row at position p reads keys max(0, p - window
-// + 1)..p) and `softcap` (0: none; else scores softcap * tanh(score / softcap) before the softmax)
+// + 1)..p) and `softcap` (0: none; else scores softcap * tanh(score / softcap) before the softmax): its
+// paged_attention_typed in the masked form (with neither, the same operations as the unmasked form)
 torch::Tensor paged_attention_masked(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q,
                                      double scale, int64_t window, double softcap) {
@@ -22,9 +27,21 @@ torch::Tensor paged_attention_masked(torch::Tensor q, torch::Tensor k_cache, tor
   is_bf16(q, "q");
   q = q.contiguous();
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be (T, H, D) and the caches (blocks, BS, KVH, D)");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_attention needs q and the caches in one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes mismatch");
   const AttentionPlan plan(q.size(0), k_cache.size(1), block_tables, context_lens, cu_seqlens_q);
   auto out = torch::empty_like(q);
-  paged_attention_into(q, k_cache, v_cache, plan, scale, out, window, softcap);
+  const float fscale = static_cast<float>(scale);
+  const AttentionMask mask{window, static_cast<float>(softcap)};
+  if (q.scalar_type() == torch::kBFloat16) {
+    paged_attention_typed<bf16>(q, k_cache, v_cache, plan.tables, plan.ctx, plan.cu, plan.seq_of_row, plan.MB,
+                                plan.max_ctx, fscale, out, mask);
+  } else {
+    paged_attention_typed<float>(q, k_cache, v_cache, plan.tables, plan.ctx, plan.cu, plan.seq_of_row, plan.MB,
+                                 plan.max_ctx, fscale, out, mask);
+  }
   return out;
 }
 
@@ -92,8 +109,19 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm_offset(torch::Tensor x, c10::o
   return {out, h};
 }
 
-// x (T, H, D) rotated by cos, sin (T, D) (rotate-half, HF's convention): rowwise.h's rope_row on each head
-// (two products and one add, each rounded to T as PyTorch's ops round them)
+// one head's rotate-half RoPE: keep(keep(x * cos) + keep(rotate_half(x) * sin)) elementwise, two products then
+// one add (no FMA: -ffp-contract=off), each rounded to T as PyTorch's ops round them (rowwise.h's rope_row)
+template <class T>
+inline void rope_head(const T* x, const T* c, const T* s, int64_t D, T* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -load_scalar<T>(x + d + half) : load_scalar<T>(x + d - half);
+    const float a = keep<T>(load_scalar<T>(x + d) * load_scalar<T>(c + d));
+    store_scalar<T>(out + d, a + keep<T>(rot * load_scalar<T>(s + d)));
+  }
+}
+
+// x (T, H, D) rotated by cos, sin (T, D) (rotate-half, HF's convention): rope_head on each head
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const bool bf = is_bf16(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "x must be (T, H, D) with D even");
@@ -107,7 +135,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   auto run = [&](auto* xp, auto* cp, auto* sp, auto* op) {
     at::parallel_for(0, T, row_grain(H * D), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t h = 0; h < H; ++h) rope_row(xp + (t * H + h) * D, cp + t * D, sp + t * D, D, op + (t * H + h) * D);
+        for (int64_t h = 0; h < H; ++h) rope_head(xp + (t * H + h) * D, cp + t * D, sp + t * D, D, op + (t * H + h) * D);
     });
   };
   if (bf) {
@@ -179,8 +207,10 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up, bool vector) {
   return out;
 }
 
+}  // namespace
+
 // the bindings (cpu_kernels.cpp's module calls this once), each without the GIL as the others
-inline void register_family_ops(py::module_& m) {
+void register_family_ops(py::module_& m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention_masked", &paged_attention_masked,
         "paged_attention with a sliding window and a score cap (0: none)", py::arg("q"), py::arg("k_cache"),
@@ -192,5 +222,3 @@ inline void register_family_ops(py::module_& m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over (T, 2I) gate_up rows", py::arg("gate_up"),
         py::arg("vector") = true, no_gil);
 }
-
-}  // namespace

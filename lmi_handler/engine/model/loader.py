@@ -1,6 +1,6 @@
 """Read an HF model directory (config.json + model.safetensors or a sharded index) into our model.
 
-Owns reading the checkpoint into the chosen backend's model: LlamaModel (the C++ path) or forward.DecoderModel,
+Owns reading the checkpoint into the chosen backend's model: LlamaModel (the fused C++ path) or forward.DecoderModel,
 tensors fused by role (q/k/v and gate/up rows) and, for a tensor-parallel rank, only its shard of each weight;
 leaves what a family is and its tensor names to families.py, the backend choice to backend.py, the
 architecture to llama.py / forward.py, which slice a rank holds to engine/parallel/layout.py and the KV

@@ -125,7 +125,8 @@ def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, dev
     tensors kept fused and separate q/k/v, gate/up concatenated, on `device` in `dtype`. A backend module
     may offer prepare_linear(weight) to pre-pack its linears' weights once, here, or pack_linear(weight, kind)
     (the C++ ops: panels of kind `quantize` or `dtype`'s name, made from the checkpoint's own tensor, so int8
-    is quantized from its values, not from a cast copy). quantize ("int8") needs pack_linear.
+    is quantized from its values, not from a cast copy; each checkpoint tensor is dropped once packed, so the
+    load holds about one copy of the weights). quantize ("int8") needs pack_linear.
     Raises KeyError naming a missing weight; ValueError for quantize on a backend without pack_linear."""
     ops = backend_ops(backend)
     pack = vars(ops).get("pack_linear")
@@ -140,7 +141,10 @@ def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, dev
         except KeyError as exc:
             raise KeyError(f"weights missing from the checkpoint: {exc.args[0]}") from None
         if linear and pack is not None:
-            return pack(t, kind)
+            packed = pack(t, kind)
+            for name in [names] if isinstance(names, str) else names:   # the panels replace the tensor
+                hf.pop(name, None)
+            return packed
         t = t.to(device=device, dtype=dtype)
         prepare = vars(ops).get("prepare_linear")             # optional: a backend's packing hook
         return prepare(t) if linear and prepare is not None else t

@@ -99,10 +99,11 @@ class Settings(BaseModel):
     threads waiting on each other."""
     kernel_backend: Literal["auto", "cpp", "triton", "torch"] = "auto"
     """Which kernels run the model, chosen once at load and logged with why (engine/model/backend.py): cpp =
-    the C++ CPU kernels (Llama-shaped models: RMSNorm pre-norm, SiLU, no window, cap or q/k norm); triton =
-    the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1); torch = the pure-PyTorch reference (any
-    model, any device). auto: triton on CUDA, cpp on CPU where the kernels build and implement the model,
-    torch otherwise. An explicit choice that cannot run is refused at start-up, never replaced."""
+    the C++ CPU kernels, every family (Llama-shaped models, with RMSNorm pre-norm, SiLU and no window, cap or
+    q/k norm, on the fused decoder stack; the others through the C++ ops one by one); triton = the Triton
+    kernels (CUDA; CPU tensors under TRITON_INTERPRET=1); torch = the pure-PyTorch reference (any model, any
+    device). auto: triton on CUDA, cpp on CPU where the kernels build, torch otherwise. An explicit choice that
+    cannot run is refused at start-up, never replaced."""
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence); false = plain GEMMs and one padded attention call, faster at large batches."""

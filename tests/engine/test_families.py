@@ -13,21 +13,26 @@ from lmi_handler.djl import OwnInput, PairList, binary_decode
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.backend import choose_backend
 from lmi_handler.engine.model.families import build_spec
+from lmi_handler.engine.model.forward import DecoderModel
+from lmi_handler.engine.model.llama import LlamaModel
 from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.scheduler import SchedulerConfig
 from tests.engine.family_models import TINY_FAMILIES, WINDOW, build_tiny_family
 from tests.engine.helpers import (
+    PRECISIONS,
     TINY_TOKENIZER_TEXTS,
     assert_logits_bitwise_identical_alone_and_in_batch,
     build_tiny_tokenizer,
     greedy_generate,
     hf_greedy,
 )
+from tests.engine.test_engine import assert_hit_logits_bitwise_equal
 from tests.server.helpers import fresh_server
 
 CPU = torch.device("cpu")
 LONG_PROMPT = [1] + [(7 * i + 3) % 500 + 3 for i in range(26)]            # 27 tokens: past the window of 16
 PROMPTS = [LONG_PROMPT, [1, 250, 17, 99], [1] + list(range(40, 80))]       # the last one past phi3's 32 too
-CPP_FAMILIES = ("llama", "mistral-nowindow", "qwen2-nowindow", "phi3-nowindow")                                 # specs today's C++ path implements
+FUSED_FAMILIES = ("llama", "mistral-nowindow", "qwen2-nowindow", "phi3-nowindow")   # specs the fused C++ Llama path runs
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
@@ -36,8 +41,8 @@ def family(request, tmp_path_factory):
     return request.param, path, build_tiny_family(path, request.param)
 
 
-def _runner(path, backend="auto", dtype=torch.float32):
-    return ModelRunner(path, dtype, CPU, block_size=4, num_blocks=96, kernel_backend=backend)
+def _runner(path, backend="auto", dtype=torch.float32, quantize=None):
+    return ModelRunner(path, dtype, CPU, block_size=4, num_blocks=96, kernel_backend=backend, quantize=quantize)
 
 
 def test_every_family_gives_transformers_greedy_tokens_on_the_torch_backend(family):
@@ -51,13 +56,15 @@ def test_every_family_gives_transformers_greedy_tokens_on_the_torch_backend(fami
         assert ours[0] == hf_greedy(hf, prompt, 12), f"{name}: prompt of {len(prompt)} tokens"
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_longrope_crossing_its_original_length_in_decode_keeps_the_short_keys_as_transformers_forward_does(
-        tmp_path):
+        tmp_path, backend):
     """A sequence's step takes the long factors once its length passes original_max_position_embeddings; keys
     already cached keep the short ones, as transformers' forward with a cache computes them (its generate()
     instead recomputes the whole cache at that token, Phi3ForCausalLM.prepare_inputs_for_generation)."""
     hf = build_tiny_family(tmp_path, "phi3-longrope")
-    runner = _runner(tmp_path, "torch")
+    runner = _runner(tmp_path, backend)
+    assert runner.kernel_backend == backend
     ours, _ = greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), [LONG_PROMPT], 10)
     with torch.no_grad():
         out = hf(torch.tensor([LONG_PROMPT]), use_cache=True)
@@ -79,23 +86,53 @@ def test_every_family_s_logits_are_bitwise_the_same_alone_and_in_a_batch(family)
 @pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3-longrope"])
 def test_bf16_runs_every_op_in_bf16_and_stays_bitwise_batch_invariant(name, tmp_path):
     build_tiny_family(tmp_path, name)
-    runner = _runner(tmp_path, dtype=torch.bfloat16)
+    runner = _runner(tmp_path, "torch", dtype=torch.bfloat16)
     assert runner.kernel_backend == "torch" and runner.kv_cache.dtype == torch.bfloat16
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[2], PROMPTS[:2], 4, chunks=[5, 2])
 
 
-@pytest.mark.parametrize("name", CPP_FAMILIES)
-def test_llama_shaped_families_take_the_cpp_backend_and_give_transformers_tokens(name, tmp_path, caplog):
-    hf = build_tiny_family(tmp_path, name)
+# ---- the cpp backend: the fused Llama path for Llama-shaped specs, the C++ ops (backends/cpp.py) for the rest --
+
+def test_every_family_gives_transformers_greedy_tokens_on_the_cpp_backend(family, caplog):
+    name, path, hf = family
     with caplog.at_level("INFO", logger="lmi_handler.engine.model.backend"):
-        runner = _runner(tmp_path)
-    assert runner.kernel_backend == "cpp"
-    assert f"kernel_backend=cpp for model_type={TINY_FAMILIES[name][0]} (auto: CPU, the C++ kernels are built" \
-        in caplog.text
+        runner = _runner(path)                                       # auto on CPU
+    fused = name in FUSED_FAMILIES
+    assert runner.kernel_backend == "cpp" and isinstance(runner.model, LlamaModel if fused else DecoderModel)
+    form = "the fused C++ Llama path" if fused else "the C++ ops walking the layer description"
+    assert f"kernel_backend=cpp for model_type={TINY_FAMILIES[name][0]} (auto: CPU, the C++ kernels are built; " \
+           f"{form}" in caplog.text
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
-    for prompt in PROMPTS:
-        assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10)
+    for prompt in PROMPTS if name != "phi3-longrope" else PROMPTS[1:]:
+        ours, _ = greedy_generate(runner, allocator, [prompt], 12)
+        assert ours[0] == hf_greedy(hf, prompt, 12), f"{name}: prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_every_family_s_logits_are_bitwise_the_same_alone_and_in_a_batch_on_the_cpp_backend_in_every_precision(
+        family, precision):
+    """fp32, bf16 and int8 weights (with fp32 or bf16 activations): each runs on the C++ kernels (int8 panels
+    for int8) and a sequence's logits have the same bits alone and beside prefill chunks and decodes."""
+    name, path, _ = family
+    dtype, quantize = PRECISIONS[precision]
+    runner = _runner(path, "cpp", dtype, quantize)
+    assert runner.kernel_backend == "cpp" and runner.kv_cache.dtype == dtype
+    if isinstance(runner.model, DecoderModel):
+        assert runner.model.layer_weights[0].qkv.kind == (quantize or str(dtype).removeprefix("torch."))
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, LONG_PROMPT, PROMPTS[1:], 6, chunks=[3, 7])
+
+
+def test_every_family_s_logits_after_a_prefix_hit_are_bitwise_those_computed_without_the_cache(family):
+    """A request whose first 24 tokens another request left in the prefix cache computes only the rest (past
+    the window of 16: its window reaches into the cached blocks) and gets the logits and tokens it gets on an
+    empty cache, whole-prompt and chunked (budget 12)."""
+    _, path, _ = family
+    runner = _runner(path)
+    target, warmer = LONG_PROMPT + [40, 41, 42], LONG_PROMPT[:24] + [9, 9, 9]
+    for budget in (64, 12):
+        assert_hit_logits_bitwise_equal(runner, SchedulerConfig(4, budget), target, [warmer], 6)
 
 
 def _config(name: str) -> dict:
@@ -186,12 +223,15 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
         Settings.from_properties({"kernel_backend": "cuda"})
     assert Settings.from_properties({"kernel_backend": " Torch "}).engine_config().kernel_backend == "torch"
     mistral, gemma2, llama = (build_spec(_config(n)) for n in ("mistral", "gemma2", "llama"))
-    with pytest.raises(ConfigError, match="kernel_backend=cpp cannot run here.*sliding window"):
-        choose_backend("cpp", mistral, CPU)
     with pytest.raises(ConfigError, match="kernel_backend='bogus'.*'auto', 'cpp', 'triton', 'torch'"):
         choose_backend("bogus", llama, CPU)
-    assert choose_backend("auto", gemma2, CPU)[0] == "torch"
-    assert choose_backend("auto", llama, CPU)[0] == "cpp"
+    assert choose_backend("auto", llama, CPU) == ("cpp", "auto: CPU, the C++ kernels are built; the fused C++ Llama "
+                                                         "path")
+    name, why = choose_backend("auto", gemma2, CPU)
+    assert name == "cpp" and "the C++ ops walking the layer description (model_type=gemma2 has norm_offset" in why
+    assert choose_backend("cpp", mistral, CPU)[0] == "cpp"
+    assert choose_backend("auto", gemma2, CPU, quantize="int8")[0] == "cpp"
+    assert choose_backend("torch", gemma2, CPU) == ("torch", "asked for")
     with pytest.raises(ConfigError, match="tensor_parallel_degree > 1.*gemma2"):
         choose_backend("auto", gemma2, CPU, tensor_parallel=True)
     with pytest.raises(ConfigError, match="quantize=int8 runs only on the cpp backend"):
@@ -206,6 +246,9 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
         choose_backend("cpp", llama, CPU)
     assert choose_backend("auto", llama, CPU) == ("torch", "auto: the C++ kernels are not built (no working C++ "
                                                             "compiler)")
+    assert choose_backend("auto", gemma2, CPU)[0] == "torch"
+    with pytest.raises(ConfigError, match="quantize=int8: the C\\+\\+ kernels are not built"):
+        choose_backend("auto", gemma2, CPU, quantize="int8")
 
 
 def test_tensor_parallelism_of_a_family_off_the_cpp_path_is_refused_before_any_rank_starts(tmp_path):
@@ -245,7 +288,7 @@ def served_family(request, tmp_path_factory):
 def test_the_invocations_and_openai_routes_answer_transformers_greedy_tokens(served_family):
     path, want = served_family
     with fresh_server(model_id=str(path), **HTTP_OPTIONS) as server:
-        assert server.service.engine.runner.kernel_backend == "torch"
+        assert server.service.engine.runner.kernel_backend == "cpp"
         for _ in range(2):          # the second request reuses the first's cached prefix blocks
             response = server.post("/invocations", json={"inputs": TEXT_PROMPT, "parameters": {
                 "max_new_tokens": NEW_TOKENS, "do_sample": False, "details": True}})

@@ -723,11 +723,11 @@ def test_an_avx2_build_gives_the_same_bits_as_the_references():
     references (so every CPU gives the same bf16 and int8 logits), rows the same alone and in a batch."""
     from torch.utils.cpp_extension import load
 
-    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name, cpu_flags
+    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name, cpu_flags, kernel_sources
 
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
-    module = load(name=_module_name(_SOURCE) + "_avx2", sources=[str(_SOURCE)],
+    module = load(name=_module_name(_SOURCE) + "_avx2", sources=kernel_sources(_SOURCE),
                   extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     assert module.VECTOR_WIDTH == 8 and not module.NATIVE_BF16
     for num_rows, in_features, out_features in ((1, 576, 960), (7, 33, 77), (20, 576, 200), (13, 1536, 70)):

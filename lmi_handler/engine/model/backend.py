@@ -1,12 +1,17 @@
 """option.kernel_backend: which kernels run the model, chosen once at load and logged with why.
 
-Owns the choice and its refusals; leaves the ops to backends/ (torch_ref.py, triton/) and to today's C++
-Llama path (llama.py), which the "cpp" backend names.
+Owns the choice and its refusals; leaves the ops to backends/ (torch_ref.py, cpp.py, triton/) and to the
+fused C++ Llama path (llama.py).
 
-auto: triton on CUDA (when its backend imports), the C++ kernels on CPU where they build and the spec is
-one they implement (spec.cpp_misfits()), the PyTorch reference otherwise. Tensor-parallel shards run only on
-the C++ Llama path (llama.py's collectives), so auto picks it for them, on any device. An explicit backend
-that cannot run here is refused at start-up with the reason, never replaced.
+"cpp" is the C++ CPU kernels in one of two forms, by the spec: the fused Llama path (llama.py: the whole
+decoder stack one C++ call a step) where spec.cpp_misfits() is [], the fast path; else the C++ ops backend
+(backends/cpp.py) that forward.DecoderModel walks the spec with (windows, caps, norm offsets, q/k norms, GELU,
+partial and per-layer RoPE, multipliers). Both serve int8 weights (option.quantize=int8, int8 panels).
+
+auto: triton on CUDA (when its backend imports), the C++ kernels on CPU where they build, the PyTorch
+reference otherwise. Tensor-parallel shards run only on the C++ Llama path (llama.py's collectives: forward.py
+has no shard rules), so auto picks it for them, on any device, and a spec it does not implement is refused
+with them. An explicit backend that cannot run here is refused at start-up with the reason, never replaced.
 """
 from __future__ import annotations
 
@@ -39,11 +44,15 @@ def triton_ops():
 
 
 def backend_ops(name: str):
-    """The ops module of a non-C++ backend ("torch" or "triton")."""
+    """The ops module forward.DecoderModel calls for backend `name` ("torch", "cpp": the C++ ops, or "triton")."""
     if name == "torch":
         from lmi_handler.engine.model.backends import torch_ref
 
         return torch_ref
+    if name == "cpp":
+        from lmi_handler.engine.model.backends import cpp
+
+        return cpp
     module, why = triton_ops()
     if module is None:
         raise ConfigError(f"option.kernel_backend=triton: {why}")
@@ -61,20 +70,21 @@ def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor
         what = "tensor_parallel_degree > 1" if tensor_parallel else f"option.quantize={quantize}"
         if requested not in ("auto", "cpp"):
             raise ConfigError(f"option.kernel_backend={requested}: {what} runs only on the cpp backend")
-        misfits = spec.cpp_misfits()
-        if misfits or (tensor_parallel and spec.fused_qkv):
-            why = ", ".join(misfits) if misfits else "fused qkv_proj / gate_up_proj tensors (no shard rule)"
-            raise ConfigError(f"{what}: model_type={spec.model_type} needs the cpp backend's Llama path, which "
-                              f"does not implement {why}")
-        if tensor_parallel and requested == "auto":
-            return "cpp", "tensor-parallel shards run on the C++ Llama path"
+        if tensor_parallel:
+            misfits = spec.cpp_misfits()
+            if misfits or spec.fused_qkv:
+                why = ", ".join(misfits) if misfits else "fused qkv_proj / gate_up_proj tensors (no shard rule)"
+                raise ConfigError(f"{what}: model_type={spec.model_type} needs the cpp backend's Llama path, "
+                                  f"which does not implement {why}")
+            if requested == "auto":
+                return "cpp", "tensor-parallel shards run on the C++ Llama path"
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend={requested} with {what}: {cpp_why}")
-        return "cpp", f"{what} needs the C++ kernels"
+        return "cpp", f"{what} needs the C++ kernels; {cpp_form(spec)}"
     if requested == "cpp":
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend=cpp cannot run here: {cpp_why}")
-        return "cpp", "asked for"
+        return "cpp", f"asked for; {cpp_form(spec)}"
     if requested == "triton":
         _, why = triton_ops()
         if not why and device.type != "cuda" and not triton_interpreted():
@@ -88,19 +98,26 @@ def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor
         _, why = triton_ops()
         return ("triton", "auto: CUDA") if not why else ("torch", f"auto: CUDA, but {why}")
     if not (cpp_why := _cpp_unfit(spec, device)):
-        return "cpp", "auto: CPU, the C++ kernels are built and implement this model"
+        return "cpp", f"auto: CPU, the C++ kernels are built; {cpp_form(spec)}"
     return "torch", f"auto: {cpp_why}"
 
 
+def cpp_form(spec: ModelSpec) -> str:
+    """Which form of the cpp backend runs `spec`, in words for the log: the fused Llama path where
+    spec.cpp_misfits() is [], else the C++ ops (and why)."""
+    misfits = spec.cpp_misfits()
+    if not misfits:
+        return "the fused C++ Llama path"
+    return f"the C++ ops walking the layer description (model_type={spec.model_type} has {', '.join(misfits)})"
+
+
 def _cpp_unfit(spec: ModelSpec, device: torch.device) -> str:
-    """Why the C++ Llama path cannot run `spec` on `device` ('' when it can)."""
+    """Why the C++ kernels cannot run `spec` on `device` ('' when they can: every spec, in one of the two
+    forms, cpp_form)."""
     from lmi_handler.engine.model.kernels import cpu_kernels
 
     if device.type != "cpu":
         return f"the C++ kernels run on CPU, not {device}"
-    misfits = spec.cpp_misfits()
-    if misfits:
-        return f"model_type={spec.model_type} has {', '.join(misfits)}, which the C++ kernels do not implement"
     if cpu_kernels() is None:
         return "the C++ kernels are not built (no working C++ compiler)"
     return ""

@@ -1,6 +1,6 @@
 """Read an HF model directory (config.json + model.safetensors or a sharded index) into our model.
 
-Owns reading the checkpoint into the chosen backend's model: LlamaModel (the C++ path) or forward.DecoderModel,
+Owns reading the checkpoint into the chosen backend's model: LlamaModel (the fused C++ path) or forward.DecoderModel,
 tensors fused by role (q/k/v and gate/up rows) and, for a tensor-parallel rank, only its shard of each weight;
 leaves what a family is and its tensor names to families.py, the backend choice to backend.py, the
 architecture to llama.py / forward.py, which slice a rank holds to engine/parallel/layout.py and the KV
@@ -102,36 +102,50 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                quantize: str | None = None, lm_head_kind: str | None = None, huge_pages: bool = True,
                layout: ShardLayout | None = None, kernel_backend: str = "auto"):
     """Build the model of an HF directory, in eval mode on `device`, activations in `dtype`, on the kernel
-    backend option.kernel_backend picks (backend.choose_backend, logged): "cpp" is today's Llama path
-    (load_llama), "torch" and "triton" walk the spec in forward.DecoderModel (load_decoder). The model's
-    `kernel_backend` names the choice.
+    backend option.kernel_backend picks (backend.choose_backend, logged): "cpp" is the fused Llama path
+    (load_llama) for a spec it implements (spec.cpp_misfits() == []) and otherwise the C++ ops walking the spec
+    in forward.DecoderModel; "torch" and "triton" walk the spec in forward.DecoderModel (load_decoder). The
+    model's `kernel_backend` names the choice.
     Raises: ConfigError for a model or backend we cannot serve here; KeyError naming a missing weight;
     ValueError from load_llama (int8 where the packed kernels cannot run)."""
     spec = build_spec(read_config(model_dir))
     name, why = choose_backend(kernel_backend, spec, device, tensor_parallel=layout is not None, quantize=quantize)
     log_choice(name, why, spec)
-    if name == "cpp":
+    if name == "cpp" and not spec.cpp_misfits():
         model = load_llama(model_dir, spec, dtype, device, pack_weights, quantize, lm_head_kind, huge_pages, layout)
     else:
-        model = load_decoder(model_dir, spec, dtype, device, name)
+        model = load_decoder(model_dir, spec, dtype, device, name, quantize)
     model.kernel_backend = name
     return model
 
 
 def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 backend: str) -> DecoderModel:
+                 backend: str, quantize: str | None = None) -> DecoderModel:
     """forward.DecoderModel of the checkpoint: every tensor by role (families.layer_tensor_names), fused
     tensors kept fused and separate q/k/v, gate/up concatenated, on `device` in `dtype`. A backend module
-    may offer prepare_linear(weight) to pre-pack its linears' weights once, here.
-    Raises KeyError naming a missing weight."""
+    may offer prepare_linear(weight) to pre-pack its linears' weights once, here, or pack_linear(weight, kind)
+    (the C++ ops: panels of kind `quantize` or `dtype`'s name, made from the checkpoint's own tensor, so int8
+    is quantized from its values, not from a cast copy; each checkpoint tensor is dropped once packed, so the
+    load holds about one copy of the weights). quantize ("int8") needs pack_linear.
+    Raises KeyError naming a missing weight; ValueError for quantize on a backend without pack_linear."""
     ops = backend_ops(backend)
+    pack = vars(ops).get("pack_linear")
+    if quantize is not None and pack is None:
+        raise ValueError(f"quantize={quantize!r} needs the C++ ops backend (kernel_backend {backend})")
+    kind = quantize or str(dtype).removeprefix("torch.")
     hf = read_safetensors(model_dir)
 
     def take(names, linear: bool = False) -> torch.Tensor:
         try:
-            t = _tensor(hf, names).to(device=device, dtype=dtype)
+            t = _tensor(hf, names)
         except KeyError as exc:
             raise KeyError(f"weights missing from the checkpoint: {exc.args[0]}") from None
+        if linear and pack is not None:
+            packed = pack(t, kind)
+            for name in [names] if isinstance(names, str) else names:   # the panels replace the tensor
+                hf.pop(name, None)
+            return packed
+        t = t.to(device=device, dtype=dtype)
         prepare = vars(ops).get("prepare_linear")             # optional: a backend's packing hook
         return prepare(t) if linear and prepare is not None else t
 

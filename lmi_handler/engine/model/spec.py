@@ -3,7 +3,7 @@
 Owns ModelSpec / LayerSpec / RopeSpec (plain frozen values, built by families.py at load, never per token)
 and the RoPE frequencies of every scaling kind (transformers' ROPE_INIT_FUNCTIONS for yarn, dynamic and
 longrope). Leaves which model_type maps to which description to families.py, reading tensors to loader.py
-and walking the description to forward.py (or, for a plain Llama-shaped spec, llama.py's C++ path).
+and walking the description to forward.py (or, for a plain Llama-shaped spec, llama.py's fused C++ path).
 """
 from __future__ import annotations
 
@@ -108,9 +108,11 @@ class ModelSpec:
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
     def cpp_misfits(self) -> list[str]:
-        """Why today's C++ Llama path (llama.LlamaModel: fused C++ decoder stack) cannot run this spec; []
-        when it can: RMSNorm pre-norm, SiLU, optional q/k/v, o and MLP biases, one full-width RoPE of kind
-        default / linear / llama3 on every layer, no window, cap, q/k norm or multiplier."""
+        """Why the fused C++ Llama path (llama.LlamaModel: the whole decoder stack one C++ call a step, the
+        fast path, and the only one with tensor-parallel shards) cannot run this spec; [] when it can: RMSNorm
+        pre-norm, SiLU, optional q/k/v, o and MLP biases, one full-width RoPE of kind default / linear / llama3
+        on every layer, no window, cap, q/k norm or multiplier. A spec with misfits runs on the C++ kernels as
+        the C++ ops backend (backends/cpp.py under forward.DecoderModel; backend.py picks the form)."""
         rope = self.layers[0].rope
         checks = {
             "norm_offset (Gemma's 1 + weight)": self.norm_offset != 0.0,

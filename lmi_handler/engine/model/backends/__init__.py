@@ -1,7 +1,8 @@
 """Kernel backends: each offers the same ops, with the same signatures and semantics, and
 engine/model/backend.py picks one at load (option.kernel_backend). torch_ref.py is the pure-PyTorch
 reference every other backend is tested against; triton/ holds the Triton kernels (CUDA, and CPU tensors
-under TRITON_INTERPRET=1 for tests); the C++ CPU kernels run as the Llama path (llama.py).
+under TRITON_INTERPRET=1 for tests); cpp.py the C++ CPU kernels, op by op, for the families the fused C++
+Llama path (llama.py) does not run.
 
 The ops (row-wise ops compute each row independently of the others, for batch invariance; reductions
 accumulate in float32):

@@ -253,16 +253,34 @@ inline void spread_prefetch(const T* block, int64_t tokens, int64_t row_stride, 
   for (int64_t t = step * BS / steps; t < end; ++t) prefetch_lines<LEVEL>(block + t * row_stride, 0, slice_lines);
 }
 
+// attend_row's masked form: a row's keys first_key..n-1 (after the skipped blocks), its scores capped when
+// softcap > 0; one_row_mask gives none (the unmasked form) as {0, 0}
+struct RowMask {
+  int64_t first_key;
+  float softcap;
+};
+inline RowMask one_row_mask() { return {0, 0.f}; }
+inline RowMask one_row_mask(const RowMask& mask) { return mask; }
+
 // One query row, the query heads of KV heads g0..g1-1: q (H, D) the row's queries as floats, keys
 // 0..n-1 of the sequence with block table `table`; writes those heads of out (H, D) floats. Scratch
 // (indexed by head): scores H x ld floats (ld >= n), stats 2 H floats. A head's bits do not depend
 // on g0, g1. `next_table` / `next_n`: the block table and key count of the row the caller runs next
 // over the same KV heads (nullptr: none), whose first key blocks the stream prefetches during this
 // row's last value blocks (prefetches only: no value changes).
-template <class T>
+// `mask`: none (the Llama path: keys 0..n-1, no cap), or one RowMask (the masked form, paged_attention_typed
+// with a window or a score cap): keys first_key..n-1 only (first_key < BS: the caller drops the window's whole
+// blocks before it by starting `table` past them), and softcap > 0 caps each score as softcap * tanh(score /
+// softcap) before the softmax (Gemma 2). A pack, so that the unmasked form keeps its parameters and code as
+// they were (with two more parameters passed as constants, the compiler cloned and re-allocated it).
+template <class T, class... Mask>
 void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, int64_t n, int64_t BS,
                 int64_t H, int64_t KVH, int64_t D, int64_t g0, int64_t g1, float scale, float* scores, int64_t ld,
-                float* stats, float* out, const int32_t* next_table = nullptr, int64_t next_n = 0) {
+                float* stats, float* out, const int32_t* next_table = nullptr, int64_t next_n = 0,
+                const Mask&... mask) {
+  constexpr bool MASKED = sizeof...(Mask) > 0;
+  const RowMask row_mask = one_row_mask(mask...);
+  const int64_t lo = MASKED ? row_mask.first_key : 0;   // the row's first key (its first block's from `lo`)
   const int64_t G = H / KVH, row_stride = KVH * D, block_elems = BS * row_stride;
   constexpr int64_t FAR_BLOCKS = sizeof(T) == 4 ? 3 : 2;   // the last block the stream sends to L2 (spread_prefetch)
   const int64_t num_blocks = (n + BS - 1) / BS, h0 = g0 * G, h1 = g1 * G;
@@ -302,21 +320,21 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* kb = kp + static_cast<int64_t>(table[j]) * block_elems;
     const T* next = j + 1 < num_blocks ? kp + static_cast<int64_t>(table[j + 1]) * block_elems : nullptr;
-    const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS);
+    const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS), ts = MASKED && j == 0 ? lo : t0;
 #if defined(__AVX512F__)
     if (D % 16 == 0) {   // sixteen keys at a time per head, their lane sums in one transpose
       // the next block's keys, or after the last the first block's values, on their way meanwhile: its
       // tokens in shares, one before each (key group, head) step (see spread_prefetch)
       const T* ahead = (next ? next : vp + static_cast<int64_t>(table[0]) * block_elems) + slice_begin;
       const int64_t ahead_tokens = next ? std::min(BS, n - t1) : std::min(BS, n);
-      const int64_t steps = (h1 - h0) * ((t1 - t0 + 15) / 16);   // the key-group/head steps of this block
+      const int64_t steps = (h1 - h0) * ((t1 - ts + 15) / 16);   // the key-group/head steps of this block
       // (bf16 keys widened once per block into a float buffer, instead of once per query head of their KV
       // head, measured 0.90x: the buffer's stores cost more than the conversions saved)
       look_far(j);
-      for (int64_t u = t0; u < t1; u += 16) {
+      for (int64_t u = ts; u < t1; u += 16) {
         const int64_t cnt = std::min<int64_t>(16, t1 - u);
         for (int64_t h = h0; h < h1; ++h) {
-          const int64_t step = ((u - t0) / 16) * (h1 - h0) + h - h0;
+          const int64_t step = ((u - ts) / 16) * (h1 - h0) + h - h0;
           spread_prefetch(ahead, ahead_tokens, row_stride, slice_lines, BS, step, steps);
           for (int x = 0; x < FAR; ++x) spread_prefetch<2>(far[x], far_tokens[x], row_stride, slice_lines, BS, step, steps);
           mx[h] = std::max(mx[h], score_group16<T>(q + h * D, kb + (u - t0) * row_stride, row_stride, (h / G) * D, D,
@@ -326,7 +344,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       continue;
     }
 #endif
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = ts; t < t1; ++t) {
       if (next) prefetch_lines(next + (t - t0) * row_stride + slice_begin, 0, slice_lines);
       const T* krow = kb + (t - t0) * row_stride;
       int64_t h = h0;
@@ -345,11 +363,25 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
   // bf16 storage rounds the softmax weights to bf16 before the weighted sum (the sum stays the float32
   // weights') and scales the output by the sum's reciprocal: the roundings of torch's CPU flash attention,
   // which transformers' bf16 Llama runs (sdpa). float32: keep is the identity and the output is divided.
-  for (int64_t h = h0; h < h1; ++h) denom[h] = exp_sum_keep<T>(scores + h * ld, n, mx[h]);
+  if constexpr (MASKED) {
+    if (const float softcap = row_mask.softcap; softcap > 0.f) {   // Gemma 2's cap (transformers: tanh(s / cap) * cap)
+      for (int64_t h = h0; h < h1; ++h) {
+        float m = -INFINITY;
+        for (int64_t t = lo; t < n; ++t) {
+          float& s = scores[h * ld + t];
+          s = std::tanh(s / softcap) * softcap;
+          m = std::max(m, s);
+        }
+        mx[h] = m;
+      }
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) denom[h] = exp_sum_keep<T>(scores + h * ld + lo, n - lo, mx[h]);
   // weighted values, block by block, the G heads of each KV head together
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* vb = vp + static_cast<int64_t>(table[j]) * block_elems;
-    const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS);
+    const int64_t t0 = j * BS, t1 = std::min(n, t0 + BS), ts = MASKED && j == 0 ? lo : t0;
+    if constexpr (MASKED) vb += (ts - t0) * row_stride;   // key ts's row
     // the next block's values (after the last, the next row's first keys) in shares, one before each KV
     // head's weighted sum
     const T* vn = stream_block(num_blocks + j + 1);
@@ -363,13 +395,13 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       float* o = out + g * G * D;
       const T* vg = vb + g * D;
       switch (G) {
-        case 1: values_group<1>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
-        case 2: values_group<2>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
-        case 3: values_group<3>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
-        case 4: values_group<4>(p, ld, vg, row_stride, t0, t1, o, D, j == 0); break;
+        case 1: values_group<1>(p, ld, vg, row_stride, ts, t1, o, D, j == 0); break;
+        case 2: values_group<2>(p, ld, vg, row_stride, ts, t1, o, D, j == 0); break;
+        case 3: values_group<3>(p, ld, vg, row_stride, ts, t1, o, D, j == 0); break;
+        case 4: values_group<4>(p, ld, vg, row_stride, ts, t1, o, D, j == 0); break;
         default:
           for (int64_t h = 0; h < G; ++h)
-            values_group<1>(p + h * ld, ld, vg, row_stride, t0, t1, o + h * D, D, j == 0);
+            values_group<1>(p + h * ld, ld, vg, row_stride, ts, t1, o + h * D, D, j == 0);
       }
     }
   }
@@ -389,11 +421,24 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
 // has work.
 inline int64_t attention_parts(int64_t T_rows, int64_t KVH) { return T_rows < 4 * team_threads() ? KVH : 1; }
 
-template <class T>
+// paged_attention_typed's masked form: a row at position p reads keys max(0, p - window + 1)..p when window
+// > 0, and its scores are capped when softcap > 0
+struct AttentionMask {
+  int64_t window;
+  float softcap;
+};
+inline AttentionMask one_attention_mask() { return {0, 0.f}; }
+inline AttentionMask one_attention_mask(const AttentionMask& mask) { return mask; }
+
+// `mask`: none (the Llama path's unmasked code, as it was), or one AttentionMask (the masked form: the C++ ops
+// backend, families.cpp): a window skips each row's whole blocks before its first key (attend_row walks the same
+// absolute blocks, from the window's first) and masks the rest of them; the cap goes to attend_row.
+template <class T, class... Mask>
 void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const int32_t* tables, const int32_t* ctx, const int32_t* cu,
                            const std::vector<int32_t>& seq_of_row, int64_t MB, int64_t max_ctx, float scale,
-                           torch::Tensor& out) {
+                           torch::Tensor& out, const Mask&... mask) {
+  constexpr bool MASKED = sizeof...(Mask) > 0;
   const int64_t T_rows = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const T* qp = data_of<T>(q);
@@ -421,8 +466,21 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t next_s = next ? seq_of_row[r + 1] : 0;
       const T* qr = qp + r * H * D;
       for (int64_t e = g0 * G * D; e < g1 * G * D; ++e) qf[e] = load_scalar<T>(qr + e);
-      attend_row<T>(qf.data(), kp, vp, tables + s * MB, n, BS, H, KVH, D, g0, g1, scale, scores.data(), max_ctx,
-                    stats.data(), of.data(), next ? tables + next_s * MB : nullptr, next ? keys_of(r + 1, next_s) : 0);
+      if constexpr (MASKED) {
+        // whole blocks before the window's first key are skipped, the rest of them masked in attend_row (the mask
+        // read here, from the pack: a name in this branch is captured by the lambda even where it is discarded)
+        const AttentionMask attention_mask = one_attention_mask(mask...);
+        const int64_t window = attention_mask.window;
+        auto skipped = [&](int64_t keys) { return window > 0 && keys > window ? (keys - window) / BS : int64_t{0}; };
+        const int64_t skip = skipped(n), next_n = next ? keys_of(r + 1, next_s) : 0, next_skip = skipped(next_n);
+        const RowMask row_mask{window > 0 && n > window ? n - window - skip * BS : 0, attention_mask.softcap};
+        attend_row<T>(qf.data(), kp, vp, tables + s * MB + skip, n - skip * BS, BS, H, KVH, D, g0, g1, scale,
+                      scores.data(), max_ctx, stats.data(), of.data(), next ? tables + next_s * MB + next_skip : nullptr,
+                      next_n - next_skip * BS, row_mask);
+      } else {
+        attend_row<T>(qf.data(), kp, vp, tables + s * MB, n, BS, H, KVH, D, g0, g1, scale, scores.data(), max_ctx,
+                      stats.data(), of.data(), next ? tables + next_s * MB : nullptr, next ? keys_of(r + 1, next_s) : 0);
+      }
       T* orow = op + r * H * D;
       for (int64_t e = g0 * G * D; e < g1 * G * D; ++e) store_scalar<T>(orow + e, of[e]);
     }

@@ -96,14 +96,23 @@ def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, pol
     return True
 
 
+def kernel_sources(source: Path) -> list[str]:
+    """The translation units of the extension whose module source is `source` (cpu_kernels.cpp): it first, then
+    every other .cpp beside it (families.cpp: the C++ ops backend's kernels, a unit of their own so that the
+    compiler's inlining in the Llama path's unit is not changed by them). A revision with one .cpp builds as
+    before (benchmarks/ab.py builds old revisions through build_extension)."""
+    return [str(source)] + sorted(str(p) for p in source.parent.glob("*.cpp") if p.name != source.name)
+
+
 def build_extension(source: Path, name: str):
-    """Compile `source` as extension `name`; None (and a warning) when that fails."""
+    """Compile `source` (and the other units beside it, kernel_sources) as extension `name`; None (and a
+    warning) when that fails."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     start = time.perf_counter()
     try:
         clear_stale_build_lock(Path(_get_build_directory(name, verbose=False)))
-        module = load(name=name, sources=[str(source)],
+        module = load(name=name, sources=kernel_sources(source),
                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:     # no compiler, no ninja, a build error: the PyTorch paths still work
         log.warning("C++ CPU kernels unavailable, using the PyTorch fallback: %s", exc)

@@ -1,6 +1,6 @@
 // Shared pieces of the batch-invariant CPU kernels: the work-sharing loop, one vector of floats
 // (AVX-512, AVX2+FMA or scalar), and bfloat16 <-> float32 conversions that round as PyTorch does.
-// Included by cpu_kernels.cpp only (one translation unit); everything lives in an anonymous namespace.
+// Included by cpu_kernels.cpp and families.cpp (two translation units); everything lives in an anonymous namespace.
 #pragma once
 
 #include <torch/extension.h>

@@ -71,7 +71,11 @@ std::tuple<torch::Tensor, int64_t> walk_counts(int64_t n, double slow_us) {
 // touch no Python object; TORCH_CHECK's exception crosses back once the GIL is held again.
 constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 
+// families.cpp (a translation unit of its own): the C++ ops backend's masked attention, norm offset, rope, GeGLU
+void register_family_ops(py::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_family_ops(m);
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.attr("NATIVE_BF16") = NATIVE_BF16;

@@ -11,8 +11,10 @@ import torch
 
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.engine import Engine
-from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
-from lmi_handler.engine.scheduler import Scheduler, SchedulerOutput
+from lmi_handler.engine.kv_cache import BlockAllocator, build_block_tables, build_slot_mapping, num_blocks_needed
+from lmi_handler.engine.model.attention import AttentionMetadata, write_kv
+from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 
 TINY_VOCAB = 512
@@ -160,3 +162,75 @@ def run_step(sched: Scheduler) -> list:
         if seq.num_computed_tokens == seq.num_tokens:
             seq.output_token_ids.append(1)
     return out.seqs
+
+
+def random_paged_case(starts: list[int], lengths: list[int], heads: int, kv_heads: int, head_dim: int,
+                      block_size: int, seed: int, num_blocks: int = 256):
+    """Random K/V for every sequence's whole context in a paged cache with shuffled block ids, and
+    queries for the step's rows. Returns (q, k_cache, v_cache, meta, keys, values)."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [s + n for s, n in zip(starts, lengths)]
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for c in ctx:
+        need = num_blocks_needed(c, block_size)
+        tables.append(ids[:need])
+        ids = ids[need:]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)   # junk outside contexts
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    keys = [torch.randn(c, kv_heads, head_dim, generator=g) for c in ctx]
+    values = [torch.randn(c, kv_heads, head_dim, generator=g) for c in ctx]
+    write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values),
+             build_slot_mapping(tables, [0] * len(ctx), ctx, block_size))
+    meta = make_meta(tables, starts, lengths, block_size)
+    q = torch.randn(sum(lengths), heads, head_dim, generator=g)
+    return q, k_cache, v_cache, meta, keys, values
+
+
+def make_meta(tables: list[list[int]], starts: list[int], lengths: list[int], block_size: int) -> AttentionMetadata:
+    ctx = [s + n for s, n in zip(starts, lengths)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=build_slot_mapping(tables, starts, lengths, block_size),
+        block_tables=build_block_tables(tables), context_lens=torch.tensor(ctx, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), query_lens=list(lengths), context_lens_host=ctx,
+        block_size=block_size)
+
+
+def scheduled_greedy(runner: ModelRunner, sched: Scheduler, prompts: list[list[int]], n: int,
+                     tag: str) -> tuple[list[Sequence], list[list[torch.Tensor]]]:
+    """Greedy-decode `prompts` through the real scheduler (chunks, hits) for `n` tokens each;
+    returns the sequences and the logits each sampled token was drawn from."""
+    seqs = [Sequence(f"{tag}{i}", list(p), SamplingParams(max_new_tokens=n)) for i, p in enumerate(prompts)]
+    logits: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
+    for seq in seqs:
+        sched.add(seq)
+    while sched.num_unfinished:
+        out = sched.schedule()
+        model_out = runner.execute(runner.prepare(out))
+        sched.update_from_output(out)
+        for row, seq in enumerate(out.seqs):
+            if seq.num_computed_tokens == seq.num_tokens:
+                logits[seq.request_id].append(model_out.logits[row].clone())
+                seq.output_token_ids.append(int(model_out.logits[row].argmax()))  # sync: test loop
+                if seq.num_output_tokens == n:
+                    sched.finish(seq)
+    return seqs, [logits[s.request_id] for s in seqs]
+
+
+def assert_hit_logits_bitwise_equal(runner: ModelRunner, config: SchedulerConfig, target: list[int],
+                                    warmers: list[list[int]], n: int) -> None:
+    """`target` alone on an empty cache, then after `warmers` (sharing its prefix) filled the cache."""
+    def fresh() -> Scheduler:
+        return Scheduler(config, BlockAllocator(runner.num_blocks, runner.block_size))
+
+    (cold,), (cold_logits,) = scheduled_greedy(runner, fresh(), [target], n, "cold")
+    warm_sched = fresh()
+    scheduled_greedy(runner, warm_sched, warmers, n, "warmer")
+    (warm,), (warm_logits,) = scheduled_greedy(runner, warm_sched, [target], n, "warm")
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens > 0
+    diffs = [(a - b).abs().max().item() for a, b in zip(cold_logits, warm_logits)]
+    assert all(torch.equal(a, b) for a, b in zip(cold_logits, warm_logits)), f"max abs diffs {diffs}"
+    assert warm.output_token_ids == cold.output_token_ids

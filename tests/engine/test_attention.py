@@ -13,6 +13,7 @@ from lmi_handler.engine.model.attention import (
     reference_attention,
     write_kv,
 )
+from tests.engine.helpers import make_meta, random_paged_case
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 
@@ -76,39 +77,6 @@ def test_invariant_attention_is_bitwise_identical_alone_and_in_batch(kernel):
         assert torch.equal(kernel(q[rows], k_cache, v_cache, alone, scale), batched[rows])
 
 
-def random_paged_case(starts: list[int], lengths: list[int], heads: int, kv_heads: int, head_dim: int,
-                      block_size: int, seed: int, num_blocks: int = 256):
-    """Random K/V for every sequence's whole context in a paged cache with shuffled block ids, and
-    queries for the step's rows. Returns (q, k_cache, v_cache, meta, keys, values)."""
-    g = torch.Generator().manual_seed(seed)
-    ctx = [s + n for s, n in zip(starts, lengths)]
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for c in ctx:
-        need = num_blocks_needed(c, block_size)
-        tables.append(ids[:need])
-        ids = ids[need:]
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)   # junk outside contexts
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    keys = [torch.randn(c, kv_heads, head_dim, generator=g) for c in ctx]
-    values = [torch.randn(c, kv_heads, head_dim, generator=g) for c in ctx]
-    write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values),
-             build_slot_mapping(tables, [0] * len(ctx), ctx, block_size))
-    meta = make_meta(tables, starts, lengths, block_size)
-    q = torch.randn(sum(lengths), heads, head_dim, generator=g)
-    return q, k_cache, v_cache, meta, keys, values
-
-
-def make_meta(tables: list[list[int]], starts: list[int], lengths: list[int], block_size: int) -> AttentionMetadata:
-    ctx = [s + n for s, n in zip(starts, lengths)]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=build_slot_mapping(tables, starts, lengths, block_size),
-        block_tables=build_block_tables(tables), context_lens=torch.tensor(ctx, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), query_lens=list(lengths), context_lens_host=ctx,
-        block_size=block_size)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [

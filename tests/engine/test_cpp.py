@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged
 from lmi_handler.engine.model.backends import cpp, torch_ref
 from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight
-from tests.engine.test_attention import make_meta, random_paged_case
+from tests.engine.helpers import make_meta, random_paged_case
 
 
 @pytest.fixture(scope="module", autouse=True)

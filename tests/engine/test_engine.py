@@ -10,12 +10,17 @@ import torch
 
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.engine import Engine, RequestRejected
-from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model_runner import ModelRunner
-from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
-from lmi_handler.engine.sequence import FinishReason, SamplingParams, Sequence
+from lmi_handler.engine.scheduler import SchedulerConfig
+from lmi_handler.engine.sequence import FinishReason, SamplingParams
 from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
-from tests.engine.helpers import PRECISIONS, hf_greedy, make_engine, run
+from tests.engine.helpers import (
+    PRECISIONS,
+    assert_hit_logits_bitwise_equal,
+    hf_greedy,
+    make_engine,
+    run,
+)
 
 
 def test_greedy_tokens_equal_hf_generate_with_chunked_prefill_in_a_batch(tiny_model_dir, tiny_tokenizer):
@@ -304,41 +309,6 @@ def test_prompt_log_probs_are_correct_with_prefix_caching_on(tiny_model_dir, tok
     assert list(again.values()) == [ours["r0"], ours["r1"]]
 
 
-def scheduled_greedy(runner: ModelRunner, sched: Scheduler, prompts: list[list[int]], n: int,
-                     tag: str) -> tuple[list[Sequence], list[list[torch.Tensor]]]:
-    """Greedy-decode `prompts` through the real scheduler (chunks, hits) for `n` tokens each;
-    returns the sequences and the logits each sampled token was drawn from."""
-    seqs = [Sequence(f"{tag}{i}", list(p), SamplingParams(max_new_tokens=n)) for i, p in enumerate(prompts)]
-    logits: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
-    for seq in seqs:
-        sched.add(seq)
-    while sched.num_unfinished:
-        out = sched.schedule()
-        model_out = runner.execute(runner.prepare(out))
-        sched.update_from_output(out)
-        for row, seq in enumerate(out.seqs):
-            if seq.num_computed_tokens == seq.num_tokens:
-                logits[seq.request_id].append(model_out.logits[row].clone())
-                seq.output_token_ids.append(int(model_out.logits[row].argmax()))  # sync: test loop
-                if seq.num_output_tokens == n:
-                    sched.finish(seq)
-    return seqs, [logits[s.request_id] for s in seqs]
-
-
-def assert_hit_logits_bitwise_equal(runner: ModelRunner, config: SchedulerConfig, target: list[int],
-                                    warmers: list[list[int]], n: int) -> None:
-    """`target` alone on an empty cache, then after `warmers` (sharing its prefix) filled the cache."""
-    def fresh() -> Scheduler:
-        return Scheduler(config, BlockAllocator(runner.num_blocks, runner.block_size))
-
-    (cold,), (cold_logits,) = scheduled_greedy(runner, fresh(), [target], n, "cold")
-    warm_sched = fresh()
-    scheduled_greedy(runner, warm_sched, warmers, n, "warmer")
-    (warm,), (warm_logits,) = scheduled_greedy(runner, warm_sched, [target], n, "warm")
-    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens > 0
-    diffs = [(a - b).abs().max().item() for a, b in zip(cold_logits, warm_logits)]
-    assert all(torch.equal(a, b) for a, b in zip(cold_logits, warm_logits)), f"max abs diffs {diffs}"
-    assert warm.output_token_ids == cold.output_token_ids
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))

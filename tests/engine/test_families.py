@@ -21,12 +21,12 @@ from tests.engine.family_models import TINY_FAMILIES, WINDOW, build_tiny_family
 from tests.engine.helpers import (
     PRECISIONS,
     TINY_TOKENIZER_TEXTS,
+    assert_hit_logits_bitwise_equal,
     assert_logits_bitwise_identical_alone_and_in_batch,
     build_tiny_tokenizer,
     greedy_generate,
     hf_greedy,
 )
-from tests.engine.test_engine import assert_hit_logits_bitwise_equal
 from tests.server.helpers import fresh_server
 
 CPU = torch.device("cpu")

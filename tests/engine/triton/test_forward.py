@@ -15,7 +15,7 @@ from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.backends import triton as tb
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.sequence import SamplingParams
-from tests.engine.family_models import WINDOW, build_tiny_family
+from tests.engine.family_models import TINY_FAMILIES, WINDOW, build_tiny_family
 from tests.engine.helpers import (
     assert_logits_bitwise_identical_alone_and_in_batch,
     build_tiny_llama,
@@ -67,14 +67,24 @@ def test_the_engine_with_kernel_backend_triton_serves_transformers_greedy_tokens
     assert tokens == {f"r{i}": hf_greedy(hf, prompt, 4) for i, prompt in enumerate(PROMPTS)}
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2"])
-def test_windowed_families_on_the_triton_backend_give_transformers_greedy_tokens_past_the_window(name, tmp_path,
-                                                                                                 device):
-    """The family tests' tiny checkpoints (3 layers, window 16; gemma2 alternating with full layers, with
-    attention and final softcaps): a prompt of 27 tokens, decodes past the window."""
+@pytest.mark.parametrize("name", sorted(TINY_FAMILIES))
+def test_every_family_on_the_triton_backend_gives_transformers_greedy_tokens_past_the_window(name, tmp_path, device):
+    """The family tests' tiny checkpoints (3 layers; window 16 where the family has one, Gemma 2 / 3
+    alternating with full layers, softcaps, q/k norms, NoPE layers, longrope, Granite's multipliers): a
+    prompt of 27 tokens, decoding past the window, in float32."""
     hf = build_tiny_family(tmp_path, name)
     runner, allocator = _runner(tmp_path, device)
-    assert WINDOW in [layer.window for layer in runner.model.spec.layers]
+    windowed = bool(TINY_FAMILIES[name][1].get("sliding_window"))        # a window of 16 on some layer
+    assert (WINDOW in [layer.window for layer in runner.model.spec.layers]) == windowed
     prompt = [1] + [(7 * i + 3) % 500 + 3 for i in range(26)]
     ours, _ = greedy_generate(runner, allocator, [prompt], 5)
     assert ours[0] == hf_greedy(hf, prompt, 5)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_FAMILIES))
+def test_every_family_on_the_triton_backend_keeps_its_logits_bits_alone_and_in_a_chunked_batch(name, tmp_path,
+                                                                                               device):
+    build_tiny_family(tmp_path, name)
+    runner, allocator = _runner(tmp_path, device)
+    target = [1] + [(5 * i + 2) % 500 + 3 for i in range(19)]            # 20 tokens: past the window of 16
+    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, target, PROMPTS[:2], 3, [3, 2])

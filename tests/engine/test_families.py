@@ -301,6 +301,17 @@ def test_tensor_parallel_shards_of_a_family_give_transformers_greedy_tokens(tmp_
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["olmo2", "phi3"])
+def test_four_ranks_holding_each_kv_head_twice_give_transformers_greedy_tokens(tmp_path, name):
+    """Degree 4 over 2 KV heads (each held by 2 ranks): OLMo-2's k norm counts each head's squares once, Phi-3's
+    fused qkv_proj gives each rank its one query head and its KV head's replica."""
+    from tests.engine.parallel.helpers import sharded_greedy
+
+    hf = build_tiny_family(tmp_path, name)
+    tokens, _ = sharded_greedy(tmp_path, 4, PROMPTS[:2], 8)
+    assert tokens == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS[:2]]
+
+
 # ---- served end to end: handle() and the HTTP routes (Qwen3, Gemma 2, Phi-3 with a tokenizer) --------------
 
 TEXT_PROMPT = " ".join(TINY_TOKENIZER_TEXTS[:3])      # about 40 tokens: past the window of 16

@@ -232,8 +232,13 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
     assert choose_backend("cpp", mistral, CPU)[0] == "cpp"
     assert choose_backend("auto", gemma2, CPU, quantize="int8")[0] == "cpp"
     assert choose_backend("torch", gemma2, CPU) == ("torch", "asked for")
-    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1.*gemma2"):
-        choose_backend("auto", gemma2, CPU, tensor_parallel=True)
+    name, why = choose_backend("auto", gemma2, CPU, tensor_parallel=True)      # every family shards on cpp
+    assert name == "cpp" and "tensor_parallel_degree > 1 needs the C++ kernels; the C++ ops walking" in why
+    assert choose_backend("auto", llama, torch.device("cuda"), tensor_parallel=True)[0] == "cpp"   # LlamaModel
+    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1: the C\\+\\+ kernels run on CPU, not cuda"):
+        choose_backend("auto", gemma2, torch.device("cuda"), tensor_parallel=True)      # the C++ ops: CPU only
+    with pytest.raises(ConfigError, match="kernel_backend=torch: tensor_parallel_degree > 1 runs only on the cpp"):
+        choose_backend("torch", gemma2, CPU, tensor_parallel=True)
     with pytest.raises(ConfigError, match="quantize=int8 runs only on the cpp backend"):
         choose_backend("torch", llama, CPU, quantize="int8")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -251,7 +256,10 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
         choose_backend("auto", gemma2, CPU, quantize="int8")
 
 
-def test_tensor_parallelism_of_a_family_off_the_cpp_path_is_refused_before_any_rank_starts(tmp_path):
+def test_tensor_parallelism_of_a_family_is_refused_before_any_rank_starts_only_where_heads_do_not_divide_or_off_cpp(
+        tmp_path):
+    from dataclasses import replace
+
     from lmi_handler.config import EngineConfig, ParallelConfig
     from lmi_handler.engine.parallel.launch import ModelRunnerSpec
     from lmi_handler.engine.precision import Precision
@@ -261,8 +269,47 @@ def test_tensor_parallelism_of_a_family_off_the_cpp_path_is_refused_before_any_r
                           max_model_len=None, block_size=4, kv_cache_bytes=1 << 20, parallel=ParallelConfig(2))
     spec = ModelRunnerSpec(config, Precision(torch.float32, None, "test"))
     spec.check(1)
-    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1: model_type=gemma2 needs the cpp backend"):
-        spec.check(2)
+    spec.check(2)
+    spec.check(4)           # 4 query heads, each of the 2 KV heads held by 2 ranks
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=3: Total number of attention heads \(4\) must be "
+                                          r"divisible by tensor parallel size \(3\)..*Degrees this model takes: 1, 2, 4"):
+        spec.check(3)
+    torch_spec = ModelRunnerSpec(replace(config, kernel_backend="torch"), spec.precision)
+    with pytest.raises(ConfigError, match="kernel_backend=torch: tensor_parallel_degree > 1 runs only on the cpp"):
+        torch_spec.check(2)
+
+
+@pytest.mark.parametrize("name", sorted(set(TINY_FAMILIES) - {"phi3-longrope"}))
+def test_tensor_parallel_shards_of_a_family_give_transformers_greedy_tokens(tmp_path, name):
+    """Two ranks (threads of this process joined by gloo, real ModelRunners on their shards: 2 query heads and
+    1 KV head each) decode transformers' greedy tokens in fp32, past the window, on the C++ ops (or the fused
+    Llama path for FUSED_FAMILIES): among them Qwen3's per-head q/k norm, Gemma 2's window, softcaps and four
+    norms, Phi-3's fused qkv_proj / gate_up_proj split at load, OLMo-2's full-width q/k norm summed over the
+    ranks. Logits stay within 1e-4 of one process's (the row-parallel sums round elsewhere). phi3-longrope is
+    left out: its long prompt crosses original_max_position_embeddings in decode (the exception above)."""
+    from tests.engine.parallel.helpers import sharded_greedy
+
+    hf = build_tiny_family(tmp_path, name)
+    prompts = PROMPTS[:2]
+    tokens, logits = sharded_greedy(tmp_path, 2, prompts, 8)
+    assert tokens == [hf_greedy(hf, prompt, 8) for prompt in prompts]
+    runner = _runner(tmp_path, "cpp")
+    assert isinstance(runner.model, LlamaModel if name in FUSED_FAMILIES else DecoderModel)
+    _, want_logits = greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), prompts, 8)
+    for rows_a, rows_b in zip(logits, want_logits):
+        for a, b in zip(rows_a, rows_b):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["olmo2", "phi3"])
+def test_four_ranks_holding_each_kv_head_twice_give_transformers_greedy_tokens(tmp_path, name):
+    """Degree 4 over 2 KV heads (each held by 2 ranks): OLMo-2's k norm counts each head's squares once, Phi-3's
+    fused qkv_proj gives each rank its one query head and its KV head's replica."""
+    from tests.engine.parallel.helpers import sharded_greedy
+
+    hf = build_tiny_family(tmp_path, name)
+    tokens, _ = sharded_greedy(tmp_path, 4, PROMPTS[:2], 8)
+    assert tokens == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS[:2]]
 
 
 # ---- served end to end: handle() and the HTTP routes (Qwen3, Gemma 2, Phi-3 with a tokenizer) --------------
@@ -302,11 +349,25 @@ def test_the_invocations_and_openai_routes_answer_transformers_greedy_tokens(ser
         assert len(tokens) == len(want)
 
 
-def test_handle_answers_a_rolling_batch_request_with_transformers_greedy_tokens(served_family):
+@pytest.mark.parametrize("degree", [1, 2])
+def test_handle_answers_a_rolling_batch_request_with_transformers_greedy_tokens(served_family, degree):
+    """One process, and two ranks (option.tensor_parallel_degree=2: a follower process spawned by the init
+    call, each rank on its shard of the C++ ops model)."""
     path, want = served_family
     worker = handler.Handler()
     assert worker.handle(OwnInput({"model_id": str(path), "max_rolling_batch_size": "4", "device_id": "-1",
-                                   **HTTP_OPTIONS})) is None
+                                   "tensor_parallel_degree": str(degree), **HTTP_OPTIONS})) is None
+    try:
+        assert _rolling_batch_ids(worker) == want
+        if degree == 2:
+            assert worker.service.engine.runner.degree == 2
+    finally:
+        if degree == 2:
+            worker.service.engine.runner.close()
+
+
+def _rolling_batch_ids(worker) -> list[int]:
+    """The token ids of one streamed TEXT_PROMPT request through handle()'s rolling batch, run to its end."""
     body = json.dumps({"inputs": TEXT_PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "do_sample": False},
                        "stream": True}).encode()
     ids, last = [], "false"
@@ -318,4 +379,5 @@ def test_handle_answers_a_rolling_batch_request_with_transformers_greedy_tokens(
         ids += [json.loads(line)["token"]["id"] for line in entry["data"].splitlines() if line.strip()]
         if (last := entry["last"]) == "true":
             break
-    assert last == "true" and ids == want
+    assert last == "true"
+    return ids

@@ -9,9 +9,12 @@ decoder stack one C++ call a step) where spec.cpp_misfits() is [], the fast path
 partial and per-layer RoPE, multipliers). Both serve int8 weights (option.quantize=int8, int8 panels).
 
 auto: triton on CUDA (when its backend imports), the C++ kernels on CPU where they build, the PyTorch
-reference otherwise. Tensor-parallel shards run only on the C++ Llama path (llama.py's collectives: forward.py
-has no shard rules), so auto picks it for them, on any device, and a spec it does not implement is refused
-with them. An explicit backend that cannot run here is refused at start-up with the reason, never replaced.
+reference otherwise. Tensor-parallel shards run only on the cpp backend, in either form: the fused Llama path
+(llama.py, on any device) for a plain Llama spec, the C++ ops under forward.DecoderModel (CPU) for every other
+family (the same shard layout and collectives: engine/parallel/layout.py, group.py), so auto picks cpp for
+them; the degree's own refusals (heads, KV heads, intermediate size, vocabulary not divisible) stay
+layout.check_degree's. An explicit backend that cannot run here is refused at start-up with the reason, never
+replaced.
 """
 from __future__ import annotations
 
@@ -70,14 +73,8 @@ def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor
         what = "tensor_parallel_degree > 1" if tensor_parallel else f"option.quantize={quantize}"
         if requested not in ("auto", "cpp"):
             raise ConfigError(f"option.kernel_backend={requested}: {what} runs only on the cpp backend")
-        if tensor_parallel:
-            misfits = spec.cpp_misfits()
-            if misfits or spec.fused_qkv:
-                why = ", ".join(misfits) if misfits else "fused qkv_proj / gate_up_proj tensors (no shard rule)"
-                raise ConfigError(f"{what}: model_type={spec.model_type} needs the cpp backend's Llama path, "
-                                  f"which does not implement {why}")
-            if requested == "auto":
-                return "cpp", "tensor-parallel shards run on the C++ Llama path"
+        if tensor_parallel and requested == "auto" and not spec.cpp_misfits():
+            return "cpp", "tensor-parallel shards run on the cpp backend; the fused C++ Llama path"
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend={requested} with {what}: {cpp_why}")
         return "cpp", f"{what} needs the C++ kernels; {cpp_form(spec)}"

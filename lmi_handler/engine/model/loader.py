@@ -1,7 +1,8 @@
 """Read an HF model directory (config.json + model.safetensors or a sharded index) into our model.
 
 Owns reading the checkpoint into the chosen backend's model: LlamaModel (the fused C++ path) or forward.DecoderModel,
-tensors fused by role (q/k/v and gate/up rows) and, for a tensor-parallel rank, only its shard of each weight;
+tensors fused by role (q/k/v and gate/up rows) and, for a tensor-parallel rank (either model), only its shard of
+each weight;
 leaves what a family is and its tensor names to families.py, the backend choice to backend.py, the
 architecture to llama.py / forward.py, which slice a rank holds to engine/parallel/layout.py and the KV
 cache and batching to model_runner.py.
@@ -48,12 +49,14 @@ def safetensors_files(model_dir: str | Path) -> list[str]:
     return ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else []
 
 
-def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tensor]:
+def read_safetensors(model_dir: str | Path, layout=None, full_qk_norm: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of every shard named in model.safetensors.index.json.
 
     `layout` (a ShardLayout, tensor parallelism): only that rank's part of each weight is read, through
     safetensors slices (layout.shard_of / take: rows of its heads, columns, vocabulary), so a rank never
     holds another rank's weights; names without a tensor-parallel rule (none that our model uses) are skipped.
+    A fused tensor (Phi-3's qkv_proj, gate_up_proj) is read as the rank's rows of each part, concatenated;
+    full_qk_norm (OLMo-2): q_norm / k_norm are read as the rank's heads' features (layout.shard_of).
     Returns CPU tensors keyed by HF name, in the checkpoint's dtype. Raises FileNotFoundError when
     neither file exists.
     """
@@ -67,15 +70,15 @@ def read_safetensors(model_dir: str | Path, layout=None) -> dict[str, torch.Tens
             for key in f.keys():
                 if layout is None:
                     tensors[key] = f.get_tensor(key)
-                elif (part := _shard_or_skip(key, layout)) is not False:
+                elif (part := _shard_or_skip(key, layout, full_qk_norm)) is not False:
                     tensors[key] = take(f.get_slice(key), part)
     return tensors
 
 
-def _shard_or_skip(name: str, layout):
-    """The Shard of `name` for this rank (None: the whole tensor), or False for a name no rule covers."""
+def _shard_or_skip(name: str, layout, full_qk_norm: bool = False):
+    """The Shard(s) of `name` for this rank (None: the whole tensor), or False for a name no rule covers."""
     try:
-        return shard_of(name, layout)
+        return shard_of(name, layout, full_qk_norm)
     except KeyError:
         return False
 
@@ -114,26 +117,28 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if name == "cpp" and not spec.cpp_misfits():
         model = load_llama(model_dir, spec, dtype, device, pack_weights, quantize, lm_head_kind, huge_pages, layout)
     else:
-        model = load_decoder(model_dir, spec, dtype, device, name, quantize)
+        model = load_decoder(model_dir, spec, dtype, device, name, quantize, layout)
     model.kernel_backend = name
     return model
 
 
 def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 backend: str, quantize: str | None = None) -> DecoderModel:
+                 backend: str, quantize: str | None = None, layout: ShardLayout | None = None) -> DecoderModel:
     """forward.DecoderModel of the checkpoint: every tensor by role (families.layer_tensor_names), fused
     tensors kept fused and separate q/k/v, gate/up concatenated, on `device` in `dtype`. A backend module
     may offer prepare_linear(weight) to pre-pack its linears' weights once, here, or pack_linear(weight, kind)
     (the C++ ops: panels of kind `quantize` or `dtype`'s name, made from the checkpoint's own tensor, so int8
     is quantized from its values, not from a cast copy; each checkpoint tensor is dropped once packed, so the
     load holds about one copy of the weights). quantize ("int8") needs pack_linear.
+    layout: a tensor-parallel rank's shard (forward.DecoderModel's docstring): only its slices are read
+    (read_safetensors), fused tensors split into their parts first; the caller sets `model.group`.
     Raises KeyError naming a missing weight; ValueError for quantize on a backend without pack_linear."""
     ops = backend_ops(backend)
     pack = vars(ops).get("pack_linear")
     if quantize is not None and pack is None:
         raise ValueError(f"quantize={quantize!r} needs the C++ ops backend (kernel_backend {backend})")
     kind = quantize or str(dtype).removeprefix("torch.")
-    hf = read_safetensors(model_dir)
+    hf = read_safetensors(model_dir, layout, full_qk_norm=spec.qk_norm == "full")
 
     def take(names, linear: bool = False) -> torch.Tensor:
         try:
@@ -155,7 +160,7 @@ def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, dev
               for i in range(spec.num_layers)]
     embed = take("model.embed_tokens.weight")
     lm_head = take("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight", True)
-    return DecoderModel(spec, ops, embed, take("model.norm.weight"), lm_head, layers, backend).eval()
+    return DecoderModel(spec, ops, embed, take("model.norm.weight"), lm_head, layers, backend, layout).eval()
 
 
 def load_llama(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,

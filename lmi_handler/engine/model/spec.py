@@ -109,10 +109,11 @@ class ModelSpec:
 
     def cpp_misfits(self) -> list[str]:
         """Why the fused C++ Llama path (llama.LlamaModel: the whole decoder stack one C++ call a step, the
-        fast path, and the only one with tensor-parallel shards) cannot run this spec; [] when it can: RMSNorm
+        fast path) cannot run this spec; [] when it can: RMSNorm
         pre-norm, SiLU, optional q/k/v, o and MLP biases, one full-width RoPE of kind default / linear / llama3
         on every layer, no window, cap, q/k norm or multiplier. A spec with misfits runs on the C++ kernels as
-        the C++ ops backend (backends/cpp.py under forward.DecoderModel; backend.py picks the form)."""
+        the C++ ops backend (backends/cpp.py under forward.DecoderModel; backend.py picks the form). Both forms
+        take tensor-parallel shards (the same layout and collectives), so a misfit never refuses a degree."""
         rope = self.layers[0].rope
         checks = {
             "norm_offset (Gemma's 1 + weight)": self.norm_offset != 0.0,

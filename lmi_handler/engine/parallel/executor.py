@@ -137,7 +137,7 @@ class TensorParallelExecutor:
     running a step. `close()` ends the followers (also at interpreter exit).
     """
 
-    kernel_backend = "cpp"  # shards run only on the C++ Llama path (backend.choose_backend)
+    kernel_backend = "cpp"  # shards run only on the cpp backend, either form (backend.choose_backend)
     applies_lora = False    # a shard holds a slice of each projection's input; the LoRA term needs all of it
 
     def __init__(self, runner, group: TPGroup, store, followers: dict[int, subprocess.Popen]):

@@ -38,8 +38,9 @@ class ModelRunnerSpec:
         return args_from_config(read_config(self.config.model_path))
 
     def check(self, degree: int) -> None:
-        """Refuse a degree the model cannot be split by, or a model only one process runs (a family off the
-        cpp backend's Llama path, engine/model/backend.py), before any rank starts. Raises ConfigError."""
+        """Refuse a degree the model cannot be split by, or a kernel backend that holds no shards (every
+        family shards on the cpp backend: the fused Llama path or the C++ ops, engine/model/backend.py), before
+        any rank starts. Raises ConfigError."""
         check_degree(self._args(), degree)
         if degree > 1:
             from lmi_handler.engine.model.backend import choose_backend
@@ -58,7 +59,8 @@ class ModelRunnerSpec:
                                                             layout.num_kv_heads, args.head_dim, self.precision.dtype)
 
     def build(self, context: RankContext, num_blocks: int):
-        """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout)), packed as the
+        """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout): LlamaModel or
+        forward.DecoderModel, as the backend choice says), packed as the
         precision says, `num_blocks` KV blocks of its own KV heads, the group's collectives in its forward."""
         layout = ShardLayout.of(self._args(), context.rank, context.degree)
         return model_runner(self.config, self.precision, context.device, num_blocks=num_blocks, layout=layout,

@@ -7,6 +7,8 @@ reading the checkpoint to model/loader.py and running the shards (collectives) t
     q/k/v_proj: rows of the rank's heads      o_proj:    columns of the rank's query heads
     gate/up_proj: rows [i0, i1)               down_proj: columns [i0, i1)
     vocabulary-parallel: embed_tokens and lm_head rows [v0, v1); norms and row-parallel biases: whole
+    fused qkv_proj / gate_up_proj (Phi-3): each part's rows as above, concatenated (q | k | v, gate | up)
+    q/k norms: per head (Qwen3, Gemma 3, (head_dim,)) whole; OLMo-2's full-width ones the rank's heads
 
 Rules from vLLM (ModelConfig.verify_with_parallel_config, QKVParallelLinear): query heads,
 intermediate size and vocabulary divisible by the degree; KV heads divisible by it, or the degree a
@@ -124,20 +126,48 @@ _SHARDED = {
     "mlp.up_proj.weight": (0, "intermediate"), "mlp.up_proj.bias": (0, "intermediate"),
     "mlp.down_proj.weight": (1, "intermediate"), "mlp.down_proj.bias": None,
     "input_layernorm.weight": None, "post_attention_layernorm.weight": None,
+    "pre_feedforward_layernorm.weight": None, "post_feedforward_layernorm.weight": None,
+    "self_attn.q_norm.weight": None, "self_attn.k_norm.weight": None,
     "model.embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"), "model.norm.weight": None,
 }
+# fused checkpoint tensors (Phi-3) -> their parts in row order, each taken as its own rule says
+_FUSED = {"self_attn.qkv_proj.weight": ("heads", "kv_heads", "kv_heads"),
+          "mlp.gate_up_proj.weight": ("intermediate", "intermediate")}
+# OLMo-2's q/k norms span the whole projection: the rank's heads of it (shard_of(full_qk_norm=True))
+_FULL_QK_NORM = {"self_attn.q_norm.weight": (0, "heads"), "self_attn.k_norm.weight": (0, "kv_heads")}
 
 
-def shard_of(name: str, layout: ShardLayout) -> Shard | None:
+def _total(layout: ShardLayout, part: str) -> int:
+    """The whole model's count of `part` (heads, kv_heads, intermediate) from one rank's layout."""
+    if part == "heads":
+        return layout.num_heads * layout.degree
+    if part == "kv_heads":
+        return layout.num_kv_heads * layout.degree // layout.kv_replicas
+    return layout.intermediate_size * layout.degree
+
+
+def shard_of(name: str, layout: ShardLayout, full_qk_norm: bool = False) -> Shard | tuple[Shard, ...] | None:
     """The part of HF weight `name` (e.g. model.layers.3.self_attn.q_proj.weight) rank `layout.rank` holds;
-    None when every rank holds the whole tensor (norms, row-parallel biases: added once, after the reduce).
+    None when every rank holds the whole tensor (norms, row-parallel biases: added once, after the reduce);
+    a tuple of row Shards for a fused tensor (Phi-3's qkv_proj, gate_up_proj: the rank's rows of each part,
+    concatenated by `take`). full_qk_norm: q_norm / k_norm span the whole projection (OLMo-2), so a rank
+    holds its heads' features of them; otherwise they are per head and whole.
 
-    Raises: KeyError for a name outside the Llama-family checkpoint layout.
+    Raises: KeyError for a name outside the checkpoint layouts of the families we serve.
     """
     suffix = name.split(".", 3)[3] if name.startswith("model.layers.") else name
-    if suffix not in _SHARDED:
+    if suffix in _FUSED:
+        shards, offset = [], 0
+        for part in _FUSED[suffix]:
+            unit = layout.head_dim if part in ("heads", "kv_heads") else 1
+            start, stop = getattr(layout, part)
+            shards.append(Shard(0, offset + start * unit, offset + stop * unit))
+            offset += _total(layout, part) * unit
+        return tuple(shards)
+    rules = {**_SHARDED, **_FULL_QK_NORM} if full_qk_norm else _SHARDED
+    if suffix not in rules:
         raise KeyError(f"no tensor-parallel rule for weight {name!r}")
-    rule = _SHARDED[suffix]
+    rule = rules[suffix]
     if rule is None:
         return None
     dim, part = rule
@@ -146,10 +176,13 @@ def shard_of(name: str, layout: ShardLayout) -> Shard | None:
     return Shard(dim, start * unit, stop * unit)
 
 
-def take(source, shard: Shard | None) -> torch.Tensor:
+def take(source, shard: Shard | tuple[Shard, ...] | None) -> torch.Tensor:
     """The shard of a tensor, or of a safetensors slice (`safe_open(...).get_slice(name)`, so only the
     shard is read from disk). A tensor's shard is a contiguous copy (it never keeps the whole alive);
-    None returns the whole (a slice is read in full)."""
+    a tuple of shards (a fused tensor's parts) is their concatenation along their dim; None returns the
+    whole (a slice is read in full)."""
+    if isinstance(shard, tuple):
+        return torch.cat([take(source, part) for part in shard], dim=shard[0].dim)
     if shard is None:
         return source if isinstance(source, torch.Tensor) else source[:]
     if isinstance(source, torch.Tensor):

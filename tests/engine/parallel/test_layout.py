@@ -92,6 +92,31 @@ def test_a_shard_read_from_a_safetensors_slice_is_the_shard_of_the_tensor(tiny):
             assert torch.equal(take(f.get_slice(name), shard_of(name, layout)), take(tensors[name], shard_of(name, layout)))
 
 
+@pytest.mark.parametrize("degree", [2, 4])
+def test_a_fused_tensors_shard_is_the_concatenation_of_its_parts_shards(degree):
+    """Phi-3's qkv_proj (q | k | v rows) and gate_up_proj (gate | up): each rank's rows of each part, in that
+    order, as the separate tensors' shards would be; at degree 4 the 2 KV heads are each held by 2 ranks."""
+    shape = SimpleNamespace(num_heads=4, num_kv_heads=2, intermediate_size=8, vocab_size=16, head_dim=3)
+    q, k, v = torch.randn(12, 5), torch.randn(6, 5), torch.randn(6, 5)
+    gate, up = torch.randn(8, 5), torch.randn(8, 5)
+    for rank in range(degree):
+        layout = ShardLayout.of(shape, rank, degree)
+        parts = [take(t, shard_of(f"model.layers.0.self_attn.{n}_proj.weight", layout)) for n, t in zip("qkv", (q, k, v))]
+        fused = shard_of("model.layers.0.self_attn.qkv_proj.weight", layout)
+        assert torch.equal(take(torch.cat([q, k, v]), fused), torch.cat(parts))
+        parts = [take(t, shard_of(f"model.layers.0.mlp.{n}_proj.weight", layout)) for n, t in zip(("gate", "up"), (gate, up))]
+        assert torch.equal(take(torch.cat([gate, up]), shard_of("model.layers.0.mlp.gate_up_proj.weight", layout)),
+                           torch.cat(parts))
+
+
+def test_q_k_norms_are_whole_per_head_and_the_ranks_heads_over_the_whole_projection():
+    shape = SimpleNamespace(num_heads=4, num_kv_heads=2, intermediate_size=8, vocab_size=16, head_dim=3)
+    layout = ShardLayout.of(shape, 1, 2)
+    assert shard_of("model.layers.2.self_attn.q_norm.weight", layout) is None           # Qwen3, Gemma 3: (head_dim,)
+    assert shard_of("model.layers.2.self_attn.q_norm.weight", layout, full_qk_norm=True).start == 6   # OLMo-2
+    assert shard_of("model.layers.2.self_attn.k_norm.weight", layout, full_qk_norm=True).stop == 6
+
+
 def test_a_name_outside_the_llama_layout_is_refused(tiny):
     _, args, _ = tiny
     with pytest.raises(KeyError, match="no tensor-parallel rule"):

@@ -2,8 +2,10 @@
 the batched low-rank product each projection adds for its rows' adapters.
 
 Owns the adapter files (adapter_config.json + adapter_model.safetensors), their limits (rank, modules,
-shapes, allowed roots), which adapters are loaded (LRU past max_cpu_loras) and `lora_delta`; which adapter a
-request names is the protocol's, calling `LoraBatch.add` after each projection the forward's.
+shapes, allowed roots), which adapters are loaded (LRU past max_cpu_loras), `lora_delta` (the pure-PyTorch
+product, the reference) and the stacks as the C++ decoder stack takes them (`LoraBatch.kernel_set`, for
+kernels/lora.h's row-wise product); which adapter a request names is the protocol's, adding the terms after
+each projection the forward's (`LoraBatch.add`, or the C++ stack itself).
 """
 from __future__ import annotations
 

@@ -22,75 +22,88 @@
 
 namespace {
 
-// rows [r0, r1) of `rows` (indices into x / y; each rows[i]'s slot is slots[i] >= 0)
+// NR rows of one slot (xf[r]: row r's input as float, yr[r]: its output row): each row's chain is the one
+// described above whatever NR is (the rows only share the weights' loads: Zen 4 measured the expand bound by
+// reading B^T from L2, once per row). u: NR * R floats of scratch.
+template <class T, int NR>
+inline void lora_block(const float* const* xf, int64_t in, T* const* yr, int64_t out, const float* as, const float* bs,
+                       int64_t R, float sc, float* u) {
+  constexpr int W = Vec::W;
+  for (int64_t k = 0; k < R; ++k) {   // shrink
+    const float* ak = as + k * in;
+    Vec c[NR];
+    for (int r = 0; r < NR; ++r) c[r] = Vec::zero();
+    int64_t j = 0;
+    for (; j + W <= in; j += W) {
+      const Vec av = Vec::load(ak + j);
+      for (int r = 0; r < NR; ++r) c[r] = Vec::fma(Vec::load(xf[r] + j), av, c[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      float sk = c[r].sum();
+      for (int64_t jj = j; jj < in; ++jj) sk = std::fma(xf[r][jj], ak[jj], sk);
+      u[r * R + k] = sk;
+    }
+  }
+  int64_t j = 0;   // expand, times the scale, added to y
+  alignas(64) float e[W];
+  for (; j + W <= out; j += W) {
+    Vec c[NR];
+    for (int r = 0; r < NR; ++r) c[r] = Vec::zero();
+    for (int64_t k = 0; k < R; ++k) {
+      const Vec bv = Vec::load(bs + k * out + j);
+      for (int r = 0; r < NR; ++r) c[r] = Vec::fma(Vec::bcast(u[r * R + k]), bv, c[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      c[r].store(e);
+      for (int l = 0; l < W; ++l) store_scalar<T>(yr[r] + j + l, load_scalar<T>(yr[r] + j + l) + keep<T>(e[l] * sc));
+    }
+  }
+  for (; j < out; ++j) {
+    for (int r = 0; r < NR; ++r) {
+      float c = 0.f;
+      for (int64_t k = 0; k < R; ++k) c = std::fma(u[r * R + k], bs[k * out + j], c);
+      store_scalar<T>(yr[r] + j, load_scalar<T>(yr[r] + j) + keep<T>(c * sc));
+    }
+  }
+}
+
+constexpr int LORA_BLOCK = 4;   // rows of one slot sharing the weights' loads
+
+// rows [r0, r1) of `rows` (indices into x / y; each rows[i]'s slot is slots[i] >= 0), in blocks of up to
+// LORA_BLOCK consecutive rows of one slot
 template <class T>
 void lora_add_span(const T* x, int64_t ldx, int64_t in, T* y, int64_t ldy, int64_t out, const int64_t* rows,
                    const int64_t* slots, int64_t r0, int64_t r1, const float* a, const float* bt, int64_t R,
                    const float* scale) {
   thread_local std::vector<float> xbuf, ubuf;
-  if (static_cast<int64_t>(xbuf.size()) < in) xbuf.resize(in);
-  if (static_cast<int64_t>(ubuf.size()) < R) ubuf.resize(R);
-  float* u = ubuf.data();
-  constexpr int W = Vec::W;
-  for (int64_t i = r0; i < r1; ++i) {
-    const int64_t t = rows[i], s = slots[i];
-    const float* xf;
-    if constexpr (std::is_same_v<T, float>) {
-      xf = x + t * ldx;
-    } else {
-      for (int64_t j = 0; j < in; ++j) xbuf[j] = load_scalar<T>(x + t * ldx + j);
-      xf = xbuf.data();
-    }
-    const float* as = a + s * R * in;
-    // shrink, four ranks at a time (each rank's chain the same as alone: the grouping only shares x's loads)
-    int64_t k = 0;
-    for (; k + 4 <= R; k += 4) {
-      const float *a0 = as + k * in, *a1 = a0 + in, *a2 = a1 + in, *a3 = a2 + in;
-      Vec c0 = Vec::zero(), c1 = Vec::zero(), c2 = Vec::zero(), c3 = Vec::zero();
-      int64_t j = 0;
-      for (; j + W <= in; j += W) {
-        const Vec xv = Vec::load(xf + j);
-        c0 = Vec::fma(xv, Vec::load(a0 + j), c0);
-        c1 = Vec::fma(xv, Vec::load(a1 + j), c1);
-        c2 = Vec::fma(xv, Vec::load(a2 + j), c2);
-        c3 = Vec::fma(xv, Vec::load(a3 + j), c3);
+  if (static_cast<int64_t>(xbuf.size()) < LORA_BLOCK * in) xbuf.resize(LORA_BLOCK * in);
+  if (static_cast<int64_t>(ubuf.size()) < LORA_BLOCK * R) ubuf.resize(LORA_BLOCK * R);
+  for (int64_t i = r0; i < r1;) {
+    const int64_t s = slots[i];
+    int nr = 1;
+    while (nr < LORA_BLOCK && i + nr < r1 && slots[i + nr] == s) ++nr;
+    const float* xf[LORA_BLOCK];
+    T* yr[LORA_BLOCK];
+    for (int r = 0; r < nr; ++r) {
+      const int64_t t = rows[i + r];
+      yr[r] = y + t * ldy;
+      if constexpr (std::is_same_v<T, float>) {
+        xf[r] = x + t * ldx;
+      } else {
+        float* dst = xbuf.data() + r * in;
+        for (int64_t j = 0; j < in; ++j) dst[j] = load_scalar<T>(x + t * ldx + j);
+        xf[r] = dst;
       }
-      float s0 = c0.sum(), s1 = c1.sum(), s2 = c2.sum(), s3 = c3.sum();
-      for (; j < in; ++j) {
-        s0 = std::fma(xf[j], a0[j], s0);
-        s1 = std::fma(xf[j], a1[j], s1);
-        s2 = std::fma(xf[j], a2[j], s2);
-        s3 = std::fma(xf[j], a3[j], s3);
-      }
-      u[k] = s0, u[k + 1] = s1, u[k + 2] = s2, u[k + 3] = s3;
     }
-    for (; k < R; ++k) {
-      const float* ak = as + k * in;
-      Vec c = Vec::zero();
-      int64_t j = 0;
-      for (; j + W <= in; j += W) c = Vec::fma(Vec::load(xf + j), Vec::load(ak + j), c);
-      float sk = c.sum();
-      for (; j < in; ++j) sk = std::fma(xf[j], ak[j], sk);
-      u[k] = sk;
-    }
-    // expand, times the scale, added to y
-    const float* bs = bt + s * R * out;
+    const float *as = a + s * R * in, *bs = bt + s * R * out;
     const float sc = scale[s];
-    T* yr = y + t * ldy;
-    int64_t j = 0;
-    alignas(64) float e[W];
-    for (; j + W <= out; j += W) {
-      Vec c = Vec::zero();
-      for (int64_t kk = 0; kk < R; ++kk) c = Vec::fma(Vec::bcast(u[kk]), Vec::load(bs + kk * out + j), c);
-      c.store(e);
-      for (int l = 0; l < W; ++l)
-        store_scalar<T>(yr + j + l, load_scalar<T>(yr + j + l) + keep<T>(e[l] * sc));
+    switch (nr) {
+      case 4: lora_block<T, 4>(xf, in, yr, out, as, bs, R, sc, ubuf.data()); break;
+      case 3: lora_block<T, 3>(xf, in, yr, out, as, bs, R, sc, ubuf.data()); break;
+      case 2: lora_block<T, 2>(xf, in, yr, out, as, bs, R, sc, ubuf.data()); break;
+      default: lora_block<T, 1>(xf, in, yr, out, as, bs, R, sc, ubuf.data()); break;
     }
-    for (; j < out; ++j) {
-      float c = 0.f;
-      for (int64_t kk = 0; kk < R; ++kk) c = std::fma(u[kk], bs[kk * out + j], c);
-      store_scalar<T>(yr + j, load_scalar<T>(yr + j) + keep<T>(c * sc));
-    }
+    i += nr;
   }
 }
 
@@ -120,8 +133,8 @@ void lora_add_into(const torch::Tensor& x, torch::Tensor& y, const LoraRows& lr,
                    const torch::Tensor& bt, const torch::Tensor& scale) {
   if (lr.empty()) return;
   const int64_t in = x.size(1), out = y.size(1), R = a.size(1), n = static_cast<int64_t>(lr.rows.size());
-  const int64_t work = R * (in + out);
-  const int64_t chunk = std::max<int64_t>(1, ROW_GRAIN / std::max<int64_t>(1, work));
+  const int64_t work = R * (in + out);   // a chunk: whole blocks of rows
+  const int64_t chunk = std::max<int64_t>(1, ROW_GRAIN / std::max<int64_t>(1, work) / LORA_BLOCK) * LORA_BLOCK;
   parallel_chunks(n, chunk, [&](int64_t r0, int64_t r1) {
     lora_add_span<T>(data_of<T>(x), x.stride(0), in, data_of<T>(y), y.stride(0), out, lr.rows.data(),
                      lr.slots.data(), r0, r1, a.data_ptr<float>(), bt.data_ptr<float>(), R, scale.data_ptr<float>());

@@ -358,9 +358,9 @@ def test_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_
         assert tokens[f"a{i}"] != tokens[f"None{i}"]               # the adapter changes the answer
 
 
-def test_a_step_without_adapters_keeps_the_fused_stack_and_one_with_an_adapter_takes_the_split_path(
-        lora_base, tiny_tokenizer, monkeypatch):
-    """The demo model's speed without adapters: a base-only step never leaves the one-call C++ stack."""
+def test_a_step_with_or_without_adapters_keeps_the_fused_stack(lora_base, tiny_tokenizer, monkeypatch):
+    """The demo model's speed: a step never leaves the one-call C++ stack, adapters or none (the stack adds
+    their terms itself: DecoderStack.forward_lora)."""
     from lmi_handler.engine.model.llama import LlamaModel
 
     engine = _lora_engine(lora_base, tiny_tokenizer)
@@ -373,7 +373,7 @@ def test_a_step_without_adapters_keeps_the_fused_stack_and_one_with_an_adapter_t
     taken.clear()
     engine.generate([("base", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True, ignore_eos=True)),
                      ("a", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True, ignore_eos=True, adapter="a"))])
-    assert taken and set(taken) == {"_forward_split"}                # every step holds the adapter's row
+    assert taken and set(taken) == {"_forward_fused"}                # every step holds the adapter's row
 
 
 def test_a_requests_tokens_and_log_probs_are_bitwise_the_same_whatever_adapters_share_its_step(
@@ -394,6 +394,44 @@ def test_a_requests_tokens_and_log_probs_are_bitwise_the_same_whatever_adapters_
     for name, rid in (("a", "a"), ("b", "b"), (None, "base")):
         assert mixed[rid] == alone[name], name                    # floats compared exactly
     assert alone["a"] != alone[None] and alone["b"] != alone["a"]
+
+
+@pytest.mark.parametrize("dtype, quantize", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+def test_the_fused_stack_adds_the_adapters_terms_bitwise_as_the_ops_called_one_by_one(
+        lora_base, tiny_tokenizer, dtype, quantize):
+    """DecoderStack.forward_lora (the adapters' terms inside the one-call C++ stack) gives the bits of
+    _forward_split, the same C++ ops and LoRA calls one projection at a time, in float32, bfloat16 and int8,
+    with 2 threads: prefill chunks of several rows a sequence run the layers op by op; the decode steps (6 rows,
+    one a sequence) take team mode (one OpenMP region a step, each LoRA term an op of the team) where the host's
+    forms allow it (not the AMX bf16 form)."""
+    num_prompts = 2
+    from lmi_handler.engine.model.kernels.build import BF16_AMX, bf16_dot_form
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results, team_steps = [], 0
+        for split in (False, True):
+            engine = _lora_engine(lora_base, tiny_tokenizer, dtype=dtype, quantize=quantize,
+                                  enable_prefix_caching=False, max_num_batched_tokens=8)
+            model = engine.runner.model
+            if split:
+                model._forward_fused = model._forward_split
+            requests = [(f"{name}{i}", prompt, SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True,
+                                                              top_n_tokens=3, adapter=name))
+                        for i, prompt in enumerate(PROMPTS[:num_prompts]) for name in ("a", "c", None)]
+            outputs = engine.generate(requests)
+            results.append({rid: [(t.id, t.log_prob, t.top_tokens) for out in outs for t in out.new_tokens]
+                            for rid, outs in outputs.items()})
+            if not split:
+                team_steps = model._stack[1].team_steps
+    finally:
+        torch.set_num_threads(threads)
+    fused, split = results
+    assert fused == split                                                  # floats compared exactly
+    assert all(fused[f"a{i}"] != fused[f"None{i}"] for i in range(num_prompts))
+    amx = dtype == "bfloat16" and quantize is None and bf16_dot_form() == BF16_AMX
+    assert (team_steps >= 3) == (not amx), team_steps
 
 
 def test_with_lora_off_the_engine_has_no_registry_and_refuses_adapter_requests(tiny_model_dir, tiny_tokenizer):

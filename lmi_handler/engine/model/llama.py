@@ -270,8 +270,8 @@ class LlamaModel(nn.Module):
     with the reduce between them (`_forward_split`; at degree 1 bitwise the fused layer's result).
 
     LoRA: a step with adapters (`lora`, a LoraBatch) adds each row's adapter term after every projection
-    (LoraBatch.add: qkv_proj, o_proj, gate_up_proj, down_proj). The fused C++ stack has no place for it, so
-    such a step runs `_forward_split`; a step without adapters keeps the fused stack.
+    (qkv_proj, o_proj, gate_up_proj, down_proj). Packed, the fused C++ stack adds them itself (forward_lora,
+    kernels/lora.h, row by row); the PyTorch modules call LoraBatch.add (lora_delta).
     """
 
     fused = True
@@ -358,9 +358,9 @@ class LlamaModel(nn.Module):
         if self.fused and isinstance(self.layers[0].self_attn.qkv_weight, PackedWeight) \
                 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
             cos, sin = self._rope_rows(positions, max(meta.context_lens_host, default=0), x.dtype)
-            if self.group is None and lora is None:
-                return self._forward_fused(x, cos, sin, kv_caches, meta)
-            return self._forward_split(x, cos, sin, kv_caches, meta, lora)
+            if self.group is None:
+                return self._forward_fused(x, cos, sin, kv_caches, meta, lora)
+            return self._forward_split(x, cos, sin, kv_caches, meta)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]                         # (T, 1, D)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -389,13 +389,15 @@ class LlamaModel(nn.Module):
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                       lora: LoraBatch | None = None) -> torch.Tensor:
         """The decoder stack and final norm as one C++ call (kernels' DecoderStack over packed CPU weights,
         bitwise _forward_split's C++ ops called one by one; the stack's gate_up linear applies silu * up in
         its store, linear_silu, the same bits as linear then silu_mul); x: (T, hidden) float32 or
         bfloat16, the activations' (and KV cache's) dtype. The stack holds the weights' tensors, made at the first call after
         pack_weights (weights replaced after that, not updated in place, need pack_weights or
-        `_stack = None`)."""
+        `_stack = None`). `lora`: the step's adapters, added by the stack after each projection (forward_lora,
+        kernels/lora.h: row by row, batch-invariant; the set's stacks converted once, LoraBatch.kernel_set)."""
         # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
         # otherwise would run its start-up probe and log a choice that applies to nothing
         ops = cpu_kernels()
@@ -403,9 +405,11 @@ class LlamaModel(nn.Module):
         if self._stack is None or self._stack[0] is not ops:
             self._stack = (ops, self._make_stack(ops))
         # the caches as two lists: pybind converts them every call either way, so they are not cached
-        return self._stack[1].forward(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                      meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                                      form)
+        args = (x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+                meta.block_tables, meta.context_lens, meta.cu_seqlens_q, form)
+        if lora is None:
+            return self._stack[1].forward(*args)
+        return self._stack[1].forward_lora(*args, lora.kernel_set(ops, len(self.layers)), lora.row_slot)
 
     def _make_stack(self, ops):
         a, layers = self.args, []
@@ -424,32 +428,38 @@ class LlamaModel(nn.Module):
                        lora: LoraBatch | None = None) -> torch.Tensor:
         """_forward_fused's computation as C++ ops called one by one (the gate_up linear, then silu_mul,
         where the stack fuses them), so that a tensor-parallel shard can all-reduce after
-        o_proj and down_proj (row_parallel_linear), and a step with LoRA adapters (`lora`) can add their
-        terms after each projection. Each residual add is folded into the next norm (as in the fused
-        layer); with group and lora None the result is bitwise _forward_fused's."""
+        o_proj and down_proj (row_parallel_linear). `lora` (one process only): the step's adapters, added after
+        each projection by the same C++ call the fused stack makes (LoraSet.add; tests' check of forward_lora).
+        Each residual add is folded into the next norm (as in the fused layer); with group None the result is
+        bitwise _forward_fused's (with the same `lora`)."""
         a, group = self.args, self.group
         x = x.contiguous().clone()          # updated in place by every residual add
         cos, sin = cos.contiguous(), sin.contiguous()
         delta = None
+        if lora is not None:
+            kernel_set = lora.kernel_set(cpu_kernels(), len(self.layers))
+
+            def add(y, x_in, i, projection):
+                return kernel_set.add(y, x_in, lora.row_slot, i, projection)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             h = fused_add_rmsnorm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
             qkv = packed_linear(h, attn.qkv_weight, attn.qkv_bias)
             if lora is not None:
-                qkv = lora.add(qkv, h, i, "qkv_proj")
+                qkv = add(qkv, h, i, 0)
             q = fused_rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, a.num_heads, a.num_kv_heads)
             o = attention_paged(q, k_cache, v_cache, meta, attn.scale).view(x.shape[0], -1)   # (T, H * D)
             delta = row_parallel_linear(o, attn.o_weight, attn.o_bias, True, group)
             if lora is not None:
-                delta = lora.add(delta, o, i, "o_proj")
+                delta = add(delta, o, i, 1)
             h = fused_add_rmsnorm(x, delta, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             gate_up = packed_linear(h, mlp.gate_up_weight, mlp.gate_up_bias)
             if lora is not None:
-                gate_up = lora.add(gate_up, h, i, "gate_up_proj")
+                gate_up = add(gate_up, h, i, 2)
             act = fused_silu_mul(gate_up)
             delta = row_parallel_linear(act, mlp.down_weight, mlp.down_bias, True, group)
             if lora is not None:
-                delta = lora.add(delta, act, i, "down_proj")
+                delta = add(delta, act, i, 3)
         return fused_add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor | None:

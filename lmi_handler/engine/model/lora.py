@@ -2,8 +2,10 @@
 the batched low-rank product each projection adds for its rows' adapters.
 
 Owns the adapter files (adapter_config.json + adapter_model.safetensors), their limits (rank, modules,
-shapes, allowed roots), which adapters are loaded (LRU past max_cpu_loras) and `lora_delta`; which adapter a
-request names is the protocol's, calling `LoraBatch.add` after each projection the forward's.
+shapes, allowed roots), which adapters are loaded (LRU past max_cpu_loras), `lora_delta` (the pure-PyTorch
+product, the reference) and the stacks as the C++ decoder stack takes them (`LoraBatch.kernel_set`, for
+kernels/lora.h's row-wise product); which adapter a request names is the protocol's, adding the terms after
+each projection the forward's (`LoraBatch.add`, or the C++ stack itself).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 TILE = 16                 # rows per bmm tile: a row's bits do not depend on how many rows share its step
 CUDA_TILES_PER_CALL = 8   # CUDA: a fixed bmm batch count, so cuBLAS's kernel choice is fixed
+# the projections the C++ decoder stack adds terms to, in LoraSet's order (kernels/lora.h)
+KERNEL_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class LoraError(ValueError):
@@ -345,6 +349,9 @@ class LoraBatch:
     scale: torch.Tensor                             # (num_slots,)
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     layout: TileLayout | None = None                # tile_layout(row_slot), once for every projection
+    # the stacks as a kernel takes them (kernel_set), made once per adapter set: shared by the copies the runner
+    # makes of its kept LoraBatch each step (dataclasses.replace passes this dict on, not a copy of it)
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, adapters: list[LoraAdapter], rows_per_seq: list[int], seq_adapter: list[int | None],
@@ -374,6 +381,25 @@ class LoraBatch:
         if stack is None:
             return y
         return y + lora_delta(x, self.row_slot, stack[0], stack[1], self.scale, self.layout)
+
+
+    def kernel_set(self, ops, num_layers: int):
+        """These stacks as the C++ kernels' LoraSet (kernels/lora.h; `ops`: cpu_kernels()): per layer, A and B^T
+        (float32, contiguous) of KERNEL_PROJECTIONS (the FUSED names and o/down_proj; None where no adapter of the
+        set has one), and the scales. Made at the first call and kept with the set (`prepared`), so a step pays
+        nothing for it."""
+        made = self.prepared.get("cpu")
+        if made is None or made[0] is not ops:
+            layers = []
+            for layer in range(num_layers):
+                pairs: list[torch.Tensor | None] = []
+                for module in KERNEL_PROJECTIONS:
+                    stack = self.stacks.get((layer, module))
+                    pairs += [None, None] if stack is None else [
+                        stack[0].float().contiguous(), stack[1].float().transpose(1, 2).contiguous()]
+                layers.append(pairs)
+            made = self.prepared["cpu"] = (ops, ops.LoraSet(layers, self.scale.float().contiguous()))
+        return made[1]
 
 
 def _stack(adapters: list[LoraAdapter], layer: int, parts: list[str], shapes: dict[str, tuple[int, int]],

@@ -101,10 +101,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("walk_counts", &walk_counts, "parallel_walk's check: (runs of each item, items taken from another's share)",
         kNoGil);
   m.def("vector_exp_agrees", &vector_exp_agrees, "whether the AVX-512 expf gives std::exp's bits here");
+  m.def("lora_add", &lora_add, "y += each row's LoRA term (x A_s^T) B_s^T * scale_s, s = row_slot (-1: none), in place",
+        kNoGil);
+  py::class_<LoraSet>(m, "LoraSet", "an adapter set's per-layer A and B^T stacks (qkv, o, gate_up, down) and scales")
+      .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor>())
+      .def("add", &LoraSet::add_one, "y += layer l's projection p (0 qkv, 1 o, 2 gate_up, 3 down) term, in place",
+           kNoGil)
+      .def_property_readonly("num_slots", &LoraSet::num_slots);
   py::class_<DecoderStack>(m, "DecoderStack", "the decoder layers and final norm, one call a step")
       .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
                     int64_t, double, double, double>())
       .def("forward", &DecoderStack::forward, "the decoder stack and final norm on x (not changed)",
+           kNoGil)
+      .def("forward_lora", &DecoderStack::forward_lora, "forward with a step's LoRA adapters (LoraSet, row_slot)",
            kNoGil)
       .def_property_readonly("team_steps", [](const DecoderStack& s) { return s.team_steps.load(); },
                              "steps run in team mode (a few-row decode step's layers in one OpenMP region)");

@@ -10,6 +10,7 @@
 #include "attention.h"
 #include "bitmask.h"
 #include "linear.h"
+#include "lora.h"
 #include "vmath.h"
 
 namespace {
@@ -296,24 +297,41 @@ struct StepInputs {
 // _forward_split does, so x is read and written once a layer less (the same operations as adding it here).
 // Every stage is one of the row-invariant ops above (their functions, into the workspace's tensors), so the
 // layer is too, and bitwise the ops called one by one. Linears write x's dtype.
+// A step's LoRA adapters for the stack (DecoderStack::forward_lora): the set's stacks and the step's rows by slot.
+struct LoraStep {
+  const LoraSet& set;
+  const LoraRows& rows;
+  size_t layer;   // the layer being run
+};
+
 template <class T>
 inline void layer_forward(torch::Tensor& x, bool add_delta, const LayerWeights& l, const torch::Tensor& k_cache,
-                          const torch::Tensor& v_cache, const StepInputs& in, Workspace& ws) {
+                          const torch::Tensor& v_cache, const StepInputs& in, Workspace& ws,
+                          const LoraStep* lora = nullptr) {
   constexpr bool bf = std::is_same_v<T, bf16>;
   const int64_t T_rows = x.size(0), N = x.size(1), D = k_cache.size(3), H = in.H, KVH = in.KVH;
   add_rmsnorm_into<T>(x, add_delta ? &ws.delta : nullptr, l.in_norm, in.eps, ws.h);
   linear_impl<void>(ws.h, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form, &ws.qkv);
+  if (lora) lora->set.add<T>(ws.h, ws.qkv, lora->rows, lora->layer, 0);
   rope_kv_write_rows<T>(data_of<T>(ws.qkv), data_of<T>(in.cos), data_of<T>(in.sin), data_of<T>(k_cache),
                         data_of<T>(v_cache), in.slot_mapping.data_ptr<int64_t>(), data_of<T>(ws.q), T_rows, H, KVH, D);
   paged_attention_into(ws.q, k_cache, v_cache, in.plan, in.scale, ws.attn);
   linear_impl<void>(ws.attn_rows, l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form, &ws.delta);
+  if (lora) lora->set.add<T>(ws.attn_rows, ws.delta, lora->rows, lora->layer, 1);
   add_rmsnorm_into<T>(x, &ws.delta, l.post_norm, in.eps, ws.h);
-  if (pairable(l.gu_w.scalar_type(), 2 * in.intermediate, in.bf16_form)) {
+  if (lora && lora->set.has(lora->layer, 2)) {
+    // the gate_up term goes in before silu * up: the linear's output whole, then silu_mul (the paired form is
+    // bitwise these two, so rows without an adapter keep their bits)
+    torch::Tensor gate_up = linear(ws.h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form);
+    lora->set.add<T>(ws.h, gate_up, lora->rows, lora->layer, 2);
+    silu_mul_rows<T>(data_of<T>(gate_up), data_of<T>(ws.act), T_rows, in.intermediate, true);
+  } else if (pairable(l.gu_w.scalar_type(), 2 * in.intermediate, in.bf16_form)) {
     linear_impl<SiluMul>(ws.h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &ws.act);
   } else {
     ws.act.copy_(silu_mul(linear(ws.h, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form), true));
   }
   linear_impl<void>(ws.act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form, &ws.delta);
+  if (lora) lora->set.add<T>(ws.act, ws.delta, lora->rows, lora->layer, 3);
 }
 
 // The whole decoder stack and the final norm, held once (the weights' tensors, not copies): one call a
@@ -371,9 +389,14 @@ struct DecoderStack {
   // The same ops on the same values as layer_forward, so the same bits. x: the residual stream (T, hidden),
   // updated in place; the last down output is left in ws.delta. An error in any thread (none is expected:
   // the shapes were checked before) skips the rest of every op, the barriers still met, and is raised after.
+  // With LoRA adapters (`lora`, its `lora_rows` the step's rows by slot): each projection's term is one more op
+  // of the team, each thread adding its share of the adapter rows (lora_add_into: row-wise, so the same bits as
+  // the op alone), a barrier after it; the gate_up linear then writes its whole output (gate_up, a (T, 2I)
+  // tensor) for its term, and silu * up follows as its own op over the team's shares of the rows.
   template <class T>
   void forward_team(torch::Tensor& x, const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                    const StepInputs& in, Workspace& ws) const {
+                    const StepInputs& in, Workspace& ws, const LoraSet* lora = nullptr,
+                    const LoraRows* lora_rows = nullptr) const {
     constexpr bool bf = std::is_same_v<T, bf16>;
     const int threads = at::get_num_threads();
     const int64_t T_rows = x.size(0), N = x.size(1), D = ws.q.size(2), H = in.H, KVH = in.KVH;
@@ -384,6 +407,8 @@ struct DecoderStack {
       qs[t] = torch::empty_like(ws.q);
     }
     const int64_t* slots = in.slot_mapping.data_ptr<int64_t>();
+    const torch::Tensor gate_up = lora ? torch::empty({T_rows, 2 * in.intermediate}, x.options()) : torch::Tensor();
+    const bool vector_silu = vector_exp_agrees();
     std::exception_ptr error;
     std::atomic<bool> failed{false};
 #pragma omp parallel num_threads(threads)
@@ -404,11 +429,18 @@ struct DecoderStack {
       for (size_t li = 0; li < layers.size(); ++li) {
         const LayerWeights& l = layers[li];
         const torch::Tensor &kc = k_caches[li], &vc = v_caches[li];
+        // a LoRA term of projection p: this thread's share of the adapter rows, then a barrier
+        auto lora_op = [&](int p, const torch::Tensor& xin, torch::Tensor& y) {
+          if (!lora || !lora->has(li, p)) return;
+          run([&] { lora->add<T>(xin, y, *lora_rows, li, p); });
+#pragma omp barrier
+        };
         run([&] {
           add_rmsnorm_into<T>(xm, li > 0 ? &ws.delta : nullptr, l.in_norm, in.eps, hm);
           linear_impl<void>(hm, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form, &ws.qkv);
         });
 #pragma omp barrier
+        lora_op(0, hm, ws.qkv);
         run([&] {
           const int64_t parts = attention_parts(T_rows, KVH);   // the attention's own items (team threads)
           const auto [i0, i1] = team_range(T_rows * parts);
@@ -419,13 +451,32 @@ struct DecoderStack {
 #pragma omp barrier
         run([&] { linear_impl<void>(ws.attn_rows, l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form, &ws.delta); });
 #pragma omp barrier
-        run([&] {
-          add_rmsnorm_into<T>(xm, &ws.delta, l.post_norm, in.eps, hm);
-          linear_impl<SiluMul>(hm, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &ws.act);
-        });
+        lora_op(1, ws.attn_rows, ws.delta);
+        if (lora && lora->has(li, 2)) {
+          torch::Tensor gu = gate_up;
+          run([&] {
+            add_rmsnorm_into<T>(xm, &ws.delta, l.post_norm, in.eps, hm);
+            linear_impl<void>(hm, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &gu);
+          });
+#pragma omp barrier
+          lora_op(2, hm, gu);
+          run([&] {   // silu_mul_rows' rows, this thread's share
+            const auto [r0, r1] = team_range(T_rows);
+            const int64_t I = in.intermediate;
+            for (int64_t t = r0; t < r1; ++t)
+              silu_mul_span<T>(data_of<T>(gu) + t * 2 * I, data_of<T>(gu) + t * 2 * I + I, data_of<T>(ws.act) + t * I,
+                               I, vector_silu);
+          });
+        } else {
+          run([&] {
+            add_rmsnorm_into<T>(xm, &ws.delta, l.post_norm, in.eps, hm);
+            linear_impl<SiluMul>(hm, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &ws.act);
+          });
+        }
 #pragma omp barrier
         run([&] { linear_impl<void>(ws.act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form, &ws.delta); });
 #pragma omp barrier
+        lora_op(3, ws.act, ws.delta);
       }
       team_share = {};
     }
@@ -437,6 +488,30 @@ struct DecoderStack {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
                         const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor context_lens, torch::Tensor cu_seqlens_q, int64_t bf16_form) const {
+    return forward_impl(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens, cu_seqlens_q,
+                        bf16_form, nullptr, torch::Tensor());
+  }
+
+  // forward with a step's LoRA adapters: `lora` the adapter set's stacks (LoraSet, one per set), row_slot (T,)
+  // int64 each row's slot in it (-1 = the base). Each layer adds the rows' terms after its qkv, o, gate_up (before
+  // silu * up) and down linears (lora.h: row-wise, so the stack stays batch-invariant); rows of the base keep
+  // forward's bits. Team mode too where it fits (forward_team with `lora`).
+  torch::Tensor forward_lora(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                             torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
+                             torch::Tensor cu_seqlens_q, int64_t bf16_form, const LoraSet& lora,
+                             torch::Tensor row_slot) const {
+    TORCH_CHECK(lora.layers.size() == layers.size(), "the LoRA set has ", lora.layers.size(), " layers, the stack ",
+                layers.size());
+    return forward_impl(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens, cu_seqlens_q,
+                        bf16_form, &lora, row_slot);
+  }
+
+  torch::Tensor forward_impl(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                             torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
+                             torch::Tensor cu_seqlens_q, int64_t bf16_form, const LoraSet* lora,
+                             const torch::Tensor& row_slot) const {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "one K and V cache per layer");
     const bool bf = is_bf16(x, "x");
     TORCH_CHECK(x.dim() == 2 && !layers.empty(), "x must be (T, hidden) and the stack have a layer");
@@ -464,6 +539,27 @@ struct DecoderStack {
     const StepInputs in{cos, sin, slot_mapping, plan, H, KVH, intermediate, eps, scale, bf16_form};
     TORCH_CHECK(layers[0].qkv_w.dim() == 3, "bad packed qkv");
     Workspace ws(h, H, KVH, D, intermediate);
+    const LoraRows lora_rows = lora ? LoraRows(row_slot, T, lora->num_slots()) : LoraRows();
+    if (lora && !lora_rows.empty() && team_fits(T, plan, bf16_form)) {
+      team_steps.fetch_add(1, std::memory_order_relaxed);
+      if (bf) {
+        forward_team<bf16>(h, k_caches, v_caches, in, ws, lora, &lora_rows);
+      } else {
+        forward_team<float>(h, k_caches, v_caches, in, ws, lora, &lora_rows);
+      }
+      return add_rmsnorm(h, ws.delta, norm, norm_eps);
+    }
+    if (lora && !lora_rows.empty()) {
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const LoraStep step{*lora, lora_rows, l};
+        if (bf) {
+          layer_forward<bf16>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws, &step);
+        } else {
+          layer_forward<float>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws, &step);
+        }
+      }
+      return add_rmsnorm(h, ws.delta, norm, norm_eps);
+    }
     if (team_fits(T, plan, bf16_form)) {
       team_steps.fetch_add(1, std::memory_order_relaxed);
       if (bf) {

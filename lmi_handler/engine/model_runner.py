@@ -19,7 +19,7 @@ from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config
-from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes, tile_layout
+from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
@@ -201,18 +201,19 @@ class ModelRunner:
         LoraBatch when a sequence has an adapter. A step the decode graphs take stays on the host: run()
         copies its rows straight into the graphs' buffers."""
         model_input = self.prepare_host(sched)
-        if any(seq.adapter is not None for seq in sched.seqs):
-            model_input.lora = self.lora_batch(sched.seqs, sched.num_scheduled_tokens)
+        model_input.lora = self.lora_batch(sched.seqs, sched.num_scheduled_tokens)
         if self.device.type != "cpu" and not (self.graphs is not None and self.graphs.takes(model_input)):
             model_input = model_input.to(self.device)     # (a graph's step copies its rows into its buffers)
         return model_input
 
-    def lora_batch(self, seqs: list[Sequence], counts: list[int]) -> LoraBatch:
-        """The step's LoraBatch: sequence j's counts[j] rows take its adapter's slot (-1 for the base). The
+    def lora_batch(self, seqs: list[Sequence], counts: list[int]) -> LoraBatch | None:
+        """The step's LoraBatch (None when no sequence has an adapter): sequence j's counts[j] rows take its adapter's slot (-1 for the base). The
         slots are the distinct adapters ordered by their load key, so the same set of adapters gets the same
         stacks whatever the order of its sequences; stacks are kept for the LORA_STACKS_KEPT latest sets (a
         set is keyed by its adapters' load keys: a reloaded adapter is a new set)."""
         adapters = sorted({seq.adapter.key: seq.adapter for seq in seqs if seq.adapter is not None}.items())
+        if not adapters:
+            return None
         keys = tuple(key for key, _ in adapters)
         stacks = self._lora_stacks.pop(keys, None)
         if stacks is None:
@@ -224,8 +225,8 @@ class ModelRunner:
         slot = {key: i for i, key in enumerate(keys)}
         row_slot = torch.repeat_interleave(
             torch.tensor([-1 if s.adapter is None else slot[s.adapter.key] for s in seqs], dtype=torch.int64),
-            torch.tensor(counts, dtype=torch.int64)).to(self.device)
-        return replace(stacks, row_slot=row_slot, layout=tile_layout(row_slot))
+            torch.tensor(counts, dtype=torch.int64)).to(self.device, non_blocking=True)
+        return replace(stacks, row_slot=row_slot)      # a new LoraBatch: its tile layout is made when first used
 
     def prepare_host(self, sched: SchedulerOutput) -> ModelInput:
         """Flatten the step: sequence i computes seq.all_token_ids[c : c+n] at positions c..c+n-1, where

@@ -73,6 +73,7 @@ class DecoderModel(nn.Module):
         # id(RopeSpec) -> the rope with its frequencies on the weights' device, moved once here: a copy from the
         # host per step would cost a transfer, and a CUDA graph cannot record one
         self.ropes = {id(layer.rope): _on_device(layer.rope, embed.device) for layer in spec.layers if layer.rope}
+        self._ropes_need_lengths = any(rope.depends_on_length for rope in self.ropes.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -182,8 +183,10 @@ class DecoderModel(nn.Module):
               module: str) -> torch.Tensor:
         """y + the step's LoRA term of projection `module` of layer `index`: the backend's kernel (added onto y,
         a fresh projection output, in place) where it has one, LoraBatch.add's tiled product otherwise."""
-        if lora is None or self._lora_add is None:
-            return y if lora is None else lora.add(y, x, index, module)
+        if lora is None:
+            return y
+        if self._lora_add is None:
+            return lora.add(y, x, index, module)
         stack = lora.stacks.get((index, module))
         return y if stack is None else self._lora_add(y, x, lora.row_slot, stack[0], stack[1], lora.scale)
 
@@ -191,7 +194,7 @@ class DecoderModel(nn.Module):
         """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""
         ropes: dict[int, RopeSpec] = self.ropes
         seq_lens = None
-        if any(rope.depends_on_length for rope in ropes.values()):
+        if self._ropes_need_lengths:
             seq_lens = torch.repeat_interleave(torch.tensor(meta.context_lens_host),
                                                torch.tensor(meta.query_lens))
         return {key: rope_cos_sin_rows(rope, positions, seq_lens, dtype) for key, rope in ropes.items()}

@@ -17,6 +17,7 @@ import uuid
 from collections import OrderedDict
 from itertools import accumulate
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -348,7 +349,6 @@ class LoraBatch:
     row_slot: torch.Tensor                          # (T,) int64, -1 = base
     scale: torch.Tensor                             # (num_slots,)
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    layout: TileLayout | None = None                # tile_layout(row_slot), once for every projection
     # the stacks as a kernel takes them (kernel_set), made once per adapter set: shared by the copies the runner
     # makes of its kept LoraBatch each step (dataclasses.replace passes this dict on, not a copy of it)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
@@ -372,7 +372,13 @@ class LoraBatch:
             parts = FUSED[name]
             for layer in sorted({layer for layer, module in keys if module in parts}):
                 stacks[(layer, name)] = _stack(adapters, layer, list(parts), shapes, device, dtype)
-        return cls(row_slot, scale, stacks, tile_layout(row_slot))
+        return cls(row_slot, scale, stacks)
+
+    @cached_property
+    def layout(self) -> TileLayout | None:
+        """tile_layout(row_slot), made at the first add and then shared by every projection of the step; the
+        C++ stack and the Triton kernel group the rows themselves and never ask for it."""
+        return tile_layout(self.row_slot)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
         """y + this step's LoRA term for projection `module` of `layer` (y unchanged when no adapter of the

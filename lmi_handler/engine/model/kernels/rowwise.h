@@ -7,6 +7,8 @@
 // with T = float those roundings are the identity, so the float32 path is the same float operations.
 #pragma once
 
+#include <optional>
+
 #include "attention.h"
 #include "bitmask.h"
 #include "linear.h"
@@ -540,40 +542,23 @@ struct DecoderStack {
     TORCH_CHECK(layers[0].qkv_w.dim() == 3, "bad packed qkv");
     Workspace ws(h, H, KVH, D, intermediate);
     const LoraRows lora_rows = lora ? LoraRows(row_slot, T, lora->num_slots()) : LoraRows();
-    if (lora && !lora_rows.empty() && team_fits(T, plan, bf16_form)) {
-      team_steps.fetch_add(1, std::memory_order_relaxed);
-      if (bf) {
-        forward_team<bf16>(h, k_caches, v_caches, in, ws, lora, &lora_rows);
-      } else {
-        forward_team<float>(h, k_caches, v_caches, in, ws, lora, &lora_rows);
-      }
-      return add_rmsnorm(h, ws.delta, norm, norm_eps);
-    }
-    if (lora && !lora_rows.empty()) {
-      for (size_t l = 0; l < layers.size(); ++l) {
-        const LoraStep step{*lora, lora_rows, l};
-        if (bf) {
-          layer_forward<bf16>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws, &step);
-        } else {
-          layer_forward<float>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws, &step);
-        }
-      }
-      return add_rmsnorm(h, ws.delta, norm, norm_eps);
-    }
+    const LoraSet* lo = lora && !lora_rows.empty() ? lora : nullptr;   // null: no row has an adapter
     if (team_fits(T, plan, bf16_form)) {
       team_steps.fetch_add(1, std::memory_order_relaxed);
       if (bf) {
-        forward_team<bf16>(h, k_caches, v_caches, in, ws);
+        forward_team<bf16>(h, k_caches, v_caches, in, ws, lo, lo ? &lora_rows : nullptr);
       } else {
-        forward_team<float>(h, k_caches, v_caches, in, ws);
+        forward_team<float>(h, k_caches, v_caches, in, ws, lo, lo ? &lora_rows : nullptr);
       }
       return add_rmsnorm(h, ws.delta, norm, norm_eps);
     }
     for (size_t l = 0; l < layers.size(); ++l) {
+      std::optional<LoraStep> step;
+      const LoraStep* layer_lora = lo ? &step.emplace(LoraStep{*lo, lora_rows, l}) : nullptr;
       if (bf) {
-        layer_forward<bf16>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws);
+        layer_forward<bf16>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws, layer_lora);
       } else {
-        layer_forward<float>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws);
+        layer_forward<float>(h, l > 0, layers[l], k_caches[l], v_caches[l], in, ws, layer_lora);
       }
     }
     return add_rmsnorm(h, ws.delta, norm, norm_eps);   // the last down output, then the final norm

@@ -298,4 +298,17 @@ inline bool is_bf16(const torch::Tensor& t, const char* what) {
   return t.scalar_type() == torch::kBFloat16;
 }
 
+// RoPE (rotate-half): out = keep(keep(x * cos) + keep(rotate_half(x) * sin)) elementwise: two products
+// then one add, no FMA contraction (each translation unit is built with -ffp-contract=off), the same float
+// operations (and, in bf16, roundings) as llama.apply_rope (the Llama stack and families.cpp's rope op).
+template <class T>
+inline void rope_row(const T* x, const T* c, const T* s, int64_t D, T* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -load_scalar<T>(x + d + half) : load_scalar<T>(x + d - half);
+    const float a = keep<T>(load_scalar<T>(x + d) * load_scalar<T>(c + d));
+    store_scalar<T>(out + d, a + keep<T>(rot * load_scalar<T>(s + d)));
+  }
+}
+
 }  // namespace

@@ -109,19 +109,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm_offset(torch::Tensor x, c10::o
   return {out, h};
 }
 
-// one head's rotate-half RoPE: keep(keep(x * cos) + keep(rotate_half(x) * sin)) elementwise, two products then
-// one add (no FMA: -ffp-contract=off), each rounded to T as PyTorch's ops round them (rowwise.h's rope_row)
-template <class T>
-inline void rope_head(const T* x, const T* c, const T* s, int64_t D, T* out) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float rot = d < half ? -load_scalar<T>(x + d + half) : load_scalar<T>(x + d - half);
-    const float a = keep<T>(load_scalar<T>(x + d) * load_scalar<T>(c + d));
-    store_scalar<T>(out + d, a + keep<T>(rot * load_scalar<T>(s + d)));
-  }
-}
-
-// x (T, H, D) rotated by cos, sin (T, D) (rotate-half, HF's convention): rope_head on each head
+// x (T, H, D) rotated by cos, sin (T, D) (rotate-half, HF's convention): common.h's rope_row on each head
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const bool bf = is_bf16(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "x must be (T, H, D) with D even");
@@ -135,7 +123,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   auto run = [&](auto* xp, auto* cp, auto* sp, auto* op) {
     at::parallel_for(0, T, row_grain(H * D), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t h = 0; h < H; ++h) rope_head(xp + (t * H + h) * D, cp + t * D, sp + t * D, D, op + (t * H + h) * D);
+        for (int64_t h = 0; h < H; ++h) rope_row(xp + (t * H + h) * D, cp + t * D, sp + t * D, D, op + (t * H + h) * D);
     });
   };
   if (bf) {

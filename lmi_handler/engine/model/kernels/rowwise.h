@@ -71,19 +71,6 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> delta, t
   return h;
 }
 
-// RoPE (rotate-half): out = keep(keep(x * cos) + keep(rotate_half(x) * sin)) elementwise: two products
-// then one add, no FMA contraction (the file is built with -ffp-contract=off), the same float
-// operations (and, in bf16, roundings) as llama.apply_rope.
-template <class T>
-inline void rope_row(const T* x, const T* c, const T* s, int64_t D, T* out) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float rot = d < half ? -load_scalar<T>(x + d + half) : load_scalar<T>(x + d - half);
-    const float a = keep<T>(load_scalar<T>(x + d) * load_scalar<T>(c + d));
-    store_scalar<T>(out + d, a + keep<T>(rot * load_scalar<T>(s + d)));
-  }
-}
-
 // RoPE + K/V write for the paged attention's work items [i0, i1) of the rows (attention_parts: item = (row,
 // part), `parts` a row; parts 1: whole rows): each item's query heads into q, its KV heads' k (rotated) and v
 // into the cache. In team mode the thread that attends an item writes its rows of q and the cache itself, with

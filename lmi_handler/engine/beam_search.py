@@ -138,8 +138,8 @@ def beam_candidates(logprobs: torch.Tensor, groups: list[BeamGroup], rows: list[
     width = max(len(r) for r in rows)
     index = torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.int64)         # (G, Bm)
     scores = torch.tensor([g.scores + [float("-inf")] * (width - len(g.scores)) for g in groups],
-                          dtype=torch.float32).to(logprobs.device)                                # (G, Bm)
-    index = index.to(logprobs.device)
+                          dtype=torch.float32).to(logprobs.device, non_blocking=True)            # (G, Bm)
+    index = index.to(logprobs.device, non_blocking=True)
     total = logprobs.index_select(0, index.flatten()).view(len(rows), width, vocab) + scores[:, :, None]
     k = min(max(g.num_candidates for g in groups), width * vocab)
     values, flat = torch.topk(total.view(len(rows), width * vocab), k, dim=1)

@@ -264,7 +264,7 @@ class Engine:
         if not seqs:
             return SamplingInput(seqs, None, None, None, chunks, targets)
         meta, stops = self.row_tables.get(seqs)
-        row_index = None if len(rows) == len(sched.seqs) else torch.tensor(rows).to(self.device)
+        row_index = None if len(rows) == len(sched.seqs) else torch.tensor(rows).to(self.device, non_blocking=True)
         return SamplingInput(seqs, row_index, meta, stops, chunks, targets)
 
     def _sample(self, sampling: SamplingInput, model_out: ModelOutput) -> StepSample:
@@ -277,7 +277,7 @@ class Engine:
             logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
         layout = self.beams.layout(sampling.seqs)
         if layout is not None:   # beam rows score log probs; processors then edit those (transformers' order)
-            rows = torch.tensor([r for group_rows in layout[1] for r in group_rows]).to(self.device)
+            rows = torch.tensor([r for group_rows in layout[1] for r in group_rows]).to(self.device, non_blocking=True)
             logits = logits.index_copy(0, rows, torch.log_softmax(logits.index_select(0, rows), dim=-1))
         meta = self._with_grammar_masks(sampling.seqs, sampling.meta)
         processed = self.sampler.process(logits, meta)
@@ -306,8 +306,8 @@ class Engine:
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return meta
-        bitmask = self.grammars.fill_bitmask([seqs[i] for i in rows]).to(self.device)
-        index = None if len(rows) == len(seqs) else torch.tensor(rows).to(self.device)
+        bitmask = self.grammars.fill_bitmask([seqs[i] for i in rows]).to(self.device, non_blocking=True)
+        index = None if len(rows) == len(seqs) else torch.tensor(rows).to(self.device, non_blocking=True)
         return replace(meta, grammar_rows=index, grammar_bitmask=bitmask)
 
     def _finish(self, seqs: list[Sequence]) -> None:

@@ -56,7 +56,8 @@ def bitmask_penalties(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     table = _BYTE_PENALTIES.get(bitmask.device)
     if table is None:
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1                     # (256, 8)
-        table = _BYTE_PENALTIES[bitmask.device] = torch.where(bits.bool(), 0.0, NEG_INF).to(bitmask.device)
+        table = torch.where(bits.bool(), 0.0, NEG_INF).to(bitmask.device, non_blocking=True)
+        _BYTE_PENALTIES[bitmask.device] = table
     penalties = table[bitmask.view(torch.uint8).int()].view(bitmask.shape[0], -1)     # (N, 32 W)
     if penalties.shape[1] >= vocab_size:
         return penalties[:, :vocab_size]
@@ -140,20 +141,21 @@ class LogitsControls:
         allowed = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
 
         def ints(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
         prefix_t = torch.tensor(prefix, dtype=torch.int64).reshape(len(bans), width)
         return cls(
             bias_rows=ints([b[0] for b in bias]), bias_ids=ints([b[1] for b in bias]),
-            bias_values=torch.tensor([b[2] for b in bias], dtype=torch.float32).to(device),
+            bias_values=torch.tensor([b[2] for b in bias], dtype=torch.float32).to(device, non_blocking=True),
             ban_rows=ints([r for r, _ in bans]), ban_ids=ints([w[-1] for _, w in bans]),
-            ban_prefix=prefix_t.to(device), ban_care=(prefix_t >= 0).to(device),
+            ban_prefix=prefix_t.to(device, non_blocking=True),
+            ban_care=(prefix_t >= 0).to(device, non_blocking=True),
             recent=_recent(seqs, width, device) if width else None,
             min_rows=ints([m[0] for m in mins]), min_ids=ints([m[1] for m in mins]),
             min_counts=ints([m[2] for m in mins]),
             allowed_rows=ints(allowed) if allowed else None,
             allowed_bitmask=torch.stack([token_ids_to_bitmask(list(params[r].allowed_token_ids), vocab_size)
-                                         for r in allowed]).to(device) if allowed else None)
+                                         for r in allowed]).to(device, non_blocking=True) if allowed else None)
 
     def advanced(self, token_ids: torch.Tensor) -> "LogitsControls":
         """The same rows one step later, each row i having gained token_ids[i] ((B,) int64): device work only."""
@@ -193,4 +195,4 @@ def _recent(seqs: list[Sequence], width: int, device: torch.device) -> torch.Ten
     for seq in seqs:   # host-side packing of a few ids per row, only when the composition changes
         tail = (seq.prompt_token_ids + seq.output_token_ids)[-width:]
         rows.append([-1] * (width - len(tail)) + tail)
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width).to(device)
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width).to(device, non_blocking=True)

@@ -84,7 +84,7 @@ def plan_prompt_logprobs(sched: SchedulerOutput,
         ids = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
         chunks.append(PromptChunk(index, seq, len(ids), start + n >= seq.num_prompt_tokens))
         targets += ids
-    return chunks, (torch.tensor(targets, dtype=torch.int64).to(device) if targets else None)
+    return chunks, (torch.tensor(targets, dtype=torch.int64).to(device, non_blocking=True) if targets else None)
 
 
 def gather_prompt_logprobs(chunks: list[PromptChunk], targets: torch.Tensor | None, model_out: ModelOutput

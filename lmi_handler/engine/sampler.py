@@ -127,8 +127,8 @@ class SamplingMetadata:
                                 p.frequency_penalty] for k, p in zip(knobs, params)], dtype=torch.float32)
         ints = torch.tensor([[k[1], wrap_int64(p.seed or 0), s.num_output_tokens, int(p.greedy)]
                              for k, p, s in zip(knobs, params, seqs)], dtype=torch.int64)
-        floats = floats.reshape(len(seqs), 7).T.contiguous().to(device)   # (7, B)
-        ints = ints.reshape(len(seqs), 4).T.contiguous().to(device)       # (4, B)
+        floats = floats.reshape(len(seqs), 7).T.contiguous().to(device, non_blocking=True)   # (7, B)
+        ints = ints.reshape(len(seqs), 4).T.contiguous().to(device, non_blocking=True)       # (4, B)
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         use_out = use_rep or any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         sampled = [k for k, p in zip(knobs, params) if not p.greedy]
@@ -142,7 +142,8 @@ class SamplingMetadata:
             output_token_ids=_pad([s.output_token_ids for s in seqs], vocab_size, device) if use_out else None,
             max_top_n=max((p.top_n_tokens for p in params), default=0),
             all_greedy=not sampled, no_penalties=not use_out,
-            sampled_rows=rows[~is_greedy].to(device), greedy_rows=rows[is_greedy].to(device),
+            sampled_rows=rows[~is_greedy].to(device, non_blocking=True),
+            greedy_rows=rows[is_greedy].to(device, non_blocking=True),
             max_top_k=max((k[1] for k in sampled), default=0),
             use_top_p=any(k[2] < 1.0 for k in sampled), use_min_p=any(k[3] > 0.0 for k in sampled),
             use_typical_p=any(k[4] < 1.0 for k in sampled),
@@ -177,7 +178,7 @@ def _pad(token_lists: list[list[int]], pad_id: int, device: torch.device) -> tor
     out = torch.full((len(token_lists), width), pad_id, dtype=torch.int64)
     for i, t in enumerate(token_lists):   # host-side list packing, not tensor math
         out[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-    return out.to(device)
+    return out.to(device, non_blocking=True)
 
 
 @dataclass

@@ -40,7 +40,7 @@ def build_stop_ids(seqs: list[Sequence], eos_token_ids: tuple[int, ...],
     rows = [row + [(-1, False)] * (width - len(row)) for row in rows]   # pad on the host, one tensor each
     stop_ids = torch.tensor([[tok for tok, _ in row] for row in rows], dtype=torch.int64).reshape(len(seqs), width)
     is_eos = torch.tensor([[eos for _, eos in row] for row in rows], dtype=torch.bool).reshape(len(seqs), width)
-    return stop_ids.to(device), is_eos.to(device)
+    return stop_ids.to(device, non_blocking=True), is_eos.to(device, non_blocking=True)
 
 
 def row_stop_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[tuple[int, bool]]:
@@ -98,7 +98,7 @@ class StopTable:
                        device: torch.device) -> "StopTable":
         stop_ids, is_eos = build_stop_ids(seqs, eos_token_ids, device)
         max_new = torch.tensor([min(s.params.max_new_tokens, max_model_len - s.num_prompt_tokens) for s in seqs],
-                               dtype=torch.int64).to(device)
+                               dtype=torch.int64).to(device, non_blocking=True)
         return cls(stop_ids, is_eos, max_new)
 
     def reasons(self, token_ids: torch.Tensor, num_output_tokens: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from lmi_handler.engine.cuda_graphs import DecodeGraphs
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.scheduler import SchedulerOutput
+from tests.engine.device_syncs import DeviceSyncs, Sync
 from tests.engine.helpers import make_seq
 
 PROMPTS = [[1, 17, 300, 45, 9], [1, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -30,10 +31,12 @@ def prefilled(runner, allocator: BlockAllocator, prompts: list[list[int]]):
     return seqs
 
 
-def assert_padded_step_equals_unpadded(runner, allocator: BlockAllocator) -> None:
+def assert_padded_step_equals_unpadded(runner, allocator: BlockAllocator, probe: DeviceSyncs | None = None
+                                       ) -> list[Sync]:
     """A decode step of 3 sequences through DecodeGraphs (padded to its 4-row size, the buffers' padding row
     left dirty by an earlier step of 4) gives the unpadded step's logits and tokens bit for bit and writes the
-    same KV cache: the padding row writes nothing."""
+    same KV cache: the padding row writes nothing. Returns what the padded step would make the host wait for,
+    as `probe` (the active DeviceSyncs mode, when given) saw it."""
     seqs = prefilled(runner, allocator, PROMPTS)
     model_input = runner.prepare(SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1, 1, 1]))
     graphs = decode_graphs(runner, max_num_seqs=4)
@@ -47,10 +50,13 @@ def assert_padded_step_equals_unpadded(runner, allocator: BlockAllocator) -> Non
     cache_unpadded = runner.kv_cache.clone()
     assert not torch.equal(cache_unpadded, before)    # the step wrote its rows' K/V
     runner.kv_cache.copy_(before)
+    seen = len(probe.syncs) if probe is not None else 0
     padded = graphs.run(model_input).clone()
+    syncs = probe.syncs[seen:] if probe is not None else []
 
     assert padded.shape == unpadded.shape == (3, runner.config.vocab_size)
     assert torch.equal(padded, unpadded), f"max abs diff {(padded - unpadded).abs().max().item()}"
     assert torch.equal(padded.argmax(-1), unpadded.argmax(-1))
     assert torch.equal(runner.kv_cache, cache_unpadded)
     assert graphs.slot_mapping[3].item() == -1 and graphs.context_lens[3].item() == 0
+    return syncs

@@ -16,6 +16,7 @@ from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams
+from tests.engine.device_syncs import DeviceSyncs
 from tests.engine.graph_helpers import assert_padded_step_equals_unpadded, decode_graphs, prefilled
 from tests.engine.helpers import build_tiny_llama, build_tiny_tokenizer
 
@@ -55,8 +56,12 @@ def test_only_the_triton_backend_on_cuda_is_captured_and_the_reason_is_given_oth
 
 
 def test_the_graph_step_runs_eagerly_on_cpu_with_padding_and_equals_the_unpadded_step(tiny_llama):
-    runner, allocator = _runner(tiny_llama)
-    assert_padded_step_equals_unpadded(runner, allocator)
+    """...and what that step would make a GPU wait for is the PyTorch reference's own doing (its per-sequence
+    loops size tensors by the lengths' values), which is why graph_unfit keeps graphs to the Triton backend."""
+    with DeviceSyncs(CPU) as probe:
+        runner, allocator = _runner(tiny_llama)
+        syncs = assert_padded_step_equals_unpadded(runner, allocator, probe)
+    assert syncs and {s.file for s in syncs} == {"engine/model/backends/torch_ref.py"}
 
 
 def test_the_graphs_take_only_decode_steps_that_fit_their_buffers(tiny_llama):

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from lmi_handler.config import EngineConfig
+from lmi_handler.engine import logits_controls, sampler, stopping
 from lmi_handler.engine.engine import Engine, RequestRejected
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerConfig
-from lmi_handler.engine.sequence import FinishReason, SamplingParams
+from lmi_handler.engine.sequence import FinishReason, GrammarKind, SamplingParams, StructuredOutputSpec
+from tests.engine.device_syncs import DeviceSyncs
 from tests.engine.helpers import ENGINE_PROMPTS as PROMPTS
 from tests.engine.helpers import (
     PRECISIONS,
@@ -363,3 +365,59 @@ def test_demo_model_logits_after_a_prefix_hit_are_bitwise_those_computed_without
     runner = ModelRunner(model_dir, dtype, torch.device("cpu"), block_size=8, num_blocks=64, quantize=quantize)
     target, *warmers = chat_prompt_ids(tokenizer, mt_bench_prompts[:2])
     assert_hit_logits_bitwise_equal(runner, SchedulerConfig(4, 64), target, warmers, 4)
+
+
+P14 = dict(max_new_tokens=14, ignore_eos=True)
+ONE_SYNC_CASES = {
+    "every sampling option": [
+        SamplingParams(**P14), SamplingParams(greedy=False, temperature=0.7, top_k=5, seed=3, **P14),
+        SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, top_n_tokens=3, **P14),
+        SamplingParams(logit_bias=((3, 2.0),), bad_words=((4, 5),), stop_sequences=("zz",), stop_token_ids=(5,),
+                       min_tokens=2, max_new_tokens=14),
+        SamplingParams(allowed_token_ids=tuple(range(3, 200)), typical_p=0.9, greedy=False, seed=1, **P14)],
+    "beam search": [SamplingParams(num_beams=2, max_new_tokens=14), SamplingParams(**P14)],
+    "structured output": [SamplingParams(structured_output=StructuredOutputSpec(GrammarKind.REGEX, "[a-z ]{0,99}"),
+                                         max_new_tokens=14), SamplingParams(**P14)],
+    "prompt log-probs": [SamplingParams(prompt_logprobs=True, prompt_top_n_tokens=2, **P14), SamplingParams(**P14)],
+    "top_p": [SamplingParams(greedy=False, top_p=0.9, min_p=0.05, **P14), SamplingParams(**P14)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_SYNC_CASES))
+def test_each_step_waits_for_the_device_once_for_its_results_whatever_its_requests_ask(
+        case, tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """Issue 38's rule, followed on CPU by DeviceSyncs from the engine's load on: every step of these requests
+    (prefill, the sampling tables built, then advanced; beams, grammars and prompt log-probs included) reads
+    the device once, the copy of its results (output_processor._to_host); its host-to-device copies do not
+    block. top_p alone adds its documented check of whether 64 candidates held the mass. The forward is
+    left out (a CUDA graph replays it; tests/engine/triton/test_cuda_graphs.py checks that step), and the
+    C++ shortcuts taken only for CPU tensors are off, so the step runs the ops a GPU runs."""
+    for module in (sampler, stopping, logits_controls):
+        monkeypatch.setattr(module, "built_kernels", lambda: None)
+    with DeviceSyncs(torch.device("cpu"), skip=("/lmi_handler/engine/model/",)) as probe:
+        engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_seqs=8)
+        execute = engine.runner.execute
+
+        def execute_on_device(model_input):
+            out = execute(model_input)
+            probe.on_device(out.logits, out.chunk_logits)      # the forward's output lives on the device
+            return out
+
+        engine.runner.execute = execute_on_device
+        requests = ONE_SYNC_CASES[case]
+        for i, params in enumerate(requests):
+            if params.structured_output is not None:
+                engine.grammars.validate(params.structured_output)     # compiled (as the server's 400 check does)
+            engine.add_request(f"r{i}", [1, 17, 30, 45, 9 + i], params)
+        per_step, tokens = [], {f"r{i}": 0 for i in range(len(requests))}
+        for _ in range(7):
+            seen = len(probe.syncs)
+            for out in engine.step():
+                tokens[out.request_id] += len(out.new_tokens)
+            per_step.append(probe.syncs[seen:])
+    reporting = [f"r{i}" for i, params in enumerate(requests) if params.num_beams == 1]   # beams report at the end
+    assert all(tokens[request_id] > 0 for request_id in reporting), tokens
+    checks = {"apply_top_p"} if case == "top_p" else set()
+    for syncs in per_step:
+        assert [s.function for s in syncs if s.function == "_to_host"] == ["_to_host"], syncs
+        assert {s.function for s in syncs if s.function != "_to_host"} == checks, syncs

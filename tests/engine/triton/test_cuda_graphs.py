@@ -9,17 +9,24 @@ import torch
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.backends import triton as tb
 from lmi_handler.engine.model_runner import ModelRunner
+from tests.engine.device_syncs import DeviceSyncs
 from tests.engine.graph_helpers import assert_padded_step_equals_unpadded
 from tests.engine.helpers import build_tiny_llama
 
 pytestmark = pytest.mark.skipif(not tb.available(), reason="triton is not installed (pip install triton)")
 
 
-def test_the_triton_graph_step_with_padding_equals_the_unpadded_step(tmp_path, device):
+def test_the_triton_graph_step_with_padding_equals_the_unpadded_step_and_never_waits_for_the_device(
+        tmp_path, device):
+    """...and, followed by DeviceSyncs from the model's load on, the step reads nothing back, sizes nothing by
+    a device tensor's values and makes no blocking copy: what a CUDA graph's capture requires (a sync inside
+    it fails the capture) and what lets a replayed step run ahead of the host."""
     build_tiny_llama(tmp_path, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
-    runner = ModelRunner(tmp_path, torch.float32, device, block_size=4, num_blocks=32, kernel_backend="triton")
-    assert runner.model.ops is tb and runner.graphs is None      # enforce_eager by default when built directly
-    assert_padded_step_equals_unpadded(runner, BlockAllocator(runner.num_blocks, runner.block_size))
+    with DeviceSyncs(device) as probe:
+        runner = ModelRunner(tmp_path, torch.float32, device, block_size=4, num_blocks=32, kernel_backend="triton")
+        assert runner.model.ops is tb and runner.graphs is None      # enforce_eager by default when built directly
+        syncs = assert_padded_step_equals_unpadded(runner, BlockAllocator(runner.num_blocks, runner.block_size), probe)
+    assert syncs == []
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (gpu_check.sh runs it)")

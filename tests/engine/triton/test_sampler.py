@@ -14,6 +14,7 @@ from lmi_handler.engine.engine import Engine
 from lmi_handler.engine.model.backends import triton as tb
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.device_syncs import DeviceSyncs
 from tests.engine.helpers import build_tiny_llama, build_tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not tb.available(), reason="triton is not installed (pip install triton)")
@@ -35,7 +36,7 @@ def test_sampling_through_the_triton_ops_picks_the_cpu_samplers_tokens(mix, devi
     knobs = [dict(temperature=0.7, seed=3), dict(temperature=1.3, top_k=20, seed=-9),
              dict(temperature=1.0, top_p=0.9, seed=2**40), dict(temperature=0.5, min_p=0.05, seed=7),
              dict(temperature=1.0, seed=3)]
-    params = [SamplingParams(top_n_tokens=2, **k) for k in knobs]
+    params = [SamplingParams(greedy=False, top_n_tokens=2, **k) for k in knobs]
     if mix != "all_sampled":
         params = [dataclasses.replace(p, greedy=True) if mix == "all_greedy" or i % 2 else p
                   for i, p in enumerate(params)]
@@ -43,14 +44,16 @@ def test_sampling_through_the_triton_ops_picks_the_cpu_samplers_tokens(mix, devi
     logits = torch.randn(len(params), VOCAB) * 3
     seqs = _seqs(params)
     cpu = Sampler()(logits, SamplingMetadata.from_sequences(seqs, VOCAB, torch.device("cpu")))
-    ours = Sampler(tb)(logits.to(device), SamplingMetadata.from_sequences(seqs, VOCAB, device))
+    with DeviceSyncs(device) as probe:       # the pick on the device never waits for it (but top_p's check)
+        ours = Sampler(tb)(logits.to(device), SamplingMetadata.from_sequences(seqs, VOCAB, device))
+    assert {s.function for s in probe.syncs} == ({"apply_top_p"} if mix != "all_greedy" else set()), probe.syncs
     assert ours.token_ids.cpu().tolist() == cpu.token_ids.tolist()
     torch.testing.assert_close(ours.logprobs.cpu(), cpu.logprobs, rtol=0, atol=1e-5)
     assert ours.top_ids.cpu().tolist() == cpu.top_ids.tolist()
 
 
 def test_a_seeded_rows_draw_through_the_triton_ops_is_the_same_alone_and_in_a_batch(device):
-    params = [SamplingParams(temperature=0.9, seed=s) for s in (5, 6, 7)]
+    params = [SamplingParams(greedy=False, temperature=0.9, seed=s) for s in (5, 6, 7)]
     torch.manual_seed(1)
     logits = torch.randn(3, VOCAB, device=device)
     seqs = _seqs(params)

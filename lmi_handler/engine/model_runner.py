@@ -91,6 +91,7 @@ class ModelInput:
     chunk_spans: dict[int, tuple[int, int]]  # caller's index -> rows [a, b) of lm_head's output (its chunk)
     blocks_to_copy: torch.Tensor | None = None  # (N, 2) int64 (src, dst) block ids, copied before the forward
     lora: LoraBatch | None = None       # the step's LoRA adapters (on the runner's device); None: no row has one
+    graph: bool = False                 # the decode graphs replay it (prepare decides; its tensors stay on the host)
 
     @property
     def num_seqs(self) -> int:
@@ -202,7 +203,8 @@ class ModelRunner:
         copies its rows straight into the graphs' buffers."""
         model_input = self.prepare_host(sched)
         model_input.lora = self.lora_batch(sched.seqs, sched.num_scheduled_tokens)
-        if self.device.type != "cpu" and not (self.graphs is not None and self.graphs.takes(model_input)):
+        model_input.graph = self.graphs is not None and self.graphs.takes(model_input)
+        if self.device.type != "cpu" and not model_input.graph:
             model_input = model_input.to(self.device)     # (a graph's step copies its rows into its buffers)
         return model_input
 
@@ -304,7 +306,7 @@ class ModelRunner:
         """Run one step: write its K/V into the cache, return float32 logits in the caller's order (None on a
         tensor-parallel rank other than 0, which only joins the collectives)."""
         mi = model_input
-        if self.graphs is not None and self.graphs.takes(mi):                             # CUDA decode
+        if mi.graph:                                                                      # CUDA decode
             return ModelOutput(logits=self.graphs.run(mi), chunk_logits={})
         invariant = self.batch_invariant
         if mi.blocks_to_copy is not None:

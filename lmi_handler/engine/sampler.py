@@ -318,12 +318,14 @@ class Sampler:
 
     `ops`: a kernel backend whose log_softmax, greedy and seeded_sample do the picking (the Triton backend,
     engine/model/backends/triton/sampling.py: one program per row, the same hash of (seed, position, token),
-    so a row's token is the one torch's ops pick, on the device without a host sync); None: torch's ops (and
-    the C++ kernels on CPU). The processors before the pick are torch's either way.
+    so a row's token is the one torch's ops pick, on the device without a host sync); None: TorchPick, torch's
+    ops (and the C++ kernels on CPU). Chosen here, once. The processors before the pick are torch's either way.
     """
 
     def __init__(self, ops=None):
         self.ops = ops
+        pick = TorchPick if ops is None else ops
+        self._greedy, self._log_softmax, self._seeded_sample = pick.greedy, pick.log_softmax, pick.seeded_sample
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         return self.pick(self.process(logits, meta), meta)
@@ -347,7 +349,7 @@ class Sampler:
         """Choose each row's token from processed logits (Sampler.process): greedy rows by argmax, sampled
         rows by temperature, the filters and the seeded exponential race."""
         if meta.all_greedy:
-            return greedy_sample(logits, meta.max_top_n, self.ops)
+            return greedy_sample(logits, meta.max_top_n, self.ops)     # (the C++ one-call pick on CPU)
         sampled_rows, greedy_rows = _rows(meta)
         if greedy_rows.numel() == 0:
             token_ids, logprobs = self._sample(logits, meta, None)
@@ -356,8 +358,7 @@ class Sampler:
             logprobs = torch.empty_like(logits)
             s_ids, s_logprobs = self._sample(logits.index_select(0, sampled_rows), meta, sampled_rows)
             g_logits = logits.index_select(0, greedy_rows)
-            g_ids = row_argmax(g_logits) if self.ops is None else self.ops.greedy(g_logits)
-            g_logprobs = torch.log_softmax(g_logits, dim=-1) if self.ops is None else self.ops.log_softmax(g_logits)
+            g_ids, g_logprobs = self._greedy(g_logits), self._log_softmax(g_logits)
             token_ids.index_copy_(0, sampled_rows, s_ids).index_copy_(0, greedy_rows, g_ids)
             logprobs.index_copy_(0, sampled_rows, s_logprobs)
             logprobs.index_copy_(0, greedy_rows, g_logprobs)
@@ -382,12 +383,28 @@ class Sampler:
             logits = apply_min_p(logits, take(meta.min_p))
         if meta.use_typical_p:
             logits = apply_typical_p(logits, take(meta.typical_p))
-        if self.ops is not None:
-            logprobs = self.ops.log_softmax(logits)
-            return self.ops.seeded_sample(logprobs, take(meta.seeds), take(meta.positions)), logprobs
-        logprobs = torch.log_softmax(logits, dim=-1)
-        noise = exponential_log_noise(take(meta.seeds), take(meta.positions), logits.shape[1])
-        return row_argmax(logprobs - noise), logprobs    # argmax(p / E) in log space
+        logprobs = self._log_softmax(logits)
+        return self._seeded_sample(logprobs, take(meta.seeds), take(meta.positions)), logprobs
+
+
+class TorchPick:
+    """The pick in torch's ops, on any device: Sampler's ops when no kernel backend gives them."""
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 -> (N,) int64 argmax, the first of ties (row_argmax)."""
+        return row_argmax(logits)
+
+    @staticmethod
+    def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 -> (N, V) float32, row-wise (its bits depend on the row alone)."""
+        return torch.log_softmax(logits, dim=-1)
+
+    @staticmethod
+    def seeded_sample(logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The exponential race argmax(p / E) in log space, E from exponential_log_noise keyed on each row's
+        (seed, position): (N, V) float32 log-probs, (N,) int64 seeds and positions -> (N,) int64 ids."""
+        return row_argmax(logprobs - exponential_log_noise(seeds, positions, logprobs.shape[1]))
 
 
 def greedy_sample(logits: torch.Tensor, max_top_n: int, ops=None) -> SamplerOutput:

@@ -11,7 +11,7 @@
 //
 // Invariance by construction, as the other kernels: every output element is one fixed sequence of float
 // operations on its own row's inputs (vector lanes and scalar tails give the same bits: the vector forms use
-// the same operations, and exp where exp16_glibc has glibc's bits), whatever the number of rows.
+// the same operations, and exp16_exact has glibc's bits), whatever the number of rows.
 #include "attention.h"
 #include "vmath.h"
 
@@ -136,8 +136,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 // gelu_tanh(g) * u over one row's n lanes: keep(keep(gelu(g)) * u), as PyTorch's bf16 F.gelu then * round.
 // gelu(g) = 0.5 g (1 + tanh(k)), k = sqrt(2 / pi) (g + 0.044715 g^3), computed as the identical
-// g / (1 + exp(-2 k)), so that exp is the only transcendental (glibc's expf: exp16_glibc's bits where
-// vector_exp_agrees, std::exp on the special lanes and the scalar tail): lane j depends on g[j], u[j] alone.
+// g / (1 + exp(-2 k)), so that exp is the only transcendental (glibc's expf: exp16_exact where
+// vector_exp_agrees, std::exp on the scalar tail): lane j depends on g[j], u[j] alone.
 template <class T>
 inline void gelu_tanh_mul_span(const T* g, const T* u, T* o, int64_t n, bool vector) {
   constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
@@ -151,15 +151,7 @@ inline void gelu_tanh_mul_span(const T* g, const T* u, T* o, int64_t n, bool vec
       const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
       const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
       const __m512 neg = _mm512_mul_ps(minus_two, inner);
-      __m512 e = exp16_glibc(neg);
-      if (const __mmask16 special = exp16_special(neg)) {
-        alignas(64) float nv[16], ev[16];
-        _mm512_store_ps(nv, neg);
-        _mm512_store_ps(ev, e);
-        for (int l = 0; l < 16; ++l)
-          if (special >> l & 1) ev[l] = std::exp(nv[l]);
-        e = _mm512_load_ps(ev);
-      }
+      const __m512 e = exp16_exact(neg);
       const __m512 a = keep16<T>(_mm512_div_ps(x, _mm512_add_ps(one, e)));
       store16<T>(o + j, _mm512_mul_ps(a, load16<T>(u + j)));
     }

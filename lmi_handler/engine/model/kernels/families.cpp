@@ -46,8 +46,8 @@ torch::Tensor paged_attention_masked(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // h[r] = x[r] (+ residual[r], rounded to T); out[r] = h[r] * (1 / sqrt(mean(h[r]^2) + eps)) * wf, in float32,
-// rounded once to T. wf: (N,) float32 = offset + weight (computed once a call). The sum of squares is
-// add_rmsnorm_rows's (vector lanes, then the lanes in a fixed order).
+// rounded once to T. wf: (N,) float32 = offset + weight (computed once a call). The scale is
+// common.h's rms_inv, as in add_rmsnorm_rows.
 template <class T>
 void rms_norm_offset_rows(const T* x, const T* residual, const float* wf, T* out, T* hsum, int64_t rows, int64_t N,
                           float eps) {
@@ -66,17 +66,9 @@ void rms_norm_offset_rows(const T* x, const T* residual, const float* wf, T* out
       } else {
         for (int64_t j = 0; j < N; ++j) hf[j] = load_scalar<T>(xr + j);
       }
-      Vec acc = Vec::zero();
-      int64_t j = 0;
-      for (; j + Vec::W <= N; j += Vec::W) {
-        const Vec v = Vec::load(hf.data() + j);
-        acc = Vec::add(acc, Vec::mul(v, v));
-      }
-      float ss = acc.sum();
-      for (; j < N; ++j) ss += hf[j] * hf[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      const float inv = rms_inv(hf.data(), N, eps);
       T* orow = out + r * N;
-      for (j = 0; j < N; ++j) store_scalar<T>(orow + j, hf[j] * inv * wf[j]);
+      for (int64_t j = 0; j < N; ++j) store_scalar<T>(orow + j, hf[j] * inv * wf[j]);
     }
   });
 }

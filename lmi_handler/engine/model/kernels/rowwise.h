@@ -19,8 +19,8 @@ namespace {
 
 // h[r] = weight * keep(x[r] * (1 / sqrt(mean(x[r]^2) + eps))), x optionally updated first by
 // x[r] = keep(x[r] + delta[r]) (in place). transformers' LlamaRMSNorm: normalize in float32, cast to
-// the model dtype, then scale in it; the sum of squares is one vector-lane accumulation then lanes
-// summed in a fixed order (its bits differ from PyTorch's reduction by rounding only).
+// the model dtype, then scale in it; the scale is common.h's rms_inv: one vector-lane accumulation of the
+// squares, then lanes summed in a fixed order (its bits differ from PyTorch's reduction by rounding only).
 template <class T>
 void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t N, float eps) {
   at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
@@ -33,17 +33,9 @@ void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int6
         for (int64_t j = 0; j < N; ++j) store_scalar<T>(xr + j, load_scalar<T>(xr + j) + load_scalar<T>(dr + j));
       }
       for (int64_t j = 0; j < N; ++j) xf[j] = load_scalar<T>(xr + j);
-      Vec acc = Vec::zero();
-      int64_t j = 0;
-      for (; j + Vec::W <= N; j += Vec::W) {
-        const Vec v = Vec::load(xf.data() + j);
-        acc = Vec::add(acc, Vec::mul(v, v));
-      }
-      float ss = acc.sum();
-      for (; j < N; ++j) ss += xf[j] * xf[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      const float inv = rms_inv(xf.data(), N, eps);
       T* hr = h + r * N;
-      for (j = 0; j < N; ++j) store_scalar<T>(hr + j, load_scalar<T>(w + j) * keep<T>(xf[j] * inv));
+      for (int64_t j = 0; j < N; ++j) store_scalar<T>(hr + j, load_scalar<T>(w + j) * keep<T>(xf[j] * inv));
     }
   });
 }

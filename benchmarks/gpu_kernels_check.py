@@ -170,15 +170,16 @@ def time_lora(smoke: bool, device, dtype) -> list[dict]:
         k, n = LINEARS[name]
         a = torch.randn(4, 16, k, device=device) / k ** 0.5
         b, scale = torch.randn(4, n, 16, device=device) / 4, torch.full((4,), 2.0, device=device)
+        stack = tb.lora_stack(a, b)          # once per adapter set, as LoraBatch.backend_stacks
         for kind, num_rows in ([("decode", 8)] if smoke else [("decode", 64), ("prefill", 2048)]):
             order = torch.arange(num_rows, device=device)
             row_slot = order % 4 if kind == "decode" else order * 4 // num_rows
             x = torch.randn(num_rows, k, dtype=dtype, device=device)
             y, layout = torch.zeros(num_rows, n, dtype=dtype, device=device), tile_layout(row_slot)
             delta = lora_delta(x, row_slot, a, b, scale, layout)
-            diff = (tb.lora_add(torch.zeros_like(y), x, row_slot, a, b, scale).float() - delta.float()).abs()
+            diff = (tb.lora_add(torch.zeros_like(y), x, row_slot, stack, scale).float() - delta.float()).abs()
             row = {"op": "lora", "name": name, "kind": kind, "rows": num_rows, "k": k, "n": n, "rank": 16,
-                   "adapters": 4, "triton_us": time_us(tb.lora_add, y, x, row_slot, a, b, scale),
+                   "adapters": 4, "triton_us": time_us(tb.lora_add, y, x, row_slot, stack, scale),
                    "torch_us": time_us(torch_lora_add, y, x, row_slot, a, b, scale, layout),
                    "max_abs_diff_vs_torch": diff.max().item()}
             rows.append(row)

@@ -146,6 +146,25 @@ def test_a_row_gets_the_same_bits_however_many_tiles_its_adapter_fills():
     torch.testing.assert_close(mixed[5], expected, atol=1e-3, rtol=1e-4)
 
 
+def test_a_sets_backend_stacks_are_prepared_once_and_shared_by_the_copies_its_steps_make():
+    """LoraBatch.backend_stacks: each (layer, projection)'s pair through the backend's `prepare` at the first call
+    only, the result shared by the runner's per-step copies (dataclasses.replace) of the kept set."""
+    stacks = {(0, "qkv_proj"): (torch.ones(2, 4, 8), torch.ones(2, 12, 4)),
+              (1, "down_proj"): (torch.ones(2, 4, 16), torch.ones(2, 8, 4))}
+    kept = LoraBatch(torch.tensor([0, -1, 1]), torch.tensor([1.0, 2.0]), stacks)
+    calls = []
+
+    def prepare(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return a.shape[2], b.shape[1]
+
+    first = kept.backend_stacks(prepare)
+    step = replace(kept, row_slot=torch.tensor([1, 1]))
+    assert step.backend_stacks(prepare) is first and kept.backend_stacks(prepare) is first
+    assert first == {(0, "qkv_proj"): (8, 12), (1, "down_proj"): (16, 8)}
+    assert sorted(calls) == [((2, 4, 8), (2, 12, 4)), ((2, 4, 16), (2, 8, 4))]
+
+
 def test_a_fused_projection_gives_each_part_its_own_term(tiny_hf, tmp_path):
     hf, config = tiny_hf
     write_peft_adapter(tmp_path / "a", hf.config, modules=("q_proj", "v_proj", "gate_proj"), seed=3)

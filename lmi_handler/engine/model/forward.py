@@ -69,6 +69,7 @@ class DecoderModel(nn.Module):
         self.num_heads = spec.num_heads if layout is None else layout.num_heads
         self.num_kv_heads = spec.num_kv_heads if layout is None else layout.num_kv_heads
         self._lora_add = ops.lora_add      # a backend's own LoRA kernel (triton), None: LoraBatch.add's
+        self._lora_stack = ops.lora_stack  # and how it takes a projection's stacks (made once per adapter set)
         self.embed_tokens, self.final_norm, self.lm_head, self.layer_weights = embed, final_norm, lm_head, layers
         # id(RopeSpec) -> the rope with its frequencies on the weights' device, moved once here: a copy from the
         # host per step would cost a transfer, and a CUDA graph cannot record one
@@ -187,8 +188,8 @@ class DecoderModel(nn.Module):
             return y
         if self._lora_add is None:
             return lora.add(y, x, index, module)
-        stack = lora.stacks.get((index, module))
-        return y if stack is None else self._lora_add(y, x, lora.row_slot, stack[0], stack[1], lora.scale)
+        stack = lora.backend_stacks(self._lora_stack).get((index, module))
+        return y if stack is None else self._lora_add(y, x, lora.row_slot, stack, lora.scale)
 
     def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
         """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""

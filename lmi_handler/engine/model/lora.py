@@ -349,7 +349,7 @@ class LoraBatch:
     row_slot: torch.Tensor                          # (T,) int64, -1 = base
     scale: torch.Tensor                             # (num_slots,)
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # the stacks as a kernel takes them (kernel_set), made once per adapter set: shared by the copies the runner
+    # the stacks as a kernel takes them (kernel_set, backend_stacks), made once per adapter set: shared by the copies the runner
     # makes of its kept LoraBatch each step (dataclasses.replace passes this dict on, not a copy of it)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -405,6 +405,15 @@ class LoraBatch:
                         stack[0].float().contiguous(), stack[1].float().transpose(1, 2).contiguous()]
                 layers.append(pairs)
             made = self.prepared["cpu"] = (ops, ops.LoraSet(layers, self.scale.float().contiguous()))
+        return made[1]
+
+    def backend_stacks(self, prepare: Callable[[torch.Tensor, torch.Tensor], object]) -> dict:
+        """These stacks as a backend's LoRA kernel takes them: (layer, projection) -> prepare(A, B) (`prepare`: the
+        backend's lora_stack, which checks and lays them out). Made at the first call and kept with the set
+        (`prepared`, as kernel_set), so a step's projections pay nothing for it."""
+        made = self.prepared.get("backend")
+        if made is None or made[0] is not prepare:
+            made = self.prepared["backend"] = (prepare, {key: prepare(a, b) for key, (a, b) in self.stacks.items()})
         return made[1]
 
 

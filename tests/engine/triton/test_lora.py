@@ -24,24 +24,24 @@ NUM_SLOTS, R_MAX, IN, OUT = 3, 8, 40, 136          # OUT: two column blocks, the
 
 
 def _stacks(device, seed: int = 0):
-    """Three adapters' stacks, slot 1 of rank 5 zero-padded to R_MAX, and their scales."""
+    """Three adapters' stacks (as lora_add takes them), slot 1 of rank 5 zero-padded to R_MAX, and their scales."""
     generator = torch.Generator().manual_seed(seed)
     a, b = torch.randn(NUM_SLOTS, R_MAX, IN, generator=generator), torch.randn(NUM_SLOTS, OUT, R_MAX, generator=generator)
     a[1, 5:], b[1, :, 5:] = 0, 0
-    return a.to(device), b.to(device), torch.tensor([2.0, 0.5, 1.0], device=device)
+    return tb.lora_stack(a.to(device), b.to(device)), torch.tensor([2.0, 0.5, 1.0], device=device)
 
 
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())          # bf16 where compiled (a GPU)
 def test_the_triton_lora_term_equals_lora_delta_with_base_rows_untouched(dtype, device):
-    a, b, scale = _stacks(device)
+    stack, scale = _stacks(device)
     x = (torch.randn(19, IN, generator=torch.Generator().manual_seed(1)) / 4).to(device, dtype)
     row_slot = torch.tensor([0, -1, 2, 1, -1, 0, 2, 2, 1, -1, 0, 1, 1, 2, -1, 0, 0, 2, 1], device=device)
     y = torch.randn(19, OUT, generator=torch.Generator().manual_seed(2)).to(device, dtype)
-    expected = lora_delta(x.float(), row_slot, a, b, scale)        # fp16/bf16 -> fp32 is exact: the same products
-    delta = tb.lora_add(torch.zeros(19, OUT, device=device), x, row_slot, a, b, scale)
+    expected = lora_delta(x.float(), row_slot, stack.a, stack.b, scale)   # fp16/bf16 -> fp32 exact: the same products
+    delta = tb.lora_add(torch.zeros(19, OUT, device=device), x, row_slot, stack, scale)
     torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-5)
     assert delta.abs().amin(dim=1)[row_slot >= 0].gt(0).all()      # every adapter row changed in every column
-    out = tb.lora_add(y.clone(), x, row_slot, a, b, scale)
+    out = tb.lora_add(y.clone(), x, row_slot, stack, scale)
     assert torch.equal(out[row_slot < 0], y[row_slot < 0])          # base rows keep their bits
     # added in float32 and rounded once to y's dtype (a GPU may fuse the scale and the add into one FMA)
     rtol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
@@ -50,18 +50,29 @@ def test_the_triton_lora_term_equals_lora_delta_with_base_rows_untouched(dtype, 
 
 def test_a_row_gets_the_same_bits_alone_and_in_batches_of_3_8_and_20_beside_other_adapters(device):
     """Batches of 3 and 8 (one row block) and of 20 (two: row 17 in the second)."""
-    a, b, scale = _stacks(device, seed=3)
+    stack, scale = _stacks(device, seed=3)
     x = torch.randn(20, IN, generator=torch.Generator().manual_seed(4)).to(device)
     row_slot = torch.tensor([1, 0, -1, 2, 0, 1, 2, -1, 0, 0, 1, 2, -1, 2, 1, 0, 2, 0, 1, -1], device=device)
     zeros = torch.zeros(20, OUT, device=device)
-    batch20 = tb.lora_add(zeros.clone(), x, row_slot, a, b, scale)
-    batch8 = tb.lora_add(zeros[:8].clone(), x[:8], row_slot[:8], a, b, scale)
-    batch3 = tb.lora_add(zeros[:3].clone(), x[3:6], row_slot[3:6], a, b, scale)     # rows 3, 4, 5 at 0, 1, 2
+    batch20 = tb.lora_add(zeros.clone(), x, row_slot, stack, scale)
+    batch8 = tb.lora_add(zeros[:8].clone(), x[:8], row_slot[:8], stack, scale)
+    batch3 = tb.lora_add(zeros[:3].clone(), x[3:6], row_slot[3:6], stack, scale)     # rows 3, 4, 5 at 0, 1, 2
     for t in (0, 4, 17):
-        alone = tb.lora_add(zeros[:1].clone(), x[t:t + 1], row_slot[t:t + 1], a, b, scale)
+        alone = tb.lora_add(zeros[:1].clone(), x[t:t + 1], row_slot[t:t + 1], stack, scale)
         assert torch.equal(alone[0], batch20[t]), t
     assert torch.equal(batch8, batch20[:8]) and torch.equal(batch3, batch20[3:6])
     assert not torch.equal(batch20[17], torch.zeros(OUT, device=device))
+
+
+def test_lora_stack_refuses_stacks_of_two_ranks_and_lora_add_an_input_of_another_width(device):
+    """The stacks' own shapes are checked once (lora_stack), the step's rows against them at every call."""
+    a, b = torch.zeros(NUM_SLOTS, R_MAX, IN, device=device), torch.zeros(NUM_SLOTS, OUT, R_MAX + 1, device=device)
+    with pytest.raises(ValueError, match=r"b_stack \(3, 136, 9\) must be \(num_slots, out, r_max\)"):
+        tb.lora_stack(a, b)
+    stack, scale = _stacks(device)
+    row_slot = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match=r"shapes do not match: y \(2, 136\), x \(2, 41\)"):
+        tb.lora_add(torch.zeros(2, OUT, device=device), torch.zeros(2, IN + 1, device=device), row_slot, stack, scale)
 
 
 # ---- the engine on kernel_backend=triton ------------------------------------------------------------------

@@ -18,6 +18,7 @@ from lmi_handler.engine.model.kernels import PackedWeight, cpu_kernels, pack_wei
 
 NAME = "cpp"
 lora_add = None     # no LoRA kernel of its own here: forward.py adds LoraBatch.add's tiled product
+lora_stack = None
 
 store_kv = torch_ref.store_kv           # index copies: exact, nothing to gain in C++
 log_softmax = torch_ref.log_softmax

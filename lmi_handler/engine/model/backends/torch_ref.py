@@ -15,6 +15,7 @@ from lmi_handler.engine.model.llama import linear as _invariant_linear
 
 NAME = "torch"
 lora_add = None     # no LoRA kernel of its own: forward.py adds LoraBatch.add's tiled product
+lora_stack = None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -253,14 +253,17 @@ inline void spread_prefetch(const T* block, int64_t tokens, int64_t row_stride, 
   for (int64_t t = step * BS / steps; t < end; ++t) prefetch_lines<LEVEL>(block + t * row_stride, 0, slice_lines);
 }
 
+// A kernel's optional mask, passed as a pack of none or one (so that the unmasked form keeps its parameters
+// and code): the one, or for none M{} (value-initialized: every field 0, which is no mask)
+template <class M> inline M mask_or_none() { return M{}; }
+template <class M> inline M mask_or_none(const M& mask) { return mask; }
+
 // attend_row's masked form: a row's keys first_key..n-1 (after the skipped blocks), its scores capped when
-// softcap > 0; one_row_mask gives none (the unmasked form) as {0, 0}
+// softcap > 0
 struct RowMask {
   int64_t first_key;
   float softcap;
 };
-inline RowMask one_row_mask() { return {0, 0.f}; }
-inline RowMask one_row_mask(const RowMask& mask) { return mask; }
 
 // One query row, the query heads of KV heads g0..g1-1: q (H, D) the row's queries as floats, keys
 // 0..n-1 of the sequence with block table `table`; writes those heads of out (H, D) floats. Scratch
@@ -279,7 +282,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
                 float* stats, float* out, const int32_t* next_table = nullptr, int64_t next_n = 0,
                 const Mask&... mask) {
   constexpr bool MASKED = sizeof...(Mask) > 0;
-  const RowMask row_mask = one_row_mask(mask...);
+  const RowMask row_mask = mask_or_none<RowMask>(mask...);
   const int64_t lo = MASKED ? row_mask.first_key : 0;   // the row's first key (its first block's from `lo`)
   const int64_t G = H / KVH, row_stride = KVH * D, block_elems = BS * row_stride;
   constexpr int64_t FAR_BLOCKS = sizeof(T) == 4 ? 3 : 2;   // the last block the stream sends to L2 (spread_prefetch)
@@ -427,8 +430,6 @@ struct AttentionMask {
   int64_t window;
   float softcap;
 };
-inline AttentionMask one_attention_mask() { return {0, 0.f}; }
-inline AttentionMask one_attention_mask(const AttentionMask& mask) { return mask; }
 
 // `mask`: none (the Llama path's unmasked code, as it was), or one AttentionMask (the masked form: the C++ ops
 // backend, families.cpp): a window skips each row's whole blocks before its first key (attend_row walks the same
@@ -469,7 +470,7 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
       if constexpr (MASKED) {
         // whole blocks before the window's first key are skipped, the rest of them masked in attend_row (the mask
         // read here, from the pack: a name in this branch is captured by the lambda even where it is discarded)
-        const AttentionMask attention_mask = one_attention_mask(mask...);
+        const AttentionMask attention_mask = mask_or_none<AttentionMask>(mask...);
         const int64_t window = attention_mask.window;
         auto skipped = [&](int64_t keys) { return window > 0 && keys > window ? (keys - window) / BS : int64_t{0}; };
         const int64_t skip = skipped(n), next_n = next ? keys_of(r + 1, next_s) : 0, next_skip = skipped(next_n);

@@ -284,6 +284,23 @@ constexpr int64_t ROW_GRAIN = 1 << 15;
 
 inline int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, ROW_GRAIN / std::max<int64_t>(1, row_len)); }
 
+// RMSNorm's scale 1 / sqrt(mean(x^2) + eps) over n floats: the squares summed in vector lanes, the lanes summed
+// in Vec::sum's fixed order, then the scalar tail's squares in order (rowwise.h's add_rmsnorm_rows and
+// families.cpp's rms_norm_offset_rows: one sequence of float operations for a row, whatever the rows beside it).
+// Always inlined, as the code it replaced was written in those loops (a plain inline moved GCC's code for other
+// functions of the unit, e.g. paged_attention_typed's set-up).
+__attribute__((always_inline)) inline float rms_inv(const float* x, int64_t n, float eps) {
+  Vec acc = Vec::zero();
+  int64_t j = 0;
+  for (; j + Vec::W <= n; j += Vec::W) {
+    const Vec v = Vec::load(x + j);
+    acc = Vec::add(acc, Vec::mul(v, v));
+  }
+  float ss = acc.sum();
+  for (; j < n; ++j) ss += x[j] * x[j];
+  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
 // Typed data pointers for the activation storage types (bf16 tensors hold c10::BFloat16).
 template <class T> inline T* data_of(const torch::Tensor& t);
 template <> inline float* data_of<float>(const torch::Tensor& t) { return t.data_ptr<float>(); }

@@ -11,7 +11,7 @@
 //
 // Invariance by construction, as the other kernels: every output element is one fixed sequence of float
 // operations on its own row's inputs (vector lanes and scalar tails give the same bits: the vector forms use
-// the same operations, and exp where exp16_glibc has glibc's bits), whatever the number of rows.
+// the same operations, and exp16_exact has glibc's bits), whatever the number of rows.
 #include "attention.h"
 #include "vmath.h"
 
@@ -46,8 +46,8 @@ torch::Tensor paged_attention_masked(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // h[r] = x[r] (+ residual[r], rounded to T); out[r] = h[r] * (1 / sqrt(mean(h[r]^2) + eps)) * wf, in float32,
-// rounded once to T. wf: (N,) float32 = offset + weight (computed once a call). The sum of squares is
-// add_rmsnorm_rows's (vector lanes, then the lanes in a fixed order).
+// rounded once to T. wf: (N,) float32 = offset + weight (computed once a call). The scale is
+// common.h's rms_inv, as in add_rmsnorm_rows.
 template <class T>
 void rms_norm_offset_rows(const T* x, const T* residual, const float* wf, T* out, T* hsum, int64_t rows, int64_t N,
                           float eps) {
@@ -66,17 +66,9 @@ void rms_norm_offset_rows(const T* x, const T* residual, const float* wf, T* out
       } else {
         for (int64_t j = 0; j < N; ++j) hf[j] = load_scalar<T>(xr + j);
       }
-      Vec acc = Vec::zero();
-      int64_t j = 0;
-      for (; j + Vec::W <= N; j += Vec::W) {
-        const Vec v = Vec::load(hf.data() + j);
-        acc = Vec::add(acc, Vec::mul(v, v));
-      }
-      float ss = acc.sum();
-      for (; j < N; ++j) ss += hf[j] * hf[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      const float inv = rms_inv(hf.data(), N, eps);
       T* orow = out + r * N;
-      for (j = 0; j < N; ++j) store_scalar<T>(orow + j, hf[j] * inv * wf[j]);
+      for (int64_t j = 0; j < N; ++j) store_scalar<T>(orow + j, hf[j] * inv * wf[j]);
     }
   });
 }
@@ -136,8 +128,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 // gelu_tanh(g) * u over one row's n lanes: keep(keep(gelu(g)) * u), as PyTorch's bf16 F.gelu then * round.
 // gelu(g) = 0.5 g (1 + tanh(k)), k = sqrt(2 / pi) (g + 0.044715 g^3), computed as the identical
-// g / (1 + exp(-2 k)), so that exp is the only transcendental (glibc's expf: exp16_glibc's bits where
-// vector_exp_agrees, std::exp on the special lanes and the scalar tail): lane j depends on g[j], u[j] alone.
+// g / (1 + exp(-2 k)), so that exp is the only transcendental (glibc's expf: exp16_exact where
+// vector_exp_agrees, std::exp on the scalar tail): lane j depends on g[j], u[j] alone.
 template <class T>
 inline void gelu_tanh_mul_span(const T* g, const T* u, T* o, int64_t n, bool vector) {
   constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
@@ -151,15 +143,7 @@ inline void gelu_tanh_mul_span(const T* g, const T* u, T* o, int64_t n, bool vec
       const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
       const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
       const __m512 neg = _mm512_mul_ps(minus_two, inner);
-      __m512 e = exp16_glibc(neg);
-      if (const __mmask16 special = exp16_special(neg)) {
-        alignas(64) float nv[16], ev[16];
-        _mm512_store_ps(nv, neg);
-        _mm512_store_ps(ev, e);
-        for (int l = 0; l < 16; ++l)
-          if (special >> l & 1) ev[l] = std::exp(nv[l]);
-        e = _mm512_load_ps(ev);
-      }
+      const __m512 e = exp16_exact(neg);
       const __m512 a = keep16<T>(_mm512_div_ps(x, _mm512_add_ps(one, e)));
       store16<T>(o + j, _mm512_mul_ps(a, load16<T>(u + j)));
     }

@@ -19,8 +19,8 @@ namespace {
 
 // h[r] = weight * keep(x[r] * (1 / sqrt(mean(x[r]^2) + eps))), x optionally updated first by
 // x[r] = keep(x[r] + delta[r]) (in place). transformers' LlamaRMSNorm: normalize in float32, cast to
-// the model dtype, then scale in it; the sum of squares is one vector-lane accumulation then lanes
-// summed in a fixed order (its bits differ from PyTorch's reduction by rounding only).
+// the model dtype, then scale in it; the scale is common.h's rms_inv: one vector-lane accumulation of the
+// squares, then lanes summed in a fixed order (its bits differ from PyTorch's reduction by rounding only).
 template <class T>
 void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t N, float eps) {
   at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
@@ -33,17 +33,9 @@ void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int6
         for (int64_t j = 0; j < N; ++j) store_scalar<T>(xr + j, load_scalar<T>(xr + j) + load_scalar<T>(dr + j));
       }
       for (int64_t j = 0; j < N; ++j) xf[j] = load_scalar<T>(xr + j);
-      Vec acc = Vec::zero();
-      int64_t j = 0;
-      for (; j + Vec::W <= N; j += Vec::W) {
-        const Vec v = Vec::load(xf.data() + j);
-        acc = Vec::add(acc, Vec::mul(v, v));
-      }
-      float ss = acc.sum();
-      for (; j < N; ++j) ss += xf[j] * xf[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      const float inv = rms_inv(xf.data(), N, eps);
       T* hr = h + r * N;
-      for (j = 0; j < N; ++j) store_scalar<T>(hr + j, load_scalar<T>(w + j) * keep<T>(xf[j] * inv));
+      for (int64_t j = 0; j < N; ++j) store_scalar<T>(hr + j, load_scalar<T>(w + j) * keep<T>(xf[j] * inv));
     }
   });
 }
@@ -135,8 +127,8 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 
 // silu(gate) * up on gate_up rows (T, 2I) -> (T, I): keep(keep(g / (1 + exp(-g))) * u). Lane j's result
 // depends only on g[j], u[j] (vector lanes and the scalar tail are the same per-row split for any T).
-// `vector` (AVX-512, where vector_exp_agrees): sixteen lanes at a time with exp16_glibc, the same float
-// operations and roundings as the scalar loop, so the same bits (std::exp for glibc's special lanes).
+// `vector` (AVX-512, where vector_exp_agrees): sixteen lanes at a time with exp16_exact, the same float
+// operations and roundings as the scalar loop, so the same bits.
 // Measured (1 thread, thread CPU time, one 64 x 1536 call, vector and scalar interleaved in one process):
 // float32 0.33 -> 0.08 ms, bfloat16 0.67 -> 0.11 ms (30 layers: 10 and 20 ms of a 64-sequence decode step).
 template <class T>
@@ -149,15 +141,7 @@ inline void silu_mul_span(const T* g, const T* u, T* o, int64_t n, bool vector) 
     for (; j + 16 <= n; j += 16) {
       const __m512 gv = load16<T>(g + j);
       const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));   // -g, exact
-      __m512 e = exp16_glibc(neg);
-      if (const __mmask16 special = exp16_special(neg)) {
-        alignas(64) float nv[16], ev[16];
-        _mm512_store_ps(nv, neg);
-        _mm512_store_ps(ev, e);
-        for (int l = 0; l < 16; ++l)
-          if (special >> l & 1) ev[l] = std::exp(nv[l]);
-        e = _mm512_load_ps(ev);
-      }
+      const __m512 e = exp16_exact(neg);
       const __m512 s = keep16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
       store16<T>(o + j, _mm512_mul_ps(s, load16<T>(u + j)));
     }

@@ -16,8 +16,8 @@ namespace {
 // Checked against this machine's std::exp on every float with |x| < 88 (2^31.06 inputs, all bitwise
 // equal; the same code without the two FMAs glibc's FMA build forms for k and r differs on 2 of them);
 // vector_exp_agrees() repeats a sampled check at run time, so a libm that computes otherwise keeps the
-// scalar path. Lanes with |x| >= 88 (overflow, underflow, inf, NaN) are glibc's special cases: the
-// caller sends those through std::exp (exp16_special says which).
+// scalar path. Lanes with |x| >= 88 (overflow, underflow, inf, NaN) are glibc's special cases:
+// exp16_exact sends those through std::exp (exp16_special says which).
 alignas(64) constexpr uint64_t EXP2_TABLE[32] = {
     0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51, 0x3fef72b83c7d517b,
     0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1, 0x3fef06fe0a31b715, 0x3feef1a7373aa9cb,
@@ -56,6 +56,22 @@ inline __m512 exp16_glibc(__m512 x) {
 inline __mmask16 exp16_special(__m512 x) {
   const __m512i top = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 20), _mm512_set1_epi32(0x7ff));
   return _mm512_cmpge_epi32_mask(top, _mm512_set1_epi32(0x42b));
+}
+
+// std::exp's bits in every lane (where vector_exp_agrees): exp16_glibc, and its special lanes (exp16_special)
+// through std::exp one by one. Always inlined, as the code it replaced was written in its callers (silu_mul_span,
+// gelu_tanh_mul_span): a plain `inline` changed GCC's inlining around them (packed_gemm's silu * up store).
+__attribute__((always_inline)) inline __m512 exp16_exact(__m512 x) {
+  __m512 e = exp16_glibc(x);
+  if (const __mmask16 special = exp16_special(x)) {
+    alignas(64) float xv[16], ev[16];
+    _mm512_store_ps(xv, x);
+    _mm512_store_ps(ev, e);
+    for (int l = 0; l < 16; ++l)
+      if (special >> l & 1) ev[l] = std::exp(xv[l]);
+    e = _mm512_load_ps(ev);
+  }
+  return e;
 }
 
 // float_to_bf16 on 16 lanes (round to nearest even, NaN -> 0x7FC0), as 16-bit values in 32-bit lanes

@@ -3,10 +3,10 @@ tensors under TRITON_INTERPRET=1, Triton's interpreter: slow, for tests).
 
 Every op is row-wise or tiled so that a row's bits never depend on the rest of the step: attention walks
 the KV in fixed tiles aligned to absolute positions, the matmul has a fixed K tile and no split-K, the norms
-and softmaxes reduce one row per program in a fixed order, and the LoRA term (lora_add: beyond the
-interface's ops, forward.py uses it where a backend has it) reduces each row against its own adapter in a
-fixed K order. `triton` is imported on the first call, not here, so the package imports without it;
-`available()` says whether it can run.
+and softmaxes reduce one row per program in a fixed order, and the LoRA term (lora_add, on the stacks
+lora_stack prepares once per adapter set: beyond the interface's ops, forward.py uses them where a backend has
+them) reduces each row against its own adapter in a fixed K order. `triton` is imported on the first call,
+not here, so the package imports without it; `available()` says whether it can run.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import importlib.util
 import torch
 
 __all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul",
-           "log_softmax", "greedy", "seeded_sample", "lora_add"]
+           "log_softmax", "greedy", "seeded_sample", "lora_stack", "lora_add"]
 
 
 def available() -> bool:
@@ -76,7 +76,13 @@ def seeded_sample(logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.
     return _kernels("sampling").seeded_sample(logprobs, seeds, positions)
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, a_stack: torch.Tensor,
-             b_stack: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y += each row's LoRA term (x A_s^T B_s^T * scale_s, s = row_slot, -1 untouched), in place; returns y."""
-    return _kernels("lora").lora_add(y, x, row_slot, a_stack, b_stack, scale)
+def lora_stack(a_stack: torch.Tensor, b_stack: torch.Tensor):
+    """One projection's A (num_slots, r_max, in) and B (num_slots, out, r_max) as lora_add takes them (a
+    LoraStack: checked and made contiguous once per adapter set)."""
+    return _kernels("lora").lora_stack(a_stack, b_stack)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, stack, scale: torch.Tensor) -> torch.Tensor:
+    """y += each row's LoRA term (x A_s^T B_s^T * scale_s, s = row_slot, -1 untouched), in place; returns y.
+    stack: lora_stack(A, B) of the projection."""
+    return _kernels("lora").lora_add(y, x, row_slot, stack, scale)

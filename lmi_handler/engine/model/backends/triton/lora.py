@@ -11,6 +11,8 @@ and its slot's A and B: a row's bits do not depend on the rows beside it or on h
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -48,30 +50,50 @@ def _lora_kernel(y, x, row_slot, a_stack, b_stack, scale, num_rows, num_cols, nu
         tl.store(where, out.to(y.dtype.element_ty), mask=keep)
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, a_stack: torch.Tensor,
-             b_stack: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class LoraStack:
+    """One projection's adapter stacks as lora_add takes them, checked and made contiguous once (lora_stack):
+    a (num_slots, r_max, in), b (num_slots, out, r_max), ranks below r_max zero-padded; block_r the kernel's
+    rank tile (a power of two >= r_max, at least 16)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    block_r: int
+
+
+def lora_stack(a_stack: torch.Tensor, b_stack: torch.Tensor) -> LoraStack:
+    """The stacks of one projection (LoraBatch.stacks' pair) as a LoraStack, made once per adapter set
+    (LoraBatch.backend_stacks). Raises ValueError when b_stack is not (num_slots, out, r_max) for a_stack's
+    (num_slots, r_max, in)."""
+    if a_stack.dim() != 3 or b_stack.dim() != 3 or (b_stack.shape[0], b_stack.shape[2]) != a_stack.shape[:2]:
+        raise ValueError(f"lora_stack: b_stack {tuple(b_stack.shape)} must be (num_slots, out, r_max) for a_stack "
+                         f"{tuple(a_stack.shape)} (num_slots, r_max, in)")
+    return LoraStack(a_stack.contiguous(), b_stack.contiguous(), max(16, triton.next_power_of_2(a_stack.shape[1])))
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, stack: LoraStack,
+             scale: torch.Tensor) -> torch.Tensor:
     """y += each row's LoRA term, in place, and returns y: y[t] + (x[t] A_s^T) B_s^T * scale_s for s =
     row_slot[t] >= 0, computed in float32 and rounded once to y's dtype; rows of slot -1 keep their bits.
 
-    y: (T, out) the projection's output; x: (T, in) its input; row_slot: (T,) int64 on their device;
-    a_stack: (num_slots, r_max, in); b_stack: (num_slots, out, r_max), ranks below r_max zero-padded;
-    scale: (num_slots,). The same term as lora.lora_delta, without its tiles' gather and scatter.
+    y: (T, out) the projection's output; x: (T, in) its input; row_slot: (T,) int64 on their device; stack:
+    lora_stack(A, B) of the projection; scale: (num_slots,). The same term as lora.lora_delta, without its
+    tiles' gather and scatter. Checks here only what the step brings (the rows of x and y against the stack).
     """
+    a_stack, b_stack = stack.a, stack.b
     num_rows, num_k = x.shape
     num_slots, rank, _ = a_stack.shape
     num_cols = y.shape[1]
-    if a_stack.shape[2] != num_k or b_stack.shape[:3] != (num_slots, num_cols, rank) or y.shape[0] != num_rows:
+    if a_stack.shape[2] != num_k or b_stack.shape[1] != num_cols or y.shape[0] != num_rows:
         raise ValueError(f"lora_add: shapes do not match: y {tuple(y.shape)}, x {tuple(x.shape)}, a_stack "
                          f"{tuple(a_stack.shape)}, b_stack {tuple(b_stack.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    a_stack, b_stack = a_stack.contiguous(), b_stack.contiguous()
     assert y.stride(1) == 1 and row_slot.is_contiguous()
     if num_rows == 0 or num_slots == 0:
         return y
     grid = (triton.cdiv(num_rows, BLOCK_M), num_slots, triton.cdiv(num_cols, BLOCK_N))
     _lora_kernel[grid](y, x, row_slot, a_stack, b_stack, scale, num_rows, num_cols, num_k, rank,
                        y.stride(0), x.stride(0), a_stack.stride(0), a_stack.stride(1), b_stack.stride(0),
-                       b_stack.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                       BLOCK_R=max(16, triton.next_power_of_2(rank)))
+                       b_stack.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=stack.block_r)
     return y

@@ -107,3 +107,4 @@ def test_a_setting_the_engine_refuses_ends_serve_with_its_line_last_and_exit_cod
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: option.max_model_len=40000 exceeds the model's context of 8192 tokens"), last
     assert "model initialization refused: option.max_model_len=40000" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -132,7 +132,16 @@ class DrainingServer(uvicorn.Server):
 def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
     """Run `app` under uvicorn with the SIGTERM drain (app.state.front_end, option.shutdown_grace_s)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    logging.getLogger("uvicorn.error").addFilter(_no_refusal_traceback)
     DrainingServer(config, app.state.front_end, app.state.settings.shutdown_grace_s).run()
+
+
+def _no_refusal_traceback(record: logging.LogRecord) -> bool:
+    """Drop the traceback uvicorn logs when start-up ends on a refused setting (the app's lifespan raises the
+    ConfigError; starlette hands uvicorn its formatted traceback): the front end has logged the refusal and
+    cli.py prints it as one line. Other start-up failures keep theirs."""
+    message = record.getMessage()
+    return not (message.startswith("Traceback") and "\nlmi_handler.config.ConfigError: " in message)
 
 
 # The process's exit status once the engine is dead: non-zero, so the container's supervisor restarts it, and

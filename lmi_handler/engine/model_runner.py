@@ -17,6 +17,7 @@ from lmi_handler.engine.cuda_graphs import DecodeGraphs, graph_unfit
 from lmi_handler.engine.gpu_memory import blocks_for_gpu
 from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.forward import DecoderModel
 from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config
 from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes
@@ -160,6 +161,10 @@ class ModelRunner:
                                 quantize=quantize, huge_pages=huge_pages, layout=layout,
                                 kernel_backend=kernel_backend)
         self.kernel_backend = self.model.kernel_backend
+        if not batch_invariant and isinstance(self.model, DecoderModel):
+            logger.info("option.batch_invariant=false changes nothing here: the %s backend's kernels compute each "
+                        "row alone (only the fused C++ Llama path has a faster non-invariant form)",
+                        self.kernel_backend)
         if group is not None:
             self.model.group = group
         c = self.config

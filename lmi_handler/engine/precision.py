@@ -73,7 +73,8 @@ def resolve_precision(requested: str, quantize: str | None, checkpoint: torch.dt
     if device.type != "cpu":
         if quantize is not None:
             raise ConfigError(f"option.quantize={quantize!r} runs on CPU only (the C++ int8 kernels); the device "
-                              f"is {device} (set device_id, or drop option.quantize)")
+                              f"is {device} (drop option.quantize, or hide the GPUs with CUDA_VISIBLE_DEVICES= to "
+                              "serve on the CPU)")
         return _cuda_dtype(requested, checkpoint)
     if quantize is not None and not kernels_built():
         raise ConfigError(f"option.quantize={quantize!r} needs the C++ CPU kernels, which did not build here "

@@ -74,6 +74,8 @@ def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor
         if requested not in ("auto", "cpp"):
             raise ConfigError(f"option.kernel_backend={requested}: {what} runs only on the cpp backend")
         if tensor_parallel and requested == "auto" and not spec.cpp_misfits():
+            if device.type == "cuda":    # load_llama's modules: their packed C++ path is CPU-only
+                return "cpp", "tensor-parallel shards of a Llama-shaped model run llama.py's PyTorch modules on CUDA"
             return "cpp", "tensor-parallel shards run on the cpp backend; the fused C++ Llama path"
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend={requested} with {what}: {cpp_why}")

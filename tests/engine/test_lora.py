@@ -508,6 +508,28 @@ def lora_family(request, tmp_path_factory):
     return name, path, root, expected
 
 
+def _family_tokens(lora_family, tokenizer, **options) -> tuple[Engine, dict[str, list[int]]]:
+    """Both adapters and the base over FAMILY_PROMPTS in one engine (`options`: EngineConfig fields): the engine
+    and request id (adapter name or None, then the prompt's index) -> its greedy tokens."""
+    _, path, root, _ = lora_family
+    lora = LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(root,))
+    engine = Engine(replace(_config(path), lora=lora, **options), tokenizer)
+    assert engine.applies_lora
+    for adapter in ("a", "b"):
+        engine.adapters.load(adapter, root / adapter)
+    requests = [(f"{adapter}{i}", prompt, SamplingParams(max_new_tokens=6, greedy=True, adapter=adapter))
+                for i, prompt in enumerate(FAMILY_PROMPTS) for adapter in ("a", "b", None)]
+    results = engine.generate(requests)                               # one step holds both adapters and the base
+    return engine, {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+
+
+def _assert_transformers_tokens(lora_family, tokens: dict[str, list[int]]) -> None:
+    name, _, _, expected = lora_family
+    for i in range(len(FAMILY_PROMPTS)):
+        for adapter in ("a", "b", None):
+            assert tokens[f"{adapter}{i}"] == expected[adapter, i], (name, adapter, i)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_every_family_s_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_base_requests(
         lora_family, tiny_tokenizer, backend):
@@ -519,17 +541,20 @@ def test_every_family_s_adapter_requests_answer_as_transformers_with_the_adapter
     from lmi_handler.engine.model.forward import DecoderModel
     from lmi_handler.engine.model.llama import LlamaModel
 
-    name, path, root, expected = lora_family
-    lora = LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(root,))
-    engine = Engine(replace(_config(path), lora=lora, kernel_backend=backend), tiny_tokenizer)
-    assert engine.applies_lora and engine.runner.kernel_backend == backend
-    assert isinstance(engine.runner.model, LlamaModel if backend == "cpp" and name in LLAMA_SHAPED else DecoderModel)
-    for adapter in ("a", "b"):
-        engine.adapters.load(adapter, root / adapter)
-    requests = [(f"{adapter}{i}", prompt, SamplingParams(max_new_tokens=6, greedy=True, adapter=adapter))
-                for i, prompt in enumerate(FAMILY_PROMPTS) for adapter in ("a", "b", None)]
-    results = engine.generate(requests)
-    tokens = {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
-    for i in range(len(FAMILY_PROMPTS)):
-        for adapter in ("a", "b", None):
-            assert tokens[f"{adapter}{i}"] == expected[adapter, i], (name, adapter, i)
+    engine, tokens = _family_tokens(lora_family, tiny_tokenizer, kernel_backend=backend)
+    assert engine.runner.kernel_backend == backend
+    llama_shaped = backend == "cpp" and lora_family[0] in LLAMA_SHAPED
+    assert isinstance(engine.runner.model, LlamaModel if llama_shaped else DecoderModel)
+    _assert_transformers_tokens(lora_family, tokens)
+
+
+@pytest.mark.parametrize("lora_family", ["phi3-nowindow"], indirect=True)
+def test_phi3_s_fused_projection_adapters_answer_as_transformers_on_llama_py_s_modules_too(lora_family,
+                                                                                            tiny_tokenizer):
+    """The PyTorch modules' path of llama.LlamaModel (the CUDA path; batch_invariant off on CPU) adds a Phi-3
+    adapter's qkv_proj / gate_up_proj terms as transformers' merge does."""
+    from lmi_handler.engine.model.llama import LlamaModel
+
+    engine, tokens = _family_tokens(lora_family, tiny_tokenizer, batch_invariant=False)
+    assert isinstance(engine.runner.model, LlamaModel)
+    _assert_transformers_tokens(lora_family, tokens)

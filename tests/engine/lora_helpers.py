@@ -14,11 +14,17 @@ SUBLAYER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection of a transformers LlamaConfig."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    """(in, out) of each projection of a transformers config of a family we serve (Llama's q/k/v/o and
+    gate/up/down names; Phi-3's checkpoints hold q/k/v and gate/up fused, as qkv_proj and gate_up_proj)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    shapes = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
+    if config.model_type == "phi3":
+        return shapes | {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}
+    return shapes | {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                     "gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
 
 
 def write_peft_adapter(path: Path, config, rank: int = 8, alpha: float = 16.0, seed: int = 0,

@@ -3,7 +3,8 @@ product: exact against transformers with the adapter merged, a row's bits indepe
 the scheduler's prefix cache keyed on the adapter and max_loras, and the engine applying adapters in its
 forward on every path (the C++ per-op path, llama.py's module path, forward.py's spec walk): greedy tokens as
 transformers' with the adapter merged, the base beside them as the base alone, a request's bits the same
-whatever other adapters share its step."""
+whatever other adapters share its step; the same for the other families (family_models.py) on the C++ ops and
+the torch reference."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,7 @@ from lmi_handler.engine.model.lora import (
 )
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.family_models import build_tiny_family
 from tests.engine.helpers import hf_greedy, run_step
 from tests.engine.lora_helpers import PEFT_PREFIX, merge_adapter, write_peft_adapter
 
@@ -484,3 +486,94 @@ def test_a_random_adapter_on_the_demo_model_answers_as_transformers_with_it_merg
     expected = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(prompt):].tolist()
     assert tokens["base"] == expected_base
     assert tokens["demo"] == expected and expected != expected_base
+
+
+# ---- the other families: forward.py's DecoderModel on the C++ ops and the torch reference (Llama-shaped ones:
+# the fused C++ Llama path on cpp) ------------------------------------------------------------------------------
+
+# biases + windows, norm offset + softcaps + GELU, fused projections in the checkpoint (on forward.py and on the
+# fused C++ Llama path), full-width q/k norms; the other families (the same mechanisms again) in the slow run
+LORA_FAMILIES = ["qwen2", "gemma2", "phi3", "phi3-nowindow", "olmo2"] + [
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("qwen3", "qwen2-nowindow", "mistral", "gemma3_text", "granite", "smollm3")]
+LLAMA_SHAPED = ("phi3-nowindow", "qwen2-nowindow")     # the fused C++ Llama path (llama.LlamaModel) on cpp
+FAMILY_PROMPTS = [[1, 250, 17, 99], [1] + [(7 * i + 3) % 500 + 3 for i in range(20)]]   # 21 tokens: past window 16
+
+
+@pytest.fixture(scope="module", params=LORA_FAMILIES)
+def lora_family(request, tmp_path_factory):
+    """A tiny random checkpoint of a non-Llama family (family_models.py), two random adapters of it (a: rank 8
+    on every projection the checkpoint has, Phi-3's fused qkv_proj / gate_up_proj; b: rank 4 on one attention
+    and one MLP projection) and transformers' greedy tokens for each of FAMILY_PROMPTS on the base (None) and on
+    the base with each adapter merged (fp32), computed once for both backends."""
+    from transformers import AutoModelForCausalLM
+
+    name = request.param
+    path = tmp_path_factory.mktemp(f"lora_{name}")
+    models = {None: build_tiny_family(path, name)}
+    fused = name.startswith("phi3")
+    every = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if fused else \
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    root = path / "adapters"
+    tensors = {"a": write_peft_adapter(root / "a", models[None].config, seed=21, modules=every, std=0.05),
+               "b": write_peft_adapter(root / "b", models[None].config, rank=4, seed=22, std=0.05,
+                                       modules=("qkv_proj", "gate_up_proj") if fused else ("k_proj", "up_proj"))}
+    for adapter, weights in tensors.items():
+        models[adapter] = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        merge_adapter(models[adapter], weights, 16.0 / (8 if adapter == "a" else 4))
+    expected = {(adapter, i): hf_greedy(model, prompt, 6)
+                for adapter, model in models.items() for i, prompt in enumerate(FAMILY_PROMPTS)}
+    assert any(expected["a", i] != expected[None, i] for i in range(len(FAMILY_PROMPTS)))   # a changes answers
+    return name, path, root, expected
+
+
+def _family_tokens(lora_family, tokenizer, **options) -> tuple[Engine, dict[str, list[int]]]:
+    """Both adapters and the base over FAMILY_PROMPTS in one engine (`options`: EngineConfig fields): the engine
+    and request id (adapter name or None, then the prompt's index) -> its greedy tokens."""
+    _, path, root, _ = lora_family
+    lora = LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(root,))
+    engine = Engine(replace(_config(path), lora=lora, **options), tokenizer)
+    assert engine.applies_lora
+    for adapter in ("a", "b"):
+        engine.adapters.load(adapter, root / adapter)
+    requests = [(f"{adapter}{i}", prompt, SamplingParams(max_new_tokens=6, greedy=True, adapter=adapter))
+                for i, prompt in enumerate(FAMILY_PROMPTS) for adapter in ("a", "b", None)]
+    results = engine.generate(requests)                               # one step holds both adapters and the base
+    return engine, {rid: [t.id for out in outs for t in out.new_tokens] for rid, outs in results.items()}
+
+
+def _assert_transformers_tokens(lora_family, tokens: dict[str, list[int]]) -> None:
+    name, _, _, expected = lora_family
+    for i in range(len(FAMILY_PROMPTS)):
+        for adapter in ("a", "b", None):
+            assert tokens[f"{adapter}{i}"] == expected[adapter, i], (name, adapter, i)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_every_family_s_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_base_requests(
+        lora_family, tiny_tokenizer, backend):
+    """One engine serves both adapters and the base in the same steps on forward.py's DecoderModel (the C++
+    ops or the torch reference; a Llama-shaped checkpoint on cpp: llama.LlamaModel's fused C++ stack): each
+    request's greedy tokens are transformers' on the base with its adapter merged, or on the base alone
+    (biases and windows: qwen2; norm offset, softcaps, GELU: gemma2; fused projections: phi3; full-width q/k
+    norms: olmo2; ...)."""
+    from lmi_handler.engine.model.forward import DecoderModel
+    from lmi_handler.engine.model.llama import LlamaModel
+
+    engine, tokens = _family_tokens(lora_family, tiny_tokenizer, kernel_backend=backend)
+    assert engine.runner.kernel_backend == backend
+    llama_shaped = backend == "cpp" and lora_family[0] in LLAMA_SHAPED
+    assert isinstance(engine.runner.model, LlamaModel if llama_shaped else DecoderModel)
+    _assert_transformers_tokens(lora_family, tokens)
+
+
+@pytest.mark.parametrize("lora_family", ["phi3-nowindow"], indirect=True)
+def test_phi3_s_fused_projection_adapters_answer_as_transformers_on_llama_py_s_modules_too(lora_family,
+                                                                                            tiny_tokenizer):
+    """The PyTorch modules' path of llama.LlamaModel (the CUDA path; batch_invariant off on CPU) adds a Phi-3
+    adapter's qkv_proj / gate_up_proj terms as transformers' merge does."""
+    from lmi_handler.engine.model.llama import LlamaModel
+
+    engine, tokens = _family_tokens(lora_family, tiny_tokenizer, batch_invariant=False)
+    assert isinstance(engine.runner.model, LlamaModel)
+    _assert_transformers_tokens(lora_family, tokens)

@@ -163,7 +163,7 @@ class ModelRunner:
         self.kernel_backend = self.model.kernel_backend
         if not batch_invariant and isinstance(self.model, DecoderModel):
             logger.info("option.batch_invariant=false changes nothing here: the %s backend's kernels compute each "
-                        "row alone (only the fused C++ Llama path has a faster non-invariant form)",
+                        "row alone (only llama.py, Llama-shaped models on cpp, has a faster non-invariant form)",
                         self.kernel_backend)
         if group is not None:
             self.model.group = group

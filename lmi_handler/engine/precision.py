@@ -127,8 +127,12 @@ def _name(dtype: torch.dtype | None) -> str:
 
 
 def pick_device(device_id: int) -> torch.device:
-    """cuda:device_id (cuda:0 for -1) when CUDA is present, else CPU."""
+    """cuda:device_id (cuda:0 for -1) when CUDA is present, else CPU. Raises ConfigError naming option.device_id
+    for an index past the visible CUDA devices."""
     if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if device_id >= count:
+            raise ConfigError(f"option.device_id={device_id}: {count} CUDA device(s) visible, so -1 or 0..{count - 1}")
         return torch.device(f"cuda:{max(device_id, 0)}")
     return torch.device("cpu")
 

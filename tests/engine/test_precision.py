@@ -11,7 +11,7 @@ from lmi_handler.config import ConfigError, Settings
 from lmi_handler.engine.model.kernels import PackedWeight, cpu_kernels
 from lmi_handler.engine.model.loader import load_model
 from lmi_handler.engine.model_runner import ModelRunner
-from lmi_handler.engine.precision import checkpoint_dtype, resolve_precision
+from lmi_handler.engine.precision import checkpoint_dtype, pick_device, resolve_precision
 from tests.engine.helpers import build_tiny_llama
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda:0")
@@ -179,3 +179,11 @@ def test_bf16_kernel_fma_is_the_form_the_engine_runs_and_it_stays_batch_invarian
         assert bf16_dot_form() == auto_form
     finally:
         choose_bf16_dot("auto")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (gpu_check.sh runs the engine tests there)")
+def test_a_device_id_past_the_visible_gpus_is_refused_naming_the_option_and_range():
+    count = torch.cuda.device_count()
+    assert pick_device(-1) == torch.device("cuda:0") and pick_device(count - 1) == torch.device(f"cuda:{count - 1}")
+    with pytest.raises(ConfigError, match=rf"option.device_id={count}: {count} CUDA device\(s\) visible, so -1 or 0"):
+        pick_device(count)

@@ -34,7 +34,8 @@ def test_the_summary_records_the_graphs_and_the_eager_throughputs_and_their_rati
                                    "--bench-eager-json", str(tmp_path / "e.json"), "--rc", "invariance=0"]) == 0
     record = json.loads(next(out.glob("gpu-*.json")).read_text())
     assert record["offline_tok_s_invariant"] == 12000.0 and record["offline_tok_s_eager"] == 4000.0
-    assert record["offline_tok_s_fast"] == 15000.0 and record["batch1_tok_s"] == 450.0
+    assert record["offline_tok_s_fast"] == 15000.0 and record["offline_tok_s_fast_note"] is None
+    assert record["batch1_tok_s"] == 450.0
     assert record["graphs_vs_eager"] == 3.0 and record["offline_vs_hf"] == 4.0
     assert record["bandwidth_gb_s"] > 0 and record["invariance_bitwise"] is False    # no kernel tests ran
     for key in ("device", "offline_tok_s_fast", "hf_tok_s"):
@@ -46,3 +47,15 @@ def test_the_summary_without_an_eager_run_leaves_its_figures_empty(tmp_path):
     assert gpu_kernels_check.main(["--smoke", "--summary", str(out)]) == 0
     record = json.loads(next(out.glob("gpu-*.json")).read_text())
     assert record["offline_tok_s_eager"] is None and record["graphs_vs_eager"] is None
+
+
+def test_the_summary_of_a_run_without_the_plain_round_keeps_the_fast_key_null_and_says_why(tmp_path):
+    # what bench.py writes with --no-plain, as gpu_check.sh runs it
+    bench = {"phases": {"ours_offline_bf16": {"output_tokens_per_s": 12000.0},
+                        "ours_offline_plain_bf16": {"skipped": "--no-plain"}}}
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    out = tmp_path / "out"
+    assert gpu_kernels_check.main(["--smoke", "--summary", str(out), "--bench-json", str(tmp_path / "b.json")]) == 0
+    record = json.loads(next(out.glob("gpu-*.json")).read_text())
+    assert record["offline_tok_s_invariant"] == 12000.0 and record["offline_tok_s_fast"] is None
+    assert "no effect on kernel_backend=triton" in record["offline_tok_s_fast_note"]

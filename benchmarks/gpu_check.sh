@@ -67,7 +67,7 @@ if (( $# > 1 )); then bad_usage "one argument at most, got $#"; fi
 cd "$(dirname "$0")/.."
 # the device tool brings back at most 8 files from $OUT: logs, JSON; benchmarks/results/gpu-check/ is git-ignored
 OUT_DIR=${OUT:-benchmarks/results/gpu-check}
-CARRY=.gpu-carry
+CARRY=${GPU_CARRY:-.gpu-carry}   # GPU_CARRY: another folder (the tests point it at an empty one)
 T0=$(date +%s)
 # left N: N seconds, or what is left of BUDGET_S when that is less (never under 10)
 left() { local l=$(( ${BUDGET_S:-470} - ($(date +%s) - T0) )); (( l > $1 )) && l=$1; (( l < 10 )) && l=10; echo "$l"; }

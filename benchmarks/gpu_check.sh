@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_check.sh            # on the CUDA machine; refuses (exit 2) without CUDA or a package
 #   bash benchmarks/gpu_check.sh --prepare  # HERE, with network: fill .gpu-carry/ for a bare device machine
 #   bash benchmarks/gpu_check.sh --help     # this text
+# PYTHON picks the interpreter (default .venv/bin/python where there is one, else python3).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/gpu-check/ (ignored by
 # git; a run worth keeping goes to benchmarks/measurements/, as gpu-check-2026-12-04-h200/ did).
 #

@@ -1,66 +1,96 @@
 #!/usr/bin/env bash
-# GPU check (issue 38, item 6): on a CUDA machine, within 8 minutes, the engine on option.kernel_backend=triton
-# (auto picks it on CUDA): the Triton kernels' tests compiled, bitwise ones included, the CUDA-graph replay and
-# gpu_memory_utilization tests among them, and the kernels' timings against torch
-# (benchmarks/gpu_kernels_check.py); the engine's batch-invariance tests; the 64 x 128 MT-bench workload in
-# bf16 with the defaults a GPU user gets (decode steps as CUDA graphs, the KV cache sized by
-# option.gpu_memory_utilization=0.9), again with option.enforce_eager=true (the same steps without graphs),
-# and with batch_invariant=false; batch-1 decode and transformers' generate() (static batch of 64) as the
-# same-run peer (benchmarks/bench.py); the GPU's read bandwidth and bf16 matmul FLOP/s; then the rest of the
-# engine's tests with the time left. vLLM's CPU build is not a GPU peer, so the vLLM phases are skipped.
+# GPU check (issue 38, item 6): on a CUDA machine, within a budget of about 8 minutes, the engine on
+# option.kernel_backend=triton (auto picks it on CUDA), the most telling steps first:
+#   1. the Triton kernels' tests compiled, bitwise ones, CUDA-graph replay and gpu_memory_utilization among them,
+#      and the kernels' timings against torch (benchmarks/gpu_kernels_check.py)            KERNELS_TIMEOUT 150
+#   2. the 64 x 128 MT-bench workload in bf16 with a GPU user's defaults (decode steps as CUDA graphs, the KV
+#      cache sized by option.gpu_memory_utilization=0.9), batch-1 decode, transformers' generate() (static batch
+#      of 64) as the same-run peer and the bf16 matmul ceiling (benchmarks/bench.py)       BENCH_TIMEOUT 150
+#      bench.py's plain round (option.batch_invariant=false) is skipped (--no-plain): on kernel_backend=triton
+#      (and torch) the option has no effect, the kernels being row-invariant by construction.
+#   3. the same offline workload with option.enforce_eager=true (no graphs)                EAGER_TIMEOUT 70
+#   4. LoRA: 64 requests over 4 adapters against the same 64 on the base, bf16
+#      (benchmarks/ab.py lora; its line goes to gpu-bench.log)                             LORA_TIMEOUT 60
+#   5. the engine's batch-invariance tests                                                 INVARIANCE_TIMEOUT 80
+#   6. tensor parallelism across the visible GPUs, when there are two or more              60
+#   7. the summary, with the GPU's read bandwidth (gpu_kernels_check.py --summary)         60, outside the budget
+#   8. a C++ kernel's bad-shape refusal test alone (it crashed the 2026-12-04 image)       60
+#      then the rest of the engine's tests with the time left                              TESTS_TIMEOUT 200
+# Each step's timeout (the variable named, else the default) is cut to what is left of BUDGET_S (470 s); the
+# last steps get what the first ones leave. vLLM's CPU build is not a GPU peer, so its phases are skipped.
+# PROFILE=1 adds a cProfile of 64 sequences x 32 tokens before step 8 (PROFILE_TIMEOUT 90, outside the budget).
 #
-#   bash benchmarks/gpu_check.sh            # from the repo root; results under $OUT (or benchmarks/results)
+# Usage, from any folder:
+#   bash benchmarks/gpu_check.sh            # on the CUDA machine; refuses (exit 2) without CUDA or a package
 #   bash benchmarks/gpu_check.sh --prepare  # HERE, with network: fill .gpu-carry/ for a bare device machine
+#   bash benchmarks/gpu_check.sh --help     # this text
+# PYTHON picks the interpreter (default .venv/bin/python where there is one, else python3).
+# Results go to $OUT when set (the device tool's folder), else to benchmarks/results/gpu-check/ (ignored by
+# git; a run worth keeping goes to benchmarks/measurements/, as gpu-check-2026-12-04-h200/ did).
 #
 # Writes gpu-<UTC date>.json with device, offline_tok_s_invariant (graphs), offline_tok_s_eager
-# (enforce_eager=true), offline_tok_s_fast, batch1_tok_s, hf_tok_s, bandwidth_gb_s and invariance_bitwise (true
-# when the Triton tests and the invariance tests all passed on the GPU), beside gpu-kernels-*.json, bench-*.json
-# and the logs (7 files: the device tool brings back at most 8; the eager run's JSON stays in a temporary folder).
+# (enforce_eager=true), graphs_vs_eager, offline_tok_s_fast (null, with offline_tok_s_fast_note saying why),
+# batch1_tok_s, hf_tok_s, offline_vs_hf, lora_base_tok_s, lora_tok_s, lora_vs_base (target: at least 0.8),
+# bandwidth_gb_s, matmul_bf16_tflop_s and invariance_bitwise (true when the Triton tests and the invariance tests
+# all passed on the GPU), beside gpu-kernels-*.json, bench-*.json and the logs gpu-kernels.log, gpu-bench.log
+# (the LoRA step's too), gpu-invariance.log and gpu-tests.log (7 files: the device tool brings back at most 8;
+# the eager run's JSON stays in a temporary folder).
 #
-# On a machine set up with `make install model` nothing else is needed. A bare device machine (no
-# network, its own python3 with torch/transformers/triton but not fastapi/uvicorn/pydantic, no model/) gets:
-#   .gpu-carry/whl/    wheels of the missing packages (--prepare downloads them for Python 3.12)
-#   .gpu-carry/mt_bench_questions.jsonl  the workload's prompts (../shared does not travel)
+# On a machine set up with `make install model` nothing else is needed. A bare device machine (no network,
+# its own python3 with torch/transformers/triton but not fastapi/uvicorn/pydantic, no model/) gets:
+#   .gpu-carry/whl/    wheels of the missing packages, for CARRY_PYTHON (default 3.12, the 2026-12-04 image's
+#                      Python; e.g. CARRY_PYTHON=3.11 bash benchmarks/gpu_check.sh --prepare): pure-Python
+#                      wheels except pydantic-core, rpds-py and llguidance, built for that Python / the abi3
+#                      ABI on manylinux x86_64. The run skips them, saying so, when its Python is another one;
+#                      the check then needs those packages installed otherwise.
 #   .gpu-carry/model/  the demo model's config, generation config, tokenizer and chat template (no weights:
 #                      the 0.5 GB checkpoint is larger than what travels); the weights are then made
 #                      RANDOM with the same shapes. Throughput does not depend on weight values (EOS is
 #                      ignored), and the engine tests compare against transformers on the same weights,
 #                      but the tests that need the real demo weights are deselected; the output says so.
-# Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git). Every step's timeout is cut to
-# what is left of BUDGET_S (default 470 s), the most telling steps first: KERNELS_TIMEOUT 150, BENCH_TIMEOUT
-# 170, EAGER_TIMEOUT 70, INVARIANCE_TIMEOUT 80, tensor parallelism 60, then the engine tests (TESTS_TIMEOUT 200)
-# with the rest.
-# PROFILE=1 adds a cProfile of a step (90 s, outside the budget).
+# The workload's prompts are tracked (benchmarks/data/mt_bench_questions.jsonl) and travel with the tree.
+# Pass .gpu-carry in the device tool's `carry` (.gitignore keeps it out of git).
 #
 # Status: the Triton backend, the CUDA graphs and gpu_memory_utilization have not run on a GPU yet (no device was
-# lent since they were written); the C++ /
-# PyTorch path's run on one NVIDIA H200 is in benchmarks/README.md ("GPU check on an NVIDIA H200"; logs in
-# benchmarks/measurements/gpu-check-2026-12-04-h200/). The tensor-parallel step (NCCL across the visible
-# GPUs) is untested: no machine with two GPUs was lent.
+# lent since they were written); the earlier C++ / PyTorch path's run on an NVIDIA H200 left its logs in
+# benchmarks/measurements/gpu-check-2026-12-04-h200/ (what they showed: docs/gpu.md). The tensor-parallel step
+# (NCCL across the visible GPUs) is untested: no machine with two GPUs was lent.
 set -uo pipefail
+# the header above, without its '# '; --help prints it, a wrong argument its usage lines
+header() { sed -n '2,/^set -uo pipefail/{/^#/s/^# \{0,1\}//p}' "$0"; }
+bad_usage() { header | sed -n '/^Usage/,/^$/p' >&2; echo "gpu_check.sh: $1 (--help: the whole text)" >&2; exit 2; }
+case "${1:-}" in
+  ""|--prepare) ;;
+  -h|--help) header; exit 0 ;;
+  *) bad_usage "unknown argument '$1'" ;;
+esac
+if (( $# > 1 )); then bad_usage "one argument at most, got $#"; fi
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-benchmarks/results}   # the device tool brings back at most 8 files from $OUT: logs, JSON, PNG
-mkdir -p "$OUT_DIR"
-CARRY=.gpu-carry
+# the device tool brings back at most 8 files from $OUT: logs, JSON; benchmarks/results/gpu-check/ is git-ignored
+OUT_DIR=${OUT:-benchmarks/results/gpu-check}
+CARRY=${GPU_CARRY:-.gpu-carry}   # GPU_CARRY: another folder (the tests point it at an empty one)
 T0=$(date +%s)
 # left N: N seconds, or what is left of BUDGET_S when that is less (never under 10)
 left() { local l=$(( ${BUDGET_S:-470} - ($(date +%s) - T0) )); (( l > $1 )) && l=$1; (( l < 10 )) && l=10; echo "$l"; }
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
+  carry_python=${CARRY_PYTHON:-3.12}
+  rm -rf "$CARRY/whl"
   mkdir -p "$CARRY/whl" "$CARRY/model"
   for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja special_tokens_map.json; do
     if [[ -e model/$f ]]; then cp -L "model/$f" "$CARRY/model/"; fi
   done
-  prompts=$(cd benchmarks && python3 -c "import workload; print(workload.PROMPTS)")
-  cp "$prompts" "$CARRY/"
-  # what the device image lacks (KINDS.md lists what it has); pure-Python wheels except pydantic-core
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  # the packages the device image of the 2026-12-04 run lacked (it had the rest the check needs); pure-Python
+  # wheels except pydantic-core and rpds-py (built per CPython version) and llguidance (abi3)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$carry_python" --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$CARRY/whl" \
     fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection prometheus-client \
     python-multipart opentelemetry-api typing-extensions javaproperties 'llguidance>=1.8' jsonschema \
     jsonschema-specifications referencing rpds-py
+  echo "$carry_python" > "$CARRY/whl/python-version"
+  echo "wheels for Python $carry_python in $CARRY/whl; pass $CARRY in the device tool's carry"
   du -sh "$CARRY"
   exit 0
 fi
@@ -71,21 +101,42 @@ if [[ -z "$PY" ]]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if compgen -G "$CARRY/whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  py_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  carried=$(cat "$CARRY/whl/python-version" 2>/dev/null || echo "?")
+  if [[ "$carried" == [0-9]* && "$carried" != "$py_version" ]]; then
+    echo "$CARRY/whl holds wheels for Python $carried, this is Python $py_version ($PY): not installed; the check" \
+      "needs those packages installed otherwise (or --prepare with CARRY_PYTHON=$py_version)"
+  elif "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$CARRY"/whl/*.whl > /tmp/gpu-carry-pip.log 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  else
+    echo "$CARRY/whl's wheels (made for Python $carried) did not install on Python $py_version ($PY):" \
+      "$(tail -1 /tmp/gpu-carry-pip.log | sed 's/^ERROR: //') (pip's output: /tmp/gpu-carry-pip.log); going on" \
+      "without them: the check needs those packages installed otherwise"
+  fi
 fi
 
 "$PY" - <<'EOF' || exit 2
-import importlib, sys
-import torch
-missing = [m for m in ("transformers", "safetensors", "pydantic", "fastapi", "uvicorn", "httpx", "psutil", "pytest",
-                       "matplotlib") if importlib.util.find_spec(m) is None]
-triton = importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else "missing"
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}"
-      + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "") + f"; triton {triton}")
-if missing or not torch.cuda.is_available():
-    sys.exit(f"cannot run the GPU check: missing {missing or 'nothing'}; CUDA available {torch.cuda.is_available()}")
+import importlib.util, sys
+missing = [m for m in ("torch", "triton", "transformers", "safetensors", "pydantic", "fastapi", "uvicorn", "httpx",
+                       "psutil", "pytest", "matplotlib") if importlib.util.find_spec(m) is None]
+problems = []
+if "torch" not in missing:
+    import torch
+    triton = "missing" if "triton" in missing else importlib.import_module("triton").__version__
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}"
+          + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "") + f"; triton {triton}")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build, no CUDA device visible" if torch.version.cuda else "CPU build"
+        problems.append(f"CUDA is not available (torch {torch.__version__}, {build})")
+if missing:
+    problems.append(f"missing packages: {', '.join(missing)}")
+if problems:
+    sys.exit(f"cannot run the GPU check with {sys.executable}: {'; '.join(problems)}")
 EOF
+
+mkdir -p "$OUT_DIR"
+echo "results go to $OUT_DIR"
 
 DESELECT=()
 if [[ ! -f model/model.safetensors ]]; then
@@ -117,15 +168,15 @@ timeout "$kernels_timeout" "$PY" benchmarks/gpu_kernels_check.py --out "$OUT_DIR
 kern_rc=${PIPESTATUS[0]}
 echo "Triton kernels: exit $kern_rc in $(( $(date +%s) - start )) s"
 
-echo "== benchmark, bf16, kernel_backend=triton, CUDA graphs, gpu_memory_utilization=0.9: offline batch-invariant and not, batch-1, transformers' generate() =="
+echo "== benchmark, bf16, kernel_backend=triton, CUDA graphs, gpu_memory_utilization=0.9: offline, batch-1, transformers' generate() =="
+# --no-plain: option.batch_invariant=false changes nothing on kernel_backend=triton (row-invariant kernels), so
+# its round would time the same engine again; the summary keeps offline_tok_s_fast null with a note
 start=$(date +%s)
-PROMPTS_ARG=()
-if [[ -f $CARRY/mt_bench_questions.jsonl ]]; then PROMPTS_ARG=(--prompts "$CARRY/mt_bench_questions.jsonl"); fi
 BENCH_DIR=$(mktemp -d)      # bench.py writes a .png beside its .json: only the .json is kept
 # bench.py sets option.kv_cache_bytes; gpu_memory_utilization set too sizes the cache as a GPU user's default does
-timeout "$(left "${BENCH_TIMEOUT:-170}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
-  --option kernel_backend triton --option gpu_memory_utilization 0.9 --hf-batch-sizes 64 --out-dir "$BENCH_DIR" \
-  --skip vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1_int8,peak_end "${PROMPTS_ARG[@]}" \
+timeout "$(left "${BENCH_TIMEOUT:-150}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
+  --option kernel_backend triton --option gpu_memory_utilization 0.9 --no-plain --hf-batch-sizes 64 --out-dir "$BENCH_DIR" \
+  --skip vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1_int8,peak_end \
   --phase-timeout-s 120 2>&1 | tee "$OUT_DIR/gpu-bench.log"
 bench_rc=${PIPESTATUS[0]}
 BENCH_JSON=$(ls -t "$BENCH_DIR"/bench-*.json 2>/dev/null | head -1)
@@ -138,7 +189,7 @@ EAGER_DIR=$(mktemp -d)
 timeout "$(left "${EAGER_TIMEOUT:-70}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
   --option kernel_backend triton --option gpu_memory_utilization 0.9 --option enforce_eager true --no-plain \
   --out-dir "$EAGER_DIR" --skip peak,vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1,hf \
-  "${PROMPTS_ARG[@]}" --phase-timeout-s 60 2>&1 | tee -a "$OUT_DIR/gpu-bench.log"
+  --phase-timeout-s 60 2>&1 | tee -a "$OUT_DIR/gpu-bench.log"
 eager_rc=${PIPESTATUS[0]}
 EAGER_JSON=$(ls -t "$EAGER_DIR"/bench-*.json 2>/dev/null | head -1)
 echo "benchmark, enforce_eager: exit $eager_rc in $(( $(date +%s) - start )) s"
@@ -149,7 +200,8 @@ echo "== LoRA (issue 41): 64 requests over 4 adapters against the same 64 on the
 start=$(date +%s)
 timeout "$(left "${LORA_TIMEOUT:-60}")" "$PY" benchmarks/ab.py lora --dtype bf16 --rounds 2 --threads 4 2>&1 \
   | tee -a "$OUT_DIR/gpu-bench.log"
-echo "LoRA throughput: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/gpu-bench.log"
+lora_rc=${PIPESTATUS[0]}
+echo "LoRA throughput: exit $lora_rc in $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/gpu-bench.log"
 
 echo "== batch invariance on CUDA (the tests that compare a row alone and in a batch; auto = triton on CUDA) =="
 start=$(date +%s)
@@ -198,32 +250,32 @@ echo "== the summary: gpu-<UTC date>.json (and the GPU's read bandwidth, measure
 KERNELS_JSON=$(ls -t "$OUT_DIR"/gpu-kernels-*.json 2>/dev/null | head -1)
 timeout 60 "$PY" benchmarks/gpu_kernels_check.py --summary "$OUT_DIR" --kernels-json "${KERNELS_JSON:-}" \
   --bench-json "${BENCH_JSON:-}" --bench-eager-json "${EAGER_JSON:-}" --rc kernels="$kern_rc" \
-  --rc invariance="$inv_rc" --rc bench="$bench_rc" --rc bench_eager="$eager_rc" --rc tensor_parallel="$tp_rc"
+  --rc invariance="$inv_rc" --rc bench="$bench_rc" --rc bench_eager="$eager_rc" --rc tensor_parallel="$tp_rc" \
+  --rc lora="$lora_rc"
 sum_rc=$?
 echo "summary: exit $sum_rc"
 
 if [[ "${PROFILE:-0}" == 1 ]]; then
-echo "== where a step's time goes on CUDA: batch-invariant (per-sequence attention, 16-row tiles) vs not =="
+echo "== where a step's time goes on CUDA: the default engine (auto = triton), 64 sequences x 32 tokens =="
 timeout "${PROFILE_TIMEOUT:-90}" "$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/gpu-bench.log"
 import cProfile, io, pstats, time, torch
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine.engine import Engine
 from lmi_handler.engine.sequence import SamplingParams
 prompts = [[1] + [(7 * i + 13 * j) % 40000 + 100 for j in range(60 + i)] for i in range(64)]
-for invariant in (True, False):
-    engine = Engine(EngineConfig(model_path="model", dtype="bfloat16", device_id=0, max_num_seqs=64,
-                                 max_num_batched_tokens=4096, max_model_len=None, block_size=16,
-                                 kv_cache_bytes=1 << 30, batch_invariant=invariant, enable_prefix_caching=False))
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    engine.generate([(f"w{i}", p, params) for i, p in enumerate(prompts[:4])])      # warm-up
-    torch.cuda.synchronize(); t = time.perf_counter()
-    prof = cProfile.Profile(); prof.enable()
-    engine.generate([(f"r{i}", p, params) for i, p in enumerate(prompts)])
-    prof.disable(); torch.cuda.synchronize(); dt = time.perf_counter() - t
-    print(f"batch_invariant={invariant}: 64 x 32 tokens in {dt:.2f} s = {64 * 32 / dt:.0f} tok/s (cProfile on)")
-    buf = io.StringIO(); pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-    print(buf.getvalue()[-3500:])
-    del engine; torch.cuda.empty_cache()
+# batch_invariant stays at its default: on kernel_backend=triton it changes nothing (row-invariant kernels)
+engine = Engine(EngineConfig(model_path="model", dtype="bfloat16", device_id=0, max_num_seqs=64,
+                             max_num_batched_tokens=4096, max_model_len=None, block_size=16,
+                             kv_cache_bytes=1 << 30, enable_prefix_caching=False))
+params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+engine.generate([(f"w{i}", p, params) for i, p in enumerate(prompts[:4])])      # warm-up
+torch.cuda.synchronize(); t = time.perf_counter()
+prof = cProfile.Profile(); prof.enable()
+engine.generate([(f"r{i}", p, params) for i, p in enumerate(prompts)])
+prof.disable(); torch.cuda.synchronize(); dt = time.perf_counter() - t
+print(f"64 x 32 tokens in {dt:.2f} s = {64 * 32 / dt:.0f} tok/s (cProfile on)")
+buf = io.StringIO(); pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+print(buf.getvalue()[-3500:])
 PYEOF
 echo "profile: exit ${PIPESTATUS[0]}"
 fi

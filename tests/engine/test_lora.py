@@ -492,10 +492,9 @@ def test_a_random_adapter_on_the_demo_model_answers_as_transformers_with_it_merg
 # the fused C++ Llama path on cpp) ------------------------------------------------------------------------------
 
 # biases + windows, norm offset + softcaps + GELU, fused projections in the checkpoint (on forward.py and on the
-# fused C++ Llama path), full-width q/k norms; the other families (the same mechanisms again) in the slow run
-LORA_FAMILIES = ["qwen2", "gemma2", "phi3", "phi3-nowindow", "olmo2"] + [
-    pytest.param(name, marks=pytest.mark.slow)
-    for name in ("qwen3", "qwen2-nowindow", "mistral", "gemma3_text", "granite", "smollm3")]
+# fused C++ Llama path), full-width q/k norms, multipliers, NoPE layers: about half a second a family
+LORA_FAMILIES = ["qwen2", "gemma2", "phi3", "phi3-nowindow", "olmo2", "qwen3", "qwen2-nowindow", "mistral",
+                 "gemma3_text", "granite", "smollm3"]
 LLAMA_SHAPED = ("phi3-nowindow", "qwen2-nowindow")     # the fused C++ Llama path (llama.LlamaModel) on cpp
 FAMILY_PROMPTS = [[1, 250, 17, 99], [1] + [(7 * i + 3) % 500 + 3 for i in range(20)]]   # 21 tokens: past window 16
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from lmi_handler.config import EngineConfig, LoraConfig
 from lmi_handler.engine.engine import Engine, RequestRejected
 from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.model.loader import read_config
 from lmi_handler.engine.model.lora import (
     AdapterRegistry,
     LoraAdapter,
@@ -31,6 +32,7 @@ from lmi_handler.engine.model.lora import (
 )
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.device_syncs import DeviceSyncs
 from tests.engine.family_models import build_tiny_family
 from tests.engine.helpers import hf_greedy, run_step
 from tests.engine.lora_helpers import PEFT_PREFIX, merge_adapter, write_peft_adapter
@@ -352,6 +354,17 @@ def _lora_engine(lora_base, tokenizer, **options) -> Engine:
     for name in ("a", "b", "c"):
         engine.adapters.load(name, root / name)
     return engine
+
+
+def test_a_new_adapter_sets_stacks_reach_the_device_without_a_blocking_copy(lora_base, tiny_tokenizer):
+    """The first step of an adapter set builds its stacks (LoraBatch.build) before the forward. Every copy to the
+    device is non-blocking (on CUDA a blocking one synchronizes the stream), as DeviceSyncs sees it on CPU."""
+    engine = _lora_engine(lora_base, tiny_tokenizer)
+    adapters = [engine.adapters.get(name) for name in ("a", "c")]
+    shapes = base_module_shapes(read_config(lora_base[0]))
+    with DeviceSyncs(torch.device("cpu")) as probe:
+        batch = LoraBatch.build(adapters, [3, 2], [0, 1], shapes, torch.device("cpu"))
+    assert probe.syncs == [] and batch.row_slot.tolist() == [0, 0, 0, 1, 1]
 
 
 PROMPTS = [[1, 17, 300, 45, 9, 88], [1, 250, 3], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]

@@ -362,8 +362,8 @@ class LoraBatch:
         calls instead of their parts. Stacks in `dtype` on `device`."""
         slots = [-1 if s is None else s for s in seq_adapter]
         row_slot = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
-                                           torch.tensor(rows_per_seq, dtype=torch.int64)).to(device)
-        scale = torch.tensor([a.scale for a in adapters], dtype=dtype, device=device)
+                                           torch.tensor(rows_per_seq, dtype=torch.int64)).to(device, non_blocking=True)
+        scale = torch.tensor([a.scale for a in adapters], dtype=dtype).to(device, non_blocking=True)
         keys = {key for a in adapters for key in a.weights}
         stacks = {}
         for layer, module in sorted(keys):
@@ -434,7 +434,7 @@ def _stack(adapters: list[LoraAdapter], layer: int, parts: list[str], shapes: di
                 a_stack[slot, i * r_max:i * r_max + a.shape[0]] = a
                 b_stack[slot, row:row + outs[i], i * r_max:i * r_max + a.shape[0]] = b
             row += outs[i]
-    return a_stack.to(device), b_stack.to(device)
+    return a_stack.to(device, non_blocking=True), b_stack.to(device, non_blocking=True)   # (no stream sync)
 
 
 def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -11,7 +11,9 @@ import torch
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine import logits_controls, sampler, stopping
 from lmi_handler.engine.engine import Engine, RequestRejected
+from lmi_handler.engine.model.kernels import packing
 from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.precision import pick_device
 from lmi_handler.engine.scheduler import SchedulerConfig
 from lmi_handler.engine.sequence import FinishReason, GrammarKind, SamplingParams, StructuredOutputSpec
 from tests.engine.device_syncs import DeviceSyncs
@@ -392,10 +394,10 @@ def test_each_step_waits_for_the_device_once_for_its_results_whatever_its_reques
     block. top_p alone adds its documented check of whether 64 candidates held the mass. The forward is
     left out (a CUDA graph replays it; tests/engine/triton/test_cuda_graphs.py checks that step), and the
     C++ shortcuts taken only for CPU tensors are off, so the step runs the ops a GPU runs."""
-    for module in (sampler, stopping, logits_controls):
-        monkeypatch.setattr(module, "built_kernels", lambda: None)
-    with DeviceSyncs(torch.device("cpu"), skip=("/lmi_handler/engine/model/",)) as probe:
+    with DeviceSyncs(pick_device(-1), skip=("engine/model/",)) as probe:
         engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_seqs=8)
+        for module in (sampler, stopping, logits_controls, packing):      # built by the engine's load above
+            monkeypatch.setattr(module, "built_kernels", lambda: None)
         execute = engine.runner.execute
 
         def execute_on_device(model_input):

@@ -30,6 +30,7 @@ from lmi_handler.engine.model.lora import (
     load_adapter,
     lora_delta,
 )
+from lmi_handler.engine.precision import pick_device
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 from tests.engine.device_syncs import DeviceSyncs
@@ -362,8 +363,9 @@ def test_a_new_adapter_sets_stacks_reach_the_device_without_a_blocking_copy(lora
     engine = _lora_engine(lora_base, tiny_tokenizer)
     adapters = [engine.adapters.get(name) for name in ("a", "c")]
     shapes = base_module_shapes(read_config(lora_base[0]))
-    with DeviceSyncs(torch.device("cpu")) as probe:
-        batch = LoraBatch.build(adapters, [3, 2], [0, 1], shapes, torch.device("cpu"))
+    device = pick_device(-1)
+    with DeviceSyncs(device) as probe:
+        batch = LoraBatch.build(adapters, [3, 2], [0, 1], shapes, device)
     assert probe.syncs == [] and batch.row_slot.tolist() == [0, 0, 0, 1, 1]
 
 

@@ -44,8 +44,10 @@ def test_sampling_through_the_triton_ops_picks_the_cpu_samplers_tokens(mix, devi
     logits = torch.randn(len(params), VOCAB) * 3
     seqs = _seqs(params)
     cpu = Sampler()(logits, SamplingMetadata.from_sequences(seqs, VOCAB, torch.device("cpu")))
+    on_device = logits.to(device)
     with DeviceSyncs(device) as probe:       # the pick on the device never waits for it (but top_p's check)
-        ours = Sampler(tb)(logits.to(device), SamplingMetadata.from_sequences(seqs, VOCAB, device))
+        probe.on_device(on_device)
+        ours = Sampler(tb)(on_device, SamplingMetadata.from_sequences(seqs, VOCAB, device))
     assert {s.function for s in probe.syncs} == ({"apply_top_p"} if mix != "all_greedy" else set()), probe.syncs
     assert ours.token_ids.cpu().tolist() == cpu.token_ids.tolist()
     torch.testing.assert_close(ours.logprobs.cpu(), cpu.logprobs, rtol=0, atol=1e-5)

@@ -233,7 +233,7 @@ def summary(args: argparse.Namespace, device, device_name: str) -> dict:
               "hf_tok_s": rate("hf"),
               "bandwidth_gb_s": round(read_bandwidth_gb_s(device, args.smoke), 1),
               "invariance_bitwise": bool((kernels.get("tests") or {}).get("passed")) and rcs.get("invariance") == 0}
-    if record["offline_tok_s_fast"] is None:
+    if (phases.get("ours_offline_plain_bf16") or {}).get("skipped") == "--no-plain":   # skipped, not failed
         record["offline_tok_s_fast_note"] = FAST_NOTE
     flops = (phases.get("peak_start") or {}).get("peak_flops_per_s")
     record.update(lora_rates(args.summary / "gpu-bench.log"))

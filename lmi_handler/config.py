@@ -107,8 +107,8 @@ class Settings(BaseModel):
     batch_invariant: bool = True
     """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
     call per sequence). false matters only where llama.py runs (Llama-shaped models on the cpp backend, tensor
-    parallelism on CUDA): plain GEMMs and one padded attention call, faster at large batches; the layer-
-    description backends (triton, torch, the C++ ops of other families) compute each row alone either way."""
+    parallelism on CUDA): plain GEMMs and one padded attention call, faster at large batches; the backends
+    walking the layer description (triton, torch, the C++ ops of other families) compute each row alone either way."""
     huge_pages: bool = True
     """CPU: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
     (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0

@@ -141,7 +141,8 @@ def _no_refusal_traceback(record: logging.LogRecord) -> bool:
     ConfigError; starlette hands uvicorn its formatted traceback): the front end has logged the refusal and
     cli.py prints it as one line. Other start-up failures keep theirs."""
     message = record.getMessage()
-    return not (message.startswith("Traceback") and "\nlmi_handler.config.ConfigError: " in message)
+    last = message.rsplit("\nTraceback (most recent call last):", 1)[-1]      # the error raised, not its causes
+    return not (message.startswith("Traceback") and re.search(r"^lmi_handler\.config\.ConfigError: ", last, re.M))
 
 
 # The process's exit status once the engine is dead: non-zero, so the container's supervisor restarts it, and

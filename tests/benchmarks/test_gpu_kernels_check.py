@@ -50,6 +50,7 @@ def test_the_summary_without_an_eager_run_leaves_its_figures_empty(tmp_path):
     assert gpu_kernels_check.main(["--smoke", "--summary", str(out)]) == 0
     record = json.loads(next(out.glob("gpu-*.json")).read_text())
     assert record["offline_tok_s_eager"] is None and record["graphs_vs_eager"] is None
+    assert record["offline_tok_s_fast"] is None and record["offline_tok_s_fast_note"] is None   # not run: no reason
 
 
 def test_the_summary_of_a_run_without_the_plain_round_keeps_the_fast_key_null_and_says_why(tmp_path):

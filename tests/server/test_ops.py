@@ -4,16 +4,25 @@ away, and the SIGTERM drain (fast rules, then a real server).
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
 import time
+import traceback
 
 import httpx
 import pytest
 
+from lmi_handler.config import ConfigError
 from lmi_handler.frontend.loops import RollingFrontEnd
 from lmi_handler.protocol.errors import RequestValidationError
-from lmi_handler.server.ops import ENGINE_DEAD_EXIT_CODE, exit_when_dead, request_id_of, request_timeout
+from lmi_handler.server.ops import (
+    ENGINE_DEAD_EXIT_CODE,
+    _no_refusal_traceback,
+    exit_when_dead,
+    request_id_of,
+    request_timeout,
+)
 from tests.server.helpers import Reply, idle, metric, send, send_all, start_server, wait_until
 
 
@@ -356,3 +365,32 @@ def test_a_dynamic_batch_engine_found_dead_answers_503_and_engine_dead_exit_0_ke
             assert http.get("/models").json()["models"][0]["status"] == "UNHEALTHY"
     finally:
         server.stop()
+
+
+def _traceback_of(raise_it) -> str:
+    try:
+        raise_it()
+    except Exception:  # noqa: BLE001 - any error, formatted as starlette hands it to uvicorn
+        return traceback.format_exc()
+    raise AssertionError("nothing raised")
+
+
+def test_uvicorns_start_up_traceback_is_dropped_for_a_refused_setting_only():
+    """serve()'s filter on uvicorn.error: a ConfigError's traceback goes (cli.py prints its one line); another
+    error's stays, one raised while handling a ConfigError too."""
+    def refused():
+        raise ConfigError("option.x=1: must be 2")
+
+    def chained():
+        try:
+            refused()
+        except ConfigError as exc:
+            raise RuntimeError("the model did not load") from exc
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, message, None, None)
+
+    assert not _no_refusal_traceback(record(_traceback_of(refused)))
+    assert _no_refusal_traceback(record(_traceback_of(chained)))
+    assert _no_refusal_traceback(record(_traceback_of(lambda: 1 / 0)))
+    assert _no_refusal_traceback(record("Application startup failed. Exiting."))

@@ -349,8 +349,8 @@ class LoraBatch:
     row_slot: torch.Tensor                          # (T,) int64, -1 = base
     scale: torch.Tensor                             # (num_slots,)
     stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # the stacks as a kernel takes them (kernel_set, backend_stacks), made once per adapter set: shared by the copies the runner
-    # makes of its kept LoraBatch each step (dataclasses.replace passes this dict on, not a copy of it)
+    # the stacks as a kernel takes them (kernel_set, backend_stacks), made once per adapter set: shared by the
+    # copies the runner makes of its kept LoraBatch each step (dataclasses.replace passes this dict on, not a copy)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

@@ -235,7 +235,8 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
     name, why = choose_backend("auto", gemma2, CPU, tensor_parallel=True)      # every family shards on cpp
     assert name == "cpp" and "tensor_parallel_degree > 1 needs the C++ kernels; the C++ ops walking" in why
     assert choose_backend("auto", llama, torch.device("cuda"), tensor_parallel=True)[0] == "cpp"   # LlamaModel
-    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1: the C\\+\\+ kernels run on CPU, not cuda"):
+    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1 on cuda: the shards run llama.py's PyTorch "
+                                          "modules there, which take Llama-shaped models only"):
         choose_backend("auto", gemma2, torch.device("cuda"), tensor_parallel=True)      # the C++ ops: CPU only
     with pytest.raises(ConfigError, match="kernel_backend=torch: tensor_parallel_degree > 1 runs only on the cpp"):
         choose_backend("torch", gemma2, CPU, tensor_parallel=True)
@@ -277,6 +278,10 @@ def test_tensor_parallelism_of_a_family_is_refused_before_any_rank_starts_only_w
     torch_spec = ModelRunnerSpec(replace(config, kernel_backend="torch"), spec.precision)
     with pytest.raises(ConfigError, match="kernel_backend=torch: tensor_parallel_degree > 1 runs only on the cpp"):
         torch_spec.check(2)
+    # on CUDA the shards are llama.py's modules: Gemma 2 is refused before any rank starts, naming why
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree > 1 on cuda:0: the shards run llama.py's PyTorch "
+                                          r"modules there, which take Llama-shaped models only \(model_type=gemma2"):
+        spec.check(2, torch.device("cuda:0"))
 
 
 @pytest.mark.parametrize("name", sorted(set(TINY_FAMILIES) - {"phi3-longrope"}))

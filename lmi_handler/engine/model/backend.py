@@ -73,9 +73,14 @@ def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor
         what = "tensor_parallel_degree > 1" if tensor_parallel else f"option.quantize={quantize}"
         if requested not in ("auto", "cpp"):
             raise ConfigError(f"option.kernel_backend={requested}: {what} runs only on the cpp backend")
-        if tensor_parallel and requested == "auto" and not spec.cpp_misfits():
-            if device.type == "cuda":    # load_llama's modules: their packed C++ path is CPU-only
+        if tensor_parallel and device.type == "cuda":     # load_llama's modules: their packed C++ path is CPU-only
+            if misfits := spec.cpp_misfits():
+                raise ConfigError(f"option.kernel_backend={requested} with {what} on {device}: the shards run "
+                                  "llama.py's PyTorch modules there, which take Llama-shaped models only "
+                                  f"(model_type={spec.model_type} has {', '.join(misfits)})")
+            if requested == "auto":
                 return "cpp", "tensor-parallel shards of a Llama-shaped model run llama.py's PyTorch modules on CUDA"
+        if tensor_parallel and requested == "auto" and not spec.cpp_misfits():
             return "cpp", "tensor-parallel shards run on the cpp backend; the fused C++ Llama path"
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend={requested} with {what}: {cpp_why}")

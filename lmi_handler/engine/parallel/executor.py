@@ -31,6 +31,7 @@ from lmi_handler.engine.health import EngineFatal
 from lmi_handler.engine.parallel.group import LOOPBACK, Rendezvous, TPGroup, open_store
 
 logger = logging.getLogger(__name__)
+CPU = torch.device("cpu")
 
 START_TIMEOUT_S = 600.0   # joining and loading the shards (a large checkpoint read from disk)
 POLL_S = 0.05
@@ -74,8 +75,9 @@ class RunnerSpec(Protocol):
     logits (gathered to rank 0) are only meaningful on rank 0.
     """
 
-    def check(self, degree: int) -> None:
-        """Refuse a degree the model cannot be split by (raises ConfigError); rank 0, before any spawn."""
+    def check(self, degree: int, device: torch.device = CPU) -> None:
+        """Refuse a degree the model cannot be split by, or shards `device` (rank 0's) cannot run (raises
+        ConfigError); rank 0, before any spawn."""
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
         """The KV-cache blocks this rank's share of memory holds (the engine uses the minimum)."""
@@ -280,7 +282,7 @@ def start_tensor_parallel(spec: RunnerSpec, degree: int, device: torch.device, t
     Raises: ConfigError (the degree does not fit the model), RankFailed (a follower exited or failed to
     load its shard, or did not join within START_TIMEOUT_S), or whatever building rank 0's shard raised.
     """
-    spec.check(degree)
+    spec.check(degree, device)
     devices = rank_devices(degree, device)
     threads = threads_per_rank(degree, num_threads)
     torch.set_num_threads(threads)

@@ -24,6 +24,8 @@ from lmi_handler.engine.parallel.group import Rendezvous
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree
 from lmi_handler.engine.precision import Precision, pick_precision
 
+CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class ModelRunnerSpec:
@@ -37,17 +39,18 @@ class ModelRunnerSpec:
 
         return args_from_config(read_config(self.config.model_path))
 
-    def check(self, degree: int) -> None:
-        """Refuse a degree the model cannot be split by, or a kernel backend that holds no shards (every
-        family shards on the cpp backend: the fused Llama path or the C++ ops, engine/model/backend.py), before
-        any rank starts. Raises ConfigError."""
+    def check(self, degree: int, device: torch.device = CPU) -> None:
+        """Refuse a degree the model cannot be split by, or a kernel backend that holds no shards on `device`
+        (rank 0's; on CPU every family shards on the cpp backend: the fused Llama path or the C++ ops; on CUDA
+        llama.py's modules, Llama-shaped models only: engine/model/backend.py), before any rank starts.
+        Raises ConfigError."""
         check_degree(self._args(), degree)
         if degree > 1:
             from lmi_handler.engine.model.backend import choose_backend
             from lmi_handler.engine.model.loader import read_config, spec_from_config
 
             spec = spec_from_config(read_config(self.config.model_path))
-            choose_backend(self.config.kernel_backend, spec, torch.device("cpu"), tensor_parallel=True)
+            choose_backend(self.config.kernel_backend, spec, device, tensor_parallel=True)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
         """kv_cache_bytes (per rank) over one block of this rank's KV heads (model_runner.kv_block_bytes)."""

@@ -27,6 +27,8 @@ from lmi_handler.engine.parallel.group import LOOPBACK, Rendezvous, TPGroup, ope
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree, shard_of, take
 from tests.engine.helpers import build_tiny_llama
 
+CPU = torch.device("cpu")
+
 FAULT_TOKEN = 511   # a step holding this token id triggers the spec's fault on its rank
 
 
@@ -46,7 +48,7 @@ class ToySpec:
     fault: tuple[int, str] | None = None
     fail_build_rank: int | None = None
 
-    def check(self, degree: int) -> None:
+    def check(self, degree: int, device: torch.device = CPU) -> None:
         check_degree(args_from_config(read_config(self.model_dir)), degree)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:

@@ -214,10 +214,11 @@ class ModelRunner:
         return model_input
 
     def lora_batch(self, seqs: list[Sequence], counts: list[int]) -> LoraBatch | None:
-        """The step's LoraBatch (None when no sequence has an adapter): sequence j's counts[j] rows take its adapter's slot (-1 for the base). The
-        slots are the distinct adapters ordered by their load key, so the same set of adapters gets the same
-        stacks whatever the order of its sequences; stacks are kept for the LORA_STACKS_KEPT latest sets (a
-        set is keyed by its adapters' load keys: a reloaded adapter is a new set)."""
+        """The step's LoraBatch (None when no sequence has an adapter): sequence j's counts[j] rows take its adapter's
+        slot (-1 for the base). The slots are the distinct adapters ordered by their load key, so the same set
+        of adapters gets the same stacks whatever the order of its sequences; stacks are kept for the
+        LORA_STACKS_KEPT latest sets (a set is keyed by its adapters' load keys: a reloaded adapter is a new
+        set)."""
         adapters = sorted({seq.adapter.key: seq.adapter for seq in seqs if seq.adapter is not None}.items())
         if not adapters:
             return None

@@ -60,8 +60,8 @@ test: model tgi-client
 	$(PYTEST) -m "not slow" --reverse
 	$(PYTEST) -m slow
 
-# docs/configuration.md's options table, rendered from lmi_handler/config.py's Settings (fields, defaults, ranges,
-# docstrings); tests/test_options_doc.py fails when the page and config.py disagree
+# docs/configuration.md's options tables, rendered from lmi_handler/config/'s Settings (fields, defaults, ranges,
+# docstrings), one per part; tests/test_options_doc.py fails when the page and config/ disagree
 docs: $(VENV)/.installed
 	$(BIN)/python -m lmi_handler.options_doc --write docs/configuration.md
 

@@ -1,7 +1,7 @@
 """Model sources: option.model_id as a local directory or a Hugging Face Hub id, made a local directory once.
 
 Owns the rule that tells the two apart and the Hub download (huggingface_hub.snapshot_download, which reads its
-own HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE / HF_TOKEN); the settings that name the model are config.py's.
+own HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE / HF_TOKEN); the settings that name the model are config/model.py's.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ REMOTE_SCHEMES = ("s3://", "gs://", "http://", "https://", "djl://")
 
 class ModelSourceError(ValueError):
     """option.model_id (or option.revision) names no model this server can reach; the message names the option
-    (config.py raises it on as its ConfigError)."""
+    (config/ raises it on as its ConfigError)."""
 
 
 def local_model_dir(model_id: str, model_dir: str | Path) -> Path:

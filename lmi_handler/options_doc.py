@@ -1,7 +1,7 @@
-"""The options table of docs/configuration.md, rendered from config.py's Settings (its fields, their types,
-defaults, ranges and docstrings), and the command that writes it there (`make docs`).
+"""The options tables of docs/configuration.md, rendered from lmi_handler/config's Settings (its fields, their
+types, defaults, ranges and docstrings), one table per part, and the command that writes them there (`make docs`).
 
-Owns the table's layout only: what an option means is its docstring in config.py.
+Owns the tables' layout only: what an option means is its docstring in its part's module under config/.
 """
 from __future__ import annotations
 
@@ -14,25 +14,35 @@ from pathlib import Path
 import annotated_types
 from pydantic import SecretStr
 
-from lmi_handler.config import ENVIRONMENT_SWITCHES, Settings
+from lmi_handler.config import ENVIRONMENT_SWITCHES, PARTS, Settings
 
-START = "<!-- options:start (generated from lmi_handler/config.py by `make docs`; edit the docstrings there) -->"
+START = "<!-- options:start (generated from lmi_handler/config/ by `make docs`; edit the docstrings there) -->"
 END = "<!-- options:end -->"
 REGENERATE = "make docs  (or: PYTHONPATH=$PWD .venv/bin/python -m lmi_handler.options_doc --write docs/configuration.md)"
 # serving.properties keys DJL reads at the top level, not under option.* (read_serving_properties takes both)
 TOP_LEVEL_KEYS = ("batch_size", "max_batch_delay", "job_queue_size")
 # environment variables that give a key when neither the file nor OPTION_* does (config.read_serving_properties)
 DJL_ENVIRONMENT = {"job_queue_size": "SERVING_JOB_QUEUE_SIZE", "tensor_parallel_degree": "TENSOR_PARALLEL_DEGREE"}
+HEADER = ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
 
 
 def render_table() -> str:
-    """The Markdown table, one row per Settings field in config.py's order, between START and END."""
-    rows = ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        cells = [_key(name), _type(field.annotation), _default(name, field.default), _range(field),
-                 _flat(field.description or "")]
-        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
-    return "\n".join([START, *rows, END])
+    """The Markdown tables between START and END: for each part of the settings (config.PARTS, in order) a
+    heading and its docstring, then one row per field of Settings that part holds first, in Settings' order."""
+    lines, done = [START], set()
+    for part in PARTS:
+        title, _, about = (part.__doc__ or part.__name__).partition(": ")
+        names = [name for name in Settings.model_fields if name in part.model_fields and name not in done]
+        done.update(names)
+        lines += [f"### {title}", "", about[:1].upper() + about[1:], "", *HEADER, *map(_row, names), ""]
+    return "\n".join([*lines[:-1], END])
+
+
+def _row(name: str) -> str:
+    field = Settings.model_fields[name]
+    cells = [_key(name), _type(field.annotation), _default(name, field.default), _range(field),
+             _flat(field.description or "")]
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
 def replace_table(text: str) -> str:

@@ -116,13 +116,14 @@ def test_huge_pages_are_on_by_default_and_off_with_the_option_or_lmi_huge_pages_
 
 
 def test_only_config_reads_the_environment():
-    """STYLE: nothing reads os.environ outside config.py (switches arrive as Settings fields)."""
+    """STYLE: nothing reads os.environ outside config/ (switches arrive as Settings fields), and inside it only
+    environment.py does."""
     import lmi_handler
 
     package = Path(lmi_handler.__file__).parent
     readers = [str(path.relative_to(package)) for path in package.rglob("*.py")
                if "os.environ" in path.read_text() or "getenv(" in path.read_text()]
-    assert readers == ["config.py"]
+    assert readers == ["config/environment.py"]
 
 
 def test_job_queue_size_is_a_top_level_key_with_the_environment_as_djls_default(tmp_path):
@@ -160,3 +161,12 @@ def test_auto_tool_choice_with_a_parser_and_a_reasoning_parser_are_taken_in_any_
                                          "reasoning_parser": "QWEN3"}, environ={})
     assert (settings.enable_auto_tool_choice, settings.tool_call_parser, settings.reasoning_parser) == \
         (True, "hermes", "qwen3")
+
+
+def test_settings_is_its_parts_composed_each_option_in_exactly_one_part():
+    from lmi_handler.config import PARTS, BatchOptions, Options
+
+    fields = [name for part in PARTS for name in part.model_fields if name not in Options.model_fields]
+    assert sorted(fields) == sorted(set(Settings.model_fields) - set(Options.model_fields))     # none twice
+    assert list(Settings.model_fields) == ["model_dir", *fields]       # Settings' order is PARTS' order
+    assert BatchOptions(model_dir="/srv", batch_dir="jobs").batch_path == Path("/srv/jobs")  # a part stands alone

@@ -1,5 +1,5 @@
-"""lmi_handler.options_doc: docs/configuration.md's options table is config.py's Settings, rendered; `make docs`
-writes it there."""
+"""lmi_handler.options_doc: docs/configuration.md's options tables are config/'s Settings, rendered part by
+part; `make docs` writes them there."""
 from __future__ import annotations
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lmi_handler.config import Settings
+from lmi_handler.config import PARTS, Settings
 from lmi_handler.options_doc import END, REGENERATE, START, render_table, replace_table
 from tests.helpers import REPO
 
@@ -32,6 +32,17 @@ def test_every_settings_field_has_a_row_naming_its_key_default_and_docstring():
     assert "`SERVING_JOB_QUEUE_SIZE`" in rows["job_queue_size"]            # a top-level key: no option. prefix
     assert "Most requests decoded together" in rows["option.max_rolling_batch_size"]
     assert "auto \\| fp32" in rows["option.dtype"]                         # a | in a docstring keeps the columns
+
+
+def test_each_part_gets_its_own_heading_and_table_in_part_order_and_every_field_sits_in_its_parts():
+    table = render_table()
+    headings = [line for line in table.splitlines() if line.startswith("### ")]
+    assert headings == ["### Model", "### Engine", "### LoRA adapters", "### Serving", "### Chat", "### Batch jobs"]
+    sections = dict(zip(headings, table.split("### ")[1:]))
+    assert "`option.dtype`" in sections["### Model"] and "`option.block_size`" in sections["### Engine"]
+    assert "`option.max_loras`" in sections["### LoRA adapters"] and "`job_queue_size`" in sections["### Serving"]
+    assert "`option.tool_call_parser`" in sections["### Chat"] and "`option.batch_dir`" in sections["### Batch jobs"]
+    assert table.count("| key | type |") == len(PARTS)
 
 
 def test_a_field_without_a_docstring_still_gets_its_row(monkeypatch):

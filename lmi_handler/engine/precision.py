@@ -57,7 +57,7 @@ _SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 def resolve_precision(requested: str, quantize: str | None, checkpoint: torch.dtype | None, device: torch.device,
                       native_bf16: bool, kernels_built: Callable[[], bool]) -> Precision:
-    """Turn option.dtype (`requested`: auto | float32 | bfloat16 | float16, as config.py normalizes it) and
+    """Turn option.dtype (`requested`: auto | float32 | bfloat16 | float16, as config/model.py normalizes it) and
     option.quantize into a Precision.
 
     CPU: auto follows the checkpoint: a bf16 or fp16 checkpoint runs in bf16 where the CPU has native bf16

@@ -1,7 +1,7 @@
 """The checkpoint's sampling defaults (generation_config.json) and the one rule that lets them fill a request's gaps.
 
 Owns reading and checking the file's sampling values and deciding, by the request's kind, which of them stand in
-for what a request leaves out; parsing a request is params.py's and openai.py's, option.generation_config config.py's.
+for what a request leaves out; parsing a request is params.py's and openai.py's, option.generation_config config/'s.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Owns the rule "this request needs `Authorization: Bearer <key>`, and has it", as pure ASGI middleware (so
 request.is_disconnected() still works behind it), and the 401 in the path's dialect (errors.error_body).
-The keys themselves are config.py's; nothing here logs a key, the one sent or the ones accepted.
+The keys themselves are config/serving.py's; nothing here logs a key, the one sent or the ones accepted.
 """
 from __future__ import annotations
 

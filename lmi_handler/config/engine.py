@@ -1,0 +1,134 @@
+"""The engine part of the settings: batch limits, the KV cache, devices and parallelism, kernels, memory.
+
+Owns the options the decode loop runs by; settings.py turns them, with the model part's, into the
+EngineConfig slice (slices.py) the engine receives.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from lmi_handler.config.base import Options
+
+
+class EngineOptions(Options):
+    """Engine: the continuous-batching decode loop, its KV cache, devices, kernels and memory."""
+
+    max_rolling_batch_size: int = Field(32, ge=1, le=1024)
+    """Most requests decoded together (vLLM max_num_seqs)."""
+    max_rolling_batch_prefill_tokens: int = Field(1024, ge=16, le=1 << 20)
+    """Token budget of one step (vLLM max_num_batched_tokens), in tokens; long prompts are prefilled in chunks of
+    about this size, so a request arriving during a long prefill waits about one chunk's step for its first token."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context limit in tokens; default: the model's max_position_embeddings."""
+    bf16_kernel: Literal["auto", "amx", "native", "fma"] = "auto"
+    """CPU, bf16 weights: how the C++ linears multiply them (engine/model/kernels/build.py, bf16_dot_form).
+    auto: AMX tiles where the CPU and the OS have them (the fastest at many sequences), else VDPBF16PS where
+    it times faster, else the FMA form; amx / native: those where available; fma: two FMAs per pair. Each
+    is batch-invariant on its own, but their last bits differ, so one is used at every batch size. Measured
+    on a 2-core Intel Xeon with AMX: a batch-1 bf16 decode step 17-22 ms with fma against 22-26 with amx,
+    a 64-row step's linears 133 ms against 33: fma suits one stream at a time. One choice per process
+    (every engine started in it sets it; tensor-parallel ranks apply the same)."""
+    device_id: int = -1
+    """CUDA device index; -1 = cuda:0 when CUDA is present, else CPU."""
+    tensor_parallel_degree: int | Literal["max"] = 1
+    """Ranks the model is sharded over (tensor parallelism: one process per rank, each holding 1/degree of
+    the weights and of the KV heads); `max` = every visible CUDA device, 1 on a CPU-only host (LMI). The env
+    TENSOR_PARALLEL_DEGREE gives it when serving.properties does not (DJL). The model must divide by it
+    (engine/parallel/layout.py, vLLM's rules), checked at start-up."""
+    pipeline_parallel_degree: int = 1
+    """Only 1: pipeline parallelism is not implemented (refused at start-up, naming this key)."""
+    tensor_parallel_timeout_s: float = Field(60.0, gt=0)
+    """Seconds one collective of a tensor-parallel step may wait for the other ranks; past it (a rank hung)
+    the engine fails with RankFailed instead of hanging. A rank that dies is seen at once."""
+    num_threads: int = Field(0, ge=0, le=1024)
+    """CPU threads for PyTorch (torch.set_num_threads); 0 = PyTorch's default. On a shared CPU, 1 avoids
+    threads waiting on each other."""
+    kernel_backend: Literal["auto", "cpp", "triton", "torch"] = "auto"
+    """Which kernels run the model, chosen once at load and logged with why (engine/model/backend.py): cpp =
+    the C++ CPU kernels, every family (Llama-shaped models, with RMSNorm pre-norm, SiLU and no window, cap or
+    q/k norm, on the fused decoder stack; the others through the C++ ops one by one); triton = the Triton
+    kernels (CUDA; CPU tensors under TRITON_INTERPRET=1); torch = the pure-PyTorch reference (any model, any
+    device). auto: triton on CUDA, cpp on CPU where the kernels build, torch otherwise. An explicit choice that
+    cannot run is refused at start-up, never replaced."""
+    batch_invariant: bool = True
+    """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
+    call per sequence). false matters only where llama.py runs (Llama-shaped models on the cpp backend, tensor
+    parallelism on CUDA): plain GEMMs and one padded attention call, faster at large batches; the backends
+    walking the layer description (triton, torch, the C++ ops of other families) compute each row alone either way."""
+    huge_pages: bool = True
+    """CPU: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
+    (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0
+    when the properties do not set it."""
+    malloc_tuning: bool = True
+    """CPU: fix glibc malloc's mmap and trim thresholds (32 MiB, 1 GiB) at engine start so the memory a step
+    frees is reused by the next instead of being returned and faulted in again (engine/host_memory.py;
+    measured: 9,184 page faults a 64-sequence bf16 decode step without it, none with it). Up to 1 GiB of
+    freed memory may stay resident; false leaves malloc's own adaptive thresholds. A no-op under another
+    malloc (e.g. tcmalloc in LD_PRELOAD). With huge_pages also on, `lmi-handler serve` / `batch` restart
+    once with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (malloc's heap on huge pages; host_memory.py)."""
+    block_size: int = Field(16, ge=1, le=256)
+    """Tokens per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of a common prompt prefix (system prompt, chat template) between requests:
+    full blocks keyed by a hash of their tokens and all before them, kept after their requests end and
+    evicted least recently used when blocks run out. Outputs are unchanged by it; requests with
+    decoder_input_details compute their whole prompt (vLLM: prompt log probs skip the cache)."""
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    """KV-cache size in bytes (all layers, K and V). On CUDA gpu_memory_utilization sizes the cache instead,
+    unless this is set and that is not."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, allow_inf_nan=False)
+    """CUDA: the fraction of the GPU's memory this engine may use, in (0, 1] (vLLM's and LMI's option). The KV
+    cache gets what is left of it after the weights, the CUDA graphs and a profiling forward of the largest
+    step (engine/gpu_memory.py); too little left refuses the start naming the bytes. CPU: ignored
+    (kv_cache_bytes)."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly. false (default): decode steps replay CUDA graphs captured at start-up, one
+    per padded batch size up to max_rolling_batch_size (engine/cuda_graphs.py); prefill and mixed steps run
+    eagerly either way. CPU: ignored (no graphs)."""
+    structured_output_compile_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    """Seconds a request's grammar (JSON schema, regex, choice, Lark) may take to compile, off the engine
+    loop, before that request alone fails with an error; (0, 3600]."""
+    fault_injection: str | None = None
+    """Tests only: a rule making the engine step fail for chosen sequences (see engine/faults.py)."""
+
+    @field_validator("tensor_parallel_degree", mode="before")
+    @classmethod
+    def _degree(cls, value):
+        if isinstance(value, str) and value.strip().lower() == "max":
+            return "max"
+        if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
+            raise ValueError(f"tensor_parallel_degree must be a whole number >= 1 or max, got {value!r}")
+        return int(value)
+
+    @field_validator("pipeline_parallel_degree", mode="before")
+    @classmethod
+    def _no_pipeline(cls, value):
+        if str(value).strip() != "1":
+            raise ValueError(f"pipeline_parallel_degree={value!r} is not supported: only 1 (pipeline parallelism is "
+                             "not implemented; shard the model with tensor_parallel_degree)")
+        return 1
+
+    @field_validator("gpu_memory_utilization", mode="before")
+    @classmethod
+    def _fraction(cls, value):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if isinstance(value, bool) or number is None or not 0.0 < number <= 1.0:
+            raise ValueError(f"must be a fraction of the GPU's memory in (0, 1], got {value!r}")
+        return number
+
+    @field_validator("kernel_backend", "bf16_kernel", mode="before")
+    @classmethod
+    def _lower_choice(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
+
+    def _utilization(self) -> float | None:
+        """gpu_memory_utilization, or None where kv_cache_bytes is set and it is not (that size then holds on CUDA)."""
+        explicit = self.model_fields_set
+        if "kv_cache_bytes" in explicit and "gpu_memory_utilization" not in explicit:
+            return None
+        return self.gpu_memory_utilization

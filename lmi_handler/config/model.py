@@ -1,0 +1,72 @@
+"""The model part of the settings: which checkpoint is served, from where, in which dtype and quantization.
+
+Owns option.model_id, revision, generation_config, dtype, quantize (model_dir is base.py's) and finding the
+model's directory; how the weights are then run is engine.py's part.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import field_validator
+
+from lmi_handler.config.base import ConfigError, Options
+from lmi_handler.model_source import ModelSourceError, resolve_model
+
+DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
+          "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+class ModelOptions(Options):
+    """Model: what is served and how its weights are read."""
+
+    model_id: str = "model"
+    """The model: a directory (config.json + safetensors + tokenizer), absolute or relative to model_dir, or a
+    Hugging Face Hub id (org/name) fetched with huggingface_hub into its cache (HF_HOME; with HF_HUB_OFFLINE=1
+    only the cache is read). An existing directory wins over a Hub id of the same spelling. The environment
+    variable HF_MODEL_ID gives it when the properties do not (LMI). docs/model-sources.md."""
+    revision: str | None = None
+    """Hub ids only: the branch, tag or commit to serve; unset: the repository's default branch (main)."""
+    generation_config: Literal["auto", "vllm"] = "auto"
+    """auto: the checkpoint's generation_config.json sampling values (temperature, top_p, top_k, min_p,
+    repetition_penalty) stand in for those a request leaves out, by the rule of docs/model-sources.md (OpenAI
+    routes: vLLM's; LMI, TGI and batch lines: only when the request samples). vllm: they are not read (vLLM's
+    `--generation-config vllm`); the schema's own defaults apply."""
+    dtype: str = "auto"
+    """auto | fp32 | fp16 | bf16 (also float32, float16, bfloat16). auto follows the checkpoint: on CPU a
+    bf16/fp16 checkpoint runs in bf16 where the CPU has native bf16 dot products (AVX512_BF16 / AMX), else
+    fp32; fp16 runs as bf16 on CPU; on CUDA auto is the checkpoint's fp16/bf16, else bf16
+    (engine/precision.py)."""
+    quantize: Literal["int8"] | None = None
+    """Weight-only quantization at load: int8 = per-output-channel symmetric int8 weights, dequantized in
+    the C++ CPU kernels (activations stay in `dtype`); CPU only. Unset or `none`: the checkpoint's weights."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value.lower() not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {value!r}")
+        return DTYPES[value.lower()]
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _no_quantize(cls, value):
+        if value is None:
+            return None
+        text = str(value).strip().lower()
+        if text in ("", "none"):
+            return None
+        if text != "int8":
+            raise ValueError(f"must be 'int8' (per-output-channel int8 weights) or 'none' / empty / unset (no "
+                             f"quantization), got {value!r}")
+        return text
+
+    @cached_property
+    def model_path(self) -> Path:
+        """The model's local directory, found once (model_source.resolve_model: a Hub id is downloaded into, or
+        read from, the Hub cache on first use). Raises ConfigError naming option.model_id."""
+        try:
+            return resolve_model(self.model_id, self.model_dir, self.revision)
+        except ModelSourceError as exc:
+            raise ConfigError(str(exc)) from None

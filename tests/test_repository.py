@@ -229,19 +229,21 @@ def _dialect_files_in_architecture() -> list[str]:
 
 def test_the_architecture_page_names_every_file_a_dialect_needs_and_tgi_touches_no_other():
     named = _dialect_files_in_architecture()
-    assert named == ["protocol/dialects.py", "protocol/plan.py", "protocol/formatters.py", "protocol/errors.py",
-                     "protocol/invocations.py", "server/tgi.py"]
+    assert named == ["protocol/dialects.py", "protocol/plan.py", "protocol/formatters/tgi.py",
+                     "protocol/formatters/answers.py", "protocol/errors.py", "protocol/invocations.py", "server/tgi.py"]
     touching = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if TGI_SYMBOLS.search(p.read_text()))
     assert touching == sorted(named)
 
 
 def test_every_dialect_has_its_error_shape_and_every_shape_its_formatters():
-    from lmi_handler.protocol import errors, formatters
+    from lmi_handler.protocol import errors
     from lmi_handler.protocol.dialects import Dialect
+    from lmi_handler.protocol.formatters import answers
     from lmi_handler.protocol.plan import Kind, RequestPlan, Shape
 
     assert set(errors._ERROR_SHAPES) == set(Dialect)
-    assert set(formatters._DOCUMENTS) == set(formatters._STREAMS) == set(Shape)
+    assert set(answers._DOCUMENTS) == set(answers._STREAMS) == set(Shape)
+    assert set(answers._FAILURES) == set(Dialect)
     dialects = {RequestPlan("r", kind, Shape.LMI, None, False, ()).dialect for kind in Kind}
     assert dialects == set(Dialect)
     for dialect in Dialect:            # each shape names the message and its status the way its clients read

@@ -2,7 +2,7 @@
 answer part, then content; as a whole message or as streamed deltas, with OpenAI's finish_reason "tool_calls".
 
 Owns how the parsers chain and the message / delta fields they fill; which parsers a request gets is decided
-once by the service (ChatOutputRule on the plan), the rest of the response is formatters.py's.
+once by the service (ChatOutputRule on the plan), the rest of the response is formatters/'s.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Owns the rule "which dialect is this?" in one place: by HTTP path before a request is planned
 (`dialect_of`), by the plan's kind after (plan.RequestPlan.dialect). What each dialect's answers and
-errors look like is formatters.py's and errors.py's.
+errors look like is formatters/'s and errors.py's.
 """
 from __future__ import annotations
 

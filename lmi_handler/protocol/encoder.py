@@ -1,7 +1,7 @@
 """The one encoder: response objects (dicts, lists) -> the text sent for each wire format.
 
 Owns JSON text as LMI writes it and the framing of json, jsonlines and SSE; what the objects hold is
-formatters.py's, which wire a request gets is plan.py's.
+formatters/'s, which wire a request gets is plan.py's.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The /invocations request (LMI text or chat form) and the LMI Token / Details response objects.
 
-Parses and validates bytes into an InvocationRequest; turning outputs into bytes is formatters.py's job.
+Parses and validates bytes into an InvocationRequest; turning outputs into bytes is formatters/' job.
 """
 from __future__ import annotations
 

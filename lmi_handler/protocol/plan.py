@@ -1,7 +1,7 @@
 """RequestPlan: everything about one request's answer, decided once when the request is parsed.
 
 Owns the rules that pick a request's kind, whether it streams, its wire format and content type;
-building a plan from bytes (tokenizing, length checks) is service.py's, filling it formatters.py's.
+building a plan from bytes (tokenizing, length checks) is service.py's, filling it formatters/'s.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Kind(str, enum.Enum):
 
 
 class Shape(str, enum.Enum):
-    """The response object one sequence becomes (formatters.py has one formatter per shape and mode)."""
+    """The response object one sequence becomes (formatters/ has one formatter per shape and mode)."""
 
     LMI = "lmi"                # {"generated_text", "details"?}; streamed as {"token"} lines
     TGI = "tgi"                # TGI {"generated_text", "details": {..., "seed"}}; streamed as TGI StreamResponses

@@ -1,7 +1,7 @@
 """n / best_of: how many engine sequences a request runs and how their answers combine, per dialect.
 
 Owns each dialect's rule (TGI best_of on /invocations and /generate; OpenAI n and legacy best_of on
-the OpenAI routes and LMI chat), the members' seeds and the rankings; documents are formatters.py's.
+the OpenAI routes and LMI chat), the members' seeds and the rankings; documents are formatters/'s.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 GET /info and /health, as text-generation-inference serves them, and TGI's body of POST /tokenize.
 
 Owns these routes and TGI's /info document. The TGI dialect is the worked example of docs/architecture.md's
-"Adding an output dialect": its kinds and rules are plan.py's (Kind.TGI_*), its formatters formatters.py's (TgiDocument,
-TgiStream), its error shape errors.py's (Dialect.TGI); serving a request is serving.py's.
+"Adding an output dialect": its kinds and rules are plan.py's (Kind.TGI_*), its formatters formatters/tgi.py's
+(TgiDocument, TgiStream) with their rows in formatters/answers.py, its error shape errors.py's (Dialect.TGI); serving
+a request is serving.py's.
 """
 from __future__ import annotations
 

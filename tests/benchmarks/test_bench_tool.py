@@ -1,5 +1,6 @@
-"""benchmarks/ as one tool: few files, no import circle; benchmarks/results keeps what a document cites and
-nothing else; docs/performance.md's tables are the rendering of the runs they cite."""
+"""benchmarks/ as one tool: few tools (ab.py's and profiling.py's commands in their folders), no import circle;
+benchmarks/results keeps what a document cites and nothing else; docs/performance.md's tables are the rendering of
+the runs they cite."""
 from __future__ import annotations
 
 import ast
@@ -45,13 +46,22 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((c for start in sorted(graph) if start not in state and (c := visit(start, [start]))), None)
 
 
-def test_benchmarks_has_fewer_than_20_python_files_and_no_import_circle():
+COMMAND_FOLDERS = ("ab_commands", "profiling_commands")     # one module per command of ab.py and profiling.py
+
+
+def test_benchmarks_has_fewer_than_20_tools_each_commands_in_its_folder_and_no_import_circle():
     # git's list, not a walk: `make bench-setup` puts the peers' virtualenvs (thousands of .py files) in benchmarks/
     listed = subprocess.run(["git", "ls-files", "benchmarks"], cwd=REPO, capture_output=True, text=True, check=True)
     files = sorted(REPO / name for name in listed.stdout.split() if name.endswith(".py"))
-    assert len(files) < 20, [str(f.relative_to(BENCH)) for f in files]
-    modules = {p.stem: p for p in BENCH.glob("*.py")}
-    graph = {name: _imports(path, set(modules)) for name, path in modules.items()}
+    tools = [f for f in files if f.parent == BENCH]
+    assert len(tools) < 20, [str(f.relative_to(BENCH)) for f in tools]
+    assert {f.parent.name for f in files if f.parent != BENCH} == set(COMMAND_FOLDERS)   # no other folder of code
+    for folder in COMMAND_FOLDERS:           # each command folder's tool dispatches to every module in it
+        tool = (BENCH / f"{folder.removesuffix('_commands')}.py").read_text()
+        assert all(p.stem in tool for p in (BENCH / folder).glob("*.py") if p.stem != "revision")
+    # a command folder is one node: the tools import it, it imports the tools' shared modules
+    modules = {p.stem: [p] for p in BENCH.glob("*.py")} | {f: sorted((BENCH / f).glob("*.py")) for f in COMMAND_FOLDERS}
+    graph = {name: set().union(*(_imports(p, set(modules)) for p in paths)) - {name} for name, paths in modules.items()}
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]    # the check finds one
 

@@ -21,11 +21,13 @@ from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
 from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.checkpoint_defaults import CheckpointDefaults
+from lmi_handler.protocol.dialects import ROUTE_RESPONSES
 from lmi_handler.protocol.errors import RequestValidationError, show_value
 from lmi_handler.protocol.invocations import InvocationRequest
 from lmi_handler.protocol.openai import CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan
+from lmi_handler.protocol.responses import ResponseStore, renamed
 from lmi_handler.protocol.sequences import Member
 
 logger = logging.getLogger(__name__)
@@ -56,12 +58,21 @@ class Service:
     # ---- plans -----------------------------------------------------------------------------
 
     def plan(self, body: bytes | str | dict, route: str | None = None, content_type: str | None = None,
-             request_id: str | None = None, adapter_header: str | None = None) -> RequestPlan:
+             request_id: str | None = None, adapter_header: str | None = None,
+             responses_store: ResponseStore | None = None) -> RequestPlan:
         """Parse, tokenize and check a request of any route once. `adapter_header`: the
-        X-Amzn-SageMaker-Adapter-Identifier header. Raises RequestValidationError (status 400, 404 for a
-        `model` not served under option.strict_model_name or an adapter not loaded, 413 ...) naming the field."""
-        request = InvocationRequest.parse(body, content_type=content_type, route=route)
-        return self.plan_request(request, request_id or uuid.uuid4().hex, adapter_header=adapter_header)
+        X-Amzn-SageMaker-Adapter-Identifier header; `responses_store`: where /v1/responses finds a
+        previous_response_id and keeps its answer. Raises RequestValidationError (status 400, 404 for a
+        `model` not served under option.strict_model_name, an adapter not loaded or an unknown
+        previous_response_id, 413 ...) naming the field (a Responses request's fields by its own names)."""
+        try:
+            request = InvocationRequest.parse(body, content_type=content_type, route=route,
+                                              responses_store=responses_store)
+            return self.plan_request(request, request_id or uuid.uuid4().hex, adapter_header=adapter_header)
+        except RequestValidationError as exc:
+            if route == ROUTE_RESPONSES:      # it runs as a chat: the chat's checks name the chat's fields
+                raise renamed(exc) from None
+            raise
 
     def plan_openai_body(self, body: dict, url: str, request_id: str, kind: Kind = Kind.BATCH_LINE,
                          **generation: Any) -> RequestPlan:
@@ -100,9 +111,20 @@ class Service:
             include_usage=bool(openai and openai.include_usage), model_name=model_name,
             sse_done=rules.sse_done_marker(settings.tgi_compat),
             created=int(time.time()), decode_token=self.decode_token,
-            constraint_field=params.constraint[0] if params.constraint else None,
+            constraint_field=self._constraint_field(request),
             prompt_logprobs=params.prompt_logprobs is not None, chat_output=self._chat_output(request),
-            echo_only=bool(request.completion and request.completion.echo_only))
+            echo_only=bool(request.completion and request.completion.echo_only), responses=request.responses)
+
+    @staticmethod
+    def _constraint_field(request: InvocationRequest) -> str | None:
+        """The field a constraint that fails to compile is named by: as sent (a Responses request: text.format
+        for the chat's response_format)."""
+        constraint = request.parameters.constraint
+        if constraint is None:
+            return None
+        if request.responses is not None:
+            return renamed(RequestValidationError(constraint[0], "")).field
+        return constraint[0]
 
     def _chat_output(self, request: InvocationRequest) -> ChatOutputRule | None:
         """What a chat answer is parsed for (chat_output.py), decided here once: tool calls by the request's
@@ -215,7 +237,8 @@ class Service:
         loaded model answers); so do the live routes by default, as TGI and LMI do (Hugging Face's
         InferenceClient sends "tgi"). With option.strict_model_name=true the OpenAI routes answer 404 for a
         name not served, as vLLM does. Raises RequestValidationError (404)."""
-        strict = self.settings.strict_model_name and kind in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION)
+        strict = self.settings.strict_model_name and kind in (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION,
+                                                              Kind.OPENAI_RESPONSES)
         if strict and requested is not None and not self.serves(requested) and not self._is_adapter(requested):
             raise RequestValidationError("model", f"The model `{requested}` does not exist (this server serves "
                                          f"{', '.join(map(repr, self.served_names))})", status_code=404)
@@ -338,9 +361,9 @@ class Service:
                                          f"[0, {vocab_size - 1}] (the model's vocabulary), got {show_value(bad)}")
 
     def _openai_length(self, request: InvocationRequest, kind: Kind, num_prompt_tokens: int) -> GenerationParameters:
-        """OpenAI chat route without max_tokens: what is left of the context (vLLM's rule)."""
+        """OpenAI chat route (and /v1/responses) without max_tokens: what is left of the context (vLLM's rule)."""
         chat = request.chat
-        if kind is not Kind.OPENAI_CHAT or chat.max_tokens or chat.max_completion_tokens:
+        if kind not in (Kind.OPENAI_CHAT, Kind.OPENAI_RESPONSES) or chat.max_tokens or chat.max_completion_tokens:
             return request.parameters
         remaining = max(self.engine.max_model_len - num_prompt_tokens, 1)
         return request.parameters.model_copy(update={"max_new_tokens": remaining})

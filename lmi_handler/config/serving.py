@@ -24,6 +24,9 @@ class ServingOptions(Options):
     job_queue_size: int = Field(1000, ge=1, le=1 << 20)
     """Accepted requests waiting for a batch slot, at most (top-level key, env SERVING_JOB_QUEUE_SIZE, as DJL);
     past it a new request answers 503 at once."""
+    responses_store_size: int = Field(1000, ge=0, le=1 << 20)
+    """Finished /v1/responses answers kept in memory for GET /v1/responses/{id} and `previous_response_id`,
+    [0, 1048576]; past it the oldest is dropped. 0 keeps none (a request's `store` is then answered false)."""
     request_timeout_s: float | None = Field(None, gt=0)
     """Seconds a request may spend in the server (waiting + running) before it ends with finish_reason error;
     unset = no deadline. The `X-Request-Timeout` header overrides it per request."""

@@ -11,6 +11,7 @@ import enum
 ROUTE_INVOCATIONS = "/invocations"
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_COMPLETIONS = "/v1/completions"
+ROUTE_RESPONSES = "/v1/responses"             # OpenAI's Responses API (protocol/responses.py)
 ROUTE_GENERATE = "/generate"                  # TGI's non-streaming route
 ROUTE_GENERATE_STREAM = "/generate_stream"    # TGI's streaming route (SSE)
 ROUTE_TGI = "/"                               # TGI's compat route: streams when the body says stream=true

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 
@@ -33,6 +34,15 @@ DONE = _Done()
 SSE_DONE = "data: [DONE]\n\n"
 
 
+@dataclass(frozen=True)
+class Event:
+    """A named object: under SSE `event: <name>` goes before its data line (the Responses API's stream names
+    each event by its type, as OpenAI and vLLM send it); other wires write the data alone."""
+
+    name: str
+    data: Any
+
+
 def dumps(obj: Any) -> str:
     """JSON text as LMI writes it: UTF-8 characters kept, not \\u-escaped."""
     return json.dumps(obj, ensure_ascii=False)
@@ -43,13 +53,16 @@ def encode(events: Iterable[Any], wire: Wire) -> str:
 
     json: the objects' JSON texts back to back (a non-streaming answer is one object);
     jsonlines: each object's JSON and "\\n"; sse: `data: {json}\\n\\n` each. DONE becomes
-    `data: [DONE]` under SSE and nothing otherwise.
+    `data: [DONE]` under SSE and nothing otherwise; an Event adds its `event:` line under SSE.
     """
     parts = []
     for event in events:
         if event is DONE:
             if wire is Wire.SSE:
                 parts.append(SSE_DONE)
+        elif isinstance(event, Event):
+            named = f"event: {event.name}\n" if wire is Wire.SSE else ""
+            parts.append(named + encode([event.data], wire))
         elif wire is Wire.SSE:
             parts.append(f"data: {dumps(event)}\n\n")
         elif wire is Wire.JSONLINES:

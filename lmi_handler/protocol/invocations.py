@@ -11,11 +11,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
-from lmi_handler.protocol.dialects import ROUTE_CHAT, ROUTE_GENERATE, ROUTE_INVOCATIONS, Dialect, dialect_of
+from lmi_handler.protocol.dialects import (
+    ROUTE_CHAT,
+    ROUTE_GENERATE,
+    ROUTE_INVOCATIONS,
+    ROUTE_RESPONSES,
+    Dialect,
+    dialect_of,
+)
 from lmi_handler.protocol.errors import RequestValidationError
 from lmi_handler.protocol.openai import ChatCompletionRequest, CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 from lmi_handler.protocol.plan import DecodeToken
+from lmi_handler.protocol.responses import ResponsesContext, ResponsesRequest, ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,7 @@ class InvocationRequest:
     completion: CompletionRequest | None = None
     route: str = ROUTE_INVOCATIONS
     adapters: str | list[str] | None = None     # LMI: the LoRA adapter(s) answering (a list: one per input)
+    responses: ResponsesContext | None = None   # /v1/responses: run as `chat`, answered as a Response
 
     @property
     def model(self) -> str | None:
@@ -51,12 +60,13 @@ class InvocationRequest:
         return openai.model if openai is not None else None
 
     @classmethod
-    def parse(cls, body: bytes | str | dict, content_type: str | None = None,
-              route: str | None = None) -> "InvocationRequest":
+    def parse(cls, body: bytes | str | dict, content_type: str | None = None, route: str | None = None,
+              responses_store: ResponseStore | None = None) -> "InvocationRequest":
         """Validate a request body. A text/plain `content_type` makes the whole body the input (LMI).
 
         `route` (the front end passes the HTTP path) selects the OpenAI chat or completions
-        schema for /v1/chat/completions and /v1/completions; TGI /generate takes the LMI text
+        schema for /v1/chat/completions and /v1/completions, the Responses one for /v1/responses (its
+        previous_response_id looked up in `responses_store`); TGI /generate takes the LMI text
         schema (no `messages`); anything else is /invocations.
 
         A body with `messages` is a chat request, whatever else it holds (LMI checks messages
@@ -64,7 +74,7 @@ class InvocationRequest:
         bodies, "inputs" for a missing or bad input, else the parameter's name.
         """
         if dialect_of(route) is Dialect.OPENAI:
-            return cls.parse_openai(load_json(body), route)
+            return cls.parse_openai(load_json(body), route, responses_store=responses_store)
         if content_type and content_type.split(";")[0].strip().lower() == "text/plain":
             return cls(_check_inputs(_decode(body)), GenerationParameters(), route=route or ROUTE_INVOCATIONS)
         data = load_json(body)
@@ -90,12 +100,19 @@ class InvocationRequest:
                    route=route or ROUTE_INVOCATIONS, adapters=adapters)
 
     @classmethod
-    def parse_openai(cls, data: Any, route: str, **generation: Any) -> "InvocationRequest":
-        """An OpenAI chat (route /v1/chat/completions) or completions body, already a dict.
+    def parse_openai(cls, data: Any, route: str, responses_store: ResponseStore | None = None,
+                     **generation: Any) -> "InvocationRequest":
+        """An OpenAI chat (route /v1/chat/completions), Responses (/v1/responses: run as the chat it becomes)
+        or completions body, already a dict.
 
         `generation` goes to to_generation_parameters (batch files: greedy_when_unset=True,
         defaults, default_max_new_tokens for chat). Raises RequestValidationError naming the field.
         """
+        if route == ROUTE_RESPONSES:
+            responses = ResponsesRequest.parse(data, responses_store)
+            chat = responses.chat
+            return cls(None, chat.to_generation_parameters(**generation), responses.stream, chat.messages, chat,
+                       route=route, responses=responses.context)
         if route == ROUTE_CHAT:
             chat = ChatCompletionRequest.parse(data)
             return cls(None, chat.to_generation_parameters(**generation), chat.stream, chat.messages, chat,

@@ -16,10 +16,12 @@ from lmi_handler.protocol.dialects import (
     ROUTE_COMPLETIONS,
     ROUTE_GENERATE,
     ROUTE_GENERATE_STREAM,
+    ROUTE_RESPONSES,
     ROUTE_TGI,
     Dialect,
 )
 from lmi_handler.protocol.encoder import CONTENT_TYPES, DONE, Wire
+from lmi_handler.protocol.responses import ResponsesContext
 from lmi_handler.protocol.sequences import SINGLE, Member, SequencePlan, members
 
 DecodeToken = Callable[[int], str]
@@ -32,6 +34,7 @@ class Kind(str, enum.Enum):
     LMI_CHAT = "lmi_chat"                    # /invocations {"messages"}: OpenAI objects, LMI stream formats
     OPENAI_CHAT = "openai_chat"              # /v1/chat/completions
     OPENAI_COMPLETION = "openai_completion"  # /v1/completions
+    OPENAI_RESPONSES = "openai_responses"    # /v1/responses: run as a chat, answered as a Response
     DYNAMIC_LIST = "dynamic_list"            # /invocations in dynamic batch: a list, one element per input
     BATCH_LINE = "batch_line"                # one line of a batch file: the OpenAI body its url answers
     TGI_GENERATE = "tgi_generate"            # TGI /generate
@@ -46,9 +49,10 @@ class Shape(str, enum.Enum):
     TGI = "tgi"                # TGI {"generated_text", "details": {..., "seed"}}; streamed as TGI StreamResponses
     CHAT = "chat"              # chat.completion; streamed as chat.completion.chunk
     COMPLETION = "completion"  # text_completion (also its chunks)
+    RESPONSES = "responses"    # a Response object; streamed as its named events (formatters/responses.py)
 
 
-OPENAI_KINDS = (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION, Kind.BATCH_LINE)
+OPENAI_KINDS = (Kind.OPENAI_CHAT, Kind.OPENAI_COMPLETION, Kind.OPENAI_RESPONSES, Kind.BATCH_LINE)
 TGI_KINDS = (Kind.TGI_GENERATE, Kind.TGI_STREAM, Kind.TGI_COMPAT)
 _TGI_ROUTES = {ROUTE_GENERATE: Kind.TGI_GENERATE, ROUTE_GENERATE_STREAM: Kind.TGI_STREAM, ROUTE_TGI: Kind.TGI_COMPAT}
 
@@ -91,6 +95,7 @@ class RequestPlan:
     prompt_logprobs: bool = False         # vLLM prompt_logprobs on the OpenAI shapes
     echo_only: bool = False               # completions echo with max_tokens 0: the prompt alone (one token runs)
     chat_output: ChatOutputRule | None = None   # chat: reasoning and tool calls to find in the text (chat_output.py)
+    responses: ResponsesContext | None = field(default=None, compare=False)   # /v1/responses: its id, echo, store
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -108,8 +113,9 @@ class RequestPlan:
     def stream_end(self) -> tuple:
         """What ends a stream of OpenAI chunks (chat and completion shapes, LMI chat included) after its last
         one: encoder.DONE (`data: [DONE]` under SSE, nothing in jsonlines), unless the plan leaves it out
-        (sse_done_marker: tgi_compat). The one place the terminator rule is written."""
-        return (DONE,) if self.sse_done else ()
+        (sse_done_marker: tgi_compat). A Responses stream ends with its response.completed event alone (OpenAI).
+        The one place the terminator rule is written."""
+        return (DONE,) if self.sse_done and self.kind is not Kind.OPENAI_RESPONSES else ()
 
     @property
     def in_list(self) -> bool:
@@ -127,6 +133,8 @@ def kind_of(route: str | None, chat: bool, rolling: bool) -> Kind:
         return Kind.OPENAI_CHAT
     if route == ROUTE_COMPLETIONS:
         return Kind.OPENAI_COMPLETION
+    if route == ROUTE_RESPONSES:
+        return Kind.OPENAI_RESPONSES
     if route in _TGI_ROUTES:
         return _TGI_ROUTES[route]
     if chat:
@@ -138,6 +146,8 @@ def shape_of(kind: Kind, route: str | None = None) -> Shape:
     """The response object of a kind; a batch line answers its url's OpenAI object."""
     if kind in (Kind.LMI_CHAT, Kind.OPENAI_CHAT) or (kind is Kind.BATCH_LINE and route == ROUTE_CHAT):
         return Shape.CHAT
+    if kind is Kind.OPENAI_RESPONSES:
+        return Shape.RESPONSES
     if kind in (Kind.OPENAI_COMPLETION, Kind.BATCH_LINE):
         return Shape.COMPLETION
     return Shape.TGI if kind in TGI_KINDS else Shape.LMI

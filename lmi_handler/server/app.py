@@ -2,8 +2,8 @@
 
 Owns the wiring (settings parsed once, the Handler and the front-end loop that drives it, the Batch API,
 metrics, API keys) and DJL's own routes: /ping, /invocations, /predictions/{model}, /models and /metrics. OpenAI's
-routes are openai.py's, TGI's tgi.py's, /tokenize and /detokenize tokens.py's, serving a generation request
-serving.py's.
+routes are openai.py's (the Responses API's responses.py's), TGI's tgi.py's, /tokenize and /detokenize
+tokens.py's, serving a generation request serving.py's.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from lmi_handler.server.auth import RequireApiKey, log_access_rule, open_paths
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
 from lmi_handler.server.ops import RequestIds, add_cancel_route, exit_when_dead
+from lmi_handler.server.responses import add_responses_routes
 from lmi_handler.server.serving import add_generation_routes, answer_framework_errors, error_response, serve
 from lmi_handler.server.tgi import add_tgi_routes
 from lmi_handler.server.tokens import add_token_routes
@@ -34,7 +35,8 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     (handle()'s init call), then `app.state.service` is the loaded Service every route uses.
 
     app.state: settings (parsed here, once), front_end, service (None until the model is loaded),
-    tracker (rolling batch: the per-request metrics the handler feeds), metrics.
+    tracker (rolling batch: the per-request metrics the handler feeds), metrics, responses_store (the
+    finished /v1/responses answers kept, server/responses.py).
     """
     settings = Settings.from_properties(properties)
     app = FastAPI(title="lmi_handler", lifespan=_lifespan)
@@ -56,6 +58,7 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     answer_framework_errors(app)
     _add_djl_routes(app)
     add_openai_routes(app)
+    add_responses_routes(app, settings.responses_store_size)
     add_tgi_routes(app)
     add_token_routes(app)
     add_adapter_routes(app)

@@ -2,8 +2,8 @@
 
 Owns a request's life on the HTTP side: the 4xx/5xx refusals before inference (size, draining, a full
 queue, a bad body), planning in the one validation thread, collecting or streaming the chunks, and
-error bodies in the request's dialect (errors.error_body). The routes are app.py's, tgi.py's and
-openai_routes.py's; the loops that run requests are frontend/'s.
+error bodies in the request's dialect (errors.error_body). The routes are app.py's, tgi.py's, openai.py's
+and responses.py's; the loops that run requests are frontend/'s.
 """
 from __future__ import annotations
 
@@ -88,9 +88,10 @@ def _serving(route: str):
     return endpoint
 
 
-async def serve(request: Request, route: str) -> Response:
+async def serve(request: Request, route: str, **plan_options: Any) -> Response:
     """Answer a generation route (`route`: the path the plan is made for) with the app's front end and
-    service (app.state); every refusal before inference is a 4xx/5xx in the route's dialect."""
+    service (app.state); every refusal before inference is a 4xx/5xx in the route's dialect. `plan_options`
+    go to Service.plan (/v1/responses: its responses_store)."""
     state = request.app.state
     front_end, tracker, dialect = state.front_end, state.tracker, dialect_of(route)
     refusal = await _refusal(front_end, request, dialect)
@@ -100,7 +101,7 @@ async def serve(request: Request, route: str) -> Response:
     if not front_end.reserve():  # refused at once, before any work (job_queue_size)
         return _queue_full(front_end, dialect)
     try:
-        client = await _plan(front_end, state.service, request, route, body)
+        client = await _plan(front_end, state.service, request, route, body, plan_options)
         if isinstance(client, Response):
             return client
         front_end.track(client)
@@ -159,7 +160,7 @@ async def _answer(request: Request, client: ClientRequest, front_end: FrontEnd,
 
 
 async def _plan(front_end: FrontEnd, service: Service, request: Request, route: str,
-                body: bytes) -> ClientRequest | Response:
+                body: bytes, plan_options: dict[str, Any]) -> ClientRequest | Response:
     """The request's ClientRequest with its plan (parsed and tokenized once, off the event loop), or the
     4xx/5xx answer when the request is bad."""
     dialect = dialect_of(route)
@@ -176,7 +177,8 @@ async def _plan(front_end: FrontEnd, service: Service, request: Request, route: 
     try:  # plan before inference: a bad request never reaches the batch
         client.plan = await asyncio.get_running_loop().run_in_executor(
             _VALIDATION, partial(service.plan, body, route=route, content_type=content_type,
-                                 request_id=client.request_id, adapter_header=request.headers.get(ADAPTER_HEADER)))
+                                 request_id=client.request_id, adapter_header=request.headers.get(ADAPTER_HEADER),
+                                 **plan_options))
     except RequestValidationError as exc:
         return error_response(dialect, str(exc), exc.status_code, exc.field)
     except Exception as exc:  # a bug, never the client's fault: still a JSON answer, and the server goes on

@@ -25,6 +25,7 @@ from lmi_handler.protocol.formatters.openai import (
     stream_tail,
 )
 from lmi_handler.protocol.formatters.openai import stream_failure as openai_stream_failure
+from lmi_handler.protocol.formatters.responses import ResponsesDocument, ResponsesStream
 from lmi_handler.protocol.formatters.tgi import TgiDocument, TgiStream
 from lmi_handler.protocol.formatters.tgi import stream_failure as tgi_stream_failure
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan, Shape
@@ -32,11 +33,13 @@ from lmi_handler.protocol.sequences import Combine, Member, combine_best_of
 
 # One formatter per (shape, streamed): adding a shape adds a row here and its class above.
 _DOCUMENTS = {Shape.LMI: LmiDocument, Shape.TGI: TgiDocument, Shape.CHAT: ChatDocument,
-              Shape.COMPLETION: CompletionDocument}
-_STREAMS = {Shape.LMI: TokenStream, Shape.TGI: TgiStream, Shape.CHAT: ChatStream, Shape.COMPLETION: CompletionStream}
+              Shape.COMPLETION: CompletionDocument, Shape.RESPONSES: ResponsesDocument}
+_STREAMS = {Shape.LMI: TokenStream, Shape.TGI: TgiStream, Shape.CHAT: ChatStream, Shape.COMPLETION: CompletionStream,
+            Shape.RESPONSES: ResponsesStream}
 
 
-def stream_formatter(plan: RequestPlan, prompt: Prompt, index: int = 0) -> TokenStream | TgiStream | OpenAIStream:
+def stream_formatter(plan: RequestPlan, prompt: Prompt,
+                     index: int = 0) -> TokenStream | TgiStream | OpenAIStream | ResponsesStream:
     """The formatter of one streamed sequence (choice `index`); its events(out) are that sequence's objects."""
     formatter = _STREAMS[plan.shape](plan, prompt)
     formatter.index = index
@@ -72,7 +75,7 @@ class StreamAnswer:
             out = outputs.get(request_id)
             if out is None:
                 continue
-            if self.plan.shape not in OPENAI_SHAPES:     # LMI, TGI: one sequence, streamed as it is
+            if self.plan.shape not in OPENAI_SHAPES:     # LMI, TGI, Responses: one sequence, streamed as it is
                 self.finished = out.finished
                 return stream.events(out)
             if is_error(out):

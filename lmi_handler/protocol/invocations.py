@@ -111,8 +111,8 @@ class InvocationRequest:
         if route == ROUTE_RESPONSES:
             responses = ResponsesRequest.parse(data, responses_store)
             chat = responses.chat
-            return cls(None, chat.to_generation_parameters(**generation), responses.stream, chat.messages, chat,
-                       route=route, responses=responses.context)
+            return cls(None, responses.parameters, responses.stream, chat.messages, chat, route=route,
+                       responses=responses.context)
         if route == ROUTE_CHAT:
             chat = ChatCompletionRequest.parse(data)
             return cls(None, chat.to_generation_parameters(**generation), chat.stream, chat.messages, chat,

@@ -17,6 +17,7 @@ from typing import Any
 
 from lmi_handler.protocol.errors import RequestValidationError, show_value
 from lmi_handler.protocol.openai import ChatCompletionRequest
+from lmi_handler.protocol.params import GenerationParameters
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +116,10 @@ class ResponsesContext:
 
 @dataclass
 class ResponsesRequest:
-    """A checked /v1/responses body: the chat request it runs as and its context."""
+    """A checked /v1/responses body: the chat request it runs as, that chat's parameters, and its context."""
 
     chat: ChatCompletionRequest
+    parameters: GenerationParameters
     context: ResponsesContext
     stream: bool
 
@@ -142,6 +144,7 @@ class ResponsesRequest:
                      **_tool_fields(given), **_text_format(given.get("text")), **_reasoning(given.get("reasoning"))}
         try:
             chat = ChatCompletionRequest.parse(chat_body)
+            parameters = chat.to_generation_parameters()
         except RequestValidationError as exc:
             raise renamed(exc) from None
         keep = given.get("store", True)
@@ -150,7 +153,7 @@ class ResponsesRequest:
         kept = store if keep and store is not None and store.capacity > 0 else None
         context = ResponsesContext(new_id("resp"), int(time.time()), _echo(given, kept is not None), conversation,
                                    kept)
-        return cls(chat, context, chat.stream)
+        return cls(chat, parameters, context, chat.stream)
 
 
 def _refuse(given: dict[str, Any]) -> None:

@@ -42,7 +42,8 @@ setup(
         # and on the same weights (hf); it brings datasets, evaluate, scikit-learn, scipy, sacrebleu, nltk, peft
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "httpx>=0.27", "openai>=1.30", "ruff>=0.6",
                  "jsonschema>=4", "lm_eval[api,hf]>=0.4.13,<0.5",
-                 "langchain-openai>=0.3"],  # bind_tools against the server (tests/server)
+                 "langchain-openai>=0.3",   # bind_tools against the server (tests/server)
+                 "openai-agents==0.24.0"],  # OpenAI's Agents SDK drives /v1/responses (tests/server)
         "bench": ["matplotlib", "httpx>=0.27", "psutil"],
         # `lmi-handler batch --ray`: batch files sharded over the replicas of a Ray cluster (batch/cluster.py)
         "ray": ["ray[data]==2.60.0"],

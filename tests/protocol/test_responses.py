@@ -253,3 +253,19 @@ def test_an_event_is_named_under_sse_and_plain_in_jsonlines():
     event = Event("response.created", {"type": "response.created"})
     assert encode([event], Wire.SSE) == 'event: response.created\ndata: {"type": "response.created"}\n\n'
     assert encode([event], Wire.JSONLINES) == '{"type": "response.created"}\n'
+
+
+def test_a_named_tool_choices_arguments_stream_in_pieces_into_one_function_call_item():
+    tools = parse_tool_request({"tools": [{"type": "function", "function": {"name": "get_weather"}}],
+                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    rule = ChatOutputRule(tools=tools)
+    pieces = ['{"city": ', '"Paris"', "}"]
+    events = events_of(plan_of(parse(), stream=True, rule=rule), outputs(pieces))
+    assert [e["type"] for e in events[2:]] == [
+        "response.output_item.added", *["response.function_call_arguments.delta"] * 3,
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    joined = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    (item,) = events[-1]["response"]["output"]
+    assert joined == item["arguments"] == '{"city": "Paris"}' and item["name"] == "get_weather"
+    body = whole(plan_of(parse(), stream=False, rule=rule), outputs(pieces))
+    assert [(i["type"], i["arguments"]) for i in body["output"]] == [("function_call", '{"city": "Paris"}')]

@@ -105,32 +105,44 @@ class OutputItems:
     def _close(self, status: str) -> list[dict]:
         if self.open is None:
             return []
-        item, part = self.open, self._part(self.text)
-        done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-        events = [{"type": done, **self._where(), "text": self.text,
-                   **({"logprobs": []} if item["type"] == "message" else {})},
-                  {"type": "response.content_part.done", **self._where(), "part": part}]
-        item.update(content=[part], status=status)
+        item, events = self.open, []
+        if item["type"] == "function_call":
+            where = {"item_id": item["id"], "output_index": len(self.items)}
+            events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                           "arguments": self.text})
+            item.update(arguments=self.text, status=status)
+            self.calls.append({"id": item["call_id"], "type": "function",
+                               "function": {"name": item["name"], "arguments": self.text}})
+        else:
+            part = self._part(self.text)
+            done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
+            events += [{"type": done, **self._where(), "text": self.text,
+                        **({"logprobs": []} if item["type"] == "message" else {})},
+                       {"type": "response.content_part.done", **self._where(), "part": part}]
+            item.update(content=[part], status=status)
         events.append({"type": "response.output_item.done", "output_index": len(self.items), "item": _copy(item)})
         self.items.append(item)
         self.open = None
         return events
 
     def _call(self, delta: dict) -> list[dict]:
-        """One whole tool call (the parsers send a call once it is complete) as a function_call item."""
-        events = self._close("completed")
-        function = delta["function"]
-        item = {"id": new_id("fc"), "type": "function_call", "call_id": delta["id"], "name": function["name"],
-                "arguments": "", "status": "in_progress"}
-        where = {"item_id": item["id"], "output_index": len(self.items)}
-        events.append({"type": "response.output_item.added", "output_index": len(self.items), "item": _copy(item)})
-        events.append({"type": "response.function_call_arguments.delta", **where, "delta": function["arguments"]})
-        events.append({"type": "response.function_call_arguments.done", **where, "name": function["name"],
-                       "arguments": function["arguments"]})
-        item.update(arguments=function["arguments"], status="completed")
-        events.append({"type": "response.output_item.done", "output_index": len(self.items), "item": _copy(item)})
-        self.items.append(item)
-        self.calls.append({"id": delta["id"], "type": "function", "function": dict(function)})
+        """A tool-call delta (chat_output's): one with an id starts a function_call item, the others add to its
+        arguments (a named tool_choice streams them in pieces; the parsers of `required` and `auto` send each
+        call whole). The item closes when the next one starts or the response ends."""
+        events = []
+        function = delta.get("function") or {}
+        if "id" in delta:
+            events += self._close("completed")
+            self.open = {"id": new_id("fc"), "type": "function_call", "call_id": delta["id"],
+                         "name": function["name"], "arguments": "", "status": "in_progress"}
+            self.text = ""
+            events.append({"type": "response.output_item.added", "output_index": len(self.items),
+                           "item": _copy(self.open)})
+        arguments = function.get("arguments") or ""
+        if arguments and self.open is not None and self.open["type"] == "function_call":
+            self.text += arguments
+            events.append({"type": "response.function_call_arguments.delta", "item_id": self.open["id"],
+                           "output_index": len(self.items), "delta": arguments})
         return events
 
     def assistant_message(self) -> dict:

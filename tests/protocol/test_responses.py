@@ -1,4 +1,4 @@
-"""protocol/responses.py and response_events.py: a Responses body checked and turned into the chat it runs as,
+"""protocol/responses.py and formatters/responses.py: a Responses body checked and turned into the chat it runs as,
 the fields refused by name, the bounded store; the Response object and its stream events from hand-made engine
 outputs (plain text, reasoning, tool calls, max_output_tokens, a failure)."""
 from __future__ import annotations

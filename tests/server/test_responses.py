@@ -129,7 +129,7 @@ def test_the_store_keeps_only_the_newest_responses_of_its_size(sdk):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice.name"),
     ({"input": "word " * 10000}, "input"),
 ])
@@ -137,6 +137,16 @@ def test_a_refused_field_or_bad_value_is_a_400_naming_it(sdk, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
         create(sdk, **fields)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_the_route_is_counted_in_metrics_and_takes_the_deadline_header_as_the_chat_route_does(sdk, responses_server):
+    from tests.server.helpers import metric
+
+    create(sdk, max_output_tokens=1)
+    with httpx.Client(base_url=responses_server.url, timeout=60) as http:
+        assert metric(http, 'lmi_http_requests_total{code="200",route="/v1/responses"}') >= 1
+        late = http.post("/v1/responses", json={"model": "model", "input": "Hi"}, headers={"X-Request-Timeout": "-1"})
+    assert late.status_code == 400 and late.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_text_format_json_schema_answers_json_that_validates(sdk):

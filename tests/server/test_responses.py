@@ -183,3 +183,26 @@ def test_the_agents_sdk_drives_a_tool_loop_against_the_server(responses_server):
     assert isinstance(result.final_output, str) and result.final_output
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+
+
+@pytest.fixture(scope="module")
+def thinking_sdk(model_dir, tmp_path_factory):
+    """deepseek_r1 on a Qwen3-style template: the output starts inside the reasoning (the test template of
+    tests/test_chat_template.py)."""
+    from tests.helpers import REPO
+
+    for server in serve(tmp_path_factory, "responses-thinking", num_threads="1", reasoning_parser="deepseek_r1",
+                        chat_template=str(REPO / "tests" / "chat_templates" / "qwen3_style.jinja")):
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_reasoning_parsers_text_answers_as_a_reasoning_item_streamed_and_not(thinking_sdk):
+    """8 tokens never reach </think>: all of it is reasoning, in a reasoning item, and the message is empty."""
+    fields = {"model": "model", "input": "Why is the sky blue?", "temperature": 0, "max_output_tokens": 8}
+    reply = thinking_sdk.responses.create(**fields)
+    reasoning = reply.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content[0].text and reply.output_text == ""
+    events = list(thinking_sdk.responses.create(**fields, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning.content[0].text
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["reasoning"]

@@ -87,12 +87,17 @@ def test_a_streamed_tool_call_arrives_as_a_function_call_item(sdk):
     assert events[-1].type == "response.completed" and events[-1].response.output[0].type == "function_call"
 
 
-def test_previous_response_id_continues_the_stored_conversation_and_get_returns_it(sdk):
+def test_previous_response_id_continues_the_stored_conversation_get_returns_it_and_delete_drops_it(sdk):
     first = create(sdk, input="My name is Ada.", max_output_tokens=8)
     assert sdk.responses.retrieve(first.id).output_text == first.output_text
     follow = create(sdk, input="What is my name?", previous_response_id=first.id, max_output_tokens=8)
     assert follow.previous_response_id == first.id
     assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens   # the history came first
+    sdk.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.delete(follow.id)
     unstored = create(sdk, input="Hi", store=False, max_output_tokens=2)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError) as info:

@@ -102,14 +102,100 @@ def test_no_import_cycle_between_lmi_handlers_packages():
 
 
 def test_no_import_cycle_between_modules_at_import_time():
+    """No two modules of lmi_handler import each other, directly or round a longer circle, when they are
+    imported (the strongly connected components of the import graph). An import runs at import time unless
+    it is inside a function: a function's import is excluded, as it is the way to break a circle on purpose
+    (the late import runs when the function is called, after both modules are loaded). `from P import x`
+    imports the module P.x when there is one, else P; a package's __init__ counts as the package."""
     modules = _modules()
-    edges = {name: {m for m in _imported_at_top(tree) if m in modules and m != name} for name, tree in modules.items()}
-    assert _cycle(edges) is None, f"modules import each other: {' -> '.join(_cycle(edges))}"
+    edges = {name: _imported_at_import_time(name, tree, modules) for name, tree in modules.items()}
+    circles = _strongly_connected(edges)
+    assert circles == [], "modules import each other at import time: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
-def _imported_at_top(tree: ast.Module) -> set[str]:
-    return {node.module for node in tree.body
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lmi_handler")}
+def test_the_import_circle_check_follows_submodule_imports_and_skips_functions():
+    """The check above sees a circle closed by `from package import submodule` and by a relative import,
+    and does not count an import inside a function."""
+    source = {"lmi_handler.a": "from lmi_handler import b\n",
+              "lmi_handler.b": "import lmi_handler.c as c\n",
+              "lmi_handler.c": "from lmi_handler.a import x\n",
+              "lmi_handler.d": "def late():\n    from lmi_handler import a\n",
+              "lmi_handler.e": "from . import d\n",
+              "lmi_handler.f": "class F:\n    from lmi_handler.e import y\n"}
+    modules = {name: ast.parse(text) for name, text in source.items()}
+    edges = {name: _imported_at_import_time(name, tree, modules) for name, tree in modules.items()}
+    assert edges["lmi_handler.d"] == set() and edges["lmi_handler.e"] == {"lmi_handler.d"}
+    assert edges["lmi_handler.f"] == {"lmi_handler.e"}
+    assert _strongly_connected(edges) == [["lmi_handler.a", "lmi_handler.b", "lmi_handler.c"]]
+    edges["lmi_handler.d"].add("lmi_handler.f")
+    edges["lmi_handler.e"].add("lmi_handler.f")
+    assert _strongly_connected(edges) == [["lmi_handler.a", "lmi_handler.b", "lmi_handler.c"],
+                                          ["lmi_handler.d", "lmi_handler.e", "lmi_handler.f"]]
+
+
+def _imported_at_import_time(name: str, tree: ast.Module, modules: dict) -> set[str]:
+    """The modules of `modules` that module `name` imports when it is imported: every import statement outside a
+    function body (module level, under an if or try, in a class body), relative ones resolved."""
+    # where a relative import starts: a package's __init__ from the package itself, another module from its parent
+    package = name if any(m.startswith(name + ".") for m in modules) else name.rpartition(".")[0]
+    found = set()
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            parts = parts[:len(parts) - node.level + 1] if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node of the directed graph `edges` (Tarjan's
+    algorithm, iterative), each sorted, in sorted order: the import circles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return sorted(components)
 
 
 # getattr/hasattr with a literal name reads a field by guessing it is there; on our own objects write `.name`

@@ -18,8 +18,7 @@ from profiling_commands.kernels import SHAPES as KERNEL_SHAPES
 from workload import REPO
 
 from lmi_handler.engine.kv_cache import BlockAllocator
-from lmi_handler.engine.model.kernels import build, cpu_kernels, pack_weight
-from lmi_handler.engine.model.kernels.build import BF16_DP, bf16_dot_form
+from lmi_handler.engine.model.kernels import BF16_DP, bf16_dot_form, build, cpu_kernels, pack_weight
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 

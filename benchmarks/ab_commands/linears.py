@@ -12,8 +12,7 @@ import time
 import torch
 from ab_commands.revision import old_kernels
 
-from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight
-from lmi_handler.engine.model.kernels.build import bf16_dot_form
+from lmi_handler.engine.model.kernels import bf16_dot_form, cpu_kernels, pack_weight
 
 LINEARS_DOC = """Interleaved A/B of the packed linear with its weights coming from DRAM: this checkout's C++ kernels against
 another revision's, in one process (old_kernels builds the old sources as an extension of their own).

@@ -51,7 +51,7 @@ def breakdown_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default=str(REPO / "model"))
     p.add_argument("--bf16-dot", default="auto", choices=("auto", "fma", "native", "amx"),
-                   help="bf16 panels' dot form (kernels.build.choose_bf16_dot; fma and native give the same bits)")
+                   help="bf16 panels' dot form (kernels.bf16_form.choose_bf16_dot; fma and native give the same bits)")
     return p.parse_args(argv)
 
 
@@ -79,7 +79,7 @@ def time_parts(engine, clock, record, parts=ENGINE_PARTS) -> None:
 def breakdown_main(argv=None) -> None:
     args = breakdown_args(argv)
 
-    from lmi_handler.engine.model.kernels.build import bf16_dot_form, bf16_form_name, choose_bf16_dot
+    from lmi_handler.engine.model.kernels import bf16_dot_form, bf16_form_name, choose_bf16_dot
 
     choose_bf16_dot(args.bf16_dot)
     clock = time.thread_time if args.threads == 1 else time.perf_counter

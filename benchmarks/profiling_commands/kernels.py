@@ -18,8 +18,7 @@ from workload import REPO
 
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged, attention_per_sequence
-from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
-from lmi_handler.engine.model.kernels.build import BF16_AMX, BF16_DP, BF16_FMA
+from lmi_handler.engine.model.kernels import BF16_AMX, BF16_DP, BF16_FMA, cpu_kernels, pack_weight, packed_linear
 from lmi_handler.engine.model.llama import INVARIANT_TILE, _tiled_matmul
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
@@ -63,7 +62,7 @@ def best_ms(fn, repeats: int) -> float:
 
 def bench_linears(repeats: int) -> list[dict]:
     """Per linear shape and row count: our packed kernel in each weight kind (float32, bfloat16 as
-    packed_linear picks it (build.bf16_dot_form) and, where the CPU has VDPBF16PS, through it
+    packed_linear picks it (bf16_form.bf16_dot_form) and, where the CPU has VDPBF16PS, through it
     (vdpbf16ps_ms; above 4 rows) and in the FMA form (bf16_fma_ms), through AMX tiles where it has them
     (amx_ms), int8) against torch's F.linear in float32 and bfloat16
     (oneDNN/MKL, not batch-invariant) and the 16-row tiled bmm (the PyTorch fallback)."""

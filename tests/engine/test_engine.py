@@ -11,7 +11,7 @@ import torch
 from lmi_handler.config import EngineConfig
 from lmi_handler.engine import logits_controls, sampler, stopping
 from lmi_handler.engine.engine import Engine, RequestRejected
-from lmi_handler.engine.model.kernels import packing
+from lmi_handler.engine.model.kernels import ops, packing
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.precision import pick_device
 from lmi_handler.engine.scheduler import SchedulerConfig
@@ -396,7 +396,7 @@ def test_each_step_waits_for_the_device_once_for_its_results_whatever_its_reques
     C++ shortcuts taken only for CPU tensors are off, so the step runs the ops a GPU runs."""
     with DeviceSyncs(pick_device(-1), skip=("engine/model/",)) as probe:
         engine = make_engine(tiny_model_dir, tiny_tokenizer, max_num_seqs=8)
-        for module in (sampler, stopping, logits_controls, packing):      # built by the engine's load above
+        for module in (sampler, stopping, logits_controls, packing, ops):      # built by the engine's load above
             monkeypatch.setattr(module, "built_kernels", lambda: None)
         execute = engine.runner.execute
 

@@ -11,7 +11,11 @@ import torch
 
 from lmi_handler.engine.model import kernels
 from lmi_handler.engine.model.kernels import (
+    BF16_AMX,
+    BF16_DP,
+    BF16_FMA,
     PANEL,
+    choose_bf16_dot,
     cpu_kernels,
     fused_add_rmsnorm,
     fused_rope_kv_write,
@@ -27,7 +31,6 @@ from lmi_handler.engine.model.kernels import (
     reference_rope_kv_write,
     reference_silu_mul,
 )
-from lmi_handler.engine.model.kernels.build import BF16_AMX, BF16_DP, BF16_FMA, choose_bf16_dot
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +40,7 @@ def built_kernels():
 
 @contextlib.contextmanager
 def bf16_dot(mode: str):
-    """bf16 linears in `mode` (build.choose_bf16_dot) inside the block, "auto" again after it."""
+    """bf16 linears in `mode` (bf16_form.choose_bf16_dot) inside the block, "auto" again after it."""
     choose_bf16_dot(mode)
     try:
         yield
@@ -511,7 +514,7 @@ def test_the_bf16_dot_choice_obeys_its_override_and_logs_the_probe(caplog):
         assert kernels.bf16_dot_form() == dp
     with bf16_dot("amx"):
         assert kernels.bf16_dot_form() == (BF16_AMX if amx else dp)
-    with bf16_dot("auto"), caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
+    with bf16_dot("auto"), caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.bf16_form"):
         picked = kernels.bf16_dot_form()
     if amx:
         assert picked == BF16_AMX and "AMX tiles" in caplog.text
@@ -768,10 +771,10 @@ def test_the_build_name_changes_with_the_sources_directory_so_checkouts_never_re
 
 @pytest.mark.parametrize("mode", ["fma", "native", "amx", "auto"])
 def test_every_bf16_form_choice_is_logged_and_a_form_the_cpu_lacks_is_a_warning(mode, caplog):
-    """option.bf16_kernel's choice (build.choose_bf16_dot) says which form runs; asking for VDPBF16PS or AMX on a
+    """option.bf16_kernel's choice (bf16_form.choose_bf16_dot) says which form runs; asking for VDPBF16PS or AMX on a
     CPU without them runs the FMA form, with a warning naming what is missing (the AVX2-only AMD host has neither)."""
     module = cpu_kernels()
-    with bf16_dot(mode), caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.build"):
+    with bf16_dot(mode), caplog.at_level(logging.INFO, logger="lmi_handler.engine.model.kernels.bf16_form"):
         form = kernels.bf16_dot_form()
     lines = [r for r in caplog.records if "bf16 linears" in r.getMessage() or "AMX tiles were asked" in r.getMessage()]
     assert lines, caplog.text

@@ -298,7 +298,7 @@ def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model
     Intel CPUs with AMX-BF16, where amx_gemm splits its own work), where none does (team_steps == 0).
     bf16_mode "fma" forces the FMA form, which never is AMX, so team mode's bits are checked on every host
     kind (AMD Zen 3/4/5 and Intel with AMX alike); "auto" checks the host's own choice."""
-    from lmi_handler.engine.model.kernels.build import BF16_AMX, bf16_dot_form, choose_bf16_dot
+    from lmi_handler.engine.model.kernels import BF16_AMX, bf16_dot_form, choose_bf16_dot
 
     dtype, quantize = PRECISIONS[precision]
     threads = torch.get_num_threads()

@@ -441,7 +441,7 @@ def test_the_fused_stack_adds_the_adapters_terms_bitwise_as_the_ops_called_one_b
     one a sequence) take team mode (one OpenMP region a step, each LoRA term an op of the team) where the host's
     forms allow it (not the AMX bf16 form)."""
     num_prompts = 2
-    from lmi_handler.engine.model.kernels.build import BF16_AMX, bf16_dot_form
+    from lmi_handler.engine.model.kernels import BF16_AMX, bf16_dot_form
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -155,8 +155,7 @@ def test_bf16_kernel_fma_is_the_form_the_engine_runs_and_it_stays_batch_invarian
     takes auto's choice again."""
     from lmi_handler.config import EngineConfig
     from lmi_handler.engine.engine import Engine
-    from lmi_handler.engine.model.kernels import bf16_dot_form
-    from lmi_handler.engine.model.kernels.build import BF16_FMA, choose_bf16_dot
+    from lmi_handler.engine.model.kernels import BF16_FMA, bf16_dot_form, choose_bf16_dot
     from tests.engine.helpers import ENGINE_PROMPTS, assert_logits_bitwise_identical_alone_and_in_batch
 
     _, bf16_dir = bf16_checkpoint

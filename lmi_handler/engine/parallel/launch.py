@@ -75,13 +75,13 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
     `size_and_shard`: kv_cache_bytes and gpu_memory_utilization (one process) or num_blocks, layout and group (a
     tensor-parallel rank). option.enforce_eager and the batch limits reach the runner's CUDA graphs.
     On CPU with option.malloc_tuning, this rank's process first fixes malloc's thresholds (host_memory);
-    on CPU it sets the process's bf16 linear kernel to option.bf16_kernel (kernels.build.choose_bf16_dot)."""
+    on CPU it sets the process's bf16 linear kernel to option.bf16_kernel (kernels.bf16_form.choose_bf16_dot)."""
     from lmi_handler.engine.model_runner import ModelRunner
 
     if device.type == "cpu" and config.malloc_tuning:
         keep_freed_memory(config.huge_pages)
     if device.type == "cpu":
-        from lmi_handler.engine.model.kernels.build import choose_bf16_dot
+        from lmi_handler.engine.model.kernels import choose_bf16_dot
 
         choose_bf16_dot(config.bf16_kernel)
 

@@ -17,7 +17,7 @@ KINDS = ("float32", "bfloat16", "int8")   # packed weight kinds: the panels' dty
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear weight (out_features, in_features) repacked for `packed_linear`.
+    """A linear weight (out_features, in_features) repacked for ops.packed_linear.
 
     panels, by kind (P = ceil(out_features / PANEL); columns past out_features are zero):
       float32  (P, in, PANEL):           panels[p, k, j]         = W[p*PANEL + j, k]

@@ -2,7 +2,7 @@
 
 Owns the definitions the kernels must meet: for the bfloat16 and int8 linears a fixed accumulation
 order that PyTorch ops reproduce exactly, for the float32 linear a float64 product; leaves the fast
-paths to packing.py and the C++ sources.
+paths to ops.py and the C++ sources.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class EngineOptions(Options):
     max_model_len: int | None = Field(None, ge=16)
     """Context limit in tokens; default: the model's max_position_embeddings."""
     bf16_kernel: Literal["auto", "amx", "native", "fma"] = "auto"
-    """CPU, bf16 weights: how the C++ linears multiply them (engine/model/kernels/build.py, bf16_dot_form).
+    """CPU, bf16 weights: how the C++ linears multiply them (engine/model/kernels/bf16_form.py, bf16_dot_form).
     auto: AMX tiles where the CPU and the OS have them (the fastest at many sequences), else VDPBF16PS where
     it times faster, else the FMA form; amx / native: those where available; fma: two FMAs per pair. Each
     is batch-invariant on its own, but their last bits differ, so one is used at every batch size. Measured

@@ -205,6 +205,18 @@ THIRD_PARTY_GETATTR = {("engine/detokenizer.py", "added_tokens_decoder"),   # tr
                        ("engine/health.py", "AcceleratorError")}            # torch >= 2.8 only
 
 
+MAX_MODULE_LINES = 500   # a module reads top to bottom in one sitting (STYLE.md); issue 46's limits
+MAX_HEADER_LINES = 600
+
+
+def test_no_module_of_the_package_runs_past_500_lines_nor_a_kernel_header_past_600():
+    long = [f"{path.relative_to(REPO)} ({n})" for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    long += [f"{path.relative_to(REPO)} ({n})" for path in sorted(PACKAGE.rglob("*.h"))
+             if (n := len(path.read_text().splitlines())) > MAX_HEADER_LINES]
+    assert long == [], f"split by what they hold: {long}"
+
+
 def test_no_getattr_on_another_modules_state_and_no_private_imports():
     guesses, private = [], []
     for path in sorted(PACKAGE.rglob("*.py")):

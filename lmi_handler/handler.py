@@ -18,6 +18,7 @@ from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
 from lmi_handler.engine.health import EngineDead, EngineHealth
 from lmi_handler.engine.parallel.launch import run_mpi_follower
 from lmi_handler.engine.sequence import RequestOutput
+from lmi_handler.protocol.custom_output import CustomAnswer, FormatterError
 from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
 from lmi_handler.protocol.errors import GENERATION_ERROR_CODE, error_body
@@ -79,9 +80,14 @@ class ActiveRequest:
     handover: Handover | None = None  # in-process: where the whole answer's object goes too
     stream: StreamAnswer | None = field(default=None, init=False)  # a streamed answer's formatter
     answer: Answer | None = field(default=None, init=False)          # a whole answer's collector
+    custom: CustomAnswer | None = field(default=None, init=False)    # model.py's formatter, RequestOutput form
 
     def __post_init__(self) -> None:
-        if self.plan is not None and self.plan.stream:
+        rule = self.plan.custom_output if self.plan is not None else None
+        if rule is not None and not rule.takes_dict:
+            prompt = self.plan.prompts[0]
+            self.custom = CustomAnswer(rule, self.request_id, prompt.text, prompt.token_ids, self.plan.stream)
+        elif self.plan is not None and self.plan.stream:
             self.stream = StreamAnswer(self.plan, self.members)
         elif self.plan is not None:
             count = self.plan.sequences.count      # completions with a list of prompts: count members each
@@ -93,18 +99,27 @@ class ActiveRequest:
         return self.plan.content_type if self.plan is not None else "application/json"
 
     def data(self, outputs: dict) -> tuple[str, bool]:
-        """This step's text and whether it is the last: streamed as it comes, else the whole answer at the end."""
+        """This step's text and whether it is the last: streamed as it comes, else the whole answer at the end.
+        Raises FormatterError when model.py's output formatter fails."""
+        if self.custom is not None:
+            return self.custom.step(outputs.get(self.members[0].request_id))
+        reshape = self.plan.custom_output.reshape if self.plan.custom_output is not None else _unchanged
         if self.stream is not None:
-            return encode(self.stream.events(outputs), self.plan.wire), self.stream.finished
+            events = [reshape(event) for event in self.stream.events(outputs)]
+            return encode(events, self.plan.wire), self.stream.finished
         for member in self.members:
             if member.request_id in outputs:
                 self.answer.add(outputs[member.request_id])
         if not self.answer.done:
             return "", False
-        body = self.answer.body()
+        body = reshape(self.answer.body())
         if self.handover is not None:
             self.handover.answered(body)
         return encode([body], Wire.JSON), True
+
+
+def _unchanged(obj: Any) -> Any:
+    return obj
 
 
 def refused_field(plan: RequestPlan) -> str:
@@ -139,6 +154,14 @@ def _item_seed(item: Input) -> int | None:
 
 
 StepObserver = Callable[[list[ActiveRequest], dict], None]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A dynamic-batch item answered with an error before inference."""
+
+    message: str
+    code: int = GENERATION_ERROR_CODE
 
 
 class RollingBatch:
@@ -194,7 +217,8 @@ class RollingBatch:
             request_members = self.service.add_prompts(plan, plan.members(_item_seed(item)))
         except Exception as exc:  # noqa: BLE001 - any failure stays with this request (DESIGN §2)
             logger.info("request %s rejected: %s", request_id, exc)
-            return ActiveRequest(request_id, error=str(exc))
+            code = exc.status_code if isinstance(exc, FormatterError) else GENERATION_ERROR_CODE
+            return ActiveRequest(request_id, error=str(exc), error_code=code)
         return ActiveRequest(request_id, plan, request_members, handover=_handover(item))
 
     def _run_engine(self) -> dict:
@@ -256,7 +280,13 @@ class RollingBatch:
                 entry["param"] = request.error_param
             request.done = True
         else:
-            data, last = request.data(outputs)
+            try:
+                data, last = request.data(outputs)
+            except FormatterError as exc:      # model.py's output formatter: this request alone fails
+                logger.warning("request %s: %s", request.request_id, exc)
+                self._end(request, str(exc), exc.status_code)
+                data, last = "", True
+                entry.update(code=str(exc.status_code), error=str(exc), content_type="application/json")
             entry["data"] = data
             if last:
                 entry["last"] = "true"
@@ -276,7 +306,7 @@ class DynamicBatch:
 
     def run(self, inputs: Input) -> Output:
         items = inputs.get_batches()
-        plans: list[RequestPlan | str] = [self._plan(item) for item in items]
+        plans: list[RequestPlan | _Failed] = [self._plan(item) for item in items]
         if len(plans) == 1 and isinstance(plans[0], RequestPlan) and plans[0].stream:
             return self._stream(plans[0])
         members_of = {p.request_id: p.members() for p in plans if isinstance(p, RequestPlan)}
@@ -289,14 +319,14 @@ class DynamicBatch:
             logger.exception("dynamic batch failed")
             self.service.engine.abort_all()
             self.guard.check_failure(exc)     # raises EngineDead if the engine itself is dead
-            results, plans = {}, ["internal error during generation" if isinstance(p, RequestPlan) else p
+            results, plans = {}, [_Failed("internal error during generation") if isinstance(p, RequestPlan) else p
                                   for p in plans]
         answer = Output()
         for index, (item, plan) in enumerate(zip(items, plans)):
             refused = _refused(members_of[plan.request_id], results) if isinstance(plan, RequestPlan) else []
-            if isinstance(plan, str):
-                body = error_body(dialect_of(item.get_property(ROUTE_PROPERTY)), plan, GENERATION_ERROR_CODE)
-                answer.add_property(f"batch_{index}_code", str(GENERATION_ERROR_CODE))
+            if isinstance(plan, _Failed):
+                body = error_body(dialect_of(item.get_property(ROUTE_PROPERTY)), plan.message, plan.code)
+                answer.add_property(f"batch_{index}_code", str(plan.code))
             elif refused:
                 body = error_body(plan.dialect, refused_message(plan, refused[0]), 400, refused_field(plan))
                 answer.add_property(f"batch_{index}_code", "400")
@@ -333,11 +363,13 @@ class DynamicBatch:
         finally:
             steps.close()  # a consumer that stops early aborts the sequences still running
 
-    def _plan(self, item: Input) -> RequestPlan | str:
+    def _plan(self, item: Input) -> RequestPlan | _Failed:
         try:
             return plan_item(self.service, item, item.get_property("requestId") or uuid.uuid4().hex)
+        except FormatterError as exc:     # model.py's input formatter failed: the server's code, a 500
+            return _Failed(str(exc), exc.status_code)
         except Exception as exc:  # noqa: BLE001 - a plan that fails answers its item with 424 (DESIGN §2)
-            return str(exc)
+            return _Failed(str(exc))
 
 
 class Handler:

@@ -10,10 +10,12 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from lmi_handler.chat_template import ChatTemplate
 from lmi_handler.config import ConfigError, Settings
+from lmi_handler.custom_formatters import BUILTIN_OUTPUT_FORMATTERS, CustomFormatters, format_input
 from lmi_handler.engine.engine import LORA_NOT_APPLIED, Engine, RequestRejected, RequestTooLong
 from lmi_handler.engine.model.lora import LoraAdapter, LoraError
 from lmi_handler.engine.sequence import SamplingParams
@@ -21,9 +23,10 @@ from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
 from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.checkpoint_defaults import CheckpointDefaults
-from lmi_handler.protocol.dialects import ROUTE_RESPONSES
+from lmi_handler.protocol.custom_output import CustomOutputRule
+from lmi_handler.protocol.dialects import ROUTE_RESPONSES, Dialect, dialect_of
 from lmi_handler.protocol.errors import RequestValidationError, show_value
-from lmi_handler.protocol.invocations import InvocationRequest
+from lmi_handler.protocol.invocations import InvocationRequest, load_json
 from lmi_handler.protocol.openai import CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
 from lmi_handler.protocol.plan import Kind, Prompt, RequestPlan
@@ -53,6 +56,7 @@ class Service:
         self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text(), self._tokenizer_lock)
         # generation_config.json's sampling values for what requests leave out (option.generation_config)
         self.checkpoint_defaults = CheckpointDefaults.read(settings.model_path, settings.generation_config)
+        self.formatters = self._load_formatters()
         self._load_startup_adapters()
 
     # ---- plans -----------------------------------------------------------------------------
@@ -64,8 +68,10 @@ class Service:
         X-Amzn-SageMaker-Adapter-Identifier header; `responses_store`: where /v1/responses finds a
         previous_response_id and keeps its answer. Raises RequestValidationError (status 400, 404 for a
         `model` not served under option.strict_model_name, an adapter not loaded or an unknown
-        previous_response_id, 413 ...) naming the field (a Responses request's fields by its own names)."""
+        previous_response_id, 413 ...; FormatterError, 500, when model.py's input formatter fails) naming the field
+        (a Responses request's fields by its own names)."""
         try:
+            body = self._formatted_input(body, route, content_type, adapter_header)
             request = InvocationRequest.parse(body, content_type=content_type, route=route,
                                               responses_store=responses_store)
             return self.plan_request(request, request_id or uuid.uuid4().hex, adapter_header=adapter_header)
@@ -91,7 +97,8 @@ class Service:
         self._check_batching(request, kind)
         adapters = self._adapter_names(request, adapter_header)
         prompts = self._prompts(request, request_id, kind, adapters)
-        why_streaming = rules.streaming_reason(kind, bool(request.stream), settings.output_formatter,
+        wire_option = settings.output_formatter if settings.output_formatter in BUILTIN_OUTPUT_FORMATTERS else None
+        why_streaming = rules.streaming_reason(kind, bool(request.stream), wire_option,
                                                rolling=settings.is_rolling, enable_streaming=settings.enable_streaming)
         stream = why_streaming is not None
         count = self._sequences(request, why_streaming)
@@ -102,7 +109,7 @@ class Service:
         openai = request.chat or request.completion
         return RequestPlan(
             request_id=request_id, kind=kind, shape=rules.shape_of(kind, request.route),
-            wire=rules.wire_of(kind, stream, settings.output_formatter, settings.tgi_compat), stream=stream,
+            wire=rules.wire_of(kind, stream, wire_option, settings.tgi_compat), stream=stream,
             prompts=prompts, sequences=count,
             details=params.wants_details(rules.details_by_default(kind, settings.tgi_compat)),
             decoder_input_details=params.decoder_input_details, return_full_text=params.return_full_text,
@@ -113,7 +120,8 @@ class Service:
             created=int(time.time()), decode_token=self.decode_token,
             constraint_field=self._constraint_field(request),
             prompt_logprobs=params.prompt_logprobs is not None, chat_output=self._chat_output(request),
-            echo_only=bool(request.completion and request.completion.echo_only), responses=request.responses)
+            echo_only=bool(request.completion and request.completion.echo_only), responses=request.responses,
+            custom_output=self._custom_output(request, kind, adapters[0], count))
 
     @staticmethod
     def _constraint_field(request: InvocationRequest) -> str | None:
@@ -145,6 +153,53 @@ class Service:
         if (tools is None or tools.mode == "none") and reasoning is None:
             return None
         return ChatOutputRule(reasoning, tools, settings.tool_call_parser)
+
+    # ---- model.py's formatters (LMI's custom formatters: custom_formatters.py) --------------
+
+    def _load_formatters(self) -> CustomFormatters:
+        """model.py's formatters: DJL's model_dir's model.py, else the checkpoint folder's. Raises ConfigError
+        for a model.py that cannot be imported (its traceback's last line), an option.output_formatter naming no
+        function of it, or an output formatter under dynamic batch (its answers are whole lists)."""
+        settings = self.settings
+        formatters = CustomFormatters.load([Path(settings.model_dir), settings.model_path], settings.output_formatter)
+        self._check_output_formatter(formatters)
+        return formatters
+
+    def _check_output_formatter(self, formatters: CustomFormatters) -> None:
+        if formatters.any_output and not self.settings.is_rolling:
+            raise ConfigError("model.py's output formatter needs the rolling batch (LMI calls it at each step of a "
+                              "request): set option.rolling_batch, or remove the formatter")
+
+    def _formatted_input(self, body: bytes | str | dict, route: str | None, content_type: str | None,
+                         adapter_header: str | None) -> bytes | str | dict:
+        """An LMI body (/invocations, DJL's items) through model.py's input formatter, the adapter's (by the
+        header or the body's `adapters`) else the base model's: the decoded JSON object in, the object the
+        parser reads out. Other routes and text/plain bodies pass as they are. Raises RequestValidationError
+        (400 a body that is no JSON object; FormatterError, 500, when the formatter fails)."""
+        plain = (content_type or "").split(";")[0].strip().lower() == "text/plain"
+        if not self.formatters.any_input or plain or dialect_of(route) is not Dialect.LMI:
+            return body
+        payload = load_json(body)
+        named = payload.get("adapters")
+        formatter = self.formatters.input_for(adapter_header or (named if isinstance(named, str) else None))
+        if formatter is None:
+            return payload
+        with self._tokenizer_lock:    # the formatter may use the tokenizer
+            return format_input(formatter, payload, self.tokenizer)
+
+    def _custom_output(self, request: InvocationRequest, kind: Kind, adapter: str | None,
+                       count: sequences.SequencePlan) -> CustomOutputRule | None:
+        """model.py's output formatter for LMI text requests (chat and the other routes keep their APIs'
+        shapes). LMI's formatters answer one sequence: n, best_of or num_beams above 1 is a 400."""
+        formatter = self.formatters.output_for(adapter) if kind is Kind.LMI_TEXT else None
+        if formatter is None:
+            return None
+        params = request.parameters
+        if count.count > 1 or params.num_beams > 1:
+            field = "num_beams" if params.num_beams > 1 else "best_of" if (params.best_of or 1) > 1 else "n"
+            raise RequestValidationError(field, f"Invalid parameter `{field}`: model.py's output formatter "
+                                         f"{formatter.__name__} answers one sequence (LMI's custom formatters)")
+        return CustomOutputRule(formatter, params.model_dump(exclude_unset=True))
 
     # ---- LoRA adapters ---------------------------------------------------------------------
 
@@ -197,6 +252,8 @@ class Service:
                 registry.load(name, path, check_root=False)
             except LoraError as exc:
                 raise ConfigError(f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}") from None
+            self.formatters.load_adapter(name, path)      # its own model.py; ConfigError refuses the start
+        self._check_output_formatter(self.formatters)
         if found:
             logger.info("LoRA adapters loaded: %s", ", ".join(n for n, _ in found))
 
@@ -207,13 +264,22 @@ class Service:
             raise LoraError("LoRA adapters are off on this server (option.enable_lora=false)")
         if self.serves(name):
             raise LoraError(f"adapter name {name!r} is the base model's served name", 409, "name")
-        return self.engine.adapters.load(name, src)
+        adapter = self.engine.adapters.load(name, src)      # checks `src` against the roots first
+        try:
+            self.formatters.load_adapter(name, adapter.path)
+            self._check_output_formatter(self.formatters)
+        except ConfigError as exc:          # LMI: an adapter whose model.py fails is not registered
+            self.formatters.unload_adapter(name)
+            self.engine.adapters.unload(name)
+            raise LoraError(str(exc)) from None
+        return adapter
 
     def unload_adapter(self, name: str) -> None:
         """Raises LoraError (400 LoRA off, 404 not loaded)."""
         if self.engine.adapters is None:
             raise LoraError("LoRA adapters are off on this server (option.enable_lora=false)")
         self.engine.adapters.unload(name)
+        self.formatters.unload_adapter(name)
 
     def _check_batching(self, request: InvocationRequest, kind: Kind) -> None:
         if not self.settings.is_rolling and request.stream and kind is not Kind.DYNAMIC_LIST:

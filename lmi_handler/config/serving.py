@@ -5,8 +5,6 @@ engine.py's, the chat routes' chat.py's, the batch jobs' batch.py's.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, SecretStr, field_validator
 
 from lmi_handler.config.base import Options, split_keys
@@ -30,8 +28,10 @@ class ServingOptions(Options):
     request_timeout_s: float | None = Field(None, gt=0)
     """Seconds a request may spend in the server (waiting + running) before it ends with finish_reason error;
     unset = no deadline. The `X-Request-Timeout` header overrides it per request."""
-    output_formatter: Literal["json", "jsonlines", "sse"] | None = None
-    """Response format: json | jsonlines | sse. Unset: json, jsonlines when streaming (sse with tgi_compat)."""
+    output_formatter: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Response format: json | jsonlines | sse, or the name of a function of the model directory's model.py
+    (LMI's custom output formatter). Unset: json, jsonlines when streaming (sse with tgi_compat), or the
+    model.py function marked @output_formatter."""
     enable_streaming: bool = False
     """LMI schema: every /invocations answer streams. Dynamic batch: a request's list of inputs answers
     `application/jsonlines` lines of {"outputs": [new text per input]}, token by token; rolling batch: LMI

@@ -11,6 +11,7 @@ from typing import Callable
 
 from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.protocol.chat_output import ChatOutputRule
+from lmi_handler.protocol.custom_output import CustomOutputRule
 from lmi_handler.protocol.dialects import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
@@ -96,6 +97,7 @@ class RequestPlan:
     echo_only: bool = False               # completions echo with max_tokens 0: the prompt alone (one token runs)
     chat_output: ChatOutputRule | None = None   # chat: reasoning and tool calls to find in the text (chat_output.py)
     responses: ResponsesContext | None = field(default=None, compare=False)   # /v1/responses: its id, echo, store
+    custom_output: CustomOutputRule | None = None   # LMI text: model.py's output formatter answers (custom_output.py)
     decode_token: DecodeToken | None = field(default=None, compare=False, repr=False)
 
     @property

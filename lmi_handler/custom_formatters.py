@@ -50,7 +50,11 @@ class ModelCode:
 
 class _DjlPythonStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers model.py's `djl_python.input_parser`, `.output_formatter` and `.request_io` imports with fresh
-    modules holding this package's equivalents (same names); any other djl_python import fails as it would."""
+    modules holding this package's equivalents (same names); any other djl_python import fails as it would.
+    `made` keeps the modules it made, so they can be taken out of sys.modules again."""
+
+    def __init__(self) -> None:
+        self.made: list[Any] = []
 
     def find_spec(self, name: str, path: Any = None, target: Any = None):  # noqa: ARG002 - the finder protocol
         if name == "djl_python" or name in STAND_INS:
@@ -63,6 +67,7 @@ class _DjlPythonStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         name = module.__name__
         module.__doc__ = f"lmi_handler's stand-in for {name} (djl_python is not installed)"
+        self.made.append(module)
         if name in STAND_INS:
             ours = importlib.import_module(STAND_INS[name])
             module.__dict__.update({k: v for k, v in vars(ours).items() if not k.startswith("_")})
@@ -82,10 +87,9 @@ def _djl_python_for_model_code() -> Iterator[None]:
         yield
     finally:
         sys.meta_path.remove(finder)
-        for name in ("djl_python", *STAND_INS):
-            module = sys.modules.get(name)
-            if module is not None and isinstance(getattr(module, "__loader__", None), _DjlPythonStandIn):
-                del sys.modules[name]
+        for module in finder.made:
+            if sys.modules.get(module.__name__) is module:
+                del sys.modules[module.__name__]
 
 
 def _installed(name: str) -> bool:

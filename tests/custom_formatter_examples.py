@@ -72,6 +72,26 @@ def custom_output_formatter(response_data: dict) -> dict:
     return response_data
 '''
 
+# Output formatter, LMI's adapter example (dict form): the adapter's answers carry its name and metrics.
+LMI_ADAPTER_DICT_OUTPUT_EXAMPLE = '''
+from djl_python.output_formatter import output_formatter
+import json
+
+@output_formatter
+def custom_output_formatter(response_data: dict) -> dict:
+    """Adapter output formatter: only for requests naming this adapter."""
+    if 'generated_text' in response_data:
+        response_data['adapter_name'] = 'my_adapter'
+        response_data['adapter_version'] = '1.0'
+        generated_text = response_data['generated_text']
+        response_data['generated_text'] = f"[ADAPTER] {generated_text}"
+        response_data['custom_metrics'] = {
+            'text_length': len(generated_text),
+            'word_count': len(generated_text.split())
+        }
+    return response_data
+'''
+
 # LMI's own failing example (djl-serving's integration tests): an input formatter that always raises.
 FAILING_INPUT = '''
 from djl_python.input_parser import input_formatter

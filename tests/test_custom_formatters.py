@@ -114,9 +114,10 @@ def test_lmis_input_formatter_example_reads_input_prompt_and_defaults_max_new_to
         assert chat.status_code == 200         # other routes keep their own schema
 
 
-def test_an_adapters_own_input_formatter_answers_its_requests_and_the_base_one_the_rest(tmp_path, tiny, djl_python):
+def test_an_adapters_own_formatters_answer_its_requests_and_the_base_ones_the_rest(tmp_path, tiny, djl_python):
+    adapter_code = examples.LMI_ADAPTER_INPUT_EXAMPLE + examples.LMI_ADAPTER_DICT_OUTPUT_EXAMPLE
     folder = model_folder(tmp_path, tiny, examples.LMI_INPUT_EXAMPLE,
-                          adapters={"my_adapter": examples.LMI_ADAPTER_INPUT_EXAMPLE, "plain": None})
+                          adapters={"my_adapter": adapter_code, "plain": None})
     with fresh_server(**options(folder, enable_lora="true")) as server:
         def inputs_seen(**body) -> str:
             response = server.post("/invocations", json={**body, "parameters": {"details": True,
@@ -130,6 +131,34 @@ def test_an_adapters_own_input_formatter_answers_its_requests_and_the_base_one_t
         assert header.json()["details"]["inputs"] == f"[ADAPTER_PREFIX] {PROMPT}"
         assert inputs_seen(inputPrompt=PROMPT, adapters="plain") == PROMPT     # no model.py: the base's
         assert inputs_seen(inputPrompt=PROMPT) == PROMPT
+        answer = server.post("/invocations", json={"inputs": PROMPT, "adapters": "my_adapter",
+                                                   "parameters": {"max_new_tokens": 3, **GREEDY}}).json()
+        assert answer["generated_text"].startswith("[ADAPTER] ") and answer["adapter_name"] == "my_adapter"
+        assert answer["custom_metrics"]["text_length"] == len(answer["generated_text"]) - len("[ADAPTER] ")
+        base = server.post("/invocations", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}).json()
+        assert set(base) == {"generated_text"}                     # the base model.py has no output formatter
+
+
+def test_an_adapter_loaded_at_run_time_brings_its_model_py_and_a_broken_one_is_refused(tmp_path, tiny, djl_python):
+    folder = model_folder(tmp_path, tiny, None)
+    _, config = tiny
+    for name, code in (("good", examples.LMI_ADAPTER_DICT_OUTPUT_EXAMPLE), ("broken", examples.BROKEN)):
+        write_peft_adapter(tmp_path / "runtime" / name, config)
+        (tmp_path / "runtime" / name / "model.py").write_text(code)
+    with fresh_server(**options(folder, enable_lora="true", lora_adapter_roots=str(tmp_path / "runtime"))) as server:
+        broken = server.post("/models/model/adapters", params={"name": "broken",
+                                                              "src": str(tmp_path / "runtime/broken")})
+        assert broken.status_code == 400
+        assert "ModuleNotFoundError: No module named 'not_a_module_anywhere'" in broken.json()["error"]
+        assert server.get("/models/model/adapters").json()["adapters"] == []       # not registered
+        assert server.post("/models/model/adapters", params={"name": "good",
+                                                            "src": str(tmp_path / "runtime/good")}).status_code == 200
+        answer = server.post("/invocations", json={"inputs": PROMPT, "adapters": "good",
+                                                   "parameters": {"max_new_tokens": 2}}).json()
+        assert answer["adapter_name"] == "my_adapter"
+        unloaded = server.loop.run_until_complete(server.client.request("DELETE", "/models/model/adapters/good"))
+        assert unloaded.status_code == 200
+        assert server.service.formatters.adapters == {}
 
 
 def test_a_raising_input_formatter_answers_500_naming_it_and_others_are_served(tmp_path, tiny, djl_python):
@@ -265,6 +294,16 @@ def test_without_djl_python_model_py_gets_the_stand_in_and_the_process_never_see
     (tmp_path / "model.py").write_text("from djl_python import Input\n")
     with pytest.raises(ModelCodeError, match=r"cannot be imported: \w*Error: .*'(djl_python\.)?Input'"):  # not ours
         load_model_code(tmp_path, "stand_in_test")
+
+
+def test_where_djl_python_is_installed_model_py_imports_the_real_one(tmp_path):
+    if not _djl_python_installed():
+        pytest.skip("djl_python is not installed here (not on PyPI)")
+    (tmp_path / "model.py").write_text(examples.LMI_INPUT_EXAMPLE)
+    code = load_model_code(tmp_path, "installed_test")
+    assert code.input_formatter.is_input_formatter is True
+    assert "lmi_handler" not in (sys.modules["djl_python.input_parser"].__doc__ or "")   # not our stand-in
+    assert sys.modules["djl_python.input_parser"].__file__.endswith("djl_python/input_parser.py")
 
 
 def test_two_marked_input_formatters_are_refused(tmp_path):

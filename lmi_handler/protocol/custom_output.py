@@ -26,7 +26,7 @@ class FormatterError(RequestValidationError):
     the formatter and the error's last line (the whole traceback goes to the log)."""
 
     def __init__(self, formatter: Callable, role: str, problem: str):
-        name = getattr(formatter, "__name__", repr(formatter))
+        name = formatter.__name__      # model.py's functions (custom_formatters.py keeps only functions)
         super().__init__(name, f"the {role} formatter {name} of model.py failed: {problem}", FORMATTER_ERROR_CODE)
 
     @classmethod

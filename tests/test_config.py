@@ -26,7 +26,7 @@ def test_every_rolling_batch_value_but_disable_is_rolling(value, rolling):
 
 
 @pytest.mark.parametrize("key, value", [("max_rolling_batch_size", "0"), ("dtype", "int8"),
-                                        ("output_formatter", "xml"), ("tensor_parallel_degree", "0"),
+                                        ("output_formatter", "x.m-l"), ("tensor_parallel_degree", "0"),
                                         ("tensor_parallel_degree", "two"), ("pipeline_parallel_degree", "2"),
                                         ("max_rolling_batch_size", "many")])
 def test_bad_values_raise_config_error_naming_the_key(key, value):

@@ -157,11 +157,13 @@ class Service:
     # ---- model.py's formatters (LMI's custom formatters: custom_formatters.py) --------------
 
     def _load_formatters(self) -> CustomFormatters:
-        """model.py's formatters: DJL's model_dir's model.py, else the checkpoint folder's. Raises ConfigError
-        for a model.py that cannot be imported (its traceback's last line), an option.output_formatter naming no
-        function of it, or an output formatter under dynamic batch (its answers are whole lists)."""
+        """model.py's formatters: DJL's model_dir's model.py (when model_dir was given: the current directory is
+        never searched), else the checkpoint folder's. Raises ConfigError for a model.py that cannot be imported
+        (its traceback's last line), an option.output_formatter naming no function of it, or an output formatter
+        under dynamic batch (its answers are whole lists)."""
         settings = self.settings
-        formatters = CustomFormatters.load([Path(settings.model_dir), settings.model_path], settings.output_formatter)
+        given = [Path(settings.model_dir)] if "model_dir" in settings.model_fields_set else []
+        formatters = CustomFormatters.load([*given, settings.model_path], settings.output_formatter)
         self._check_output_formatter(formatters)
         return formatters
 

@@ -113,6 +113,19 @@ def picky_formatter(request_output):
     return token.text.upper() if token else ""
 '''
 
+# Ours: LMI's input example's rename, and a failure for bodies that ask for one.
+PICKY_INPUT_OURS = '''
+from lmi_handler.input_parser import input_formatter
+
+@input_formatter
+def picky_input(decoded_payload, tokenizer=None, **kwargs):
+    if decoded_payload.get("fail"):
+        raise ValueError("this body asked me to fail")
+    decoded_payload["inputs"] = decoded_payload.pop("inputPrompt")
+    assert tokenizer.encode("hello")                     # LMI's vLLM form passes the tokenizer
+    return decoded_payload
+'''
+
 # Ours: an unmarked function that option.output_formatter names.
 NAMED_OUTPUT = '''
 def shout(request_output):

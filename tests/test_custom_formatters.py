@@ -264,6 +264,23 @@ def test_handle_applies_both_formatters_and_a_failing_one_ends_only_its_item(tmp
     assert "".join(texts) and "".join(texts) == "".join(texts).upper()
 
 
+def test_dynamic_batch_applies_the_input_formatter_and_a_failing_one_answers_its_item_500(tmp_path, tiny):
+    from lmi_handler.djl import OwnInput, PairList
+    from lmi_handler.handler import Handler
+
+    folder = model_folder(tmp_path, tiny, examples.PICKY_INPUT_OURS)
+    worker = Handler()
+    assert worker.handle(OwnInput({**options(folder), "model_dir": str(folder), "rolling_batch": "disable"})) is None
+    bodies = [{"inputPrompt": PROMPT, "parameters": {"max_new_tokens": 2}}, {"inputPrompt": PROMPT, "fail": True}]
+    content = PairList([(f"batch_{i:03d}.data", json.dumps(b).encode()) for i, b in enumerate(bodies)])
+    output = worker.handle(OwnInput({"batch_size": "2"}, content))
+    good, bad = (json.loads(output.content.value_at(i)) for i in range(2))
+    assert isinstance(good[0]["generated_text"], str) and "batch_0_code" not in output.properties
+    assert output.properties["batch_1_code"] == "500"
+    assert bad == {"code": 500, "error": "the input formatter picky_input of model.py failed: "
+                                         "ValueError: this body asked me to fail"}
+
+
 # ---- loading model.py ---------------------------------------------------------------------------
 
 def test_a_model_py_that_cannot_import_refuses_the_start_with_its_last_line(tmp_path, tiny):

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from lmi_handler.config import ConfigError
-from lmi_handler.protocol.custom_output import FormatterError
+from lmi_handler.protocol.custom_output import CustomOutputRule, FormatterError
+from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.params import GenerationParameters
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +179,26 @@ class CustomFormatters:
     @property
     def any_output(self) -> bool:
         return self.base_output is not None or any(c.output_formatter for c in self.adapters.values())
+
+    def check_batching(self, rolling: bool) -> None:
+        """Raises ModelCodeError for an output formatter under dynamic batch (its answers are whole lists)."""
+        if self.any_output and not rolling:
+            raise ModelCodeError("model.py's output formatter needs the rolling batch (LMI calls it at each step of "
+                                 "a request): set option.rolling_batch, or remove the formatter")
+
+    def output_rule(self, adapter: str | None, params: GenerationParameters,
+                    num_sequences: int) -> CustomOutputRule | None:
+        """The output formatter answering a request naming `adapter` (None: the base), with the request's
+        parameters. LMI's formatters answer one sequence: raises RequestValidationError (400) for n, best_of or
+        num_beams above 1."""
+        formatter = self.output_for(adapter)
+        if formatter is None:
+            return None
+        if num_sequences > 1 or params.num_beams > 1:
+            field = "num_beams" if params.num_beams > 1 else "best_of" if (params.best_of or 1) > 1 else "n"
+            raise RequestValidationError(field, f"Invalid parameter `{field}`: model.py's output formatter "
+                                         f"{formatter.__name__} answers one sequence (LMI's custom formatters)")
+        return CustomOutputRule(formatter, params.model_dump(exclude_unset=True))
 
     def load_adapter(self, name: str, folder: Path) -> None:
         """The adapter's own model.py, if it has one (a name loaded again drops its old one). Raises

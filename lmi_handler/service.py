@@ -164,13 +164,8 @@ class Service:
         settings = self.settings
         given = [Path(settings.model_dir)] if "model_dir" in settings.model_fields_set else []
         formatters = CustomFormatters.load([*given, settings.model_path], settings.output_formatter)
-        self._check_output_formatter(formatters)
+        formatters.check_batching(settings.is_rolling)
         return formatters
-
-    def _check_output_formatter(self, formatters: CustomFormatters) -> None:
-        if formatters.any_output and not self.settings.is_rolling:
-            raise ConfigError("model.py's output formatter needs the rolling batch (LMI calls it at each step of a "
-                              "request): set option.rolling_batch, or remove the formatter")
 
     def _formatted_input(self, body: bytes | str | dict, route: str | None, content_type: str | None,
                          adapter_header: str | None) -> bytes | str | dict:
@@ -191,17 +186,9 @@ class Service:
 
     def _custom_output(self, request: InvocationRequest, kind: Kind, adapter: str | None,
                        count: sequences.SequencePlan) -> CustomOutputRule | None:
-        """model.py's output formatter for LMI text requests (chat and the other routes keep their APIs'
-        shapes). LMI's formatters answer one sequence: n, best_of or num_beams above 1 is a 400."""
-        formatter = self.formatters.output_for(adapter) if kind is Kind.LMI_TEXT else None
-        if formatter is None:
-            return None
-        params = request.parameters
-        if count.count > 1 or params.num_beams > 1:
-            field = "num_beams" if params.num_beams > 1 else "best_of" if (params.best_of or 1) > 1 else "n"
-            raise RequestValidationError(field, f"Invalid parameter `{field}`: model.py's output formatter "
-                                         f"{formatter.__name__} answers one sequence (LMI's custom formatters)")
-        return CustomOutputRule(formatter, params.model_dump(exclude_unset=True))
+        """model.py's output formatter for LMI text requests only (chat and the other routes keep their APIs'
+        shapes). Raises RequestValidationError (400) for several sequences (CustomFormatters.output_rule)."""
+        return self.formatters.output_rule(adapter, request.parameters, count.count) if kind is Kind.LMI_TEXT else None
 
     # ---- LoRA adapters ---------------------------------------------------------------------
 
@@ -255,7 +242,7 @@ class Service:
             except LoraError as exc:
                 raise ConfigError(f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}") from None
             self.formatters.load_adapter(name, path)      # its own model.py; ConfigError refuses the start
-        self._check_output_formatter(self.formatters)
+        self.formatters.check_batching(self.settings.is_rolling)
         if found:
             logger.info("LoRA adapters loaded: %s", ", ".join(n for n, _ in found))
 
@@ -269,7 +256,7 @@ class Service:
         adapter = self.engine.adapters.load(name, src)      # checks `src` against the roots first
         try:
             self.formatters.load_adapter(name, adapter.path)
-            self._check_output_formatter(self.formatters)
+            self.formatters.check_batching(self.settings.is_rolling)
         except ConfigError as exc:          # LMI: an adapter whose model.py fails is not registered
             self.formatters.unload_adapter(name)
             self.engine.adapters.unload(name)

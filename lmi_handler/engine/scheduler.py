@@ -215,7 +215,8 @@ class Scheduler:
         preempted go back to the waiting queue behind it; nothing is scheduled yet."""
         head = next((s for s in self.waiting if s.status is SequenceStatus.WAITING and not s.waiting_for_grammar),
                     None)
-        if head is None:
+        adapters = {s.adapter.key for s in self.running if s.adapter is not None}
+        if head is None or not self._adapter_fits(head, adapters):   # it would stay out after the preemption
             return
         group = head.beam_group.beams if head.in_beam_search else [head]
         while not self._fits(group):

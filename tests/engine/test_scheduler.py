@@ -1,5 +1,6 @@
 """Scheduler invariants on toy sizes: token budget, batch size, KV blocks, recompute preemption, prefix caching."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -496,3 +497,23 @@ def test_random_workloads_with_priorities_keep_block_accounting_exact_and_finish
                 sched.finish(seq)
         check_invariants(sched, alloc)
     assert sched.num_unfinished == 0 and all(s.is_finished for s in added)
+
+
+def test_under_priority_a_waiting_request_that_could_not_start_anyway_preempts_nobody():
+    """Its LoRA adapter would pass max_loras: freeing a seat for it would only churn the running ones."""
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_loras=1,
+                                      scheduling_policy="priority"), alloc)
+    a, b, c = ranked(0, 5, priority=5), ranked(1, 5, priority=5), ranked(2, 5, priority=0)
+    a.adapter, c.adapter = SimpleNamespace(key=b"adapter-a"), SimpleNamespace(key=b"adapter-c")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.add(c)
+    for _ in range(3):
+        out = sched.schedule()
+        assert out.preempted == [] and out.seqs == [a, b]
+        sched.update_from_output(out)
+        for seq in out.seqs:
+            seq.output_token_ids.append(1)
+    check_invariants(sched, alloc)

@@ -153,6 +153,11 @@ class WaitingQueue:
                 self.cond.wait(timeout)
             return self.items.popleft() if self.items else None
 
+    def get_before(self, priority: int) -> ClientRequest | None:
+        """The first client if its priority value is below `priority` (it ranks before), else None; no wait."""
+        with self.cond:
+            return self.items.popleft() if self.items and self.items[0].priority < priority else None
+
     def end_due(self, now: float) -> None:
         """Drop the clients that are gone, and end (with their error) the ones due (deadline, cancel)."""
         with self.cond:

@@ -17,7 +17,8 @@ greedy tokens each, EOS ignored. Phases, never two engines running at once:
    request alone (the batch-1 figure held against the ceiling; the one measured after the offline
    rounds, beside vLLM's, stays in the JSON and in that row's note);
 4. the batch-file runner: the same prompts as an OpenAI batch JSONL through `lmi-handler batch`;
-5. our HTTP server (ServerProcess) streaming /v1/completions at each --concurrency;
+5. our HTTP server (ServerProcess) streaming /v1/completions at each --concurrency; then request priority:
+   an interactive request's TTFT behind a saturating batch, under option.scheduling_policy fcfs and priority;
 6. transformers generate(), static batches at the fastest of --hf-batch-sizes;
 7. vLLM's API server, as our server (4-7 in the first dtype);
 8. the ceilings again (the machine's state at the end).
@@ -101,9 +102,11 @@ def model_name(url: str) -> str:
 
 
 async def stream_one(client: httpx.AsyncClient, index: int, model: str, prompt: str, max_tokens: int,
-                     timeout_s: float) -> StreamResult:
+                     timeout_s: float, priority: int | None = None) -> StreamResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if priority is not None:
+        body["priority"] = priority
     result = StreamResult(index)
     start = time.perf_counter()
     try:
@@ -160,6 +163,50 @@ def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int, ti
             "output_tokens_per_s": tokens / wall, "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s]),
             "itl_s": percentiles(gaps), "e2e_s": percentiles([r.e2e_s for r in ok]),
             "finish_reasons": sorted({str(r.finish_reason) for r in ok})}
+
+
+# ---- the priority phase: an interactive request's TTFT behind a saturating batch ----------------------------
+
+PRIORITY_TARGET = 5.0    # issue 53: the interactive TTFT p50 at least 5x lower under option.scheduling_policy=priority
+
+
+async def _queued(client: httpx.AsyncClient) -> float:
+    """Requests the server holds (engine running + engine waiting + the front end's queue), from /metrics."""
+    names = ("lmi_requests_running", "lmi_requests_waiting", "lmi_front_end_queue_depth")
+    text = (await client.get("/metrics")).text
+    return sum(float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in names)
+
+
+async def _priority_run(url: str, prompts: list[str], num_batch: int, num_probes: int, max_tokens: int,
+                        batch_priority: int | None, probe_gap_s: float, timeout_s: float) -> dict:
+    """`num_batch` streamed completions at once (the batch job, at `batch_priority`), then, once the server
+    holds them, `num_probes` priority-0 ones sent `probe_gap_s` apart (the interactive requests); the batch's
+    rest is dropped (its connections closed) when the probes are done."""
+    model = model_name(url)
+    limits = httpx.Limits(max_connections=num_batch + num_probes + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        await stream_one(client, -1, model, prompts[0], 2, timeout_s)  # warm-up, not measured
+        start = time.perf_counter()
+        batch = [asyncio.create_task(stream_one(client, i, model, prompts[i % len(prompts)], max_tokens, timeout_s,
+                                                batch_priority)) for i in range(num_batch)]
+        held = 0.0
+        while time.perf_counter() - start < 60 and (held := await _queued(client)) < num_batch:
+            await asyncio.sleep(0.05)
+        probes = []
+        for k in range(num_probes):
+            probes.append(asyncio.create_task(stream_one(client, num_batch + k, model, prompts[k % len(prompts)],
+                                                         max_tokens, timeout_s, priority=0)))
+            await asyncio.sleep(probe_gap_s)
+        answered = await asyncio.gather(*probes)
+        finished = [t.result() for t in batch if t.done() and not t.cancelled()]
+        for task in batch:
+            task.cancel()
+        await asyncio.gather(*batch, return_exceptions=True)
+    ok = [r for r in answered if r.error is None and r.ttft_s is not None]
+    return {"held_at_first_probe": held, "probe_ttft_s": [r.ttft_s for r in ok],
+            "probe_errors": [r.error for r in answered if r.error][:5], "ttft_s": percentiles([r.ttft_s for r in ok]),
+            "batch_finished_when_probes_done": len(finished),
+            "batch_errors": [r.error for r in finished if r.error][:5]}
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -349,6 +396,35 @@ class Bench:
             server.stop()
         return {"startup_s": ready_s, "route": "/v1/completions (stream)", **result}
 
+    def ours_priority(self) -> dict:
+        """Two server runs, option.scheduling_policy fcfs then priority, each with --priority-batch streamed
+        completions at once (at priority 1 under priority; fcfs refuses a priority but 0) and --priority-probes
+        priority-0 requests sent while they wait: the probes' TTFT p50 under each, and fcfs / priority."""
+        a = self.args
+        if unknown_options({"scheduling_policy": "priority"}):
+            raise PhaseSkipped("option.scheduling_policy: not supported by this engine build")
+        env = {"PYTHONPATH": self.env["PYTHONPATH"], "OMP_NUM_THREADS": str(a.threads),
+               "MKL_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+        runs = {}
+        for policy, batch_priority in (("fcfs", None), ("priority", 1)):
+            server = ServerProcess(self.our_options(scheduling_policy=policy), self.tmp / f"server-{policy}.log",
+                                   REPO / "serving.properties", env=env)
+            try:
+                ready_s = server.wait_ready(a.server_start_timeout_s)
+                with PhaseMonitor(server.proc.pid) as mon:
+                    run_ = asyncio.run(_priority_run(server.url, self.workload.prompts, a.priority_batch,
+                                                     a.priority_probes, a.priority_max_tokens, batch_priority,
+                                                     a.priority_probe_gap_s, a.request_timeout_s))
+            finally:
+                server.stop()
+            runs[policy] = {"startup_s": ready_s, **run_, "monitor": mon.result()}
+            print(f"      {policy}: interactive TTFT p50 {_fmt_s(run_['ttft_s'])}", flush=True)
+        p50 = {policy: (run_["ttft_s"] or {}).get("p50") for policy, run_ in runs.items()}
+        ratio = p50["fcfs"] / p50["priority"] if p50["fcfs"] and p50["priority"] else None
+        return {"route": "/v1/completions (stream)", "batch_requests": a.priority_batch, "probes": a.priority_probes,
+                "max_tokens": a.priority_max_tokens, "max_rolling_batch_size": a.max_num_seqs, **runs,
+                "interactive_ttft_p50_ratio": ratio, "target_ratio": PRIORITY_TARGET}
+
     def batch_runner(self) -> dict:
         """`lmi-handler batch IN -o OUT` on the workload's batch file; tok/s from the output's usage counts."""
         env = {**self.env, **{f"OPTION_{k.upper()}": v for k, v in self.our_options().items()}}
@@ -432,6 +508,10 @@ class Bench:
         return peers.vllm_env(threads_bind=cpu_list(omp_bind_cpus(self.args.threads)),
                                   kvcache_gib=max(1, round(self.args.kv_cache_gib)),
                                   ld_preload=self.vllm_preload["ld_preload"])
+
+
+def _fmt_s(stats: dict | None) -> str:
+    return "–" if not stats else f"{stats['p50']:.2f} s (n={stats['n']})"
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> float:
@@ -524,7 +604,7 @@ def run(args: argparse.Namespace) -> dict:
     if batch1 := {name: make for name, make in batch1.items() if wanted(name)}:
         bench.offline(batch1, args.offline_rounds)
     for name, fn, *fn_args in [("batch_runner", bench.batch_runner), ("ours_server", bench.ours_server),
-                               ("hf", bench.hf), ("vllm_server", bench.vllm_server),
+                               ("ours_priority", bench.ours_priority), ("hf", bench.hf), ("vllm_server", bench.vllm_server),
                                ("peak_end", bench.peak, "peak_end")]:
         if wanted(name):
             bench.phase(name, fn, *fn_args)

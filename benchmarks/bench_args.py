@@ -24,7 +24,7 @@ GROUPS = ("peak", "vllm", "ours_batch1", "llamacpp")
 # the structured-output pair (structured.py), in the first dtype; --skip structured turns both off
 STRUCTURED = ("ours_structured", "vllm_structured")
 PHASES = tuple(dict.fromkeys(("peak_start", "peak_end", *PER_DTYPE, "llamacpp_batch1", *STRUCTURED, "batch_runner",
-                              "ours_server", "hf", "vllm_server", *GROUPS, "structured")))
+                              "ours_server", "ours_priority", "hf", "vllm_server", *GROUPS, "structured")))
 SKIP_NAMES = (*PHASES, *(f"{p}_{d}" for p in PER_DTYPE for d in DTYPES))
 
 
@@ -72,7 +72,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true",
                    help="CI variant: 2 prompts x 8 tokens, ours offline in each --dtype + batch-1 (int8, llama.cpp "
-                        "where set up) + ours structured output + batch runner + server at C=2 + HF (bs 2), 1 thread unless --threads, a "
+                        "where set up) + ours structured output + batch runner + server at C=2 + priority (4 batch "
+                        "requests, 2 probes, 4 tokens) + HF (bs 2), 1 thread unless --threads, a "
                         "64 MiB bandwidth buffer; these sizes replace --num-prompts, --max-new-tokens, --concurrency "
                         "and --hf-batch-sizes; vLLM and the plain variant skipped unless named in --with")
     p.add_argument("--with", dest="with_", type=words, default=[], help="with --smoke: also run these (vllm,plain)")
@@ -89,6 +90,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="threads for every engine (OMP_NUM_THREADS; vLLM: VLLM_CPU_OMP_THREADS_BIND, one CPU per "
                         "physical core; llama.cpp n_threads; the bandwidth probe); default: every CPU this process "
                         "may use (--smoke: 1, robust on a shared machine)")
+    p.add_argument("--priority-batch", type=int, default=256,
+                   help="ours_priority: the batch job's requests, sent at once (priority 1 under priority)")
+    p.add_argument("--priority-probes", type=int, default=5,
+                   help="ours_priority: interactive (priority 0) requests sent while the batch waits")
+    p.add_argument("--priority-max-tokens", type=int, default=16, help="ours_priority: tokens of every request")
+    p.add_argument("--priority-probe-gap-s", type=float, default=0.5, help="ours_priority: seconds between probes")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per engine step")
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
@@ -137,7 +144,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--c1-prompts", args.c1_prompts, 1),
                              ("--max-num-seqs", args.max_num_seqs, 1), ("--max-batched-tokens", args.max_batched_tokens, 1),
                              ("--hf-probe-tokens", args.hf_probe_tokens, 1), ("--peak-size", args.peak_size, 0),
-                             ("--mem-bytes", args.mem_bytes, 0), ("--mem-repeats", args.mem_repeats, 1)):
+                             ("--mem-bytes", args.mem_bytes, 0), ("--mem-repeats", args.mem_repeats, 1),
+                             ("--priority-batch", args.priority_batch, 1), ("--priority-probes", args.priority_probes, 1),
+                             ("--priority-max-tokens", args.priority_max_tokens, 1),
+                             ("--priority-probe-gap-s", args.priority_probe_gap_s, 0)):
         if value is not None and value < low:
             p.error(f"{name} {value}: at least {low}")
     for name, values in (("--concurrency", args.concurrency), ("--hf-batch-sizes", args.hf_batch_sizes)):
@@ -158,13 +168,15 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _apply_smoke(args: argparse.Namespace) -> None:
     """--smoke's sizes over the size options (saying which it ignored) and the phases it turns off, with why."""
-    sizes = {"--num-prompts": 64, "--max-new-tokens": 128, "--concurrency": [1, 8, 32, 64], "--hf-batch-sizes": [8, 16, 32, 64]}
+    sizes = {"--num-prompts": 64, "--max-new-tokens": 128, "--concurrency": [1, 8, 32, 64], "--hf-batch-sizes": [8, 16, 32, 64],
+             "--priority-batch": 256, "--priority-probes": 5, "--priority-max-tokens": 16}
     overridden = [flag for flag, default in sizes.items() if getattr(args, flag[2:].replace("-", "_")) != default]
     if overridden:
         print(f"--smoke sets its own sizes: {', '.join(overridden)} ignored", flush=True)
     args.threads = args.threads or 1
     args.kv_cache_gib = min(args.kv_cache_gib, 0.125)
     args.num_prompts, args.max_new_tokens, args.concurrency = 2, 8, [2]
+    args.priority_batch, args.priority_probes, args.priority_max_tokens = 4, 2, 4
     args.hf_batch_sizes, args.hf_probe_tokens, args.peak_size = [2], 4, args.peak_size or 512
     args.mem_bytes, args.mem_repeats = args.mem_bytes or 64 << 20, min(args.mem_repeats, 3)
     args.plain = "plain" in args.with_

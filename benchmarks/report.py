@@ -74,6 +74,8 @@ def one_line(result: dict) -> str:
     """A phase's headline, for progress output."""
     if "levels" in result:
         return "; ".join(f"C={lv['concurrency']} {lv['output_tokens_per_s']:.1f} tok/s" for lv in result["levels"])
+    if "interactive_ttft_p50_ratio" in result:
+        return priority_line(result)
     if "peak_flops_per_s" in result:
         by = result.get("by_dtype") or {"": result}
         mem = (result.get("mem_read") or {}).get("best_bytes_per_s")
@@ -85,6 +87,15 @@ def one_line(result: dict) -> str:
     if result.get("batch_size"):
         line += f" (batch size {result['batch_size']})"
     return line
+
+
+def priority_line(result: dict) -> str:
+    """ours_priority's figures: the interactive requests' TTFT p50 under each policy, and their ratio."""
+    p50 = {k: _p((result.get(k) or {}).get("ttft_s"), "p50") for k in ("fcfs", "priority")}
+    return (f"interactive TTFT p50 behind {result['batch_requests']} batch requests ({result['probes']} probes, "
+            f"{result['max_tokens']} tokens, batch {result['max_rolling_batch_size']}): fcfs {_fmt(p50['fcfs'], '.2f')} s, "
+            f"priority {_fmt(p50['priority'], '.2f')} s, {_fmt(result['interactive_ttft_p50_ratio'], '.1f')}x lower "
+            f"(target {result['target_ratio']:g}x)")
 
 
 def _row(label: str, result: dict | None, peak_rss: float | None = None, note: str = "") -> dict:
@@ -245,6 +256,8 @@ def add_summary(result: dict) -> None:
                          note=f"{excl:.1f} tok/s excl. start-up" if excl else "start-up included"))
         ratios["batch_runner_vs_ours_offline"] = _ratio(res["output_tokens_per_s"], ours_first)
         ratios["batch_runner_excl_startup_vs_ours_offline"] = _ratio(excl, ours_first)
+    if res := _ok(ph, "ours_priority"):
+        ratios["ours_priority_interactive_ttft_p50_fcfs_vs_priority"] = res["interactive_ttft_p50_ratio"]
     if res := _ok(ph, "hf"):
         rows.append(_row(f"transformers generate(){_label(first)}, static batch {res['batch_size']}", res))
         ratios["ours_offline_vs_hf"] = _ratio(ours_first, res["output_tokens_per_s"])
@@ -414,6 +427,8 @@ def table(result: dict) -> str:
         lines += [*structured, ""]
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items() if v is not None)
     lines.append(f"Ratios: {ratios or '–'}.")
+    if priority := _ok(result["phases"], "ours_priority"):
+        lines.append(f"Request priority (ours_priority): {priority_line(priority)}.")
     lines.extend(rounds_lines(result))
     agree = ", ".join(f"{k} {v}" for k, v in result.get("greedy_agreement_with_ours_offline", {}).items())
     lines.append(f"Greedy tokens equal to ours offline (same dtype; batch-1: ours in the first dtype): {agree or '–'}.")

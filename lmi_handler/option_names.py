@@ -46,7 +46,7 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "swap_space": None, "cpu_offload_gb": None, "kv_cache_dtype": None,
     "max_seq_len_to_capture": None, "disable_custom_all_reduce": None, "num_scheduler_steps": None,
     "multi_step_stream_outputs": None, "use_v2_block_manager": None, "preemption_mode": None,
-    "scheduling_policy": None, "scheduler_delay_factor": None, "num_gpu_blocks_override": None,
+    "scheduler_delay_factor": None, "num_gpu_blocks_override": None,
     "num_lookahead_slots": None, "max_num_partial_prefills": None, "max_long_partial_prefills": None,
     "long_prefill_token_threshold": None, "disable_sliding_window": None, "disable_cascade_attn": None,
     "compilation_config": None, "cuda_graph_sizes": None, "async_scheduling": None, "enable_expert_parallel": None,

@@ -316,6 +316,10 @@ class Service:
     def _prompts(self, request: InvocationRequest, request_id: str, kind: Kind,
                  adapters: list[str | None]) -> tuple[Prompt, ...]:
         texts = self._prompt_texts(request)
+        try:
+            self.engine.check_priority(request.parameters.priority)
+        except RequestRejected as exc:      # named as every parameter is (LMI's sit in `parameters`)
+            raise RequestValidationError("priority", f"Invalid parameter `priority`: {exc}") from None
         prompts = []
         for index, (text, token_ids) in enumerate(texts):
             token_ids = self._truncate(token_ids, request.parameters)

@@ -75,6 +75,14 @@ class EngineOptions(Options):
     full blocks keyed by a hash of their tokens and all before them, kept after their requests end and
     evicted least recently used when blocks run out. Outputs are unchanged by it; requests with
     decoder_input_details compute their whole prompt (vLLM: prompt log probs skip the cache)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """Which waiting request runs next (vLLM's and LMI's option). fcfs: first come, first served; a request's
+    `priority` other than 0 answers 400. priority: each request's `priority` (an integer, lower first, default
+    0; OpenAI bodies and batch lines: `priority`, LMI and TGI bodies: `parameters.priority`) orders the server's
+    waiting queue and the engine's by (priority, arrival); a waiting request of a better priority than one in a
+    full batch joins it anyway, and when the KV cache or the batch is full a running request of a lower priority
+    is preempted (recomputed later: its tokens do not change) for a waiting one of a higher priority.
+    docs/serving.md#request-priority."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV-cache size in bytes (all layers, K and V). On CUDA gpu_memory_utilization sizes the cache instead,
     unless this is set and that is not."""

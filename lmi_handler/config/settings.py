@@ -56,6 +56,7 @@ class Settings(BatchOptions, ChatOptions, ServingOptions, LoraOptions, EngineOpt
                             batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
                             malloc_tuning=self.malloc_tuning,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
+                            scheduling_policy=self.scheduling_policy,
                             bf16_kernel=self.bf16_kernel, kernel_backend=self.kernel_backend,
                             gpu_memory_utilization=self._utilization(), enforce_eager=self.enforce_eager,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,

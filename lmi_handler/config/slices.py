@@ -56,6 +56,7 @@ class EngineConfig:
     num_threads: int = 0
     batch_invariant: bool = True
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"                # "fcfs" or "priority" (engine/scheduler.py)
     huge_pages: bool = True
     malloc_tuning: bool = True
     quantize: str | None = None

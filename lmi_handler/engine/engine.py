@@ -80,7 +80,8 @@ class Engine:
         self.allocator = BlockAllocator(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    enable_prefix_caching=config.enable_prefix_caching,
-                                                   max_loras=config.lora.max_loras if config.lora else None),
+                                                   max_loras=config.lora.max_loras if config.lora else None,
+                                                   scheduling_policy=config.scheduling_policy),
                                    self.allocator)
         # LoRA adapters by name (option.enable_lora), None when off; loaded by service.py and the adapter routes
         self.adapters = self._adapter_registry(config)
@@ -127,6 +128,13 @@ class Engine:
 
     # ---- requests in and out -------------------------------------------------------------
 
+    def check_priority(self, priority: int) -> None:
+        """Raise RequestRejected (field "priority") for a priority other than 0 unless the scheduler orders by
+        priority (option.scheduling_policy=priority): under fcfs it would be ignored, and vLLM refuses it so."""
+        if priority != 0 and not self.scheduler.config.by_priority:
+            raise RequestRejected("priority", f"priority {priority} needs option.scheduling_policy=priority; this "
+                                  "server schedules first come, first served (fcfs), where only priority 0 is taken")
+
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int, num_beams: int = 1) -> None:
         """Raise RequestTooLong unless prompt + max_new_tokens fits the context and the KV cache (for each of
         num_beams beams, counting no sharing); RequestRejected unless num_beams fits max_num_seqs."""
@@ -153,9 +161,11 @@ class Engine:
 
         Sampled rows always get a seed here (drawn once at admission when neither is given), so
         their draws depend only on (seed, position). num_beams > 1 runs a beam search (deterministic: the
-        sampling knobs are ignored) that reports once, at its end. Raises RequestRejected (see check_fits).
+        sampling knobs are ignored) that reports once, at its end. Raises RequestRejected (see check_fits,
+        check_priority).
         """
         self.check_fits(len(prompt_token_ids), params.max_new_tokens, params.num_beams)
+        self.check_priority(params.priority)
         if request_id in self.seqs:
             raise RequestRejected("request_id", f"request_id {request_id!r} is already running")
         if params.seed is None:

@@ -5,9 +5,11 @@ hits, recompute preemption); it never sees a tensor: the model runner turns its 
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from lmi_handler.engine.kv_cache import BlockAllocator, BlockHash, extend_block_hashes, num_blocks_needed
 from lmi_handler.engine.sequence import Sequence, SequenceStatus
@@ -19,6 +21,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int        # tokens computed in one step (>= max_num_seqs)
     enable_prefix_caching: bool = True  # share computed full blocks between sequences (kv_cache.py)
     max_loras: int | None = None       # distinct LoRA adapters running at once (option.max_loras); None = no LoRA
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"   # option.scheduling_policy (see Scheduler)
+
+    @property
+    def by_priority(self) -> bool:
+        return self.scheduling_policy == "priority"
 
     @property
     def prefill_chunk_size(self) -> int:
@@ -79,6 +86,13 @@ class Scheduler:
     decode token, or not at all; preempting one beam preempts its group, and a preempted group is
     admitted again as a whole, prefilling each beam up to its last token, which they then decode together.
     A beam request's prompt (before its first token) takes num_beams of the max_num_seqs seats.
+
+    Priority (config.scheduling_policy "priority", vLLM's): a sequence ranks by (params.priority, arrival
+    time), lower first. The waiting queue is kept in rank order (a preempted sequence goes back to its rank's
+    place, not to the head); running sequences are scheduled in rank order and the victim of a preemption is
+    the worst-ranked one; and before a step, while the best-ranked waiting sequence cannot be admitted for want
+    of KV blocks or a seat, the worst-ranked running sequence ranked below it is preempted (vLLM v0's priority
+    preemption). Under fcfs the ranks are never read.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
@@ -93,7 +107,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the waiting queue: at its rank's place (behind its equals) under priority, else at the tail,
+        or at the head (`front`: a preempted sequence resumes first under fcfs)."""
+        if self.config.by_priority:
+            bisect.insort_right(self.waiting, seq, key=_rank)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -107,8 +131,11 @@ class Scheduler:
         prefill; the long prompt's chunk (full or nothing) goes on the step after.
         """
         out = SchedulerOutput()
+        if self.config.by_priority:
+            self._preempt_for_waiting(out)
+        num_preempted = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, prefill=False)
-        if not out.preempted:
+        if len(out.preempted) == num_preempted:     # the running ones were short of blocks: admit nobody new
             budget = self._schedule_waiting(out, budget)
         self._schedule_running(out, budget, prefill=True)
         out.blocks_to_copy, self._copies = self._copies, []
@@ -134,12 +161,13 @@ class Scheduler:
         back = [seq for seq in parked.running if seq.status is SequenceStatus.RUNNING]
         last = len(parked.order)
         self.running[:] = sorted(self.running + back, key=lambda s: parked.order.get(id(s), last))
-        self.waiting.extend(parked.waiting)
+        for seq in parked.waiting:
+            self._enqueue(seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: bool) -> int:
         """Schedule the running sequences in decode (prefill=False) or in chunked prefill (True)."""
         already = {id(s) for s in out.seqs}   # admitted from waiting earlier in this step
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=_rank) if self.config.by_priority else list(self.running):
             if seq.is_prefill != prefill or seq.status is not SequenceStatus.RUNNING or id(seq) in already:
                 continue
             beams = seq.beam_group.beams if seq.in_beam_search and not prefill else [seq]
@@ -164,12 +192,16 @@ class Scheduler:
                             keep: list[Sequence] | None = None) -> bool:
         """Reserve blocks for `n` more tokens of `seq`, preempting the latest-arrived sequences not
         already scheduled this step (nor in `keep`, seq's beam group) while short; the last resort is seq
-        itself (with its group). False when seq had to go, or no victim is left."""
+        itself (with its group). Under priority the victim is the worst-ranked of those and seq, so seq goes
+        first when none ranks below it. False when seq had to go, or no victim is left."""
         keep_ids = {id(b) for b in keep or []}
         while not self._reserve(seq, n):
             scheduled = {id(s) for s in out.seqs}
             victims = [s for s in self.running if id(s) not in scheduled and id(s) not in keep_ids]
-            victims = victims or [s for s in self.running if s is seq]
+            own = [s for s in self.running if s is seq]
+            if self.config.by_priority:
+                victims = [max(victims + own, key=_rank)] if victims or own else []
+            victims = victims or own
             if not victims:
                 return False
             out.preempted.extend(self._preempt(victims[-1]))
@@ -177,8 +209,39 @@ class Scheduler:
                 return False
         return True
 
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Priority: while the best-ranked waiting sequence (with its beam group) lacks the KV blocks of its
+        first chunk or a seat, preempt the worst-ranked running sequence ranked strictly below it. The
+        preempted go back to the waiting queue behind it; nothing is scheduled yet."""
+        head = next((s for s in self.waiting if s.status is SequenceStatus.WAITING and not s.waiting_for_grammar),
+                    None)
+        adapters = {s.adapter.key for s in self.running if s.adapter is not None}
+        if head is None or not self._adapter_fits(head, adapters):   # it would stay out after the preemption
+            return
+        group = head.beam_group.beams if head.in_beam_search else [head]
+        while not self._fits(group):
+            worse = [s for s in self.running if _rank(s) > _rank(head)]
+            if not worse:
+                return
+            out.preempted.extend(self._preempt(max(worse, key=_rank)))
+
+    def _fits(self, group: list[Sequence]) -> bool:
+        """Whether waiting `group` has the seats and the free KV blocks (after its prefix-cache hits) for its
+        first chunks, as _admit_all would give them. Changes nothing but the members' block hashes."""
+        seats = sum(_seats(s) for s in self.running) + sum(_seats(b) for b in group)
+        if seats > self.config.max_num_seqs:
+            return False
+        block_size, missing, hits = self.allocator.block_size, 0, set()
+        for seq in group:
+            cached = self._cached_prefix(seq)
+            n = min(self._remaining(seq, len(cached) * block_size), self.config.prefill_chunk_size)
+            missing += num_blocks_needed(len(cached) * block_size + n, block_size) - len(cached)
+            hits.update(cached)
+        return missing <= self.allocator.num_free_after_attach(list(hits))
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting sequences in FIFO order while the batch, the budget and the KV cache allow."""
+        """Admit waiting sequences in queue order (FIFO, or rank order under priority) while the batch, the
+        budget and the KV cache allow."""
         seats = sum(_seats(s) for s in self.running)
         adapters = {s.adapter.key for s in self.running if s.adapter is not None}
         for seq in list(self.waiting):
@@ -311,12 +374,12 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> list[Sequence]:
         """Preempt `seq` by recompute (with its whole beam group); returns the preempted sequences."""
         group = seq.beam_group.beams if seq.in_beam_search else [seq]
-        for member in reversed(group):   # back to the head of the queue, in the group's order
+        for member in reversed(group) if not self.config.by_priority else group:   # kept in the group's order
             self.running.remove(member)
             self._release(member)
             member.num_computed_tokens = 0
             member.status = SequenceStatus.WAITING
-            self.waiting.appendleft(member)
+            self._enqueue(member, front=True)
         return list(group)
 
     def fork(self, parent: Sequence) -> Sequence:
@@ -351,6 +414,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """Priority scheduling's order, best first: (priority, arrival time), as vLLM's."""
+    return seq.params.priority, seq.arrival_time
 
 
 def _seats(seq: Sequence) -> int:

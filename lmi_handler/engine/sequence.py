@@ -104,6 +104,7 @@ class SamplingParams:
     length_penalty: float = 1.0         # finished score = sum of log probs / generated_len ** length_penalty
     early_stopping: bool | str = False  # True, False (transformers' heuristic) or "never"
     adapter: str | None = None          # the LoRA adapter's name (option.enable_lora); None = the base model
+    priority: int = 0                   # vLLM: lower runs first under option.scheduling_policy=priority (scheduler.py)
 
     @property
     def uses_beam_search(self) -> bool:

@@ -282,14 +282,28 @@ class RollingFrontEnd(FrontEnd):
         self.num_running = len(self.active)
 
     def _admit(self, block: bool) -> None:
-        """Append waiting clients (never past max_batch_size); clients already gone or due are dropped."""
+        """Append waiting clients (up to max_batch_size, then those overtaking); clients already gone or due
+        are dropped."""
         while len(self.active) < self.max_batch_size:
             client = self.pending.get(timeout=0.5 if block else None)
+            if client is None:
+                break
+            if not client.end_if_due(time.monotonic()):
+                self.active.append(client)
+            block = False
+        self._admit_overtaking()
+
+    def _admit_overtaking(self) -> None:
+        """Request priority: a waiting client of a better priority than an active one joins the full batch
+        anyway (up to max_batch_size more), rather than wait for a place: the engine, whose max_num_seqs it
+        does not raise, preempts the worst-ranked running request for it (recomputed later, its tokens
+        unchanged; engine/scheduler.py). Under fcfs every priority is 0 and nothing overtakes."""
+        while self.active and len(self.active) < 2 * self.max_batch_size:
+            client = self.pending.get_before(max(c.priority for c in self.active))
             if client is None:
                 return
             if not client.end_if_due(time.monotonic()):
                 self.active.append(client)
-            block = False
 
     def _build_input(self) -> OwnInput:
         """Running items first with empty data, then the new ones with body, properties and seed."""

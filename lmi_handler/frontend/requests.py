@@ -7,6 +7,7 @@ gone) and in which order requests wait; the loops that drive handle() are loops.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import threading
 import time
@@ -74,6 +75,11 @@ class ClientRequest:
         self.public_id = self.public_id or self.request_id
 
     @property
+    def priority(self) -> int:
+        """Its plan's `priority` (0 without a plan): lower leaves the waiting queue first."""
+        return self.plan.priority if self.plan is not None else 0
+
+    @property
     def stream(self) -> bool:
         """A streamed answer (dynamic batch sends a streaming request alone)."""
         return self.plan is not None and self.plan.stream
@@ -115,10 +121,13 @@ class ClientRequest:
 
 
 class WaitingQueue:
-    """Accepted requests waiting for a batch slot, in arrival order (DJL's job queue).
+    """Accepted requests waiting for a batch slot, in arrival order within each priority (DJL's job queue).
 
-    Bounded by `capacity` (job_queue_size): `put` refuses past it, so overload answers 503 at once
-    instead of queueing without limit. Thread-safe; `qsize()` is what /metrics reads.
+    A request of a lower `priority` value goes ahead of every waiting request of a higher one (vLLM's
+    priority order, option.scheduling_policy=priority; under fcfs every request is priority 0, refused
+    otherwise by service.py, so the order is arrival alone). Bounded by `capacity` (job_queue_size): `put`
+    refuses past it, so overload answers 503 at once instead of queueing without limit. Thread-safe;
+    `qsize()` is what /metrics reads.
     """
 
     def __init__(self, capacity: int):
@@ -133,16 +142,21 @@ class WaitingQueue:
                 self.items = deque(c for c in self.items if not c.cancelled)
             if len(self.items) >= self.capacity:
                 return False
-            self.items.append(client)
+            bisect.insort_right(self.items, client, key=_priority)     # behind its equals: arrival order
             self.cond.notify()
             return True
 
     def get(self, timeout: float | None) -> ClientRequest | None:
-        """The oldest client, waiting up to `timeout` seconds (0/None: do not wait); None if none came."""
+        """The first client (the oldest of the best priority), waiting up to `timeout` seconds (0/None: do not wait); None if none came."""
         with self.cond:
             if not self.items and timeout:
                 self.cond.wait(timeout)
             return self.items.popleft() if self.items else None
+
+    def get_before(self, priority: int) -> ClientRequest | None:
+        """The first client if its priority value is below `priority` (it ranks before), else None; no wait."""
+        with self.cond:
+            return self.items.popleft() if self.items and self.items[0].priority < priority else None
 
     def end_due(self, now: float) -> None:
         """Drop the clients that are gone, and end (with their error) the ones due (deadline, cancel)."""
@@ -168,3 +182,7 @@ class WaitingQueue:
             return all(client.internal for client in self.items)
 
 
+
+
+def _priority(client: ClientRequest) -> int:
+    return client.priority

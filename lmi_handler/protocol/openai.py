@@ -132,6 +132,8 @@ class _SamplingRequest(BaseModel):
     early_stopping: bool | Literal["never"] | None = Field(None, description="vLLM/transformers beam stopping")
     guided_decoding_backend: str | None = Field(None, description="legacy vLLM: the grammar library; llguidance "
                                                 "here whatever is named (the constraint is the same)")
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="vLLM: lower is served first "
+                                 "(option.scheduling_policy=priority); default 0")
     _decoding: dict[str, Any] = PrivateAttr(default_factory=dict)   # PASSED_THROUGH fields as sent
 
     rules: ClassVar[dict[str, str]] = OPENAI_RULES     # each field's allowed values in words, for errors
@@ -171,7 +173,7 @@ class _SamplingRequest(BaseModel):
             # vLLM: temperature absent = 1.0 (sampling), beam search greedy; DESIGN §4 batch files: absent = greedy
             out["do_sample"] = not (greedy_when_unset or self.use_beam_search)
         for name in ("presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "length_penalty",
-                     "early_stopping"):
+                     "early_stopping", "priority"):
             out[name] = getattr(self, name)
         out.update(self._decoding)
         # n (and best_of) are the OpenAI dialect's rule (sequences.openai_n), not GenerationParameters'

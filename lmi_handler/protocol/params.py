@@ -62,6 +62,8 @@ RULES: dict[str, str] = {
     "response_format": 'an object {"type": "text" | "json_object" | "json_schema", ...}',
     "grammar": 'an object {"type": "json" | "json_object" | "regex" | "json_schema", "value"}',
     "adapter_id": "a non-empty string (a loaded LoRA adapter's name)",
+    "priority": f"an integer in [{INT64_MIN}, {INT64_MAX}] (lower is served first; other than 0 only under "
+                "option.scheduling_policy=priority)",
 }
 RULES["stop"] = RULES["stop_sequences"]
 RULES["ignore_eos_token"] = RULES["ignore_eos"]
@@ -148,6 +150,8 @@ class GenerationParameters(BaseModel):
     guided_grammar: Any = Field(None, description="legacy vLLM/LMI: a Lark or EBNF grammar")
     adapter_id: str | None = Field(None, min_length=1, description="TGI: the LoRA adapter that answers "
                                    "(service.py resolves it); None = the base model")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX, description="vLLM: lower is served first under "
+                          "option.scheduling_policy=priority; other than 0 is refused under fcfs (service.py)")
     _constraint: tuple[str, StructuredOutputSpec] | None = PrivateAttr(None)
     _logit_bias: tuple[tuple[int, float], ...] = PrivateAttr(())
     _sent: frozenset[str] = PrivateAttr(frozenset())      # the keys as the client spelled them (aliases)
@@ -304,7 +308,8 @@ class GenerationParameters(BaseModel):
             logit_bias=self._logit_bias, min_tokens=self.min_tokens,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids))) if self.allowed_token_ids else None,
             structured_output=self.constraint[1] if self.constraint else None,
-            num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+            num_beams=self.num_beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            priority=self.priority)
 
     def with_constraint(self, field: str, spec: StructuredOutputSpec) -> "GenerationParameters":
         """A copy constrained to `spec` (tool_choice required / named: the tools' schemas, protocol/tools.py),

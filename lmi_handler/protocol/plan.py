@@ -105,6 +105,11 @@ class RequestPlan:
         return CONTENT_TYPES[self.wire]
 
     @property
+    def priority(self) -> int:
+        """The request's `priority` (its prompts share it): lower waits less (option.scheduling_policy)."""
+        return self.prompts[0].params.priority if self.prompts else 0
+
+    @property
     def dialect(self) -> Dialect:
         """Whose shapes the answer and its errors take (a batch line answers as its OpenAI route)."""
         if self.kind in OPENAI_KINDS:

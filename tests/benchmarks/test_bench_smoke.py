@@ -115,6 +115,7 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_performance_table(model_dir, 
     if malloc_huge_pages_environ({}) is not None and "GLIBC_TUNABLES" not in ENV:
         # our worker started itself again as `lmi-handler serve` does: malloc's heap on huge pages
         assert ours["malloc"].startswith("heap on huge pages"), ours["malloc"]
+    assert "skipped" not in phases["ours_priority"], phases["ours_priority"]   # its own test checks its figures
     (level,) = phases["ours_server"]["levels"]
     assert (level["concurrency"], level["num_errors"], level["output_tokens"]) == (2, 0, tokens)
     assert level["ttft_s"]["p99"] >= level["ttft_s"]["p50"] > 0 and level["itl_s"]["n"] == 2 * 7
@@ -186,3 +187,22 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_performance_table(model_dir, 
     text = report.table(result)
     assert "| ours offline fp32 (default" in text and "| ours | JSON schema |" in text
     assert "| ours | unconstrained |" in text and "| ours bf16 | bf16 |" in text
+
+
+@pytest.mark.slow
+def test_the_priority_phase_times_the_probes_under_both_policies_behind_a_queued_batch(model_dir, tmp_path):
+    """ours_priority alone, at smoke sizes with 2 sequences a step, so 2 of its 4 batch requests queue."""
+    others = "peak,ours_offline,vllm,ours_batch1,llamacpp,structured,batch_runner,ours_server,hf"
+    proc = run_benchmark("bench.py", "--smoke", "--max-num-seqs", "2", "--skip", others, "--out-dir", str(tmp_path),
+                         timeout_s=1200)
+    (json_path,) = tmp_path.glob("bench-smoke-*.json")
+    result = json.loads(json_path.read_text())
+    phase = result["phases"]["ours_priority"]
+    assert (phase["batch_requests"], phase["probes"], phase["max_tokens"], phase["max_rolling_batch_size"]) == (4, 2, 4, 2)
+    for policy in ("fcfs", "priority"):
+        run = phase[policy]
+        assert run["probe_errors"] == [] and run["batch_errors"] == [] and run["held_at_first_probe"] == 4
+        assert run["ttft_s"]["n"] == len(run["probe_ttft_s"]) == 2 and all(t > 0 for t in run["probe_ttft_s"])
+    assert phase["interactive_ttft_p50_ratio"] == phase["fcfs"]["ttft_s"]["p50"] / phase["priority"]["ttft_s"]["p50"]
+    assert result["ratios"]["ours_priority_interactive_ttft_p50_fcfs_vs_priority"] == phase["interactive_ttft_p50_ratio"]
+    assert "Request priority (ours_priority): interactive TTFT p50 behind 4 batch requests" in proc.stdout

@@ -126,10 +126,11 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def make_engine(model_dir, tokenizer, max_num_batched_tokens=64, kv_cache_bytes=1 << 22, max_num_seqs=4):
+def make_engine(model_dir, tokenizer, max_num_batched_tokens=64, kv_cache_bytes=1 << 22, max_num_seqs=4,
+                scheduling_policy="fcfs"):
     config = EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=None, block_size=4,
-                          kv_cache_bytes=kv_cache_bytes)
+                          kv_cache_bytes=kv_cache_bytes, scheduling_policy=scheduling_policy)
     return Engine(config, tokenizer=tokenizer)
 
 

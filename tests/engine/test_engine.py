@@ -423,3 +423,46 @@ def test_each_step_waits_for_the_device_once_for_its_results_whatever_its_reques
     for syncs in per_step:
         assert [s.function for s in syncs if s.function == "_to_host"] == ["_to_host"], syncs
         assert {s.function for s in syncs if s.function != "_to_host"} == checks, syncs
+
+
+def step_all(engine: Engine, requests, late=None, late_step: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """Add `requests` (id, prompt, params), then `late` before step `late_step`, and step until all finished;
+    each request's (token id, log prob) pairs."""
+    got: dict[str, list[tuple[int, float]]] = {}
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    step = 0
+    while engine.has_unfinished or (late is not None and step <= late_step):
+        if late is not None and step == late_step:
+            engine.add_request(*late)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend((t.id, t.log_prob) for t in out.new_tokens)
+        step += 1
+    return got
+
+
+def test_a_request_preempted_for_a_higher_priority_one_gives_bitwise_the_tokens_and_log_probs_it_gives_alone(
+        tiny_model_dir, tiny_tokenizer):
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True, priority=1)
+    seeded = SamplingParams(greedy=False, temperature=0.8, top_p=0.9, seed=11, max_new_tokens=16, ignore_eos=True,
+                            priority=1)
+    low = [(f"low{i}", p, greedy if i != 2 else seeded) for i, p in enumerate(PROMPTS)]
+    high = ("high", list(range(3, 63)), SamplingParams(max_new_tokens=4, ignore_eos=True, priority=0))
+    roomy = make_engine(tiny_model_dir, tiny_tokenizer, scheduling_policy="priority")
+    alone = {**step_all(roomy, low), **step_all(roomy, [high])}
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4       # layers * (K, V) * kv_heads * head_dim * block_size * fp32
+    tight = make_engine(tiny_model_dir, tiny_tokenizer, kv_cache_bytes=bytes_per_block * 28,
+                        scheduling_policy="priority")
+    preempted = count_preemptions(tight)
+    squeezed = step_all(tight, low, late=high, late_step=4)   # high's 60-token prompt needs 15 of the 12 free
+    assert "low2" in preempted and "high" not in preempted
+    assert squeezed == alone                          # tokens and log probs, compared exactly
+    assert tight.allocator.num_used_blocks == 0
+
+
+def test_under_fcfs_the_engine_refuses_a_priority_other_than_0(tiny_model_dir, tiny_tokenizer):
+    engine = make_engine(tiny_model_dir, tiny_tokenizer)
+    with pytest.raises(RequestRejected, match="option.scheduling_policy=priority") as refused:
+        engine.add_request("r", PROMPTS[1], SamplingParams(priority=-1))
+    assert refused.value.field == "priority" and not engine.has_unfinished
+    engine.add_request("r", PROMPTS[1], SamplingParams(priority=0))

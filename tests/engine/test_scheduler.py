@@ -1,5 +1,6 @@
 """Scheduler invariants on toy sizes: token budget, batch size, KV blocks, recompute preemption, prefix caching."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -374,4 +375,145 @@ def test_fault_hooks_see_each_steps_work_in_order_and_what_one_raises_leaves_the
         sched.schedule()
     assert seen == [["r0"], ["r0", "r1"]]                          # in order: the first hook ran, then the second
     assert [s.request_id for s in sched.running] == ["r0", "r1"]   # admitted, blocks reserved, as a failed step leaves it
+    check_invariants(sched, alloc)
+
+
+# ---- priority scheduling (option.scheduling_policy) ------------------------------------------
+
+def ranked(i: int, prompt_len: int, priority: int, max_new_tokens: int = 8) -> Sequence:
+    """Request r{i} with `priority`, arriving at time i (the tie-break within a priority)."""
+    seq = make_seq(i, prompt_len)
+    seq.params = SamplingParams(max_new_tokens=max_new_tokens, priority=priority)
+    seq.arrival_time = float(i)
+    return seq
+
+
+def first_token_steps(sched: Scheduler, alloc: BlockAllocator, seqs: list[Sequence], late: Sequence,
+                      late_step: int) -> dict[str, int]:
+    """Run steps until every sequence is done (max_new_tokens each), adding `late` before step `late_step`;
+    returns the step at which each one got its first token, checking the invariants after every step."""
+    first: dict[str, int] = {}
+    for seq in seqs:
+        sched.add(seq)
+    for step in range(10_000):
+        if step == late_step:
+            sched.add(late)
+        for seq in run_step(sched):
+            if seq.num_output_tokens == 1:
+                first.setdefault(seq.request_id, step)
+        for seq in list(sched.running):
+            if seq.num_output_tokens >= seq.params.max_new_tokens:
+                sched.finish(seq)
+        check_invariants(sched, alloc)
+        if step > late_step and not sched.num_unfinished:
+            return first
+    raise AssertionError("the workload did not finish")
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_under_priority_a_request_behind_64_queued_lower_ones_gets_its_first_token_before_any_not_started(policy):
+    alloc = BlockAllocator(400, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy=policy), alloc)
+    low = [ranked(i, 6, priority=5) for i in range(64)]
+    high = ranked(100, 6, priority=0, max_new_tokens=2)
+    first = first_token_steps(sched, alloc, low, high, late_step=3)
+    not_started = [s.request_id for s in low if first[s.request_id] >= 3]
+    assert len(not_started) >= 56
+    before = [rid for rid in not_started if first[rid] <= first["r100"]]
+    if policy == "priority":
+        assert before == [] and first["r100"] == 3     # a seat freed for it at once: a low one was preempted
+    else:
+        assert len(before) == len(not_started)         # fcfs: the priority is not read, it waits its turn
+
+
+def test_under_priority_a_higher_waiting_request_short_of_blocks_preempts_the_lowest_running_one():
+    alloc = BlockAllocator(6, 4)                   # 24 token slots
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority"),
+                      alloc)
+    a, b = ranked(0, 11, priority=1), ranked(1, 11, priority=2)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)                                # both prefilled: 3 blocks each, cache full (decodes fit)
+    c = ranked(2, 7, priority=0)
+    sched.add(c)
+    out = sched.schedule()
+    assert out.preempted == [b] and b.status is SequenceStatus.WAITING and b.output_token_ids == [1]
+    assert out.seqs == [a, c] and list(sched.waiting) == [b]
+    check_invariants(sched, alloc)
+    same = ranked(3, 4, priority=2)
+    sched.add(same)
+    sched.add(ranked(4, 4, priority=1))
+    # waiting in rank order: the preempted b before the later arrival of its priority, behind a better one
+    assert [s.request_id for s in sched.waiting] == ["r4", "r1", "r3"]
+
+
+def test_under_priority_a_waiting_request_never_preempts_one_of_its_own_or_a_better_priority():
+    alloc = BlockAllocator(6, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority"),
+                      alloc)
+    a, b = ranked(0, 11, priority=1), ranked(1, 11, priority=2)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)                                # cache full; their next tokens fit their blocks
+    sched.add(ranked(2, 7, priority=2))
+    out = sched.schedule()
+    assert out.preempted == [] and out.seqs == [a, b] and len(sched.waiting) == 1
+
+
+def test_under_priority_running_out_of_blocks_preempts_the_worst_ranked_sequence_not_the_latest():
+    alloc = BlockAllocator(6, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority"),
+                      alloc)
+    a, b = ranked(0, 12, priority=3), ranked(1, 12, priority=0)   # b arrived last but ranks first
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    out = sched.schedule()                         # b's 13th token needs a 4th block: a goes, not b
+    assert out.preempted == [a] and out.seqs == [b]
+    assert a.status is SequenceStatus.WAITING and a.output_token_ids == [1]
+    check_invariants(sched, alloc)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workloads_with_priorities_keep_block_accounting_exact_and_finish_every_request(seed):
+    rng = random.Random(seed)
+    alloc = BlockAllocator(30, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, scheduling_policy="priority"),
+                      alloc)
+    added = []
+    for step in range(400):
+        if step < 250 and rng.random() < 0.35:
+            added.append(ranked(step, rng.randint(1, 30), priority=rng.randint(-2, 2), max_new_tokens=6))
+            sched.add(added[-1])
+        out = sched.schedule()
+        ranks = [(s.params.priority, s.arrival_time) for s in sched.waiting]
+        assert ranks == sorted(ranks)
+        sched.update_from_output(out)
+        for seq in out.seqs:
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(1)
+        for seq in list(sched.running):
+            if seq.num_output_tokens >= seq.params.max_new_tokens:
+                sched.finish(seq)
+        check_invariants(sched, alloc)
+    assert sched.num_unfinished == 0 and all(s.is_finished for s in added)
+
+
+def test_under_priority_a_waiting_request_that_could_not_start_anyway_preempts_nobody():
+    """Its LoRA adapter would pass max_loras: freeing a seat for it would only churn the running ones."""
+    alloc = BlockAllocator(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_loras=1,
+                                      scheduling_policy="priority"), alloc)
+    a, b, c = ranked(0, 5, priority=5), ranked(1, 5, priority=5), ranked(2, 5, priority=0)
+    a.adapter, c.adapter = SimpleNamespace(key=b"adapter-a"), SimpleNamespace(key=b"adapter-c")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.add(c)
+    for _ in range(3):
+        out = sched.schedule()
+        assert out.preempted == [] and out.seqs == [a, b]
+        sched.update_from_output(out)
+        for seq in out.seqs:
+            seq.output_token_ids.append(1)
     check_invariants(sched, alloc)

@@ -8,6 +8,7 @@ import time
 
 from lmi_handler.djl import OwnOutput
 from lmi_handler.engine.health import EngineDead
+from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.frontend.loops import DynamicFrontEnd, RollingFrontEnd
 from lmi_handler.frontend.requests import ENGINE_DEAD_CODE, Chunk, ClientRequest
 from lmi_handler.handler import HANDOVER_KEY, ROUTE_PROPERTY
@@ -235,4 +236,33 @@ def test_a_handle_raising_engine_dead_fails_every_request_with_503_and_the_front
         *_, end = drained(client)
         assert (end.code, end.last) == (ENGINE_DEAD_CODE, True) and "every step fails" in end.error
     front_end.stop()
+    loop.close()
+
+
+def test_a_waiting_request_of_a_better_priority_joins_a_full_batch_and_equals_wait_for_a_place():
+    loop = asyncio.new_event_loop()
+    handle = ScriptedHandle(last_after=100)
+    front_end = RollingFrontEnd(handle, {}, max_batch_size=2)
+
+    def ranked(name: str, priority: int) -> ClientRequest:
+        return ClientRequest(b'{"inputs": "x"}', loop, request_id=name,
+                             plan=make_plan(request_id=name, params=SamplingParams(priority=priority)))
+
+    low = [ranked(f"low{i}", 1) for i in range(4)]
+    for client in low:
+        front_end.submit(client)
+    front_end.loop_once()
+    assert [c.request_id for c in front_end.active] == ["low0", "low1"]   # full: the others wait
+    high, same = ranked("high", 0), ranked("same", 1)
+    front_end.submit(same)
+    front_end.submit(high)
+    front_end.loop_once()
+    assert [c.request_id for c in front_end.active] == ["low0", "low1", "high"]
+    assert handle.calls[-1].get_property("batch_size") == "3"
+    others = [ranked(f"top{i}", -1) for i in range(3)]
+    for client in others:
+        front_end.submit(client)
+    front_end.loop_once()                      # at most max_batch_size more than the batch holds
+    assert [c.request_id for c in front_end.active] == ["low0", "low1", "high", "top0"]
+    assert [c.request_id for c in front_end.pending.items] == ["top1", "top2", "low2", "low3", "same"]
     loop.close()

@@ -7,8 +7,10 @@ import asyncio
 
 import pytest
 
+from lmi_handler.engine.sequence import SamplingParams
 from lmi_handler.frontend.loops import FrontEnd
 from lmi_handler.frontend.requests import CANCELLED_CODE, TIMEOUT_CODE, ClientRequest, WaitingQueue
+from tests.protocol.helpers import make_plan
 
 
 @pytest.fixture
@@ -35,6 +37,22 @@ def test_the_waiting_queue_refuses_past_its_capacity_and_clients_gone_make_room(
     a.cancelled = True
     assert queue.put(c)
     assert queue.get(None) is b and queue.get(None) is c and queue.get(None) is None
+
+
+def test_the_waiting_queue_serves_the_lowest_priority_value_first_and_arrival_order_within_one(loop):
+    def ranked(priority: int) -> ClientRequest:
+        return client(loop, plan=make_plan(params=SamplingParams(priority=priority)))
+
+    queue = WaitingQueue(100)
+    low = [ranked(5) for _ in range(64)]
+    for c in low:
+        assert queue.put(c)
+    unplanned, high, middle, other_high = client(loop), ranked(0), ranked(2), ranked(0)
+    for c in (unplanned, high, middle, other_high):
+        assert queue.put(c)
+    assert unplanned.priority == 0
+    order = [queue.get(None) for _ in range(68)]
+    assert order == [unplanned, high, other_high, middle, *low] and queue.get(None) is None
 
 
 def test_a_waiting_request_past_its_deadline_ends_with_a_timeout_error_and_leaves_the_queue(loop):

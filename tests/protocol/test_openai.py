@@ -72,6 +72,13 @@ def test_chat_fields_map_to_parameters():
     assert p.ignore_eos and p.stop_token_ids == [2] and p.include_stop_str_in_output and not p.skip_special_tokens
 
 
+def test_priority_of_chat_and_completion_bodies_reaches_the_engine():
+    assert chat(priority=-2).to_generation_parameters().to_sampling_params().priority == -2
+    assert chat().to_generation_parameters().to_sampling_params().priority == 0
+    completion = CompletionRequest.parse({"prompt": "Hi", "max_tokens": 2, "priority": 7})
+    assert completion.to_generation_parameters().to_sampling_params().priority == 7
+
+
 def test_c06_chat_top_p_one_with_temperature_zero_is_accepted():
     p = chat(top_p=1.0, temperature=0).to_generation_parameters()
     assert p.to_sampling_params().greedy
@@ -83,6 +90,7 @@ def test_c06_chat_top_p_one_with_temperature_zero_is_accepted():
     ("presence_penalty", 3), ("frequency_penalty", -3), ("top_logprobs", 21), ("logprobs", 1), ("stream", "yes"),
     ("messages", []), ("messages", [{"role": "user", "content": 5}]),
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+    ("priority", "high"), ("priority", 1.5), ("priority", True), ("priority", -(1 << 63) - 1),
 ])
 def test_chat_bad_field_is_named_in_openai_error(field, value):
     with pytest.raises(RequestValidationError) as info:

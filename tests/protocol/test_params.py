@@ -37,6 +37,7 @@ BAD_VALUES = [
     ("seed", 1 << 63), ("seed", -(1 << 63) - 1),
     ("stop_sequences", [""]), ("stop_sequences", ""), ("stop_sequences", ["x"] * (MAX_STOP_SEQUENCES + 1)),
     ("stop_token_ids", [-1]),
+    ("priority", "high"), ("priority", 1.5), ("priority", True), ("priority", [0]), ("priority", 1 << 63),
 ]
 
 
@@ -57,6 +58,7 @@ def test_bad_value_is_rejected_naming_the_field(field, value):
     ("presence_penalty", -2), ("frequency_penalty", 2.0), ("max_new_tokens", 1), ("seed", -7),
     ("seed", (1 << 63) - 1), ("top_n_tokens", 0), ("top_n_tokens", 20), ("truncate", 1),
     ("stop_sequences", ["x"] * MAX_STOP_SEQUENCES), ("stop_token_ids", []), ("stop_sequences", []),
+    ("priority", -(1 << 63)), ("priority", 0), ("priority", (1 << 63) - 1),
 ])
 def test_boundary_value_is_accepted(field, value):
     GenerationParameters.parse({field: value})
@@ -402,3 +404,8 @@ def test_unknown_parameters_are_ignored_with_one_warning(client, rolling_server)
     assert response.status_code == 200
     warnings = [line for line in rolling_server.log_path.read_text().splitlines() if "frobnicate_7x" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0]
+
+
+def test_priority_reaches_the_engine_and_defaults_to_0():
+    assert GenerationParameters.parse({"priority": -3}).to_sampling_params().priority == -3
+    assert GenerationParameters.parse({}).to_sampling_params().priority == 0

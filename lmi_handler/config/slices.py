@@ -54,7 +54,6 @@ class EngineConfig:
     block_size: int
     kv_cache_bytes: int
     num_threads: int = 0
-    batch_invariant: bool = True
     enable_prefix_caching: bool = True
     huge_pages: bool = True
     malloc_tuning: bool = True

@@ -2,7 +2,7 @@
 
 Owns AttentionMetadata and the attention kernels (the C++ paged kernel, two SDPA paths and a
 pure-PyTorch reference); leaves building the metadata from Sequences to model_runner.py and
-projections/RoPE to llama.py.
+projections/RoPE to forward.py and the backends.
 """
 from __future__ import annotations
 

@@ -114,15 +114,20 @@ class DecoderStack:
     object (its team_steps counts the steps team mode ran)."""
 
     def __init__(self, spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int):
-        self.ops = cpu_kernels()
         self.num_layers = len(layers)
         self.bf16_panels = layers[0].qkv.kind == "bfloat16"
         weights = [[w.attn_pre, w.qkv.panels, w.qkv.scale, w.qkv_bias, w.o.panels, w.o.scale, w.o_bias, w.mlp_pre,
                     w.gate_up.panels, w.gate_up.scale, w.gate_up_bias, w.down.panels, w.down.scale, w.down_bias]
                    for w in layers]    # rowwise.h LayerWeights' order
         intermediate = layers[0].gate_up.out_features // 2
-        self.kernel = self.ops.DecoderStack(weights, final_norm, num_heads, num_kv_heads, intermediate,
-                                            spec.norm_eps, spec.norm_eps, spec.scale)
+        self._args = (weights, final_norm, num_heads, num_kv_heads, intermediate, spec.norm_eps, spec.norm_eps,
+                      spec.scale)
+        self._build(cpu_kernels())
+
+    def _build(self, ops) -> None:
+        """The C++ object on kernel module `ops` (again when the process's module changes: benchmarks/ab.py
+        swaps in another revision's kernels)."""
+        self.ops, self.kernel = ops, ops.DecoderStack(*self._args)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -133,6 +138,8 @@ class DecoderStack:
         # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
         # otherwise would run its start-up probe and log a choice that applies to nothing
         form = bf16_dot_form() if self.bf16_panels else 0
+        if (ops := cpu_kernels()) is not self.ops:
+            self._build(ops)
         # the caches as two lists: pybind converts them every call either way, so they are not cached
         args = (x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
                 meta.block_tables, meta.context_lens, meta.cu_seqlens_q, form)

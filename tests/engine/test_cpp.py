@@ -71,7 +71,7 @@ def test_a_windowed_row_has_the_same_bits_alone_as_a_decode_row_and_in_the_batch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_window_past_every_context_gives_the_unmasked_kernel_s_bits(dtype):
-    """The masked form with nothing to mask runs the same operations as the Llama path's kernel."""
+    """The masked form with nothing to mask runs the same operations as the fused stack's kernel."""
     q, k_cache, v_cache, meta, _, _ = attention_case(16, 4, dtype, seed=5)
     masked = cpp.paged_attention(q, k_cache, v_cache, meta, 0.25, 1000)
     assert torch.equal(bits(masked), bits(attention_paged(q, k_cache, v_cache, meta, 0.25)))

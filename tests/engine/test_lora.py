@@ -1,7 +1,7 @@
 """LoRA in the engine: engine/model/lora.py (PEFT adapters read and checked, the registry, the batched LoRA
 product: exact against transformers with the adapter merged, a row's bits independent of the rows beside it),
 the scheduler's prefix cache keyed on the adapter and max_loras, and the engine applying adapters in its
-forward on every path (the C++ per-op path, llama.py's module path, forward.py's spec walk): greedy tokens as
+forward on every path (the cpp backend's fused stack and its op-by-op walk, the torch reference's walk): greedy tokens as
 transformers' with the adapter merged, the base beside them as the base alone, a request's bits the same
 whatever other adapters share its step; the same for the other families (family_models.py) on the C++ ops and
 the torch reference."""

@@ -63,6 +63,34 @@ def test_rope_table_rows_are_one_position_s_rows_whatever_the_step(head_dim, dty
     assert rows >= 3 * ROPE_SLAB + 7 and rows % ROPE_SLAB == 0          # grew, in whole slabs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_norm_is_each_family_s_transformers_norm_bitwise(dtype):
+    """One description of RMSNorm (torch_ref.rms_norm), rounded as the spec says: LlamaRMSNorm (the normalized
+    row rounded to the dtype, then times the weight; every Llama-like family), Gemma's (float32 times 1 + weight,
+    one rounding) and OLMo-2's (float32 times the weight, one rounding), each bitwise transformers' own."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from lmi_handler.engine.model.backends import torch_ref
+
+    g = torch.Generator().manual_seed(3)
+    x, weight = (torch.randn(9, 64, generator=g) * 3).to(dtype), (torch.randn(64, generator=g) * 0.3).to(dtype)
+    cases = {"llama": (LlamaRMSNorm(64, eps=1e-6), 0.0, False), "gemma2": (Gemma2RMSNorm(64, eps=1e-6), 1.0, True),
+             "olmo2": (Olmo2RMSNorm(64, eps=1e-6), 0.0, True)}
+    for name, (theirs, offset, in_float) in cases.items():
+        theirs.weight.data = weight.clone()
+        with torch.no_grad():
+            want = theirs.to(dtype)(x)
+        assert spec_from_config(_family_config(name)).norm_weight_in_float == in_float, name
+        assert torch.equal(torch_ref.rms_norm(x, weight, 1e-6, None, offset, in_float)[0], want), name
+
+
+def _family_config(model_type: str) -> dict:
+    return dict(model_type=model_type, vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=4, head_dim=16)
+
+
 def test_config_reads_old_and_new_rope_keys():
     base = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4)
     old_theta = spec_from_config({**base, "rope_theta": 5e5})

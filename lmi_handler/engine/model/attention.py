@@ -1,8 +1,8 @@
 """Paged attention over a flat token batch: write new K/V into the block cache, attend causally.
 
 Owns AttentionMetadata and the attention kernels (the C++ paged kernel, the cpp backend's; two SDPA paths,
-the benchmarks' torch peers; a pure-PyTorch reference); leaves building the metadata from Sequences to model_runner.py and
-projections/RoPE to forward.py and the backends.
+the benchmarks' torch peers; a pure-PyTorch reference); leaves building the metadata from Sequences to
+model_runner.py and projections/RoPE to forward.py and the backends.
 """
 from __future__ import annotations
 

@@ -206,7 +206,7 @@ echo "LoRA throughput: exit $lora_rc in $(( $(date +%s) - start )) s" | tee -a "
 echo "== batch invariance on CUDA (the tests that compare a row alone and in a batch; auto = triton on CUDA) =="
 start=$(date +%s)
 timeout "$(left "${INVARIANCE_TIMEOUT:-80}")" "$PY" -m pytest -q -p no:cacheprovider --tb=short "${DESELECT[@]}" \
-  tests/engine/test_engine.py tests/engine/test_attention.py tests/engine/test_llama.py \
+  tests/engine/test_engine.py tests/engine/test_attention.py tests/engine/test_forward.py \
   -k "bitwise or invariant or alone or tiled or per_sequence" 2>&1 | tee "$OUT_DIR/gpu-invariance.log"
 inv_rc=${PIPESTATUS[0]}
 echo "invariance tests: exit $inv_rc in $(( $(date +%s) - start )) s"

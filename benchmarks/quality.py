@@ -67,7 +67,7 @@ class Ours:
 
         self.runner = ModelRunner(model_dir, dtype, torch.device("cpu"), block_size=16, num_blocks=128, quantize=quantize)
         if lm_head_kind is not None:   # the same runner with another lm_head (for the int8 lm_head decision)
-            self.runner.model = load_model(model_dir, dtype, torch.device("cpu"), pack_weights=True, quantize=quantize,
+            self.runner.model = load_model(model_dir, dtype, torch.device("cpu"), quantize=quantize,
                                            lm_head_kind=lm_head_kind)
             self.runner.forward = self.runner.model
         self.allocator = BlockAllocator(self.runner.num_blocks, self.runner.block_size)

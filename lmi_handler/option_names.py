@@ -76,6 +76,12 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "collect_detailed_traces": None, "worker_cls": None, "worker_extension_cls": None,
 }
 
+# options of ours that are gone: key -> why, logged once at start-up when a configuration still sets one
+RETIRED_OPTIONS: dict[str, str] = {
+    "batch_invariant": "every kernel backend computes each row alone, so a sequence's logits never depend on "
+                       "its batch (there is no faster non-invariant form left to choose)",
+}
+
 # difflib ratio at or above which an unknown key counts as a misspelling of the nearest known name
 CLOSE_MATCH_CUTOFF = 0.8
 
@@ -84,13 +90,15 @@ class Kind(str, enum.Enum):
     OURS = "ours"              # a Settings field
     FRONT_END = "front_end"    # DJL Serving's own key: passed through quietly
     FOREIGN = "foreign"        # another engine's option: logged at start-up
+    RETIRED = "retired"        # an option of ours that is gone (RETIRED_OPTIONS): logged at start-up
     MISSPELT = "misspelt"      # nearest known name is one of ours: refused
     UNKNOWN = "unknown"        # nothing near it: logged at start-up
 
 
 def sort_key(key: str, ours: Iterable[str]) -> tuple[Kind, str | None]:
     """What `key` (lower case) is, and the name that goes with it: for FOREIGN the key of ours that does its
-    job (or None), for MISSPELT the nearest field of ours, for UNKNOWN the nearest known foreign name (or None).
+    job (or None), for MISSPELT the nearest field of ours, for UNKNOWN the nearest known foreign name (or None),
+    for RETIRED why it is gone.
 
     A close match is looked for among all known names at once, so a misspelt vLLM option (max_num_seq) is not
     taken for a misspelt one of ours."""
@@ -101,6 +109,8 @@ def sort_key(key: str, ours: Iterable[str]) -> tuple[Kind, str | None]:
         return Kind.FRONT_END, None
     if key in FOREIGN_OPTIONS:
         return Kind.FOREIGN, FOREIGN_OPTIONS[key]
+    if key in RETIRED_OPTIONS:
+        return Kind.RETIRED, RETIRED_OPTIONS[key]
     nearest = difflib.get_close_matches(key, [*ours, *FRONT_END_KEYS, *FOREIGN_OPTIONS], n=1,
                                         cutoff=CLOSE_MATCH_CUTOFF)
     if nearest and nearest[0] in ours:

@@ -41,11 +41,11 @@ def test_handle_properties_with_int_cluster_size_and_handler_are_accepted():
 
 def test_engine_slice_carries_the_engine_options():
     settings = Settings.from_properties({"max_rolling_batch_size": "8", "max_rolling_batch_prefill_tokens": "16",
-                                         "batch_invariant": "false", "num_threads": "1", "block_size": "32",
+                                         "num_threads": "1", "block_size": "32",
                                          "enable_prefix_caching": "false"})
     engine = settings.engine_config()
     assert engine.max_num_seqs == 8 and engine.max_num_batched_tokens == 16
-    assert engine.batch_invariant is False and engine.num_threads == 1 and engine.block_size == 32
+    assert engine.num_threads == 1 and engine.block_size == 32
     assert engine.enable_prefix_caching is False and Settings().engine_config().enable_prefix_caching is True
 
 
@@ -170,3 +170,15 @@ def test_settings_is_its_parts_composed_each_option_in_exactly_one_part():
     assert sorted(fields) == sorted(set(Settings.model_fields) - set(Options.model_fields))     # none twice
     assert list(Settings.model_fields) == ["model_dir", *fields]       # Settings' order is PARTS' order
     assert BatchOptions(model_dir="/srv", batch_dir="jobs").batch_path == Path("/srv/jobs")  # a part stands alone
+
+
+def test_the_retired_batch_invariant_option_is_ignored_with_one_warning_naming_why(caplog):
+    """option.batch_invariant is gone (every kernel backend computes each row alone): a configuration that
+    still sets it starts, with one warning saying so."""
+    with caplog.at_level("WARNING", logger="lmi_handler.config"):
+        settings = Settings.from_properties({"batch_invariant": "false"})
+    assert not hasattr(settings, "batch_invariant") and not hasattr(settings.engine_config(), "batch_invariant")
+    warnings = [r.getMessage() for r in caplog.records if "batch_invariant" in r.getMessage()]
+    assert warnings == ["option.batch_invariant is retired: every kernel backend computes each row alone, so a "
+                        "sequence's logits never depend on its batch (there is no faster non-invariant form left to "
+                        "choose); ignored"]

@@ -14,8 +14,8 @@ from workload import REPO, bench_engine, build_workload
 PREFILL_DOC = """Interleaved A/B of one step's forward: the fused decoder stack against the same C++ ops called one by one.
 
 The fused stack is kernels' DecoderStack, one C++ call (the gate_up linear with silu * up in its store, each
-layer's residual add in the next norm); the other side is llama._forward_split, the same C++ ops called one by
-one from Python (the gate_up linear, then silu_mul). One process, one engine, the two alternating, the order
+layer's residual add in the next norm); the other side is forward.DecoderModel's walk (`stack` None), the same
+C++ ops called one by one from Python (the gate_up linear, then silu_mul). One process, one engine, the two alternating, the order
 flipping each round. Both give the same bits (after the rounds, the first round's logits of each are compared
 with torch.equal).
 
@@ -50,7 +50,7 @@ def prefill_main(argv=None) -> None:
     sched = engine.scheduler.schedule()
     model_input = engine.runner.prepare(sched)
     model = engine.runner.model
-    fused_forward = model._forward_fused
+    stack = model.stack
     print(f"{args.dtype}, {args.threads} threads: a step of {sum(sched.num_scheduled_tokens)} tokens "
           f"({len(sched.seqs)} sequences)")
     times: dict[str, list[float]] = {"fused": [], "split": []}
@@ -58,12 +58,12 @@ def prefill_main(argv=None) -> None:
     with torch.inference_mode():
         for r in range(args.rounds):
             for name in (("fused", "split") if r % 2 == 0 else ("split", "fused")):
-                model._forward_fused = fused_forward if name == "fused" else model._forward_split
+                model.stack = stack if name == "fused" else None
                 start = time.perf_counter()
                 out = engine.runner.execute(model_input)        # rewrites the same K/V slots each time
                 times[name].append(time.perf_counter() - start)
                 logits.setdefault(name, out.logits)
-    del model._forward_fused             # the class's method again
+    model.stack = stack
     assert torch.equal(logits["fused"], logits["split"]), "the fused stack and the split ops differ"
     fused, split = (statistics.median(times[k]) for k in ("fused", "split"))
     print(f"fused {fused * 1e3:.1f} ms, split {split * 1e3:.1f} ms: fused / split {fused / split:.3f} "

@@ -31,8 +31,8 @@ the contexts are those of the benchmark's middle: prompt + that many tokens), th
 - engine parts: scheduler.schedule, runner.prepare, Engine._prepare_sampling, the sampler (process + pick +
   stop reasons), OutputProcessor.process (the host sync, detokenization, stop strings), the finish loop;
   measured inside a real Engine.step by wrapping each method;
-- the forward, op by op: the fused decoder layer's C++ ops called one at a time (llama._forward_split with no
-  group, bitwise the fused layer), each timed: add_rmsnorm, the qkv / o / gate_up / down linears,
+- the forward, op by op: the fused decoder stack's C++ ops called one at a time (forward.DecoderModel's walk on
+  the cpp backend, bitwise the fused stack), each timed: add_rmsnorm, the qkv / o / gate_up / down linears,
   rope_kv_write, paged attention, silu_mul; then the final norm, the logit rows and lm_head. Re-running a
   step's forward rewrites the same K/V slots with the same values, so every repeat sees the same state.
 
@@ -124,7 +124,7 @@ def breakdown_main(argv=None) -> None:
 
 
 def forward_ops(engine, mi, repeats, clock, times) -> None:
-    """llama._forward_split's ops one at a time (group None: bitwise the fused layer), each timed."""
+    """The cpp backend's ops of DecoderModel's walk one at a time (bitwise the fused stack), each timed."""
 
     from lmi_handler.engine.model.kernels import (
         fused_add_rmsnorm,
@@ -133,7 +133,7 @@ def forward_ops(engine, mi, repeats, clock, times) -> None:
     )
 
     model, meta = engine.runner.model, mi.attn
-    a = model.args
+    eps, rope = model.spec.norm_eps, model.ropes[id(model.spec.layers[0].rope)]
     ops: dict[str, float] = defaultdict(float)
 
     def op(label, fn, *args):
@@ -146,28 +146,25 @@ def forward_ops(engine, mi, repeats, clock, times) -> None:
         for _ in range(repeats):
             ops.clear()
             start = clock()
-            x = model.embed(mi.input_ids)
-            freqs = mi.positions.float()[:, None] * model.inv_freq.float()[None, :]
+            x = model._embed(mi.input_ids)
+            freqs = mi.positions.float()[:, None] * rope.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype).contiguous(), emb.sin().to(x.dtype).contiguous()
             x = x.contiguous().clone()
             ops["embed + rope tables"] += clock() - start
             delta = None
-            for layer, (k_cache, v_cache) in zip(model.layers, engine.runner.kv_caches):
-                attn, mlp = layer.self_attn, layer.mlp
-                h = op("rmsnorm (+ residual add)", fused_add_rmsnorm, x, delta, layer.input_layernorm.weight,
-                       layer.input_layernorm.eps)
-                qkv = op("linear qkv", packed_linear, h, attn.qkv_weight, attn.qkv_bias)
+            for w, (k_cache, v_cache) in zip(model.layer_weights, engine.runner.kv_caches):
+                h = op("rmsnorm (+ residual add)", fused_add_rmsnorm, x, delta, w.attn_pre, eps)
+                qkv = op("linear qkv", packed_linear, h, w.qkv, w.qkv_bias)
                 q = op("rope + kv write", fused_rope_kv_write, qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                       a.num_heads, a.num_kv_heads)
-                o = op("paged attention", attention_paged, q, k_cache, v_cache, meta, attn.scale)
-                delta = op("linear o", packed_linear, o.view(x.shape[0], -1), attn.o_weight, attn.o_bias)
-                h = op("rmsnorm (+ residual add)", fused_add_rmsnorm, x, delta, layer.post_attention_layernorm.weight,
-                       layer.post_attention_layernorm.eps)
-                gu = op("linear gate_up", packed_linear, h, mlp.gate_up_weight, mlp.gate_up_bias)
+                       model.num_heads, model.num_kv_heads)
+                o = op("paged attention", attention_paged, q, k_cache, v_cache, meta, model.spec.scale)
+                delta = op("linear o", packed_linear, o.view(x.shape[0], -1), w.o, w.o_bias)
+                h = op("rmsnorm (+ residual add)", fused_add_rmsnorm, x, delta, w.mlp_pre, eps)
+                gu = op("linear gate_up", packed_linear, h, w.gate_up, w.gate_up_bias)
                 act = op("silu * up", fused_silu_mul, gu)
-                delta = op("linear down", packed_linear, act, mlp.down_weight, mlp.down_bias)
-            hidden = op("rmsnorm (+ residual add)", fused_add_rmsnorm, x, delta, model.norm.weight, model.norm.eps)
+                delta = op("linear down", packed_linear, act, w.down, w.down_bias)
+            hidden = op("rmsnorm (+ residual add)", fused_add_rmsnorm, x, delta, model.final_norm, eps)
             rows = op("logit rows", torch.index_select, hidden, 0, mi.logit_rows)
             op("lm_head", model.compute_logits, rows)
             total = sum(ops.values())

@@ -19,7 +19,7 @@ from workload import REPO
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged, attention_per_sequence
 from lmi_handler.engine.model.kernels import BF16_AMX, BF16_DP, BF16_FMA, cpu_kernels, pack_weight, packed_linear
-from lmi_handler.engine.model.llama import INVARIANT_TILE, _tiled_matmul
+from lmi_handler.engine.model.linear import INVARIANT_TILE, tiled_matmul
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
@@ -30,9 +30,8 @@ Per op (the demo model's shapes): packed C++ linear in float32, bfloat16 (FMA fo
 the CPU has it) and int8 vs F.linear in float32 and bfloat16 (MKL / oneDNN, not invariant) vs 16-row
 tiled bmm (the PyTorch fallback) at M = 1, 16, 64; paged attention vs one SDPA call per
 sequence for a 64-sequence decode step; and a whole ModelRunner decode step at batch 1 and 64
-in both modes (KV contents are left as they are: timing only), the batch-invariant one both with
-the fused C++ decoder layers (LlamaModel.fused, the default) and module by module (the PyTorch
-reference path); `--profile` adds a torch.profiler per-op breakdown of a batch-1 step of each. Best of a few runs, wall clock;
+(KV contents are left as they are: timing only), both with the fused C++ decoder stack (the
+default) and op by op (DecoderModel's walk with `stack` None); `--profile` adds a torch.profiler per-op breakdown of a batch-1 step of each. Best of a few runs, wall clock;
 on a shared machine the numbers are noisy, so the load average is written alongside, and
 `--threads 1 --clock cpu` (process CPU time) gives what one idle core would take.
 `--dtypes fp32,bf16,int8` instead runs an interleaved batch-1 decode A/B of one runner per precision in
@@ -82,7 +81,7 @@ def bench_linears(repeats: int) -> list[dict]:
                    "packed_int8_ms": best_ms(lambda x=xb, p=packed["int8"]: packed_linear(x, p, None), r),
                    "mkl_ms": best_ms(lambda x=x, w=weight: F.linear(x, w), r),
                    "torch_bf16_ms": best_ms(lambda x=xb, w=weight_bf16: F.linear(x, w), r),
-                   "tiled16_ms": best_ms(lambda x=x, w=weight: _tiled_matmul(x, w, INVARIANT_TILE), r)}
+                   "tiled16_ms": best_ms(lambda x=x, w=weight: tiled_matmul(x, w, INVARIANT_TILE), r)}
             p = packed["bfloat16"]
             if module.NATIVE_BF16:
                 row["vdpbf16ps_ms"] = best_ms(lambda x=xb, p=p, n=n: module.linear(x, p.panels, n, None, None, True, BF16_DP), r)
@@ -121,14 +120,14 @@ def decode_batch(runner: ModelRunner, allocator: BlockAllocator, num_seqs: int, 
     return seqs
 
 
-def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int, profile: bool) -> list[dict]:
-    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=16, num_blocks=2048,
-                         batch_invariant=batch_invariant)
+def bench_decode_step(model_dir: Path, repeats: int, profile: bool) -> list[dict]:
+    runner = ModelRunner(model_dir, torch.float32, torch.device("cpu"), block_size=16, num_blocks=2048)
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     results = []
-    for fused in ((True, False) if batch_invariant else (False,)):
-        runner.model.fused = fused
-        result = {"batch_invariant": batch_invariant, "fused_layers": fused}
+    stack = runner.model.stack
+    for fused in (True, False):
+        runner.model.stack = stack if fused else None
+        result = {"fused_layers": fused}
         for num_seqs, context in ((1, 200), (64, 200)):
             seqs = decode_batch(runner, allocator, num_seqs, context)
             ms = best_ms(lambda seqs=seqs, n=num_seqs: runner.execute(runner.prepare(SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1] * n))), repeats)
@@ -140,7 +139,7 @@ def bench_decode_step(model_dir: Path, batch_invariant: bool, repeats: int, prof
                 allocator.free(seq.block_table)
         print({k: v for k, v in result.items() if k != "profile_batch1"}, flush=True)
         results.append(result)
-    runner.model.fused = True
+    runner.model.stack = stack
     return results
 
 
@@ -174,9 +173,8 @@ def weight_bytes(model) -> int:
     row at a time, the norms are negligible)."""
     from lmi_handler.engine.model.kernels import PackedWeight
 
-    linears = [getattr(m, n) for layer in model.layers for m, n in (
-        (layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight"), (layer.mlp, "gate_up_weight"),
-        (layer.mlp, "down_weight"))] + [model.lm_head]
+    linears = [w for layer in model.layer_weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] \
+        + [model.lm_head]
     return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in linears)
 
 
@@ -269,8 +267,7 @@ def kernels_main(argv=None) -> None:
         report["attention_decode"] = bench_attention(args.repeats)
         print(report["attention_decode"], flush=True)
     if not args.skip_model:
-        report["decode_step"] = [r for inv in (True, False)
-                                 for r in bench_decode_step(args.model_dir, inv, max(3, args.repeats // 4), args.profile)]
+        report["decode_step"] = bench_decode_step(args.model_dir, max(3, args.repeats // 4), args.profile)
     report["load_average_after"] = os.getloadavg()
     out = REPO / "benchmarks" / "results" / f"kernels-{dt.date.today().isoformat()}-t{args.threads}-{args.clock}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

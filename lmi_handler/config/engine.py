@@ -48,15 +48,10 @@ class EngineOptions(Options):
     kernel_backend: Literal["auto", "cpp", "triton", "torch"] = "auto"
     """Which kernels run the model, chosen once at load and logged with why (engine/model/backend.py): cpp =
     the C++ CPU kernels, every family (Llama-shaped models, with RMSNorm pre-norm, SiLU and no window, cap or
-    q/k norm, on the fused decoder stack; the others through the C++ ops one by one); triton = the Triton
+    q/k norm, on the fused decoder stack; the others and tensor-parallel shards through the C++ ops one by one); triton = the Triton
     kernels (CUDA; CPU tensors under TRITON_INTERPRET=1); torch = the pure-PyTorch reference (any model, any
     device). auto: triton on CUDA, cpp on CPU where the kernels build, torch otherwise. An explicit choice that
     cannot run is refused at start-up, never replaced."""
-    batch_invariant: bool = True
-    """Bitwise-identical logits for a sequence alone or in any batch (fixed GEMM row tiles, one attention
-    call per sequence). false matters only where llama.py runs (Llama-shaped models on the cpp backend, tensor
-    parallelism on CUDA): plain GEMMs and one padded attention call, faster at large batches; the backends
-    walking the layer description (triton, torch, the C++ ops of other families) compute each row alone either way."""
     huge_pages: bool = True
     """CPU: packed weights and the KV cache in 2 MiB-aligned memory marked for transparent huge pages
     (engine/model/kernels.empty_huge). false turns it off; so does the environment variable LMI_HUGE_PAGES=0

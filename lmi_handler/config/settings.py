@@ -53,7 +53,7 @@ class Settings(BatchOptions, ChatOptions, ServingOptions, LoraOptions, EngineOpt
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
                             kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
-                            batch_invariant=self.batch_invariant, huge_pages=self.huge_pages,
+                            huge_pages=self.huge_pages,
                             malloc_tuning=self.malloc_tuning,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
                             scheduling_policy=self.scheduling_policy,
@@ -94,6 +94,8 @@ def check_option_names(data: Mapping[str, str], ours) -> None:
         if kind is Kind.FOREIGN:
             logger.warning("option.%s is not served here (an option of LMI's or vLLM's engines): ignored%s", key,
                            f"; option.{name} does its job here" if name else "")
+        elif kind is Kind.RETIRED:
+            logger.warning("option.%s is retired: %s; ignored", key, name)
         elif kind is Kind.UNKNOWN:
             logger.warning("option.%s is not an option of this server: ignored%s", key,
                            f" (nearest known name: option.{name}, not served here either)" if name else "")

@@ -54,7 +54,6 @@ class EngineConfig:
     block_size: int
     kv_cache_bytes: int
     num_threads: int = 0
-    batch_invariant: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"                # "fcfs" or "priority" (engine/scheduler.py)
     huge_pages: bool = True

@@ -43,7 +43,7 @@ def graph_unfit(model, device: torch.device) -> str:
         return f"device {device} is not CUDA"
     if model.kernel_backend != "triton":
         return f"kernel_backend={model.kernel_backend} reads host-side lengths each step"
-    if any(layer.rope is not None and layer.rope.depends_on_length for layer in model.spec.layers):  # DecoderModel
+    if any(layer.rope is not None and layer.rope.depends_on_length for layer in model.spec.layers):
         return "the model's RoPE frequencies depend on each step's sequence lengths (dynamic / longrope)"
     return ""
 
@@ -51,7 +51,7 @@ def graph_unfit(model, device: torch.device) -> str:
 class DecodeGraphs:
     """The decode step over static buffers, for every size of graph_batch_sizes(max_num_seqs).
 
-    `model`: the runner's forward (forward(input_ids, positions, kv_caches, meta, invariant, lora) and
+    `model`: the runner's forward (forward(input_ids, positions, kv_caches, meta, lora) and
     compute_logits); `kv_caches`: the runner's per-layer (K, V); `max_blocks`: the widest block table a
     step may bring (wider steps run eagerly). The buffers, on `device`: input_ids, positions, slot_mapping
     (B,) int64; block_tables (B, max_blocks) int32; context_lens (B,) int32; cu_seqlens_q = 0..B int32
@@ -59,8 +59,8 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, kv_caches, block_size: int, max_num_seqs: int, max_blocks: int, vocab_size: int,
-                 device: torch.device, invariant: bool = True):
-        self.model, self.kv_caches, self.block_size, self.invariant = model, kv_caches, block_size, invariant
+                 device: torch.device):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_blocks = max_blocks
         size = self.sizes[-1]
@@ -109,8 +109,8 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
             query_lens=[1] * size, context_lens_host=self.context_lens_host[:size], block_size=self.block_size)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.invariant, None)
-        self.logits[:size].copy_(self.model.compute_logits(hidden, self.invariant))
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, None)
+        self.logits[:size].copy_(self.model.compute_logits(hidden))
         return self.logits[:size]
 
     def run(self, model_input) -> torch.Tensor:

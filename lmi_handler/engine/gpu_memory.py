@@ -111,5 +111,5 @@ def profile_step(runner, caches, num_seqs: int, query_len: int) -> torch.Tensor:
         query_lens=[query_len] * num_seqs, context_lens_host=[query_len] * num_seqs, block_size=block_size)
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.arange(query_len, device=device).repeat(num_seqs)
-    hidden = runner.model(ids, positions, caches, attn, runner.batch_invariant, None)
-    return runner.model.compute_logits(hidden, runner.batch_invariant)
+    hidden = runner.model(ids, positions, caches, attn, None)
+    return runner.model.compute_logits(hidden)

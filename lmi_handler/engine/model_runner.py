@@ -17,9 +17,8 @@ from lmi_handler.engine.cuda_graphs import DecodeGraphs, graph_unfit
 from lmi_handler.engine.gpu_memory import blocks_for_gpu
 from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
-from lmi_handler.engine.model.forward import DecoderModel
 from lmi_handler.engine.model.kernels import empty_huge
-from lmi_handler.engine.model.loader import load_model, read_config
+from lmi_handler.engine.model.loader import load_model, read_config, spec_from_config
 from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
@@ -56,17 +55,15 @@ def _as_ids(value) -> list[int]:
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     """ModelConfig from config.json (and generation_config.json when present)."""
-    from lmi_handler.engine.model.loader import args_from_config
-
     cfg = read_config(model_dir)
-    args = args_from_config(cfg)
+    spec = spec_from_config(cfg)
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
         eos += _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
-    return ModelConfig(vocab_size=args.vocab_size, max_model_len=args.max_position_embeddings,
-                       eos_token_ids=tuple(dict.fromkeys(eos)), num_layers=args.num_layers,
-                       num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    return ModelConfig(vocab_size=spec.vocab_size, max_model_len=spec.max_position_embeddings,
+                       eos_token_ids=tuple(dict.fromkeys(eos)), num_layers=spec.num_layers,
+                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
 
 
 @dataclass
@@ -123,10 +120,8 @@ class ModelRunner:
     zero-initialised (so padded gathers never read NaN).
     `quantize` ("int8" or None): int8 weight panels, quantized at load (loader.load_model); the C++
     kernels run them in either mode.
-    `batch_invariant` (default True) makes a sequence's logits bitwise independent of the rest of
-    the batch: the C++ row-invariant linear over packed weights and the paged attention kernel
-    (float32 CPU; elsewhere 16-row tiled GEMMs and one attention call per sequence, see llama.py).
-    False: plain F.linear GEMMs, logits may move in the last bits with the batch.
+    A sequence's logits are bitwise independent of the rest of its batch on every backend: each op
+    computes a row from that row alone (forward.DecoderModel over the backend's ops).
     `huge_pages`: packed weights and the KV cache in huge-page memory (kernels.empty_huge; CPU).
     `kernel_backend`: option.kernel_backend (auto | cpp | triton | torch, engine/model/backend.py), chosen
     once here; `self.kernel_backend` names the one chosen.
@@ -149,22 +144,17 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
-                 batch_invariant: bool = True, huge_pages: bool = True, quantize: str | None = None,
+                 huge_pages: bool = True, quantize: str | None = None,
                  layout=None, group=None, kernel_backend: str = "auto", gpu_memory_utilization: float | None = None,
                  enforce_eager: bool = True, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024):
         self.config = read_model_config(model_dir)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
-        self.batch_invariant, self.quantize = batch_invariant, quantize
+        self.quantize = quantize
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)   # Triton launches and graph replays go to the current device
-        self.model = load_model(model_dir, dtype, self.device, pack_weights=batch_invariant or quantize is not None,
-                                quantize=quantize, huge_pages=huge_pages, layout=layout,
-                                kernel_backend=kernel_backend)
+        self.model = load_model(model_dir, dtype, self.device, quantize=quantize, huge_pages=huge_pages,
+                                layout=layout, kernel_backend=kernel_backend)
         self.kernel_backend = self.model.kernel_backend
-        if not batch_invariant and isinstance(self.model, DecoderModel):
-            logger.info("option.batch_invariant=false changes nothing here: the %s backend's kernels compute each "
-                        "row alone (only llama.py, Llama-shaped models on cpp, has a faster non-invariant form)",
-                        self.kernel_backend)
         if group is not None:
             self.model.group = group
         c = self.config
@@ -195,7 +185,7 @@ class ModelRunner:
         """Decode steps of 1..max_num_seqs sequences as CUDA graphs over this runner's cache, logged."""
         max_blocks = min(self.num_blocks, -(-self.config.max_model_len // self.block_size))
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_blocks,
-                              self.config.vocab_size, self.device, self.batch_invariant)
+                              self.config.vocab_size, self.device)
         with torch.inference_mode():
             seconds, nbytes = graphs.capture()
         logger.info("CUDA graphs: decode steps of %s sequences captured in %.2f s, %.1f MiB of GPU memory",
@@ -314,13 +304,12 @@ class ModelRunner:
         mi = model_input
         if mi.graph:                                                                      # CUDA decode
             return ModelOutput(logits=self.graphs.run(mi), chunk_logits={})
-        invariant = self.batch_invariant
         if mi.blocks_to_copy is not None:
             copy_blocks(self.kv_cache, mi.blocks_to_copy)
-        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, invariant, mi.lora)  # (T, hidden)
+        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, mi.lora)     # (T, hidden)
         # one row per sequence and no prompt-logprob chunk: logit_rows is every row in order (no copy)
         rows = hidden if mi.num_chunk_rows == 0 and hidden.shape[0] == mi.num_seqs else hidden[mi.logit_rows]
-        logits = self.model.compute_logits(rows, invariant)                                # (R, vocab) f32
+        logits = self.model.compute_logits(rows)                                           # (R, vocab) f32
         if logits is None:
             return None
         last = logits[mi.num_chunk_rows:]

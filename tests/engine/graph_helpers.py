@@ -17,7 +17,7 @@ PROMPTS = [[1, 17, 300, 45, 9], [1, 250], [1, 5, 6, 7, 8, 9, 10, 11, 12]]
 def decode_graphs(runner, max_num_seqs: int) -> DecodeGraphs:
     """The runner's DecodeGraphs on CPU: nothing captured, so run() calls the step eagerly."""
     return DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, max_num_seqs, runner.num_blocks,
-                        runner.config.vocab_size, runner.device, runner.batch_invariant)
+                        runner.config.vocab_size, runner.device)
 
 
 def prefilled(runner, allocator: BlockAllocator, prompts: list[list[int]]):

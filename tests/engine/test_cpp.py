@@ -71,7 +71,7 @@ def test_a_windowed_row_has_the_same_bits_alone_as_a_decode_row_and_in_the_batch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_window_past_every_context_gives_the_unmasked_kernel_s_bits(dtype):
-    """The masked form with nothing to mask runs the same operations as the Llama path's kernel."""
+    """The masked form with nothing to mask runs the same operations as the fused stack's kernel."""
     q, k_cache, v_cache, meta, _, _ = attention_case(16, 4, dtype, seed=5)
     masked = cpp.paged_attention(q, k_cache, v_cache, meta, 0.25, 1000)
     assert torch.equal(bits(masked), bits(attention_paged(q, k_cache, v_cache, meta, 0.25)))
@@ -104,6 +104,29 @@ def test_rms_norm_with_its_weight_offset_matches_the_reference(offset, width, wi
         else:
             step = ref_out.float().abs().clamp_min(1e-30) * 2 ** -7
             assert ((out.float() - ref_out.float()).abs() <= step * 1.01).all()
+
+
+@pytest.mark.parametrize("width", [64, 67, 16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_llama_rounded_rms_norm_is_the_fused_stack_s_and_matches_the_reference(width, with_residual):
+    """weight_in_float False (LlamaRMSNorm's rounding): rowwise.h's add_rmsnorm, the fused stack's norm, which
+    adds the residual into x in place; within the reference's rounding (float32: the sum of squares' order;
+    bf16: one bf16 step, twice rounded), the residual sum bitwise PyTorch's."""
+    g = torch.Generator().manual_seed(width + 1)
+    x, residual = torch.randn(37, width, generator=g) * 3, torch.randn(37, width, generator=g)
+    weight = torch.randn(width, generator=g) * 0.3
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, rd, wd = x.to(dtype), residual.to(dtype) if with_residual else None, weight.to(dtype)
+        ref_out, ref_h = torch_ref.rms_norm(xd, wd, 1e-6, rd, 0.0, False)
+        out, h = cpp.rms_norm(xd.clone(), wd, 1e-6, rd, 0.0, False)
+        assert out.dtype == dtype and torch.equal(bits(h), bits(ref_h))
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+        else:
+            step = ref_out.float().abs().clamp_min(1e-30) * 2 ** -6
+            assert ((out.float() - ref_out.float()).abs() <= step * 1.01).all()
+    with pytest.raises(ValueError, match="no weight offset"):
+        cpp.rms_norm(x, weight, 1e-6, None, 1.0, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,8 +13,6 @@ from lmi_handler.djl import OwnInput, PairList, binary_decode
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.backend import choose_backend
 from lmi_handler.engine.model.families import build_spec
-from lmi_handler.engine.model.forward import DecoderModel
-from lmi_handler.engine.model.llama import LlamaModel
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerConfig
 from tests.engine.family_models import TINY_FAMILIES, WINDOW, build_tiny_family
@@ -32,7 +30,7 @@ from tests.server.helpers import fresh_server
 CPU = torch.device("cpu")
 LONG_PROMPT = [1] + [(7 * i + 3) % 500 + 3 for i in range(26)]            # 27 tokens: past the window of 16
 PROMPTS = [LONG_PROMPT, [1, 250, 17, 99], [1] + list(range(40, 80))]       # the last one past phi3's 32 too
-FUSED_FAMILIES = ("llama", "mistral-nowindow", "qwen2-nowindow", "phi3-nowindow")   # specs the fused C++ Llama path runs
+FUSED_FAMILIES = ("llama", "mistral-nowindow", "qwen2-nowindow", "phi3-nowindow")   # specs the fused C++ stack runs
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
@@ -92,15 +90,15 @@ def test_bf16_runs_every_op_in_bf16_and_stays_bitwise_batch_invariant(name, tmp_
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[2], PROMPTS[:2], 4, chunks=[5, 2])
 
 
-# ---- the cpp backend: the fused Llama path for Llama-shaped specs, the C++ ops (backends/cpp.py) for the rest --
+# ---- the cpp backend: the fused C++ stack for Llama-shaped specs, the C++ ops walked one by one for the rest ---
 
 def test_every_family_gives_transformers_greedy_tokens_on_the_cpp_backend(family, caplog):
     name, path, hf = family
     with caplog.at_level("INFO", logger="lmi_handler.engine.model.backend"):
         runner = _runner(path)                                       # auto on CPU
     fused = name in FUSED_FAMILIES
-    assert runner.kernel_backend == "cpp" and isinstance(runner.model, LlamaModel if fused else DecoderModel)
-    form = "the fused C++ Llama path" if fused else "the C++ ops walking the layer description"
+    assert runner.kernel_backend == "cpp" and (runner.model.stack is not None) == fused
+    form = "the fused C++ decoder stack" if fused else "the C++ ops walking the layer description"
     assert f"kernel_backend=cpp for model_type={TINY_FAMILIES[name][0]} (auto: CPU, the C++ kernels are built; " \
            f"{form}" in caplog.text
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
@@ -118,8 +116,7 @@ def test_every_family_s_logits_are_bitwise_the_same_alone_and_in_a_batch_on_the_
     dtype, quantize = PRECISIONS[precision]
     runner = _runner(path, "cpp", dtype, quantize)
     assert runner.kernel_backend == "cpp" and runner.kv_cache.dtype == dtype
-    if isinstance(runner.model, DecoderModel):
-        assert runner.model.layer_weights[0].qkv.kind == (quantize or str(dtype).removeprefix("torch."))
+    assert runner.model.layer_weights[0].qkv.kind == (quantize or str(dtype).removeprefix("torch."))
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, LONG_PROMPT, PROMPTS[1:], 6, chunks=[3, 7])
 
@@ -225,21 +222,19 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
     mistral, gemma2, llama = (build_spec(_config(n)) for n in ("mistral", "gemma2", "llama"))
     with pytest.raises(ConfigError, match="kernel_backend='bogus'.*'auto', 'cpp', 'triton', 'torch'"):
         choose_backend("bogus", llama, CPU)
-    assert choose_backend("auto", llama, CPU) == ("cpp", "auto: CPU, the C++ kernels are built; the fused C++ Llama "
-                                                         "path")
+    assert choose_backend("auto", llama, CPU) == ("cpp", "auto: CPU, the C++ kernels are built; the fused C++ "
+                                                         "decoder stack (one C++ call a step)")
     name, why = choose_backend("auto", gemma2, CPU)
     assert name == "cpp" and "the C++ ops walking the layer description (model_type=gemma2 has norm_offset" in why
     assert choose_backend("cpp", mistral, CPU)[0] == "cpp"
     assert choose_backend("auto", gemma2, CPU, quantize="int8")[0] == "cpp"
     assert choose_backend("torch", gemma2, CPU) == ("torch", "asked for")
-    name, why = choose_backend("auto", gemma2, CPU, tensor_parallel=True)      # every family shards on cpp
-    assert name == "cpp" and "tensor_parallel_degree > 1 needs the C++ kernels; the C++ ops walking" in why
-    assert choose_backend("auto", llama, torch.device("cuda"), tensor_parallel=True)[0] == "cpp"   # LlamaModel
-    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1 on cuda: the shards run llama.py's PyTorch "
-                                          "modules there, which take Llama-shaped models only"):
-        choose_backend("auto", gemma2, torch.device("cuda"), tensor_parallel=True)      # the C++ ops: CPU only
-    with pytest.raises(ConfigError, match="kernel_backend=torch: tensor_parallel_degree > 1 runs only on the cpp"):
-        choose_backend("torch", gemma2, CPU, tensor_parallel=True)
+    name, why = choose_backend("auto", llama, CPU, tensor_parallel=True)      # every family shards on every backend
+    assert name == "cpp" and "tensor-parallel shards walk the spec with the C++ ops" in why
+    assert choose_backend("torch", gemma2, CPU, tensor_parallel=True) == (
+        "torch", "asked for; tensor-parallel shards walk the spec op by op")
+    with pytest.raises(ConfigError, match="kernel_backend=cpp cannot run here: the C\\+\\+ kernels run on CPU, not cuda"):
+        choose_backend("cpp", gemma2, torch.device("cuda"), tensor_parallel=True)
     with pytest.raises(ConfigError, match="quantize=int8 runs only on the cpp backend"):
         choose_backend("torch", llama, CPU, quantize="int8")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -257,8 +252,9 @@ def test_kernel_backend_option_is_validated_and_an_impossible_choice_is_refused_
         choose_backend("auto", gemma2, CPU, quantize="int8")
 
 
-def test_tensor_parallelism_of_a_family_is_refused_before_any_rank_starts_only_where_heads_do_not_divide_or_off_cpp(
-        tmp_path):
+def test_tensor_parallelism_of_a_family_is_refused_before_any_rank_starts_only_where_heads_do_not_divide(tmp_path):
+    """Every backend shards every family (DecoderModel's walk), on CPU and CUDA alike: only the degree's own
+    rules refuse (layout.check_degree), and a backend that cannot run on the device at all."""
     from dataclasses import replace
 
     from lmi_handler.config import EngineConfig, ParallelConfig
@@ -275,31 +271,30 @@ def test_tensor_parallelism_of_a_family_is_refused_before_any_rank_starts_only_w
     with pytest.raises(ConfigError, match=r"tensor_parallel_degree=3: Total number of attention heads \(4\) must be "
                                           r"divisible by tensor parallel size \(3\)..*Degrees this model takes: 1, 2, 4"):
         spec.check(3)
-    torch_spec = ModelRunnerSpec(replace(config, kernel_backend="torch"), spec.precision)
-    with pytest.raises(ConfigError, match="kernel_backend=torch: tensor_parallel_degree > 1 runs only on the cpp"):
-        torch_spec.check(2)
-    # on CUDA the shards are llama.py's modules: Gemma 2 is refused before any rank starts, naming why
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree > 1 on cuda:0: the shards run llama.py's PyTorch "
-                                          r"modules there, which take Llama-shaped models only \(model_type=gemma2"):
-        spec.check(2, torch.device("cuda:0"))
+    ModelRunnerSpec(replace(config, kernel_backend="torch"), spec.precision).check(2)
+    ModelRunnerSpec(replace(config, kernel_backend="torch"), spec.precision).check(2, torch.device("cuda:0"))
+    with pytest.raises(ConfigError, match=r"kernel_backend=cpp cannot run here: the C\+\+ kernels run on CPU"):
+        ModelRunnerSpec(replace(config, kernel_backend="cpp"), spec.precision).check(2, torch.device("cuda:0"))
 
 
 @pytest.mark.parametrize("name", sorted(set(TINY_FAMILIES) - {"phi3-longrope"}))
 def test_tensor_parallel_shards_of_a_family_give_transformers_greedy_tokens(tmp_path, name):
     """Two ranks (threads of this process joined by gloo, real ModelRunners on their shards: 2 query heads and
-    1 KV head each) decode transformers' greedy tokens in fp32, past the window, on the C++ ops (or the fused
-    Llama path for FUSED_FAMILIES): among them Qwen3's per-head q/k norm, Gemma 2's window, softcaps and four
+    1 KV head each) decode transformers' greedy tokens in fp32, past the window, on the C++ ops walked one by
+    one (the fused stack has no place for the reduce, FUSED_FAMILIES too): among them Qwen3's per-head q/k norm, Gemma 2's window, softcaps and four
     norms, Phi-3's fused qkv_proj / gate_up_proj split at load, OLMo-2's full-width q/k norm summed over the
     ranks. Logits stay within 1e-4 of one process's (the row-parallel sums round elsewhere). phi3-longrope is
-    left out: its long prompt crosses original_max_position_embeddings in decode (the exception above)."""
+    left out: its long prompt crosses original_max_position_embeddings in decode (the exception above). The
+    torch reference backend's shards give the same tokens."""
     from tests.engine.parallel.helpers import sharded_greedy
 
     hf = build_tiny_family(tmp_path, name)
     prompts = PROMPTS[:2]
     tokens, logits = sharded_greedy(tmp_path, 2, prompts, 8)
     assert tokens == [hf_greedy(hf, prompt, 8) for prompt in prompts]
+    assert sharded_greedy(tmp_path, 2, prompts, 8, kernel_backend="torch")[0] == tokens
     runner = _runner(tmp_path, "cpp")
-    assert isinstance(runner.model, LlamaModel if name in FUSED_FAMILIES else DecoderModel)
+    assert (runner.model.stack is not None) == (name in FUSED_FAMILIES)
     _, want_logits = greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), prompts, 8)
     for rows_a, rows_b in zip(logits, want_logits):
         for a, b in zip(rows_a, rows_b):

@@ -1,7 +1,7 @@
 """LoRA in the engine: engine/model/lora.py (PEFT adapters read and checked, the registry, the batched LoRA
 product: exact against transformers with the adapter merged, a row's bits independent of the rows beside it),
 the scheduler's prefix cache keyed on the adapter and max_loras, and the engine applying adapters in its
-forward on every path (the C++ per-op path, llama.py's module path, forward.py's spec walk): greedy tokens as
+forward on every path (the cpp backend's fused stack and its op-by-op walk, the torch reference's walk): greedy tokens as
 transformers' with the adapter merged, the base beside them as the base alone, a request's bits the same
 whatever other adapters share its step; the same for the other families (family_models.py) on the C++ ops and
 the torch reference."""
@@ -372,17 +372,17 @@ def test_a_new_adapter_sets_stacks_reach_the_device_without_a_blocking_copy(lora
 PROMPTS = [[1, 17, 300, 45, 9, 88], [1, 250, 3], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-@pytest.mark.parametrize("path, options", [
-    ("cpp", {}),                                                  # packed weights: _forward_split's C++ ops
-    ("module", {"batch_invariant": False}),                       # llama.py's PyTorch modules
-    ("spec", {"kernel_backend": "torch"}),                        # forward.py over the torch reference ops
-])
+@pytest.mark.parametrize("path", ["stack", "walk", "torch"])
 def test_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_base_requests(
-        lora_base, tiny_tokenizer, path, options):
+        lora_base, tiny_tokenizer, path):
+    """The cpp backend's fused stack (DecoderStack.forward_lora), its walk (stack None: cpp.lora_add's C++ term
+    after each projection) and the torch reference's walk (LoraBatch.add) each give transformers' tokens."""
     _, _, base, merged = lora_base
-    engine = _lora_engine(lora_base, tiny_tokenizer, **options)
+    engine = _lora_engine(lora_base, tiny_tokenizer, kernel_backend="torch" if path == "torch" else "cpp")
     assert engine.applies_lora
-    assert (engine.runner.kernel_backend == "torch") == (path == "spec")
+    if path == "walk":
+        engine.runner.model.stack = None
+    assert (engine.runner.model.stack is not None) == (path == "stack")
     requests = [(f"{name}{i}", prompt, SamplingParams(max_new_tokens=6, greedy=True, adapter=name))
                 for i, prompt in enumerate(PROMPTS) for name in ("a", "b", "c", None)]
     results = engine.generate(requests)                           # one step mixes all three and the base
@@ -396,20 +396,37 @@ def test_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_
 
 def test_a_step_with_or_without_adapters_keeps_the_fused_stack(lora_base, tiny_tokenizer, monkeypatch):
     """The demo model's speed: a step never leaves the one-call C++ stack, adapters or none (the stack adds
-    their terms itself: DecoderStack.forward_lora)."""
-    from lmi_handler.engine.model.llama import LlamaModel
+    their terms itself: DecoderStack.forward_lora), and never walks the ops one by one."""
+    from lmi_handler.engine.model.backends import cpp
 
     engine = _lora_engine(lora_base, tiny_tokenizer)
+    stack = engine.runner.model.stack
     taken = []
-    for name in ("_forward_fused", "_forward_split"):
-        original = getattr(LlamaModel, name)
-        monkeypatch.setattr(LlamaModel, name, lambda self, *a, _f=original, _n=name: taken.append(_n) or _f(self, *a))
+    monkeypatch.setattr(stack, "kernel", _Recording(stack.kernel, taken))
+    for op in ("rms_norm", "act_mul", "lora_add"):          # the walk's (lm_head's linear runs either way)
+        original = getattr(cpp, op)
+        monkeypatch.setattr(cpp, op, lambda *a, _n=op, _f=original: taken.append(_n) or _f(*a))
     engine.generate([("base", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True))])
-    assert taken and set(taken) == {"_forward_fused"}
+    assert taken and set(taken) == {"forward"}
     taken.clear()
     engine.generate([("base", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True, ignore_eos=True)),
                      ("a", PROMPTS[0], SamplingParams(max_new_tokens=2, greedy=True, ignore_eos=True, adapter="a"))])
-    assert taken and set(taken) == {"_forward_fused"}                # every step holds the adapter's row
+    assert taken and set(taken) == {"forward_lora"}                  # every step holds the adapter's row
+
+
+class _Recording:
+    """The C++ stack's forward / forward_lora calls, recorded by name in `taken`."""
+
+    def __init__(self, kernel, taken: list):
+        self.kernel, self.taken = kernel, taken
+
+    def forward(self, *args):
+        self.taken.append("forward")
+        return self.kernel.forward(*args)
+
+    def forward_lora(self, *args):
+        self.taken.append("forward_lora")
+        return self.kernel.forward_lora(*args)
 
 
 def test_a_requests_tokens_and_log_probs_are_bitwise_the_same_whatever_adapters_share_its_step(
@@ -435,8 +452,8 @@ def test_a_requests_tokens_and_log_probs_are_bitwise_the_same_whatever_adapters_
 @pytest.mark.parametrize("dtype, quantize", [("float32", None), ("bfloat16", None), ("float32", "int8")])
 def test_the_fused_stack_adds_the_adapters_terms_bitwise_as_the_ops_called_one_by_one(
         lora_base, tiny_tokenizer, dtype, quantize):
-    """DecoderStack.forward_lora (the adapters' terms inside the one-call C++ stack) gives the bits of
-    _forward_split, the same C++ ops and LoRA calls one projection at a time, in float32, bfloat16 and int8,
+    """DecoderStack.forward_lora (the adapters' terms inside the one-call C++ stack) gives the bits of the
+    walk (stack None), the same C++ ops and LoRA calls one projection at a time, in float32, bfloat16 and int8,
     with 2 threads: prefill chunks of several rows a sequence run the layers op by op; the decode steps (6 rows,
     one a sequence) take team mode (one OpenMP region a step, each LoRA term an op of the team) where the host's
     forms allow it (not the AMX bf16 form)."""
@@ -451,8 +468,9 @@ def test_the_fused_stack_adds_the_adapters_terms_bitwise_as_the_ops_called_one_b
             engine = _lora_engine(lora_base, tiny_tokenizer, dtype=dtype, quantize=quantize,
                                   enable_prefix_caching=False, max_num_batched_tokens=8)
             model = engine.runner.model
+            stack = model.stack
             if split:
-                model._forward_fused = model._forward_split
+                model.stack = None
             requests = [(f"{name}{i}", prompt, SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True,
                                                               top_n_tokens=3, adapter=name))
                         for i, prompt in enumerate(PROMPTS[:num_prompts]) for name in ("a", "c", None)]
@@ -460,7 +478,7 @@ def test_the_fused_stack_adds_the_adapters_terms_bitwise_as_the_ops_called_one_b
             results.append({rid: [(t.id, t.log_prob, t.top_tokens) for out in outs for t in out.new_tokens]
                             for rid, outs in outputs.items()})
             if not split:
-                team_steps = model._stack[1].team_steps
+                team_steps = stack.kernel.team_steps
     finally:
         torch.set_num_threads(threads)
     fused, split = results
@@ -503,14 +521,14 @@ def test_a_random_adapter_on_the_demo_model_answers_as_transformers_with_it_merg
     assert tokens["demo"] == expected and expected != expected_base
 
 
-# ---- the other families: forward.py's DecoderModel on the C++ ops and the torch reference (Llama-shaped ones:
-# the fused C++ Llama path on cpp) ------------------------------------------------------------------------------
+# ---- the other families: DecoderModel's walk on the C++ ops and the torch reference (Llama-shaped ones: the
+# fused C++ decoder stack on cpp) -------------------------------------------------------------------------------
 
-# biases + windows, norm offset + softcaps + GELU, fused projections in the checkpoint (on forward.py and on the
-# fused C++ Llama path), full-width q/k norms, multipliers, NoPE layers: about half a second a family
+# biases + windows, norm offset + softcaps + GELU, fused projections in the checkpoint (walked and on the fused
+# C++ stack), full-width q/k norms, multipliers, NoPE layers: about half a second a family
 LORA_FAMILIES = ["qwen2", "gemma2", "phi3", "phi3-nowindow", "olmo2", "qwen3", "qwen2-nowindow", "mistral",
                  "gemma3_text", "granite", "smollm3"]
-LLAMA_SHAPED = ("phi3-nowindow", "qwen2-nowindow")     # the fused C++ Llama path (llama.LlamaModel) on cpp
+LLAMA_SHAPED = ("phi3-nowindow", "qwen2-nowindow")     # the fused C++ decoder stack on cpp
 FAMILY_PROMPTS = [[1, 250, 17, 99], [1] + [(7 * i + 3) % 500 + 3 for i in range(20)]]   # 21 tokens: past window 16
 
 
@@ -566,28 +584,30 @@ def _assert_transformers_tokens(lora_family, tokens: dict[str, list[int]]) -> No
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_every_family_s_adapter_requests_answer_as_transformers_with_the_adapter_merged_beside_base_requests(
         lora_family, tiny_tokenizer, backend):
-    """One engine serves both adapters and the base in the same steps on forward.py's DecoderModel (the C++
-    ops or the torch reference; a Llama-shaped checkpoint on cpp: llama.LlamaModel's fused C++ stack): each
+    """One engine serves both adapters and the base in the same steps on DecoderModel (the C++ ops or the torch
+    reference walked op by op; a Llama-shaped checkpoint on cpp: the fused C++ decoder stack): each
     request's greedy tokens are transformers' on the base with its adapter merged, or on the base alone
     (biases and windows: qwen2; norm offset, softcaps, GELU: gemma2; fused projections: phi3; full-width q/k
     norms: olmo2; ...)."""
-    from lmi_handler.engine.model.forward import DecoderModel
-    from lmi_handler.engine.model.llama import LlamaModel
-
     engine, tokens = _family_tokens(lora_family, tiny_tokenizer, kernel_backend=backend)
     assert engine.runner.kernel_backend == backend
     llama_shaped = backend == "cpp" and lora_family[0] in LLAMA_SHAPED
-    assert isinstance(engine.runner.model, LlamaModel if llama_shaped else DecoderModel)
+    assert (engine.runner.model.stack is not None) == llama_shaped
     _assert_transformers_tokens(lora_family, tokens)
 
 
 @pytest.mark.parametrize("lora_family", ["phi3-nowindow"], indirect=True)
-def test_phi3_s_fused_projection_adapters_answer_as_transformers_on_llama_py_s_modules_too(lora_family,
-                                                                                            tiny_tokenizer):
-    """The PyTorch modules' path of llama.LlamaModel (the CUDA path; batch_invariant off on CPU) adds a Phi-3
-    adapter's qkv_proj / gate_up_proj terms as transformers' merge does."""
-    from lmi_handler.engine.model.llama import LlamaModel
-
-    engine, tokens = _family_tokens(lora_family, tiny_tokenizer, batch_invariant=False)
-    assert isinstance(engine.runner.model, LlamaModel)
-    _assert_transformers_tokens(lora_family, tokens)
+def test_phi3_s_fused_projection_adapters_answer_as_transformers_on_the_cpp_walk_too(lora_family, tiny_tokenizer):
+    """A Llama-shaped Phi-3 on cpp walked op by op (stack None, as every tensor-parallel shard and the families
+    the stack does not fit): cpp.lora_add adds its qkv_proj / gate_up_proj terms as transformers' merge does."""
+    _, path, root, _ = lora_family
+    engine = Engine(replace(_config(path), lora=LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(root,))),
+                    tiny_tokenizer)
+    engine.runner.model.stack = None
+    for adapter in ("a", "b"):
+        engine.adapters.load(adapter, root / adapter)
+    requests = [(f"{adapter}{i}", prompt, SamplingParams(max_new_tokens=6, greedy=True, adapter=adapter))
+                for i, prompt in enumerate(FAMILY_PROMPTS) for adapter in ("a", "b", None)]
+    results = engine.generate(requests)
+    _assert_transformers_tokens(lora_family, {rid: [t.id for out in outs for t in out.new_tokens]
+                                              for rid, outs in results.items()})

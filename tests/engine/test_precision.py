@@ -2,6 +2,7 @@
 and a bf16 checkpoint loaded without widening (loader + ModelRunner)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -102,15 +103,14 @@ def test_a_bf16_checkpoint_loaded_as_bf16_is_never_widened(bf16_checkpoint):
     checkpoint converted at load: the bf16 file's values are the same roundings."""
     assert cpu_kernels() is not None
     fp32_dir, bf16_dir = bf16_checkpoint
-    model = load_model(bf16_dir, torch.bfloat16, CPU, pack_weights=True)
-    tensors = [p for p in model.parameters()] + [getattr(m, n).panels for layer in model.layers for m, n in (
-        (layer.self_attn, "qkv_weight"), (layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight"),
-        (layer.self_attn, "o_weight"))] + [model.lm_head.panels]
+    model = load_model(bf16_dir, torch.bfloat16, CPU)
+    held = [getattr(w, f.name) for w in model.layer_weights for f in dataclasses.fields(w)] + [model.final_norm]
+    tensors = [t.panels if isinstance(t, PackedWeight) else t for t in held if t is not None] + [model.lm_head.panels]
     assert {t.dtype for t in tensors} == {torch.bfloat16}
     assert isinstance(model.embed_tokens, PackedWeight) and model.embed_tokens is model.lm_head
-    converted = load_model(fp32_dir, torch.bfloat16, CPU, pack_weights=True)
+    converted = load_model(fp32_dir, torch.bfloat16, CPU)
     assert torch.equal(model.lm_head.panels, converted.lm_head.panels)
-    assert torch.equal(model.layers[1].mlp.down_weight.panels, converted.layers[1].mlp.down_weight.panels)
+    assert torch.equal(model.layer_weights[1].down.panels, converted.layer_weights[1].down.panels)
 
 
 @CPU_ENGINE_ONLY
@@ -133,11 +133,11 @@ def test_quantized_runner_packs_int8_panels_and_keeps_the_embedding_exact(bf16_c
     fp32_dir, _ = bf16_checkpoint
     runner = ModelRunner(fp32_dir, torch.float32, CPU, block_size=4, num_blocks=16, quantize="int8")
     model = runner.model
-    assert model.layers[0].mlp.gate_up_weight.panels.dtype == torch.int8
-    assert model.layers[0].mlp.gate_up_weight.scale.dtype == torch.float32
+    assert model.layer_weights[0].gate_up.panels.dtype == torch.int8
+    assert model.layer_weights[0].gate_up.scale.dtype == torch.float32
     plain = load_model(fp32_dir, torch.float32, CPU)
     ids = torch.tensor([0, 5, 511])
-    assert torch.equal(model.embed(ids), plain.embed(ids))          # not read back from quantized panels
+    assert torch.equal(model._embed(ids), plain._embed(ids))        # not read back from quantized panels
     assert runner.kv_cache.dtype == torch.float32
 
 

@@ -1,8 +1,8 @@
 """Paged attention over a flat token batch: write new K/V into the block cache, attend causally.
 
-Owns AttentionMetadata and the attention kernels (the C++ paged kernel, two SDPA paths and a
-pure-PyTorch reference); leaves building the metadata from Sequences to model_runner.py and
-projections/RoPE to llama.py.
+Owns AttentionMetadata and the attention kernels (the C++ paged kernel, the cpp backend's; two SDPA paths,
+the benchmarks' torch peers; a pure-PyTorch reference); leaves building the metadata from Sequences to
+model_runner.py and projections/RoPE to forward.py and the backends.
 """
 from __future__ import annotations
 
@@ -57,21 +57,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
-
-
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float, invariant: bool) -> torch.Tensor:
-    """Causal GQA attention of the step's queries over the paged cache, by the fastest fit path.
-
-    float32 or bfloat16 on CPU with the C++ kernels built: attention_paged (batch-invariant by
-    construction, used in both modes). Otherwise attention_per_sequence when `invariant`, else attention_padded.
-    q: (T, num_heads, head_dim). Returns (T, num_heads, head_dim) in q's dtype.
-    """
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:
-        return attention_paged(q, k_cache, v_cache, meta, scale)
-    if invariant:
-        return attention_per_sequence(q, k_cache, v_cache, meta, scale)
-    return attention_padded(q, k_cache, v_cache, meta, scale)
 
 
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,18 +1,18 @@
 """option.kernel_backend: which kernels run the model, chosen once at load and logged with why.
 
-Owns the choice and its refusals; leaves the ops to backends/ (torch_ref.py, cpp.py, triton/) and to the
-fused C++ Llama path (llama.py).
+Owns the choice and its refusals; leaves the ops to backends/ (torch_ref.py, cpp.py, triton/) and the one
+forward that calls them to forward.DecoderModel.
 
-"cpp" is the C++ CPU kernels in one of two forms, by the spec: the fused Llama path (llama.py: the whole
-decoder stack one C++ call a step) where spec.cpp_misfits() is [], the fast path; else the C++ ops backend
-(backends/cpp.py) that forward.DecoderModel walks the spec with (windows, caps, norm offsets, q/k norms, GELU,
-partial and per-layer RoPE, multipliers). Both serve int8 weights (option.quantize=int8, int8 panels).
+"cpp" is the C++ CPU kernels, for every family: where spec.cpp_misfits() is [] (a plain Llama-shaped spec)
+and the model is whole, DecoderModel hands each step to the cpp backend's whole-stack operation (the fused
+C++ decoder stack, one C++ call a step, the fast path); otherwise it walks the spec with the C++ ops (windows,
+caps, norm offsets, q/k norms, GELU, partial and per-layer RoPE, multipliers, and every tensor-parallel
+shard). It alone serves int8 weights (option.quantize=int8, int8 panels).
 
 auto: triton on CUDA (when its backend imports), the C++ kernels on CPU where they build, the PyTorch
-reference otherwise. Tensor-parallel shards run only on the cpp backend, in either form: the fused Llama path
-(llama.py, on any device) for a plain Llama spec, the C++ ops under forward.DecoderModel (CPU) for every other
-family (the same shard layout and collectives: engine/parallel/layout.py, group.py), so auto picks cpp for
-them; the degree's own refusals (heads, KV heads, intermediate size, vocabulary not divisible) stay
+reference otherwise. Tensor-parallel shards run through the same walk on every backend (the same shard layout
+and collectives: engine/parallel/layout.py, group.py; gloo on CPU, NCCL on CUDA), so the degree changes
+nothing here; its own refusals (heads, KV heads, intermediate size, vocabulary not divisible) stay
 layout.check_degree's. An explicit backend that cannot run here is refused at start-up with the reason, never
 replaced.
 """
@@ -27,7 +27,8 @@ from lmi_handler.config import ConfigError, triton_interpreted
 from lmi_handler.engine.model.spec import ModelSpec
 
 KERNEL_BACKENDS = ("auto", "cpp", "triton", "torch")
-OPS = ("store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul", "log_softmax", "greedy")
+OPS = ("store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul", "log_softmax", "greedy", "lora_add",
+       "decoder_stack")
 
 log = logging.getLogger(__name__)
 
@@ -65,59 +66,53 @@ def backend_ops(name: str):
 def choose_backend(requested: str, spec: ModelSpec, device: torch.device, tensor_parallel: bool = False,
                    quantize: str | None = None) -> tuple[str, str]:
     """(backend, why) for option.kernel_backend=`requested`. Raises ConfigError naming the option for an
-    unknown value, or an explicit backend (or a setting) that cannot run this spec on this device."""
+    unknown value, or an explicit backend (or a setting) that cannot run this spec on this device.
+    `tensor_parallel` only words the log line: every backend runs shards (forward.DecoderModel's walk)."""
     requested = (requested or "auto").strip().lower()
     if requested not in KERNEL_BACKENDS:
         raise ConfigError(f"option.kernel_backend={requested!r}: must be one of {list(KERNEL_BACKENDS)}")
-    if tensor_parallel or quantize is not None:
-        what = "tensor_parallel_degree > 1" if tensor_parallel else f"option.quantize={quantize}"
+    shards = "; tensor-parallel shards walk the spec op by op" if tensor_parallel else ""
+    if quantize is not None:
+        what = f"option.quantize={quantize}"
         if requested not in ("auto", "cpp"):
             raise ConfigError(f"option.kernel_backend={requested}: {what} runs only on the cpp backend")
-        if tensor_parallel and device.type == "cuda":     # load_llama's modules: their packed C++ path is CPU-only
-            if misfits := spec.cpp_misfits():
-                raise ConfigError(f"option.kernel_backend={requested} with {what} on {device}: the shards run "
-                                  "llama.py's PyTorch modules there, which take Llama-shaped models only "
-                                  f"(model_type={spec.model_type} has {', '.join(misfits)})")
-            if requested == "auto":
-                return "cpp", "tensor-parallel shards of a Llama-shaped model run llama.py's PyTorch modules on CUDA"
-        if tensor_parallel and requested == "auto" and not spec.cpp_misfits():
-            return "cpp", "tensor-parallel shards run on the cpp backend; the fused C++ Llama path"
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend={requested} with {what}: {cpp_why}")
-        return "cpp", f"{what} needs the C++ kernels; {cpp_form(spec)}"
+        return "cpp", f"{what} needs the C++ kernels; {cpp_form(spec, tensor_parallel)}"
     if requested == "cpp":
         if cpp_why := _cpp_unfit(spec, device):
             raise ConfigError(f"option.kernel_backend=cpp cannot run here: {cpp_why}")
-        return "cpp", f"asked for; {cpp_form(spec)}"
+        return "cpp", f"asked for; {cpp_form(spec, tensor_parallel)}"
     if requested == "triton":
         _, why = triton_ops()
         if not why and device.type != "cuda" and not triton_interpreted():
             why = f"device {device} is not CUDA (set TRITON_INTERPRET=1 to run the kernels interpreted on CPU)"
         if why:
             raise ConfigError(f"option.kernel_backend=triton cannot run here: {why}")
-        return "triton", "asked for"
+        return "triton", "asked for" + shards
     if requested == "torch":
-        return "torch", "asked for"
+        return "torch", "asked for" + shards
     if device.type == "cuda":
         _, why = triton_ops()
-        return ("triton", "auto: CUDA") if not why else ("torch", f"auto: CUDA, but {why}")
+        return ("triton", "auto: CUDA" + shards) if not why else ("torch", f"auto: CUDA, but {why}" + shards)
     if not (cpp_why := _cpp_unfit(spec, device)):
-        return "cpp", f"auto: CPU, the C++ kernels are built; {cpp_form(spec)}"
-    return "torch", f"auto: {cpp_why}"
+        return "cpp", f"auto: CPU, the C++ kernels are built; {cpp_form(spec, tensor_parallel)}"
+    return "torch", f"auto: {cpp_why}" + shards
 
 
-def cpp_form(spec: ModelSpec) -> str:
-    """Which form of the cpp backend runs `spec`, in words for the log: the fused Llama path where
-    spec.cpp_misfits() is [], else the C++ ops (and why)."""
+def cpp_form(spec: ModelSpec, tensor_parallel: bool = False) -> str:
+    """How the cpp backend runs `spec`, in words for the log: the fused C++ decoder stack where
+    spec.cpp_misfits() is [] and the model is whole, else the C++ ops one by one (and why)."""
     misfits = spec.cpp_misfits()
+    if tensor_parallel:
+        return "tensor-parallel shards walk the spec with the C++ ops (the reduce sits between them)"
     if not misfits:
-        return "the fused C++ Llama path"
+        return "the fused C++ decoder stack (one C++ call a step)"
     return f"the C++ ops walking the layer description (model_type={spec.model_type} has {', '.join(misfits)})"
 
 
 def _cpp_unfit(spec: ModelSpec, device: torch.device) -> str:
-    """Why the C++ kernels cannot run `spec` on `device` ('' when they can: every spec, in one of the two
-    forms, cpp_form)."""
+    """Why the C++ kernels cannot run `spec` on `device` ('' when they can: every spec, cpp_form)."""
     from lmi_handler.engine.model.kernels import cpu_kernels
 
     if device.type != "cpu":

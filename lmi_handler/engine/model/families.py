@@ -31,6 +31,7 @@ class Family:
     architectures: tuple[str, ...]
     norm_placement: str = "pre"
     norm_offset: float = 0.0
+    norm_weight_in_float: bool = False   # transformers' norm multiplies by the weight in float32 (Gemma, OLMo-2)
     qk_norm: str | None = None
     qkv_bias: str = "attention_bias"
     o_bias: str = "attention_bias"
@@ -50,17 +51,18 @@ FAMILIES = {f.model_type: f for f in (
     Family("mistral", ("MistralForCausalLM",), qkv_bias="never", o_bias="never", window="all"),
     Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias="always", o_bias="never", window="layer_types"),
     Family("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", window="layer_types"),
-    Family("gemma2", ("Gemma2ForCausalLM",), norm_placement="both", norm_offset=1.0,
+    Family("gemma2", ("Gemma2ForCausalLM",), norm_placement="both", norm_offset=1.0, norm_weight_in_float=True,
            activation_key="hidden_activation", window="layer_types", embedding_scale="sqrt_hidden",
            attention_scale="query_pre_attn_scalar", softcaps=True),
-    Family("gemma3_text", ("Gemma3ForCausalLM",), norm_placement="both", norm_offset=1.0, qk_norm="head",
+    Family("gemma3_text", ("Gemma3ForCausalLM",), norm_placement="both", norm_offset=1.0, norm_weight_in_float=True,
+           qk_norm="head",
            activation_key="hidden_activation", window="layer_types", embedding_scale="sqrt_hidden",
            attention_scale="query_pre_attn_scalar", softcaps=True),
     Family("phi3", ("Phi3ForCausalLM",), qkv_bias="never", o_bias="never", window="all", fused_qkv=True),
     Family("smollm3", ("SmolLM3ForCausalLM",), mlp_bias=True, window="layer_types", no_rope_layers=True),
     Family("granite", ("GraniteForCausalLM",), mlp_bias=True, embedding_scale="embedding_multiplier",
            attention_scale="attention_multiplier", granite=True),
-    Family("olmo2", ("Olmo2ForCausalLM",), norm_placement="post", qk_norm="full"),
+    Family("olmo2", ("Olmo2ForCausalLM",), norm_placement="post", norm_weight_in_float=True, qk_norm="full"),
 )}
 
 NORM_NAMES = {   # placement -> (before attention, after attention, before the MLP, after the MLP)
@@ -132,8 +134,6 @@ def build_spec(cfg: dict) -> ModelSpec:
     head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
     max_pos = c["max_position_embeddings"]
     layers = _layers(hf, c, family, head_dim, max_pos)
-    first_rope = next((layer.rope for layer in layers if layer.rope is not None), None)
-    rope_params = _rope_params(c, None if first_rope is None else first_rope.layer_type)
 
     def bias(rule: str) -> bool:
         return rule == "always" or (rule == "attention_bias" and bool(c.get("attention_bias")))
@@ -143,7 +143,7 @@ def build_spec(cfg: dict) -> ModelSpec:
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=num_heads,
         num_kv_heads=c.get("num_key_value_heads") or num_heads, head_dim=head_dim,
         max_position_embeddings=max_pos, layers=layers, norm_eps=float(cfg.get("rms_norm_eps", c["rms_norm_eps"])),
-        norm_offset=family.norm_offset, norm_placement=family.norm_placement, qk_norm=family.qk_norm,
+        norm_offset=family.norm_offset, norm_weight_in_float=family.norm_weight_in_float, norm_placement=family.norm_placement, qk_norm=family.qk_norm,
         qkv_bias=bias(family.qkv_bias), o_bias=bias(family.o_bias),
         mlp_bias=family.mlp_bias and bool(c.get("mlp_bias")), activation=ACTIVATIONS[act],
         attention_scale=_attention_scale(c, family), embedding_scale=_embedding_scale(c, family),
@@ -151,9 +151,7 @@ def build_spec(cfg: dict) -> ModelSpec:
         logit_scale=c["logits_scaling"] if family.granite else None,
         final_logit_softcap=c.get("final_logit_softcapping") if family.softcaps else None,
         attn_softcap=c.get("attn_logit_softcapping") if family.softcaps else None,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv,
-        rope_theta=float(rope_params.get("rope_theta", 10000.0)),
-        rope_scaling={k: v for k, v in rope_params.items() if k != "rope_theta"})
+        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv)
 
 
 def _rope_params(c: dict, layer_type: str | None) -> dict:

@@ -1,11 +1,11 @@
 """The decoder stack of any ModelSpec: for each layer, the spec's ops in order, calling one backend's ops.
 
-Owns DecoderModel (the weights by role, the per-step RoPE rows, the layer walk and the logits' caps and
-scales); leaves what a family is to spec.py / families.py, reading the checkpoint to loader.py and the ops
-themselves to the backend (backends/torch_ref.py, backends/triton/). The spec and the backend are fixed at
-load: nothing here checks a device or a dtype per call. A tensor-parallel rank (on the C++ ops backend) holds
-its shard (engine/parallel/layout.ShardLayout) and meets the other ranks where llama.LlamaModel does: the
-vocabulary-parallel embedding and logits, and row_parallel_linear after o_proj and down_proj.
+Owns DecoderModel, the one forward of every family on every backend: the weights by role, the per-step RoPE
+rows, the layer walk, the logits' caps and scales, and where a tensor-parallel shard meets the other ranks.
+Leaves what a family is to spec.py / families.py, reading the checkpoint to loader.py, the ops themselves to
+the backend (backends/torch_ref.py, backends/cpp.py, backends/triton/) and the row-parallel reduce to
+linear.py. The spec, the backend and the form of the forward are fixed at load: nothing here checks a device,
+a dtype or a family per call.
 """
 from __future__ import annotations
 
@@ -16,22 +16,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmi_handler.engine.model.attention import AttentionMetadata
-from lmi_handler.engine.model.llama import Collectives, row_parallel_linear
+from lmi_handler.engine.model.kernels import PackedWeight
+from lmi_handler.engine.model.linear import Collectives, row_parallel_linear
 from lmi_handler.engine.model.lora import LoraBatch
 from lmi_handler.engine.model.spec import ModelSpec, RopeSpec, rope_cos_sin_rows
 
 NORM_ROLES = ("attn_pre", "attn_post", "mlp_pre", "mlp_post", "q_norm", "k_norm")
+ROPE_SLAB = 256   # positions per slab of the CPU RoPE table (256 * head_dim floats: whole 32-float vectors)
 
 
 @dataclass
 class LayerWeights:
-    """One layer's tensors by role (families.layer_tensor_names): fused qkv and gate_up rows, the norms the
-    spec's placement has (None otherwise)."""
+    """One layer's tensors by role (families.layer_tensor_names): fused qkv and gate_up rows (a backend's
+    packed form where it packs them: kernels.PackedWeight on the cpp backend), the norms the spec's placement
+    has (None otherwise)."""
 
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: torch.Tensor | PackedWeight
+    o: torch.Tensor | PackedWeight
+    gate_up: torch.Tensor | PackedWeight
+    down: torch.Tensor | PackedWeight
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
@@ -46,81 +49,126 @@ class LayerWeights:
 
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers as `spec` describes them and lm_head, over a flat token batch, with
-    `ops` (a backend module) doing the arithmetic. The same call contract as llama.LlamaModel: forward(
-    input_ids, positions, kv_caches, meta, invariant, lora) -> final-norm hidden states, compute_logits(hidden).
-    A step with LoRA adapters (`lora`, a LoraBatch) adds each row's adapter term after every projection
-    (qkv_proj, o_proj, gate_up_proj, down_proj: the fused rows this model holds).
+    `ops` (a backend module) doing the arithmetic: forward(input_ids, positions, kv_caches, meta, lora) ->
+    final-norm hidden states, compute_logits(hidden) -> float32 logits. Every op computes a row from that row
+    alone, so a sequence's bits never depend on the rest of its step.
+
+    Two forms, chosen once here: where the backend offers a whole-stack operation for this spec
+    (ops.decoder_stack: the cpp backend's fused C++ DecoderStack for a spec cpp_misfits() passes, one C++ call
+    a step, not on a shard) `stack` holds it and forward hands it the step; otherwise (stack None) forward
+    walks the layers op by op. On the cpp backend the two give the same bits (the stack chains the same
+    kernels), so a test may set `stack = None` to compare them.
+
+    LoRA: a step with adapters (`lora`, a LoraBatch) adds each row's adapter term after every projection
+    (qkv_proj, o_proj, gate_up_proj, down_proj: the fused rows this model holds), through the backend's
+    lora_add (the stack adds them itself with the same C++ kernel).
 
     Tensor parallelism: built with `layout` (a ShardLayout), the weights are rank layout.rank's shard (its
     query and KV heads' rows of qkv and columns of o, its intermediate rows of gate_up and columns of down,
     its vocabulary rows of the embedding and lm_head; norms and the row-parallel biases whole) and `group`
-    (set by the runner) its collectives, exactly as llama.LlamaModel uses them: the embedding row of each
-    id comes from the rank holding it, o_proj and down_proj sum their float32 partials in rank order (the
-    bias added once), compute_logits gathers the vocabulary slices to rank 0 (the others get None). Per-head
-    q/k norms, windows, caps, multipliers and norm offsets act per row or per head, so a shard applies them
-    to what it holds; OLMo-2's full-width q/k norm sums its squares over the ranks (_full_norm)."""
+    (set by the runner) its collectives: the embedding row of each id comes from the rank holding it, o_proj
+    and down_proj sum their float32 partials in rank order (linear.row_parallel_linear, the bias added once),
+    compute_logits gathers the vocabulary slices to rank 0 (the others get None). Per-head q/k norms, windows,
+    caps, multipliers and norm offsets act per row or per head, so a shard applies them to what it holds;
+    OLMo-2's full-width q/k norm sums its squares over the ranks (_full_norm)."""
 
-    def __init__(self, spec: ModelSpec, ops, embed: torch.Tensor, final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, layers: list[LayerWeights], backend_name: str, layout=None):
+    def __init__(self, spec: ModelSpec, ops, embed: torch.Tensor | PackedWeight, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor | PackedWeight, layers: list[LayerWeights], backend_name: str, layout=None):
         super().__init__()
         self.spec, self.ops, self.kernel_backend = spec, ops, backend_name
         self.layout = layout
         self.group: Collectives | None = None     # the runner sets it on a tensor-parallel rank
         self.num_heads = spec.num_heads if layout is None else layout.num_heads
         self.num_kv_heads = spec.num_kv_heads if layout is None else layout.num_kv_heads
-        self._lora_add = ops.lora_add      # a backend's own LoRA kernel (triton), None: LoraBatch.add's
-        self._lora_stack = ops.lora_stack  # and how it takes a projection's stacks (made once per adapter set)
         self.embed_tokens, self.final_norm, self.lm_head, self.layer_weights = embed, final_norm, lm_head, layers
         # id(RopeSpec) -> the rope with its frequencies on the weights' device, moved once here: a copy from the
         # host per step would cost a transfer, and a CUDA graph cannot record one
-        self.ropes = {id(layer.rope): _on_device(layer.rope, embed.device) for layer in spec.layers if layer.rope}
+        device = final_norm.device
+        self.ropes = {id(layer.rope): _on_device(layer.rope, device) for layer in spec.layers if layer.rope}
         self._ropes_need_lengths = any(rope.depends_on_length for rope in self.ropes.values())
+        # CPU: a step's cos / sin rows come from a table of every position (RopeTable); on a GPU each step
+        # computes its own (a CUDA graph replays them, and a table could not grow inside one)
+        self.rope_tables = {key: RopeTable(rope) for key, rope in self.ropes.items()
+                            if device.type == "cpu" and not rope.depends_on_length}
+        self.stack = ops.decoder_stack(spec, layers, final_norm, self.num_heads, self.num_kv_heads) \
+            if layout is None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                invariant: bool = True, lora: LoraBatch | None = None) -> torch.Tensor:
+                lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) int64 -> (T, hidden) after the final norm; writes this step's K/V.
-        `lora`: the step's adapters, None when no row has one."""
+        kv_caches[l]: (K, V), each (num_blocks, block_size, num_kv_heads, head_dim) in the activations' dtype.
+        `lora`: the step's adapters, None when no row has one (never on a shard)."""
         spec = self.spec
         x = self._embed(input_ids)
         if spec.embedding_scale is not None:
             x = x * torch.tensor(spec.embedding_scale, dtype=x.dtype)
         ropes = self._rope_rows(positions, meta, x.dtype)
+        if self.stack is not None:                      # one rope on every layer (cpp_misfits)
+            cos, sin = ropes[id(spec.layers[0].rope)]
+            return self.stack(x, cos, sin, kv_caches, meta, lora)
+        delta = None      # the last block's output, added to the residual stream x by the next norm
         for i, (layer, w, (k_cache, v_cache)) in enumerate(zip(spec.layers, self.layer_weights, kv_caches)):
-            h = self._norm(x, w.attn_pre)
+            h, x = self._add_norm(x, delta, w.attn_pre)
             a = self._attention(h, w, k_cache, v_cache, meta, layer.window, ropes.get(id(layer.rope)), lora, i)
-            x = self._add(x, self._norm(a, w.attn_post))
-            m = self._mlp(self._norm(x, w.mlp_pre), w, lora, i)
-            x = self._add(x, self._norm(m, w.mlp_post))
-        return self._norm(x, self.final_norm)
+            delta = self._block_output(a, w.attn_post)
+            h, x = self._add_norm(x, delta, w.mlp_pre)
+            delta = self._block_output(self._mlp(h, w, lora, i), w.mlp_post)
+        return self._add_norm(x, delta, self.final_norm)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, invariant: bool = True) -> torch.Tensor:
-        """hidden (N, hidden_size) -> (N, vocab) float32, Granite's logits_scaling and Gemma 2's final cap
-        applied. A tensor-parallel shard computes its vocabulary slice's (both act per logit), gathered to
-        rank 0 in rank order; the other ranks get None."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden (N, hidden_size) -> (N, vocab) float32 (written from the linear's float32 accumulators,
+        never rounded to a bf16 model's dtype), Granite's logits_scaling and Gemma 2's final cap applied. A
+        tensor-parallel shard computes its vocabulary slice's (both act per logit), gathered to rank 0 in rank
+        order; the other ranks get None."""
         spec = self.spec
-        logits = self.ops.linear(hidden, self.lm_head, None)
+        logits = self.ops.linear(hidden, self.lm_head, None, torch.float32)
         if spec.logit_scale is not None:
             logits = logits / spec.logit_scale
         if spec.final_logit_softcap is not None:
             logits = torch.tanh(logits / spec.final_logit_softcap) * spec.final_logit_softcap
-        return logits.float() if self.group is None else self.group.gather_last_dim(logits.float())
+        return logits if self.group is None else self.group.gather_last_dim(logits)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) int64 -> (T, hidden) embedding rows; a shard looks up the ids of its vocabulary slice and each
-        row comes from the rank holding its id (group.gather_rows, a copy), as llama.LlamaModel.embed."""
+        """(T,) int64 -> (T, hidden) embedding rows (exact copies, from the packed lm_head's panels where a tied
+        embedding shares them); a shard looks up the ids of its vocabulary slice (others clamped into it, then
+        discarded) and each row comes from the rank holding its id (group.gather_rows, a copy)."""
         if self.group is None:
-            return F.embedding(input_ids, self.embed_tokens)
+            return self._lookup(input_ids)
         start, stop = self.layout.vocab
-        rows = F.embedding((input_ids - start).clamp_(0, stop - start - 1), self.embed_tokens)
+        rows = self._lookup((input_ids - start).clamp_(0, stop - start - 1))
         return self.group.gather_rows(rows, input_ids // (stop - start))
 
-    def _row_parallel(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-        """o_proj / down_proj: the backend's linear in one process, else the ranks' partials summed in rank
-        order with the bias added once (llama.row_parallel_linear; the C++ ops' weights are packed)."""
-        if self.group is None:
-            return self.ops.linear(x, weight, bias)
-        return row_parallel_linear(x, weight, bias, True, self.group)
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, PackedWeight):
+            return self.embed_tokens.rows(ids)
+        return F.embedding(ids, self.embed_tokens)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm's output, the residual stream x + delta): the residual add folded into the norm (the
+        backend's rms_norm, which may update x in place: the walk owns it). No norm here (OLMo-2's blocks
+        have none before them): both are x + delta."""
+        if weight is None:
+            x = x if delta is None else x + delta
+            return x, x
+        spec = self.spec
+        return self.ops.rms_norm(x, weight, spec.norm_eps, delta, spec.norm_offset, spec.norm_weight_in_float)
+
+    def _block_output(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """What a block adds to the residual stream: its output, post-normed where the placement says
+        (OLMo-2, Gemma 2 / 3), times Granite's residual_multiplier."""
+        out = self._norm(out, post_norm)
+        scale = self.spec.residual_scale
+        return out if scale is None else out * scale
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:
+            return x
+        spec = self.spec
+        rows = x.reshape(-1, x.shape[-1])           # q / k per head: (T * heads, head_dim) rows
+        out = self.ops.rms_norm(rows, weight, spec.norm_eps, None, spec.norm_offset, spec.norm_weight_in_float)[0]
+        return out.view(x.shape)
 
     def _full_norm(self, x: torch.Tensor, weight: torch.Tensor, width: int, counted: bool) -> torch.Tensor:
         """OLMo-2's q / k norm over the whole projection when this rank holds only its heads' features: the
@@ -134,15 +182,10 @@ class DecoderModel(nn.Module):
         out = x32 * torch.rsqrt(total / width + spec.norm_eps)
         return ((weight.float() + spec.norm_offset) * out).to(x.dtype)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        if weight is None:
-            return x
-        rows = x.reshape(-1, x.shape[-1])           # q / k per head: (T * heads, head_dim) rows
-        return self.ops.rms_norm(rows, weight, self.spec.norm_eps, None, self.spec.norm_offset)[0].view(x.shape)
-
-    def _add(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        scale = self.spec.residual_scale
-        return x + (delta if scale is None else delta * scale)
+    def _row_parallel(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """o_proj / down_proj: the backend's linear in one process, else the ranks' float32 partials summed in
+        rank order with the bias added once (linear.row_parallel_linear)."""
+        return row_parallel_linear(x, weight, bias, self.group, self.ops.linear)
 
     def _attention(self, h, w: LayerWeights, k_cache, v_cache, meta, window, cos_sin, lora: LoraBatch | None,
                    index: int):
@@ -182,23 +225,52 @@ class DecoderModel(nn.Module):
 
     def _lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoraBatch | None, index: int,
               module: str) -> torch.Tensor:
-        """y + the step's LoRA term of projection `module` of layer `index`: the backend's kernel (added onto y,
-        a fresh projection output, in place) where it has one, LoraBatch.add's tiled product otherwise."""
+        """y + the step's LoRA term of projection `module` of layer `index` (the backend's lora_add)."""
         if lora is None:
             return y
-        if self._lora_add is None:
-            return lora.add(y, x, index, module)
-        stack = lora.backend_stacks(self._lora_stack).get((index, module))
-        return y if stack is None else self._lora_add(y, x, lora.row_slot, stack, lora.scale)
+        return self.ops.lora_add(y, x, lora, index, module, self.spec.num_layers)
 
     def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
-        """id(RopeSpec) -> this step's (cos, sin) rows, one pair per distinct rope of the spec."""
-        ropes: dict[int, RopeSpec] = self.ropes
+        """id(RopeSpec) -> this step's (cos, sin) rows, each (T, rotary_dim) in `dtype`, one pair per distinct
+        rope of the spec (spec.rope_cos_sin_rows' values; on CPU read from its RopeTable)."""
         seq_lens = None
         if self._ropes_need_lengths:
             seq_lens = torch.repeat_interleave(torch.tensor(meta.context_lens_host),
                                                torch.tensor(meta.query_lens))
-        return {key: rope_cos_sin_rows(rope, positions, seq_lens, dtype) for key, rope in ropes.items()}
+        rows = {}
+        for key, rope in self.ropes.items():
+            table = self.rope_tables.get(key)
+            if table is None:
+                rows[key] = rope_cos_sin_rows(rope, positions, seq_lens, dtype)
+            else:
+                rows[key] = table.rows(positions, max(meta.context_lens_host, default=0), dtype)
+        return rows
+
+
+class RopeTable:
+    """One rope's cos / sin rows of every position below a bound, per dtype, grown in slabs of ROPE_SLAB
+    positions when a step needs more: two index_selects a step instead of the ~10 ops of computing them (on
+    CPU a step's few rows cost more in dispatch than in arithmetic). A slab's elements are computed as a
+    step's are (spec.rope_cos_sin_rows, ROPE_SLAB * rotary_dim elements: whole vectors, no scalar tail, one
+    thread), so a position's row is the one the step would compute wherever its (T, rotary_dim) has no tail
+    (rotary_dim a multiple of 32), and the same for every batch always. Not for the length-dependent kinds."""
+
+    def __init__(self, rope: RopeSpec):
+        self.rope = rope
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype):
+        """positions: (T,) int64 CPU, each below `num_positions` -> cos, sin (T, rotary_dim) in `dtype`."""
+        table = self.tables.get(dtype)
+        if table is None or table[0].shape[0] < num_positions:
+            have = 0 if table is None else table[0].shape[0]
+            want = -(-max(num_positions, 2 * have, ROPE_SLAB) // ROPE_SLAB) * ROPE_SLAB
+            slabs = [rope_cos_sin_rows(self.rope, torch.arange(start, start + ROPE_SLAB), None, dtype)
+                     for start in range(have, want, ROPE_SLAB)]
+            cos = torch.cat(([table[0]] if have else []) + [c for c, _ in slabs])
+            sin = torch.cat(([table[1]] if have else []) + [s for _, s in slabs])
+            table = self.tables[dtype] = (cos, sin)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 def _on_device(rope: RopeSpec, device: torch.device) -> RopeSpec:

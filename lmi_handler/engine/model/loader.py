@@ -1,11 +1,11 @@
-"""Read an HF model directory (config.json + model.safetensors or a sharded index) into our model.
+"""Read an HF model directory (config.json + model.safetensors or a sharded index) into forward.DecoderModel.
 
-Owns reading the checkpoint into the chosen backend's model: LlamaModel (the fused C++ path) or forward.DecoderModel,
-tensors fused by role (q/k/v and gate/up rows) and, for a tensor-parallel rank (either model), only its shard of
-each weight;
-leaves what a family is and its tensor names to families.py, the backend choice to backend.py, the
-architecture to llama.py / forward.py, which slice a rank holds to engine/parallel/layout.py and the KV
-cache and batching to model_runner.py.
+Owns the one loader of every family: the checkpoint's tensors by the spec's roles (families.layer_tensor_names),
+q/k/v and gate/up rows fused unless the checkpoint fuses them already (Phi-3), only a tensor-parallel rank's
+shard of each weight, and the backend's packed form of the linears (the cpp backend's float32, bfloat16 or
+int8 panels, all in one buffer in step order). Leaves what a family is to families.py, the backend choice to
+backend.py, the forward to forward.py, which slice a rank holds to engine/parallel/layout.py and the KV cache
+and batching to model_runner.py.
 """
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from safetensors import safe_open
 from lmi_handler.engine.model.backend import backend_ops, choose_backend, log_choice
 from lmi_handler.engine.model.families import build_spec, layer_tensor_names
 from lmi_handler.engine.model.forward import DecoderModel, LayerWeights
-from lmi_handler.engine.model.kernels import cpu_kernels
-from lmi_handler.engine.model.llama import LlamaArgs, LlamaModel, rope_inv_freq
+from lmi_handler.engine.model.kernels import panel_arena, panels_shape
 from lmi_handler.engine.model.spec import ModelSpec
 from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
+
+LINEARS = ("qkv", "o", "gate_up", "down")    # the roles a backend may pack, in the order a step reads them
+
 
 def read_config(model_dir: str | Path) -> dict:
     """config.json as a dict. Raises FileNotFoundError when absent."""
@@ -31,12 +33,6 @@ def read_config(model_dir: str | Path) -> dict:
 def spec_from_config(cfg: dict) -> ModelSpec:
     """The model's layer description (families.build_spec). Raises ConfigError for what we do not serve."""
     return build_spec(cfg)
-
-
-def args_from_config(cfg: dict) -> LlamaArgs:
-    """The model's shapes (and, for the C++ Llama path, its whole description) as LlamaArgs, for any family
-    we serve: spec_from_config(cfg).llama_args(). Raises ConfigError for what we do not serve."""
-    return build_spec(cfg).llama_args()
 
 
 def safetensors_files(model_dir: str | Path) -> list[str]:
@@ -84,132 +80,85 @@ def _shard_or_skip(name: str, layout, full_qk_norm: bool = False):
 
 
 def _tensor(hf: dict[str, torch.Tensor], names: str | list[str]) -> torch.Tensor:
-    """The checkpoint tensor `names`, or the row concatenation of a list of them (q/k/v, gate/up)."""
+    """The checkpoint tensor `names`, or the row concatenation of a list of them (q/k/v, gate/up).
+    Raises KeyError naming the weights the checkpoint lacks."""
+    parts = [names] if isinstance(names, str) else names
+    if missing := [n for n in parts if n not in hf]:
+        raise KeyError(f"weights missing from the checkpoint: {missing}")
     return hf[names] if isinstance(names, str) else torch.cat([hf[n] for n in names])
 
 
-LLAMA_ROLES = {"attn_pre": "input_layernorm.weight", "mlp_pre": "post_attention_layernorm.weight",
-               "qkv": "self_attn.qkv_weight", "o": "self_attn.o_weight", "gate_up": "mlp.gate_up_weight",
-               "down": "mlp.down_weight", "qkv_bias": "self_attn.qkv_bias", "o_bias": "self_attn.o_bias",
-               "gate_up_bias": "mlp.gate_up_bias", "down_bias": "mlp.down_bias"}
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
+               lm_head_kind: str | None = None, huge_pages: bool = True, layout: ShardLayout | None = None,
+               kernel_backend: str = "auto") -> DecoderModel:
+    """forward.DecoderModel of an HF directory, in eval mode on `device`, activations in `dtype`, on the kernel
+    backend option.kernel_backend picks (backend.choose_backend, logged; the model's `kernel_backend` names it).
 
-
-def _layer_state(hf: dict[str, torch.Tensor], i: int, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """LlamaModel's parameter names for layer i (q/k/v and gate/up fused by rows unless the checkpoint
-    already fuses them, Phi-3)."""
-    return {f"layers.{i}.{LLAMA_ROLES[role]}": _tensor(hf, names)
-            for role, names in layer_tensor_names(spec, i).items()}
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = False,
-               quantize: str | None = None, lm_head_kind: str | None = None, huge_pages: bool = True,
-               layout: ShardLayout | None = None, kernel_backend: str = "auto"):
-    """Build the model of an HF directory, in eval mode on `device`, activations in `dtype`, on the kernel
-    backend option.kernel_backend picks (backend.choose_backend, logged): "cpp" is the fused Llama path
-    (load_llama) for a spec it implements (spec.cpp_misfits() == []) and otherwise the C++ ops walking the spec
-    in forward.DecoderModel; "torch" and "triton" walk the spec in forward.DecoderModel (load_decoder). The
-    model's `kernel_backend` names the choice.
+    Every tensor is read by role (families.layer_tensor_names): fused tensors kept fused, separate q/k/v and
+    gate/up concatenated by rows. layout: a tensor-parallel rank's shard (DecoderModel's docstring): only its
+    slices are read (read_safetensors), fused tensors split into their parts first, so float32, bfloat16 and
+    int8 panels are made per rank from the checkpoint's own values (int8 scales are per output channel: a
+    column shard's are the whole weight's, a row shard's come from its slice of each row); the caller sets
+    `model.group`.
+    A backend with pack_linear (cpp) packs the linears once here, as panels of kind `quantize` ("int8",
+    quantized from the checkpoint's own values, not from a cast copy) or `dtype`'s name, every layer's and
+    lm_head's in one buffer in the order a step reads them (kernels.panel_arena, huge pages unless
+    `huge_pages` is False); each checkpoint tensor is dropped once packed, so the load holds about one copy of
+    the weights. lm_head_kind: lm_head's panels when they should differ from the layers' (benchmarks/quality.py
+    compares choices). A tied lm_head packed as float32 or bfloat16 is the embedding too (its rows read back
+    from the panels, exactly); packed as int8 it leaves the embedding in `dtype`. A backend with
+    prepare_linear(weight) lays its linears out once here instead. Norms, biases and an unpacked embedding are
+    copied to `dtype` on `device` (a bf16 checkpoint loaded as bfloat16 is never widened), so no view keeps the
+    mapped checkpoint file resident.
     Raises: ConfigError for a model or backend we cannot serve here; KeyError naming a missing weight;
-    ValueError from load_llama (int8 where the packed kernels cannot run)."""
+    ValueError for quantize on a backend without pack_linear."""
     spec = build_spec(read_config(model_dir))
     name, why = choose_backend(kernel_backend, spec, device, tensor_parallel=layout is not None, quantize=quantize)
     log_choice(name, why, spec)
-    if name == "cpp" and not spec.cpp_misfits():
-        model = load_llama(model_dir, spec, dtype, device, pack_weights, quantize, lm_head_kind, huge_pages, layout)
-    else:
-        model = load_decoder(model_dir, spec, dtype, device, name, quantize, layout)
-    model.kernel_backend = name
-    return model
-
-
-def load_decoder(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 backend: str, quantize: str | None = None, layout: ShardLayout | None = None) -> DecoderModel:
-    """forward.DecoderModel of the checkpoint: every tensor by role (families.layer_tensor_names), fused
-    tensors kept fused and separate q/k/v, gate/up concatenated, on `device` in `dtype`. A backend module
-    may offer prepare_linear(weight) to pre-pack its linears' weights once, here, or pack_linear(weight, kind)
-    (the C++ ops: panels of kind `quantize` or `dtype`'s name, made from the checkpoint's own tensor, so int8
-    is quantized from its values, not from a cast copy; each checkpoint tensor is dropped once packed, so the
-    load holds about one copy of the weights). quantize ("int8") needs pack_linear.
-    layout: a tensor-parallel rank's shard (forward.DecoderModel's docstring): only its slices are read
-    (read_safetensors), fused tensors split into their parts first; the caller sets `model.group`.
-    Raises KeyError naming a missing weight; ValueError for quantize on a backend without pack_linear."""
-    ops = backend_ops(backend)
+    ops = backend_ops(name)
     pack = vars(ops).get("pack_linear")
     if quantize is not None and pack is None:
-        raise ValueError(f"quantize={quantize!r} needs the C++ ops backend (kernel_backend {backend})")
+        raise ValueError(f"quantize={quantize!r} needs the C++ ops backend (kernel_backend {name})")
     kind = quantize or str(dtype).removeprefix("torch.")
+    head_kind = lm_head_kind or kind
     hf = read_safetensors(model_dir, layout, full_qk_norm=spec.qk_norm == "full")
+    names = [layer_tensor_names(spec, i) for i in range(spec.num_layers)]
+    head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    linears = [(layer[role], kind) for layer in names for role in LINEARS] + [(head_name, head_kind)]
+    arena = iter(panel_arena([(panels_shape(*_shape(hf, n), k), k) for n, k in linears], huge_pages)
+                 if pack is not None else [])
 
-    def take(names, linear: bool = False) -> torch.Tensor:
-        try:
-            t = _tensor(hf, names)
-        except KeyError as exc:
-            raise KeyError(f"weights missing from the checkpoint: {exc.args[0]}") from None
-        if linear and pack is not None:
-            packed = pack(t, kind)
-            for name in [names] if isinstance(names, str) else names:   # the panels replace the tensor
+    def take_linear(names, kind: str):
+        t = _tensor(hf, names)
+        if pack is None:
+            t = t.to(device=device, dtype=dtype)
+            prepare = vars(ops).get("prepare_linear")             # optional: a backend's layout hook
+            return prepare(t) if prepare is not None else t
+        packed = pack(t, kind, out=next(arena))
+        if names != "model.embed_tokens.weight":                  # the panels replace the tensor
+            for name in [names] if isinstance(names, str) else names:
                 hf.pop(name, None)
-            return packed
-        t = t.to(device=device, dtype=dtype)
-        prepare = vars(ops).get("prepare_linear")             # optional: a backend's packing hook
-        return prepare(t) if linear and prepare is not None else t
+        return packed
 
-    linears = ("qkv", "o", "gate_up", "down")
-    layers = [LayerWeights(**{role: take(names, role in linears)
-                              for role, names in layer_tensor_names(spec, i).items()})
-              for i in range(spec.num_layers)]
-    embed = take("model.embed_tokens.weight")
-    lm_head = take("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight", True)
-    return DecoderModel(spec, ops, embed, take("model.norm.weight"), lm_head, layers, backend, layout).eval()
+    def take_other(name):
+        return _tensor(hf, name).to(device=device, dtype=dtype, copy=True)
+
+    def take_layer(layer: dict) -> LayerWeights:
+        weights = {role: take_linear(layer[role], kind) for role in LINEARS}      # the arena's order
+        weights.update({role: take_other(n) for role, n in layer.items() if role not in LINEARS})
+        return LayerWeights(**weights)
+
+    layers = [take_layer(layer) for layer in names]
+    lm_head = take_linear(head_name, head_kind)
+    tied_panels = spec.tie_word_embeddings and pack is not None and lm_head.scale is None
+    embed = lm_head if tied_panels else take_other("model.embed_tokens.weight")
+    model = DecoderModel(spec, ops, embed, take_other("model.norm.weight"), lm_head, layers, name, layout)
+    return model.eval()
 
 
-def load_llama(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               pack_weights: bool = False, quantize: str | None = None, lm_head_kind: str | None = None,
-               huge_pages: bool = True, layout: ShardLayout | None = None) -> LlamaModel:
-    """Build LlamaModel (today's C++ path; spec.cpp_misfits() is []) from an HF directory.
-
-    layout: a tensor-parallel rank's shard (LlamaModel's docstring): only its slices are read from the
-    checkpoint (read_safetensors), before packing, so float32, bfloat16 and int8 panels are made per rank
-    from the checkpoint's own values (int8 scales are per output channel: a column shard's are the whole
-    weight's; a row shard's come from its slice of each row). The caller sets `model.group`.
-
-    pack_weights: repack the linear weights for the C++ row-invariant kernels (LlamaModel.pack_weights;
-    float32 or bfloat16 on CPU only, else a no-op) straight from the checkpoint's tensors, after the
-    checkpoint's own dict is released so that only one extra weight is held at a time: panels in `dtype`,
-    or int8 ones when quantize="int8" (quantized from the checkpoint's values, not from a bf16 copy).
-    lm_head_kind: lm_head's panels when they should differ from the layers' (default: the layers' kind, int8
-    included; benchmarks/quality.py compares other choices).
-    `huge_pages` puts the packed weights in huge-page memory.
-    The other parameters (norms, biases, an embedding not read from lm_head's panels) are cast to
-    `dtype`. A bf16 checkpoint loaded as bfloat16 is never widened.
-    Raises: KeyError naming a missing weight; ValueError for quantize="int8" where the packed kernels cannot
-    run (not CPU, not float32/bfloat16, no C++ build).
-    """
-    args = spec.llama_args()
-    hf = read_safetensors(model_dir, layout)
-    state = {"embed_tokens": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    if not args.tie_word_embeddings:
-        state["lm_head"] = hf["lm_head.weight"]
-    for i in range(args.num_layers):
-        state.update(_layer_state(hf, i, spec))
-    with torch.device("meta"):
-        model = LlamaModel(args, layout)
-    model.load_state_dict(state, strict=False, assign=True)
-    del hf, state        # the model holds the tensors now; packing below must be able to free them
-    if args.tie_word_embeddings:
-        model.lm_head = model.embed_tokens      # assign-loading replaced the tied Parameter
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
-    model.inv_freq = rope_inv_freq(args)        # off the meta device before .to()
-    packable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None
-    if quantize is not None and not (pack_weights and packable):
-        raise ValueError(f"quantize={quantize!r} needs the C++ CPU kernels on CPU with float32 or bfloat16 "
-                         f"activations (device {device}, dtype {dtype})")
-    if pack_weights and packable:
-        kind = "int8" if quantize == "int8" else str(dtype).removeprefix("torch.")
-        model.pack_weights(kind, lm_head_kind, huge_pages)
-    model = model.to(device=device, dtype=dtype).eval()
-    # RoPE frequencies stay float32 whatever the weights' dtype (as transformers does)
-    model.inv_freq = rope_inv_freq(args).to(device)
-    return model
+def _shape(hf: dict[str, torch.Tensor], names: str | list[str]) -> tuple[int, int]:
+    """(out, in) of the checkpoint tensor `names`, or of the row concatenation of a list of them."""
+    parts = [names] if isinstance(names, str) else names
+    if missing := [n for n in parts if n not in hf]:
+        raise KeyError(f"weights missing from the checkpoint: {missing}")
+    return sum(hf[n].shape[0] for n in parts), hf[parts[0]].shape[1]

@@ -297,7 +297,7 @@ def lora_delta(x: torch.Tensor, row_slot: torch.Tensor, a_stack: torch.Tensor, b
     b_stack: (num_slots, out, r_max), ranks below r_max zero-padded; scale: (num_slots,); layout: tile_layout(
     row_slot), made here when not given. Returns (T, out) in x's dtype, computed in a_stack's dtype. Grouped:
     each slot's rows are gathered into zero-padded TILE-row tiles and all tiles go through one bmm against their
-    slot's A then B (as llama.py's invariant linear), so a row's bits depend only on itself and its adapter,
+    slot's A then B (as linear.invariant_linear), so a row's bits depend only on itself and its adapter,
     never on the rows beside it.
     """
     out = torch.zeros(x.shape[0], b_stack.shape[1], dtype=x.dtype, device=x.device)
@@ -319,7 +319,7 @@ def _tiled_bmm(tiles: torch.Tensor, stack: torch.Tensor, tile_slot: torch.Tensor
                groups: tuple[tuple[int, int, int], ...] = ()) -> torch.Tensor:
     """tiles[i] @ stack[tile_slot[i]]^T for every tile: (n, TILE, k) x (num_slots, m, k) -> (n, TILE, m).
     CPU: one bmm per slot used (`groups`, TileLayout's), its weight broadcast over the slot's tiles (a stride-0
-    view, as llama.py's tiled matmul: MKL runs every tile through the same kernel whatever their number), so
+    view, as linear.tiled_matmul: MKL runs every tile through the same kernel whatever their number), so
     no tile copies its weight. CUDA: CUDA_TILES_PER_CALL tiles a call (the last padded), so the kernel cuBLAS
     picks never depends on n."""
     if tiles.device.type == "cpu" and groups:

@@ -3,7 +3,7 @@
 Owns ModelSpec / LayerSpec / RopeSpec (plain frozen values, built by families.py at load, never per token)
 and the RoPE frequencies of every scaling kind (transformers' ROPE_INIT_FUNCTIONS for yarn, dynamic and
 longrope). Leaves which model_type maps to which description to families.py, reading tensors to loader.py
-and walking the description to forward.py (or, for a plain Llama-shaped spec, llama.py's fused C++ path).
+and walking the description to forward.py (DecoderModel, the one forward of every family).
 """
 from __future__ import annotations
 
@@ -65,7 +65,10 @@ class LayerSpec:
 class ModelSpec:
     """A decoder-only model, as forward.py walks it.
 
-    Norms: RMSNorm with `norm_offset` added to the weight (Gemma: 1.0). norm_placement: "pre" (Llama: a norm
+    Norms: RMSNorm with `norm_offset` added to the weight (Gemma: 1.0); norm_weight_in_float: the weight
+    multiplies the normalized row in float32 before the one rounding to the activations' dtype (transformers'
+    Gemma and OLMo-2 norms), else the normalized row is rounded first and then multiplied by the weight in
+    that dtype (transformers' LlamaRMSNorm and the families that copy it). norm_placement: "pre" (Llama: a norm
     before attention and before the MLP), "post" (OLMo-2: a norm on each block's output before the residual
     add), "both" (Gemma 2 / 3: the four of them). qk_norm: None, "head" (RMSNorm over each head's head_dim:
     Qwen3, Gemma 3) or "full" (over the whole q / k projection: OLMo-2). Scalars: embedding_scale multiplies
@@ -86,6 +89,7 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     norm_eps: float = 1e-6
     norm_offset: float = 0.0
+    norm_weight_in_float: bool = False
     norm_placement: str = "pre"
     qk_norm: str | None = None
     qkv_bias: bool = False
@@ -100,23 +104,22 @@ class ModelSpec:
     attn_softcap: float | None = None
     tie_word_embeddings: bool = False
     fused_qkv: bool = False                   # the checkpoint holds qkv_proj / gate_up_proj (Phi-3)
-    rope_theta: float = 10000.0               # the (first) rope's base, for the Llama path
-    rope_scaling: dict = field(default_factory=dict)
 
     @property
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
     def cpp_misfits(self) -> list[str]:
-        """Why the fused C++ Llama path (llama.LlamaModel: the whole decoder stack one C++ call a step, the
-        fast path) cannot run this spec; [] when it can: RMSNorm
-        pre-norm, SiLU, optional q/k/v, o and MLP biases, one full-width RoPE of kind default / linear / llama3
-        on every layer, no window, cap, q/k norm or multiplier. A spec with misfits runs on the C++ kernels as
-        the C++ ops backend (backends/cpp.py under forward.DecoderModel; backend.py picks the form). Both forms
-        take tensor-parallel shards (the same layout and collectives), so a misfit never refuses a degree."""
+        """Why the cpp backend's whole-stack operation (backends/cpp.decoder_stack: the fused C++ DecoderStack,
+        the decoder layers one C++ call a step, the fast path) cannot run this spec; [] when it can: RMSNorm
+        pre-norm rounded as LlamaRMSNorm, SiLU, optional q/k/v, o and MLP biases, one full-width RoPE of kind
+        default / linear / llama3 on every layer, no window, cap, q/k norm or multiplier. A spec with misfits
+        runs on the same C++ kernels op by op (forward.DecoderModel's walk), as does a tensor-parallel shard of
+        any spec, so a misfit never refuses a backend or a degree."""
         rope = self.layers[0].rope
         checks = {
             "norm_offset (Gemma's 1 + weight)": self.norm_offset != 0.0,
+            "a norm weighted in float32": self.norm_weight_in_float,
             f"norm_placement={self.norm_placement}": self.norm_placement != "pre",
             f"qk_norm={self.qk_norm}": self.qk_norm is not None,
             f"activation={self.activation}": self.activation != "silu",
@@ -133,18 +136,6 @@ class ModelSpec:
             "soft-capping": self.final_logit_softcap is not None or self.attn_softcap is not None,
         }
         return [name for name, misfit in checks.items() if misfit]
-
-    def llama_args(self):
-        """The LlamaArgs of llama.LlamaModel (today's C++ path; meaningful where cpp_misfits() is [])."""
-        from lmi_handler.engine.model.llama import LlamaArgs
-
-        return LlamaArgs(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                         intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                         rms_norm_eps=self.norm_eps, max_position_embeddings=self.max_position_embeddings,
-                         rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling),
-                         tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.qkv_bias,
-                         o_proj_bias=self.o_bias, mlp_bias=self.mlp_bias)
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:

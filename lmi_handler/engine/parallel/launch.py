@@ -34,38 +34,37 @@ class ModelRunnerSpec:
     config: EngineConfig
     precision: Precision      # rank 0's decision (precision.pick_precision), the same on every rank
 
-    def _args(self):
-        from lmi_handler.engine.model.loader import args_from_config, read_config
+    def _spec(self):
+        from lmi_handler.engine.model.loader import read_config, spec_from_config
 
-        return args_from_config(read_config(self.config.model_path))
+        return spec_from_config(read_config(self.config.model_path))
 
     def check(self, degree: int, device: torch.device = CPU) -> None:
-        """Refuse a degree the model cannot be split by, or a kernel backend that holds no shards on `device`
-        (rank 0's; on CPU every family shards on the cpp backend: the fused Llama path or the C++ ops; on CUDA
-        llama.py's modules, Llama-shaped models only: engine/model/backend.py), before any rank starts.
-        Raises ConfigError."""
-        check_degree(self._args(), degree)
+        """Refuse a degree the model cannot be split by, or a kernel backend that cannot run on `device` (rank
+        0's; every backend shards every family: forward.DecoderModel's walk, engine/model/backend.py), before
+        any rank starts. Raises ConfigError."""
+        spec = self._spec()
+        check_degree(spec, degree)
         if degree > 1:
             from lmi_handler.engine.model.backend import choose_backend
-            from lmi_handler.engine.model.loader import read_config, spec_from_config
 
-            spec = spec_from_config(read_config(self.config.model_path))
-            choose_backend(self.config.kernel_backend, spec, device, tensor_parallel=True)
+            choose_backend(self.config.kernel_backend, spec, device, tensor_parallel=True,
+                           quantize=self.precision.quantize)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
         """kv_cache_bytes (per rank) over one block of this rank's KV heads (model_runner.kv_block_bytes)."""
         from lmi_handler.engine.model_runner import kv_block_bytes
 
-        args = self._args()
-        layout = ShardLayout.of(args, rank, degree)
-        return self.config.kv_cache_bytes // kv_block_bytes(args.num_layers, self.config.block_size,
-                                                            layout.num_kv_heads, args.head_dim, self.precision.dtype)
+        spec = self._spec()
+        layout = ShardLayout.of(spec, rank, degree)
+        return self.config.kv_cache_bytes // kv_block_bytes(spec.num_layers, self.config.block_size,
+                                                            layout.num_kv_heads, spec.head_dim, self.precision.dtype)
 
     def build(self, context: RankContext, num_blocks: int):
-        """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout): LlamaModel or
-        forward.DecoderModel, as the backend choice says), packed as the
-        precision says, `num_blocks` KV blocks of its own KV heads, the group's collectives in its forward."""
-        layout = ShardLayout.of(self._args(), context.rank, context.degree)
+        """This rank's ModelRunner: its shard of the checkpoint (loader.load_model(layout): forward.DecoderModel
+        on the chosen backend), packed as the precision says, `num_blocks` KV blocks of its own KV heads, the
+        group's collectives in its forward."""
+        layout = ShardLayout.of(self._spec(), context.rank, context.degree)
         return model_runner(self.config, self.precision, context.device, num_blocks=num_blocks, layout=layout,
                             group=context.group)
 
@@ -86,7 +85,7 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
         choose_bf16_dot(config.bf16_kernel)
 
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
-                       batch_invariant=config.batch_invariant, huge_pages=config.huge_pages,
+                       huge_pages=config.huge_pages,
                        quantize=precision.quantize, kernel_backend=config.kernel_backend,
                        enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=config.max_num_batched_tokens, **size_and_shard)

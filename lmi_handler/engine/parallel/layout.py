@@ -42,7 +42,7 @@ def degree_problems(num_heads: int, num_kv_heads: int, intermediate_size: int, v
 
 
 def check_degree(args, degree: int) -> None:
-    """Refuse a degree the model cannot be split by (start-up; the model's LlamaArgs or any object with
+    """Refuse a degree the model cannot be split by (start-up; the model's ModelSpec or any object with
     num_heads, num_kv_heads, intermediate_size and vocab_size).
 
     Raises: ConfigError naming option.tensor_parallel_degree, every rule it breaks (vLLM's wording) and
@@ -74,7 +74,7 @@ class ShardLayout:
 
     @classmethod
     def of(cls, args, rank: int, degree: int) -> "ShardLayout":
-        """The layout of `rank` for a model (LlamaArgs or alike). Raises ConfigError (check_degree)."""
+        """The layout of `rank` for a model (its ModelSpec or alike). Raises ConfigError (check_degree)."""
         check_degree(args, degree)
         if not 0 <= rank < degree:
             raise ValueError(f"rank {rank} is outside a tensor-parallel group of {degree}")

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from lmi_handler.engine.model.attention import AttentionMetadata
-from lmi_handler.engine.model.llama import linear
-from lmi_handler.engine.model.loader import args_from_config, read_config
+from lmi_handler.engine.model.linear import invariant_linear
+from lmi_handler.engine.model.loader import read_config, spec_from_config
 from lmi_handler.engine.model_runner import ModelInput, ModelOutput
 from lmi_handler.engine.parallel.executor import RankContext
 from lmi_handler.engine.parallel.group import LOOPBACK, Rendezvous, TPGroup, open_store
@@ -49,7 +49,7 @@ class ToySpec:
     fail_build_rank: int | None = None
 
     def check(self, degree: int, device: torch.device = CPU) -> None:
-        check_degree(args_from_config(read_config(self.model_dir)), degree)
+        check_degree(spec_from_config(read_config(self.model_dir)), degree)
 
     def num_blocks_fit(self, rank: int, degree: int) -> int:
         return 100 + 7 * rank          # ranks differ: the engine must take the minimum (100)
@@ -63,7 +63,7 @@ class ToySpec:
 class ToyRunner:
     def __init__(self, spec: ToySpec, context: RankContext, num_blocks: int):
         self.spec, self.rank, self.group = spec, context.rank, context.group
-        self.args = args_from_config(read_config(spec.model_dir))
+        self.args = spec_from_config(read_config(spec.model_dir))
         self.layout = ShardLayout.of(self.args, context.rank, context.degree)
         self.num_blocks, self.block_size, self.device = num_blocks, 4, context.device
         self.digests: list[list[int]] = []     # rank 0: every rank's digest of each step's all-reduce output
@@ -79,14 +79,14 @@ class ToyRunner:
 
     def execute(self, mi: ModelInput) -> ModelOutput | None:
         self._maybe_fault(mi)
-        ids, (v0, v1), eps = mi.input_ids, self.layout.vocab, self.args.rms_norm_eps
+        ids, (v0, v1), eps = mi.input_ids, self.layout.vocab, self.args.norm_eps
         mine = (ids >= v0) & (ids < v1)
         rows = self.embed[torch.where(mine, ids - v0, 0)]                                    # (T, hidden)
         x = self.group.gather_rows(rows, ids // self.layout.vocab_size)
-        gate, up = linear(_rms(x, self.norm_in, eps), self.gate_up, None, True).chunk(2, dim=-1)
-        y = x + self.group.all_reduce(linear(F.silu(gate) * up, self.down, None, True))
+        gate, up = invariant_linear(_rms(x, self.norm_in, eps), self.gate_up).chunk(2, dim=-1)
+        y = x + self.group.all_reduce(invariant_linear(F.silu(gate) * up, self.down))
         self._record_digest(y)
-        local = linear(_rms(y[mi.logit_rows], self.norm_out, eps), self.lm_head, None, True)
+        local = invariant_linear(_rms(y[mi.logit_rows], self.norm_out, eps), self.lm_head)
         logits = self.group.gather_last_dim(local)                                           # (R, V) on rank 0
         return None if logits is None else ModelOutput(logits=logits[mi.num_chunk_rows:], chunk_logits={})
 
@@ -165,20 +165,21 @@ class Broadcasting:
 
 
 def sharded_greedy(model_dir, degree: int, prompts: list[list[int]], n: int, dtype=torch.float32,
-                   quantize: str | None = None, num_blocks: int = 64, block_size: int = 4):
+                   quantize: str | None = None, num_blocks: int = 64, block_size: int = 4,
+                   kernel_backend: str = "auto"):
     """greedy_generate (tests/engine/helpers.py) over `degree` real shards of the checkpoint, each a
     ModelRunner(layout, group) on a thread of this process, joined by gloo on the loopback; rank 0 decodes
-    and broadcasts every step. Returns rank 0's (tokens, per-step logits)."""
+    and broadcasts every step (`kernel_backend`: every rank's). Returns rank 0's (tokens, per-step logits)."""
     from lmi_handler.engine.kv_cache import BlockAllocator
     from lmi_handler.engine.model_runner import ModelRunner
     from tests.engine.helpers import greedy_generate
 
-    args = args_from_config(read_config(model_dir))
+    spec = spec_from_config(read_config(model_dir))
 
     def rank(group: TPGroup):
-        layout = ShardLayout.of(args, group.rank, group.degree)
+        layout = ShardLayout.of(spec, group.rank, group.degree)
         runner = ModelRunner(model_dir, dtype, "cpu", block_size=block_size, num_blocks=num_blocks,
-                             quantize=quantize, layout=layout, group=group)
+                             quantize=quantize, layout=layout, group=group, kernel_backend=kernel_backend)
         if group.rank == 0:
             result = greedy_generate(Broadcasting(runner, group), BlockAllocator(num_blocks, block_size), prompts, n)
             group.broadcast("done")

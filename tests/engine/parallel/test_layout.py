@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lmi_handler.config import ConfigError
-from lmi_handler.engine.model.loader import args_from_config, read_config
+from lmi_handler.engine.model.loader import read_config, spec_from_config
 from lmi_handler.engine.parallel.layout import ShardLayout, check_degree, shard_of, take
 from tests.engine.helpers import build_tiny_llama
 
@@ -64,7 +64,7 @@ def test_kv_heads_are_split_when_they_divide_and_replicated_when_the_degree_is_t
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_tp")
     build_tiny_llama(path, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
-    return path, args_from_config(read_config(path)), load_file(path / "model.safetensors")
+    return path, spec_from_config(read_config(path)), load_file(path / "model.safetensors")
 
 
 @pytest.mark.parametrize("degree", [2, 4])
@@ -167,7 +167,7 @@ def test_row_parallel_partial_sums_and_vocab_parallel_logits_give_the_full_layer
 
 @pytest.mark.slow
 def test_the_demo_model_config_takes_3_and_refuses_2(model_dir):
-    args = args_from_config(read_config(model_dir))
+    args = spec_from_config(read_config(model_dir))
     assert (args.num_heads, args.num_kv_heads, args.intermediate_size, args.vocab_size) == (9, 3, 1536, 49152)
     check_degree(args, 3)
     with pytest.raises(ConfigError, match=r"Total number of attention heads \(9\) must be divisible by tensor "

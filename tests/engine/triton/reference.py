@@ -59,11 +59,13 @@ def linear(x, weight, bias=None):
     return (out if bias is None else out + bias.double()).to(x.dtype)
 
 
-def rms_norm(x, weight, eps, residual=None, weight_offset=0.0):
+def rms_norm(x, weight, eps, residual=None, weight_offset=0.0, weight_in_float=True):
     h = x if residual is None else x + residual
     hf = h.double()
-    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (weight_offset + weight.double())
-    return out.to(x.dtype), h
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if not weight_in_float:                  # LlamaRMSNorm: the normalized row rounded to x's dtype first
+        normed = normed.to(x.dtype).double()
+    return (normed * (weight_offset + weight.double())).to(x.dtype), h
 
 
 def rope(x, cos, sin):

@@ -38,10 +38,10 @@ def test_the_triton_lora_term_equals_lora_delta_with_base_rows_untouched(dtype, 
     row_slot = torch.tensor([0, -1, 2, 1, -1, 0, 2, 2, 1, -1, 0, 1, 1, 2, -1, 0, 0, 2, 1], device=device)
     y = torch.randn(19, OUT, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     expected = lora_delta(x.float(), row_slot, stack.a, stack.b, scale)   # fp16/bf16 -> fp32 exact: the same products
-    delta = tb.lora_add(torch.zeros(19, OUT, device=device), x, row_slot, stack, scale)
+    delta = tb.lora_rows(torch.zeros(19, OUT, device=device), x, row_slot, stack, scale)
     torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-5)
     assert delta.abs().amin(dim=1)[row_slot >= 0].gt(0).all()      # every adapter row changed in every column
-    out = tb.lora_add(y.clone(), x, row_slot, stack, scale)
+    out = tb.lora_rows(y.clone(), x, row_slot, stack, scale)
     assert torch.equal(out[row_slot < 0], y[row_slot < 0])          # base rows keep their bits
     # added in float32 and rounded once to y's dtype (a GPU may fuse the scale and the add into one FMA)
     rtol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
@@ -54,11 +54,11 @@ def test_a_row_gets_the_same_bits_alone_and_in_batches_of_3_8_and_20_beside_othe
     x = torch.randn(20, IN, generator=torch.Generator().manual_seed(4)).to(device)
     row_slot = torch.tensor([1, 0, -1, 2, 0, 1, 2, -1, 0, 0, 1, 2, -1, 2, 1, 0, 2, 0, 1, -1], device=device)
     zeros = torch.zeros(20, OUT, device=device)
-    batch20 = tb.lora_add(zeros.clone(), x, row_slot, stack, scale)
-    batch8 = tb.lora_add(zeros[:8].clone(), x[:8], row_slot[:8], stack, scale)
-    batch3 = tb.lora_add(zeros[:3].clone(), x[3:6], row_slot[3:6], stack, scale)     # rows 3, 4, 5 at 0, 1, 2
+    batch20 = tb.lora_rows(zeros.clone(), x, row_slot, stack, scale)
+    batch8 = tb.lora_rows(zeros[:8].clone(), x[:8], row_slot[:8], stack, scale)
+    batch3 = tb.lora_rows(zeros[:3].clone(), x[3:6], row_slot[3:6], stack, scale)     # rows 3, 4, 5 at 0, 1, 2
     for t in (0, 4, 17):
-        alone = tb.lora_add(zeros[:1].clone(), x[t:t + 1], row_slot[t:t + 1], stack, scale)
+        alone = tb.lora_rows(zeros[:1].clone(), x[t:t + 1], row_slot[t:t + 1], stack, scale)
         assert torch.equal(alone[0], batch20[t]), t
     assert torch.equal(batch8, batch20[:8]) and torch.equal(batch3, batch20[3:6])
     assert not torch.equal(batch20[17], torch.zeros(OUT, device=device))
@@ -72,7 +72,7 @@ def test_lora_stack_refuses_stacks_of_two_ranks_and_lora_add_an_input_of_another
     stack, scale = _stacks(device)
     row_slot = torch.zeros(2, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match=r"shapes do not match: y \(2, 136\), x \(2, 41\)"):
-        tb.lora_add(torch.zeros(2, OUT, device=device), torch.zeros(2, IN + 1, device=device), row_slot, stack, scale)
+        tb.lora_rows(torch.zeros(2, OUT, device=device), torch.zeros(2, IN + 1, device=device), row_slot, stack, scale)
 
 
 # ---- the engine on kernel_backend=triton ------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_the_engine_on_triton_answers_as_transformers_with_the_adapter_merged_be
                           lora=LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(root,)))
     engine = Engine(config, tokenizer=build_tiny_tokenizer())
     engine.adapters.load("a", root / "a")
-    assert engine.runner.kernel_backend == "triton" and engine.runner.model._lora_add is tb.lora_add
+    assert engine.runner.kernel_backend == "triton" and engine.runner.model.ops is tb
     params = SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True)
     requests = [("a0", PROMPTS[0], replace(params, adapter="a")), ("base", PROMPTS[0], params),
                 ("a1", PROMPTS[1], replace(params, adapter="a"))]

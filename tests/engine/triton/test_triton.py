@@ -54,6 +54,9 @@ def test_rms_norm_equals_the_reference_and_its_residual_is_the_sum_in_the_input_
     out, residual_out = tb.rms_norm(x, weight, 1e-5)
     torch.testing.assert_close(out.cpu(), ref.rms_norm(x.cpu(), weight.cpu(), 1e-5)[0], atol=atol, rtol=rtol)
     assert residual_out is x
+    out, _ = tb.rms_norm(x, weight, 1e-5, residual, 0.0, False)                       # LlamaRMSNorm's rounding
+    torch.testing.assert_close(out.cpu(), ref.rms_norm(x.cpu(), weight.cpu(), 1e-5, residual.cpu(), 0.0, False)[0],
+                               atol=atol, rtol=rtol)
 
 
 @needs_triton

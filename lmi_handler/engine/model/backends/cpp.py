@@ -1,56 +1,75 @@
-"""The C++ ops backend: the backend interface's ops on the C++ CPU kernels (engine/model/kernels), for
-forward.DecoderModel, so that every family runs on them (llama.py's fused stack runs the plain Llama specs).
+"""The C++ backend: the backend interface's ops on the C++ CPU kernels (engine/model/kernels) for
+forward.DecoderModel, and its whole-stack operation (decoder_stack: the decoder layers one C++ call a step).
 
-Owns the mapping of each op to its kernel and the packing of the linears' weights at load (pack_linear: one
-PackedWeight of float32, bfloat16 or int8 panels per weight, made once); leaves the kernels to kernels/
-(linear.h's row-invariant packed linear, attention.h's paged attention with its window and score cap,
-families.h's norm with the weight offset, rope and GELU-tanh * up, rowwise.h's silu * up) and what to call
-when to forward.py. Every op computes a row from that row alone, by construction of its kernel, so a
-sequence's bits do not depend on the rest of its step. Activations float32 or bfloat16 on CPU.
+Owns the mapping of each op to its kernel, the packing of the linears' weights at load (pack_linear: one
+PackedWeight of float32, bfloat16 or int8 panels per weight, made once) and the fused DecoderStack built
+from a layer description it fits; leaves the kernels to kernels/ (linear.h's row-invariant packed linear,
+attention.h's paged attention with its window and score cap, rowwise.h's norm, silu * up and the stack,
+families.h's offset norm, rope and GELU-tanh * up, lora.h's adapter terms) and what to call when to
+forward.py. Every op computes a row from that row alone, by construction of its kernel, so a sequence's bits
+do not depend on the rest of its step. Activations float32 or bfloat16 on CPU.
 """
 from __future__ import annotations
 
 import torch
 
-from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.attention import AttentionMetadata, attention_paged
 from lmi_handler.engine.model.backends import torch_ref
-from lmi_handler.engine.model.kernels import PackedWeight, cpu_kernels, pack_weight, packed_linear, row_argmax
+from lmi_handler.engine.model.kernels import (
+    PackedWeight,
+    bf16_dot_form,
+    cpu_kernels,
+    pack_weight,
+    packed_linear,
+    row_argmax,
+)
+from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
 
 NAME = "cpp"
-lora_add = None     # no LoRA kernel of its own here: forward.py adds LoraBatch.add's tiled product
-lora_stack = None
+PROJECTION_INDEX = {name: i for i, name in enumerate(KERNEL_PROJECTIONS)}   # LoraSet's projection numbers
 
 store_kv = torch_ref.store_kv           # index copies: exact, nothing to gain in C++
 log_softmax = torch_ref.log_softmax
 
 
-def pack_linear(weight: torch.Tensor, kind: str) -> PackedWeight:
+def pack_linear(weight: torch.Tensor, kind: str, out: torch.Tensor | None = None) -> PackedWeight:
     """The checkpoint's (out, in) weight as `kind` panels ("float32", "bfloat16" or "int8": quantized from the
-    checkpoint's own values, per output channel), made once at load (loader.load_decoder)."""
-    return pack_weight(weight, kind)
+    checkpoint's own values, per output channel), made once at load (loader.load_model) into `out` (a view of
+    the model's panel arena, kernels.panel_arena) or new memory."""
+    return pack_weight(weight, kind, out=out)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """attention.h's paged attention (keys walked block by block from the window's first block, online
     softmax in float32; bf16 rounds the softmax weights as torch's CPU flash attention does), with the window
-    and Gemma 2's score cap. q: (T, H, D) -> (T, H, D) in q's dtype."""
+    and Gemma 2's score cap (the unmasked kernel where there are neither: the fused stack's).
+    q: (T, H, D) -> (T, H, D) in q's dtype."""
+    if window is None and softcap is None:
+        return attention_paged(q, k_cache, v_cache, meta, scale)
     return cpu_kernels().paged_attention_masked(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                 meta.cu_seqlens_q, scale, window or 0, softcap or 0.0)
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (T, K) @ W.T (+ bias) over the packed panels (linear.h: one fixed chain of float32 operations per
-    output whatever T is) -> (T, N) in x's dtype."""
-    return packed_linear(x.contiguous(), weight, bias)
+    output whatever T is) -> (T, N) in `out_dtype` (default x's dtype), each value rounded once from its float32
+    accumulator (float32: written as it is, the tensor-parallel partials and the logits)."""
+    return packed_linear(x.contiguous(), weight, bias, out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual (or x); out = h * rsqrt(mean(h^2) + eps) * (weight_offset + weight), all in float32
-    (the offset added to the weight in float32, as transformers' Gemma does), cast to x's dtype. Returns
-    (out, h)."""
-    return cpu_kernels().rms_norm_offset(x, residual, weight, eps, weight_offset)
+             weight_offset: float = 0.0, weight_in_float: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_ref.rms_norm's maths (the sums of squares in the kernels' order). weight_in_float False: rowwise.h's
+    add_rmsnorm, the fused stack's norm, which adds `residual` into x in place (x must be contiguous; the
+    walk owns it) and needs weight in x's dtype and no offset; else families.h's offset norm. Returns (out, h)."""
+    if weight_in_float:
+        return cpu_kernels().rms_norm_offset(x, residual, weight, eps, weight_offset)
+    if weight_offset != 0.0:
+        raise ValueError("the C++ LlamaRMSNorm has no weight offset (a spec with one weighs its norm in float32)")
+    x = x.contiguous()
+    return cpu_kernels().add_rmsnorm(x, residual, weight, eps), x
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,6 +84,65 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return kernels.silu_mul(gate_up) if act == "silu" else kernels.gelu_tanh_mul(gate_up)
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,
+             num_layers: int) -> torch.Tensor:
+    """y + each row's LoRA term of projection `module` of `layer` (kernels/lora.h through the set's LoraSet,
+    LoraBatch.kernel_set: row by row, the term the fused stack adds), in place on y, a fresh projection output."""
+    return lora.kernel_set(cpu_kernels(), num_layers).add(y, x, lora.row_slot, layer, PROJECTION_INDEX[module])
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """(S, V) -> (S,) int64: the argmax, the lowest index on ties."""
     return row_argmax(logits.float())
+
+
+def decoder_stack(spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """The whole-stack operation for `spec` (a DecoderStack), or None where the fused stack cannot run it
+    (spec.cpp_misfits() not []): forward.DecoderModel then walks the layers with the ops above. The caller
+    asks only for a whole model, never a tensor-parallel shard (the stack has no place for the reduce)."""
+    if spec.cpp_misfits():
+        return None
+    return DecoderStack(spec, layers, final_norm, num_heads, num_kv_heads)
+
+
+class DecoderStack:
+    """rowwise.h's DecoderStack over a model's packed layers: the decoder layers and the final norm as one C++
+    call a step, bitwise the ops above called one by one by forward.DecoderModel's walk (the same kernels
+    chained without Python dispatch; its gate_up linear applies silu * up in its store, the same bits as
+    linear then silu_mul; a decode step of a few rows runs every layer in one OpenMP region, team mode).
+    Built once at load from the layers' weights (holding their tensors, not copies). `kernel` is the C++
+    object (its team_steps counts the steps team mode ran)."""
+
+    def __init__(self, spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int):
+        self.num_layers = len(layers)
+        self.bf16_panels = layers[0].qkv.kind == "bfloat16"
+        weights = [[w.attn_pre, w.qkv.panels, w.qkv.scale, w.qkv_bias, w.o.panels, w.o.scale, w.o_bias, w.mlp_pre,
+                    w.gate_up.panels, w.gate_up.scale, w.gate_up_bias, w.down.panels, w.down.scale, w.down_bias]
+                   for w in layers]    # rowwise.h LayerWeights' order
+        intermediate = layers[0].gate_up.out_features // 2
+        self._args = (weights, final_norm, num_heads, num_kv_heads, intermediate, spec.norm_eps, spec.norm_eps,
+                      spec.scale)
+        self._build(cpu_kernels())
+
+    def _build(self, ops) -> None:
+        """The C++ object on kernel module `ops` (again when the process's module changes: benchmarks/ab.py
+        swaps in another revision's kernels)."""
+        self.ops, self.kernel = ops, ops.DecoderStack(*self._args)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 lora: LoraBatch | None = None) -> torch.Tensor:
+        """x: (T, hidden) float32 or bfloat16, the activations' (and KV cache's) dtype (not changed); cos, sin:
+        (T, head_dim) in x's dtype. Returns the final-norm hidden states (T, hidden). `lora`: the step's
+        adapters, added by the stack after each projection (forward_lora, kernels/lora.h: row by row)."""
+        # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
+        # otherwise would run its start-up probe and log a choice that applies to nothing
+        form = bf16_dot_form() if self.bf16_panels else 0
+        if (ops := cpu_kernels()) is not self.ops:
+            self._build(ops)
+        # the caches as two lists: pybind converts them every call either way, so they are not cached
+        args = (x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+                meta.block_tables, meta.context_lens, meta.cu_seqlens_q, form)
+        if lora is None:
+            return self.kernel.forward(*args)
+        return self.kernel.forward_lora(*args, lora.kernel_set(self.ops, self.num_layers), lora.row_slot)

@@ -3,7 +3,7 @@
 Every op computes a row from that row alone (linears over fixed 16-row tiles, attention one sequence at a
 time over exactly its own context), so a sequence's bits do not depend on the rest of its step; reductions
 run in float32. It is what forward.py runs where no faster backend fits (kernel_backend=torch, or auto with
-neither the C++ kernels for the spec nor Triton), and what the Triton kernels are tested against.
+neither the C++ kernels nor Triton), and what the other backends are tested against.
 """
 from __future__ import annotations
 
@@ -11,11 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from lmi_handler.engine.model.attention import AttentionMetadata, gather_context
-from lmi_handler.engine.model.llama import linear as _invariant_linear
+from lmi_handler.engine.model.linear import invariant_linear
+from lmi_handler.engine.model.lora import LoraBatch
 
 NAME = "torch"
-lora_add = None     # no LoRA kernel of its own: forward.py adds LoraBatch.add's tiled product
-lora_stack = None
+
+
+def decoder_stack(spec, layers, final_norm, num_heads: int, num_kv_heads: int) -> None:
+    """No whole-stack operation here: forward.DecoderModel walks the layers op by op."""
+    return None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,19 +61,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, K) @ weight (N, K).T (+ bias) over zero-padded 16-row tiles (llama.linear's invariant path)."""
-    return _invariant_linear(x, weight, bias, True)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (T, K) @ weight (N, K).T (+ bias) over zero-padded 16-row tiles (linear.invariant_linear), in x's
+    dtype, then cast to `out_dtype` (default x's)."""
+    out = invariant_linear(x, weight, bias)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual (or x); out = h * rsqrt(mean(h^2) + eps) * (weight_offset + weight) in float32, cast
-    to x's dtype, over the last dimension. Returns (out, h)."""
+             weight_offset: float = 0.0, weight_in_float: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual (or x); n = h * rsqrt(mean(h^2) + eps) in float32, over the last dimension; then
+    weight_in_float: out = n * (weight_offset + weight) in float32, cast once to x's dtype (transformers'
+    Gemma and OLMo-2 norms); else out = (weight_offset + weight) * n cast to x's dtype first, the product in
+    that dtype (transformers' LlamaRMSNorm). The one description of the norm every backend's kernel is held
+    to. Returns (out, h)."""
     h = x if residual is None else x + residual
     hf = h.float()
-    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (weight_offset + weight.float())
-    return out.to(x.dtype), h
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_float:
+        return (normed * (weight_offset + weight.float())).to(x.dtype), h
+    w = weight if weight_offset == 0.0 else weight_offset + weight
+    return (w * normed.to(x.dtype)).to(x.dtype), h
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,6 +96,14 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """(T, 2I) = [gate | up] -> act(gate) * up; act "silu" or "gelu_tanh"."""
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,
+             num_layers: int) -> torch.Tensor:
+    """y + the step's LoRA term of projection `module` of `layer` (LoraBatch.add: its tiled product, each row
+    against its own adapter); y unchanged when no adapter of the step has that projection. x: (T, in) the
+    projection's input, y: (T, out) its output."""
+    return lora.add(y, x, layer, module)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, pol
 def kernel_sources(source: Path) -> list[str]:
     """The translation units of the extension whose module source is `source` (cpu_kernels.cpp): it first, then
     every other .cpp beside it (families.cpp: the C++ ops backend's kernels, a unit of their own so that the
-    compiler's inlining in the Llama path's unit is not changed by them). A revision with one .cpp builds as
+    compiler's inlining in the fused stack's unit is not changed by them). A revision with one .cpp builds as
     before (benchmarks/ab.py builds old revisions through build_extension)."""
     return [str(source)] + sorted(str(p) for p in source.parent.glob("*.cpp") if p.name != source.name)
 

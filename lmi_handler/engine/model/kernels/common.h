@@ -317,7 +317,7 @@ inline bool is_bf16(const torch::Tensor& t, const char* what) {
 
 // RoPE (rotate-half): out = keep(keep(x * cos) + keep(rotate_half(x) * sin)) elementwise: two products
 // then one add, no FMA contraction (each translation unit is built with -ffp-contract=off), the same float
-// operations (and, in bf16, roundings) as llama.apply_rope (the Llama stack and families.cpp's rope op).
+// operations (and, in bf16, roundings) as torch_ref.rope (the fused stack and families.cpp's rope op).
 template <class T>
 inline void rope_row(const T* x, const T* c, const T* s, int64_t D, T* out) {
   const int64_t half = D / 2;

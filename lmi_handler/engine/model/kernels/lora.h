@@ -170,7 +170,7 @@ torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor row_slot,
 
 // One adapter set's stacks for the decoder stack: per layer, A and B^T of qkv, o, gate_up and down (each pair
 // absent where no adapter of the set has that projection), and the slots' scales. Built once per set
-// (LlamaModel, from the runner's LoraBatch) and passed to DecoderStack.forward_lora with a step's row_slot.
+// (LoraBatch.kernel_set, from the runner's LoraBatch) and passed to DecoderStack.forward_lora with a step's row_slot.
 struct LoraSet {
   static constexpr int PROJ = 4;   // qkv, o, gate_up, down
   struct Pair {
@@ -213,7 +213,7 @@ struct LoraSet {
 
   bool has(size_t l, int p) const { return l < layers.size() && layers[l][p].defined(); }
 
-  // the binding for the split path (llama.py _forward_split): y += projection p of layer l's term, in place
+  // the binding for the walk (backends/cpp.py lora_add): y += projection p of layer l's term, in place
   torch::Tensor add_one(torch::Tensor y, torch::Tensor x, torch::Tensor row_slot, int64_t l, int64_t p) const {
     TORCH_CHECK(p >= 0 && p < PROJ && l >= 0, "projection 0..3 (qkv, o, gate_up, down), layer >= 0");
     const bool bf = is_bf16(x, "x");

@@ -267,7 +267,7 @@ struct StepInputs {
 //   x += delta (the previous layer's down output, when `add_delta`); h = rmsnorm(x) -> qkv linear -> rope +
 //   KV write -> paged attention -> o linear; x += o; h = rmsnorm(x) -> gate_up linear with silu * up -> down.
 // Leaves the down output in ws.delta: the next layer's first norm (or the final norm) adds it to x, as
-// _forward_split does, so x is read and written once a layer less (the same operations as adding it here).
+// forward.py's walk does, so x is read and written once a layer less (the same operations as adding it here).
 // Every stage is one of the row-invariant ops above (their functions, into the workspace's tensors), so the
 // layer is too, and bitwise the ops called one by one. Linears write x's dtype.
 // A step's LoRA adapters for the stack (DecoderStack::forward_lora): the set's stacks and the step's rows by slot.
@@ -309,8 +309,8 @@ inline void layer_forward(torch::Tensor& x, bool add_delta, const LayerWeights& 
 
 // The whole decoder stack and the final norm, held once (the weights' tensors, not copies): one call a
 // step in place of one call per layer, so a decode step converts its arguments once, not 28 per layer
-// (bitwise the layers' ops called one by one: test_the_split_layers_are_bitwise_the_fused_layer). Built by
-// LlamaModel._forward_fused after pack_weights.
+// (bitwise the layers' ops called one by one: test_the_walk_is_bitwise_the_fused_stack_through_the_runner). Built
+// by backends/cpp.py's DecoderStack at load.
 struct DecoderStack {
   std::vector<LayerWeights> layers;
   torch::Tensor norm;

@@ -4,8 +4,7 @@ tensors under TRITON_INTERPRET=1, Triton's interpreter: slow, for tests).
 Every op is row-wise or tiled so that a row's bits never depend on the rest of the step: attention walks
 the KV in fixed tiles aligned to absolute positions, the matmul has a fixed K tile and no split-K, the norms
 and softmaxes reduce one row per program in a fixed order, and the LoRA term (lora_add, on the stacks
-lora_stack prepares once per adapter set: beyond the interface's ops, forward.py uses them where a backend has
-them) reduces each row against its own adapter in a fixed K order. `triton` is imported on the first call,
+lora_stack prepares once per adapter set) reduces each row against its own adapter in a fixed K order. `triton` is imported on the first call,
 not here, so the package imports without it; `available()` says whether it can run.
 """
 from __future__ import annotations
@@ -15,7 +14,8 @@ import importlib.util
 import torch
 
 __all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul",
-           "log_softmax", "greedy", "seeded_sample", "lora_stack", "lora_add"]
+           "log_softmax", "greedy", "seeded_sample", "lora_stack", "lora_add", "lora_rows",
+           "decoder_stack"]
 
 
 def available() -> bool:
@@ -47,13 +47,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _kernels("attention").paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _kernels("matmul").linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _kernels("matmul").linear(x, weight, bias, out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels("rowwise").rms_norm(x, weight, eps, residual, weight_offset)
+             weight_offset: float = 0.0, weight_in_float: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels("rowwise").rms_norm(x, weight, eps, residual, weight_offset, weight_in_float)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,20 @@ def lora_stack(a_stack: torch.Tensor, b_stack: torch.Tensor):
     return _kernels("lora").lora_stack(a_stack, b_stack)
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, stack, scale: torch.Tensor) -> torch.Tensor:
-    """y += each row's LoRA term (x A_s^T B_s^T * scale_s, s = row_slot, -1 untouched), in place; returns y.
-    stack: lora_stack(A, B) of the projection."""
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora, layer: int, module: str, num_layers: int) -> torch.Tensor:
+    """y += each row's LoRA term of projection `module` of `layer` (x A_s^T B_s^T * scale_s, s = the row's slot,
+    -1 untouched), in place on y, a fresh projection output; returns y. The set's stacks are laid out once
+    (LoraBatch.backend_stacks with lora_stack)."""
+    stack = lora.backend_stacks(lora_stack).get((layer, module))
+    return y if stack is None else lora_rows(y, x, lora.row_slot, stack, lora.scale)
+
+
+def lora_rows(y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, stack, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel under lora_add: y += each row's term (x A_s^T B_s^T * scale_s, s = row_slot, -1 untouched),
+    in place; returns y. stack: lora_stack(A, B) of the projection."""
     return _kernels("lora").lora_add(y, x, row_slot, stack, scale)
+
+
+def decoder_stack(spec, layers, final_norm, num_heads: int, num_kv_heads: int) -> None:
+    """No whole-stack operation here: forward.DecoderModel walks the layers op by op."""
+    return None

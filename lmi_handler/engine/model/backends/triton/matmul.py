@@ -42,12 +42,14 @@ def _linear_kernel(out, x, weight, bias, num_rows, num_cols, num_k, stride_xm, s
              mask=(rows[:, None] < num_rows) & (cols[None, :] < num_cols))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, K) @ weight (N, K).T + bias (N,) -> (T, N) in x's dtype, float32 accumulate, fixed K order."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (T, K) @ weight (N, K).T + bias (N,) -> (T, N) in `out_dtype` (default x's dtype), float32 accumulate,
+    fixed K order, each output rounded once from its accumulator."""
     num_rows, num_k = x.shape
     num_cols = weight.shape[0]
     assert weight.shape[1] == num_k and x.stride(1) == 1 and weight.stride(1) == 1
-    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_rows, num_cols, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
     # CPU tensors run only under Triton's interpreter, which mis-computes bf16/fp16 products unwidened

@@ -14,7 +14,8 @@ ACT_BLOCK = 1024   # act_mul's column block (element-wise: any width gives the s
 
 @triton.jit
 def _rms_norm_kernel(out, residual_out, x, residual, weight, hidden, eps, weight_offset, stride_x, stride_r,
-                     stride_o, stride_ro, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_o, stride_ro, HAS_RESIDUAL: tl.constexpr, WEIGHT_IN_FLOAT: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -26,14 +27,19 @@ def _rms_norm_kernel(out, residual_out, x, residual, weight, hidden, eps, weight
         tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
     hf = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * stride_o + cols, (hf * inv * (weight_offset + w)).to(out.dtype.element_ty), mask=mask)
+    w = weight_offset + tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_IN_FLOAT:
+        normed = hf * inv
+    else:   # LlamaRMSNorm: the normalized row rounded to x's dtype first, the product rounded again
+        normed = (hf * inv).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + row * stride_o + cols, (normed * w).to(out.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+             weight_offset: float = 0.0, weight_in_float: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, residual_out): h = x + residual (x's dtype; h = x without one), out = h * rsqrt(mean(h^2) + eps)
-    * (weight_offset + weight) in float32 rounded to x's dtype, residual_out = h. x: (T, hidden)."""
+    * (weight_offset + weight) in float32 rounded to x's dtype (weight_in_float False: the normalized row
+    rounded to x's dtype before the product, LlamaRMSNorm; torch_ref.rms_norm), residual_out = h. x: (T, hidden)."""
     num_rows, hidden = x.shape
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
     out = torch.empty_like(x)
@@ -43,7 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = residual if residual is not None else x
     _rms_norm_kernel[(num_rows,)](out, residual_out, x, res, weight, hidden, eps, weight_offset, x.stride(0),
                                   res.stride(0), out.stride(0), residual_out.stride(0),
-                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+                                  HAS_RESIDUAL=residual is not None, WEIGHT_IN_FLOAT=weight_in_float,
+                                  BLOCK=triton.next_power_of_2(hidden))
     return out, residual_out
 
 

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from lmi_handler.config import ConfigError
 from lmi_handler.frontend.loops import FrontEnd
 from lmi_handler.frontend.requests import ENGINE_DEAD_CODE
 from lmi_handler.protocol.dialects import Dialect
@@ -142,7 +143,11 @@ def _no_refusal_traceback(record: logging.LogRecord) -> bool:
     cli.py prints it as one line. Other start-up failures keep theirs."""
     message = record.getMessage()
     last = message.rsplit("\nTraceback (most recent call last):", 1)[-1]      # the error raised, not its causes
-    return not (message.startswith("Traceback") and re.search(r"^lmi_handler\.config\.ConfigError: ", last, re.M))
+    return not (message.startswith("Traceback") and re.search(_CONFIG_ERROR_LINE, last, re.M))
+
+
+# the last line of a ConfigError's traceback, by the class's own module (config/ moved it once: named, not typed)
+_CONFIG_ERROR_LINE = rf"^{re.escape(f'{ConfigError.__module__}.{ConfigError.__qualname__}')}: "
 
 
 # The process's exit status once the engine is dead: non-zero, so the container's supervisor restarts it, and

@@ -56,11 +56,12 @@ test-fast: model
 	$(PYTEST) -m "not slow"
 
 # what CI runs (.ci/run): lint first, then the fast tests (in reverse order: no test may lean on another
-# having run first), then the slow ones (real model, real servers)
+# having run first), then the slow ones (real model, real servers); each run lists its slowest tests, as the
+# suite must stay inside CI's hour
 test: model tgi-client
 	$(LINT)
-	$(PYTEST) -m "not slow" --reverse
-	$(PYTEST) -m slow
+	$(PYTEST) -m "not slow" --reverse --durations=15
+	$(PYTEST) -m slow --durations=30
 
 # docs/configuration.md's options tables, rendered from lmi_handler/config/'s Settings (fields, defaults, ranges,
 # docstrings), one per part; tests/test_options_doc.py fails when the page and config/ disagree

@@ -6,8 +6,6 @@
 #   2. the 64 x 128 MT-bench workload in bf16 with a GPU user's defaults (decode steps as CUDA graphs, the KV
 #      cache sized by option.gpu_memory_utilization=0.9), batch-1 decode, transformers' generate() (static batch
 #      of 64) as the same-run peer and the bf16 matmul ceiling (benchmarks/bench.py)       BENCH_TIMEOUT 150
-#      bench.py's plain round (option.batch_invariant=false) is skipped (--no-plain): on kernel_backend=triton
-#      (and torch) the option has no effect, the kernels being row-invariant by construction.
 #   3. the same offline workload with option.enforce_eager=true (no graphs)                EAGER_TIMEOUT 70
 #   4. LoRA: 64 requests over 4 adapters against the same 64 on the base, bf16
 #      (benchmarks/ab.py lora; its line goes to gpu-bench.log)                             LORA_TIMEOUT 60
@@ -29,7 +27,7 @@
 # git; a run worth keeping goes to benchmarks/measurements/, as gpu-check-2026-12-04-h200/ did).
 #
 # Writes gpu-<UTC date>.json with device, offline_tok_s_invariant (graphs), offline_tok_s_eager
-# (enforce_eager=true), graphs_vs_eager, offline_tok_s_fast (null, with offline_tok_s_fast_note saying why),
+# (enforce_eager=true), graphs_vs_eager,
 # batch1_tok_s, hf_tok_s, offline_vs_hf, lora_base_tok_s, lora_tok_s, lora_vs_base (target: at least 0.8),
 # bandwidth_gb_s, matmul_bf16_tflop_s and invariance_bitwise (true when the Triton tests and the invariance tests
 # all passed on the GPU), beside gpu-kernels-*.json, bench-*.json and the logs gpu-kernels.log, gpu-bench.log
@@ -169,13 +167,11 @@ kern_rc=${PIPESTATUS[0]}
 echo "Triton kernels: exit $kern_rc in $(( $(date +%s) - start )) s"
 
 echo "== benchmark, bf16, kernel_backend=triton, CUDA graphs, gpu_memory_utilization=0.9: offline, batch-1, transformers' generate() =="
-# --no-plain: option.batch_invariant=false changes nothing on kernel_backend=triton (row-invariant kernels), so
-# its round would time the same engine again; the summary keeps offline_tok_s_fast null with a note
 start=$(date +%s)
 BENCH_DIR=$(mktemp -d)      # bench.py writes a .png beside its .json: only the .json is kept
 # bench.py sets option.kv_cache_bytes; gpu_memory_utilization set too sizes the cache as a GPU user's default does
 timeout "$(left "${BENCH_TIMEOUT:-150}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
-  --option kernel_backend triton --option gpu_memory_utilization 0.9 --no-plain --hf-batch-sizes 64 --out-dir "$BENCH_DIR" \
+  --option kernel_backend triton --option gpu_memory_utilization 0.9 --hf-batch-sizes 64 --out-dir "$BENCH_DIR" \
   --skip vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1_int8,peak_end \
   --phase-timeout-s 120 2>&1 | tee "$OUT_DIR/gpu-bench.log"
 bench_rc=${PIPESTATUS[0]}
@@ -187,7 +183,7 @@ echo "== the same offline workload with option.enforce_eager=true (every step ea
 start=$(date +%s)
 EAGER_DIR=$(mktemp -d)
 timeout "$(left "${EAGER_TIMEOUT:-70}")" "$PY" benchmarks/bench.py --dtype bfloat16 --offline-rounds 1 --threads 4 \
-  --option kernel_backend triton --option gpu_memory_utilization 0.9 --option enforce_eager true --no-plain \
+  --option kernel_backend triton --option gpu_memory_utilization 0.9 --option enforce_eager true \
   --out-dir "$EAGER_DIR" --skip peak,vllm,llamacpp,structured,batch_runner,ours_server,ours_batch1,hf \
   --phase-timeout-s 60 2>&1 | tee -a "$OUT_DIR/gpu-bench.log"
 eager_rc=${PIPESTATUS[0]}
@@ -263,7 +259,6 @@ from lmi_handler.config import EngineConfig
 from lmi_handler.engine.engine import Engine
 from lmi_handler.engine.sequence import SamplingParams
 prompts = [[1] + [(7 * i + 13 * j) % 40000 + 100 for j in range(60 + i)] for i in range(64)]
-# batch_invariant stays at its default: on kernel_backend=triton it changes nothing (row-invariant kernels)
 engine = Engine(EngineConfig(model_path="model", dtype="bfloat16", device_id=0, max_num_seqs=64,
                              max_num_batched_tokens=4096, max_model_len=None, block_size=16,
                              kv_cache_bytes=1 << 30, enable_prefix_caching=False))

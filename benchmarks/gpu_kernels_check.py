@@ -33,10 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTER, VOCAB = 576, 9, 3, 64, 1536, 49152
 LINEARS = {"qkv": (HIDDEN, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN),
            "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
-# why the summary's offline_tok_s_fast is null: the Triton (and torch) backend's kernels are row-invariant by
-# construction and its forward ignores `invariant`, so gpu_check.sh skips bench.py's plain round (--no-plain)
-FAST_NOTE = ("not measured: option.batch_invariant has no effect on kernel_backend=triton (its kernels are "
-             "row-invariant by construction), so gpu_check.sh skips the batch_invariant=false round")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,14 +223,10 @@ def summary(args: argparse.Namespace, device, device_name: str) -> dict:
     record = {"device": device_name,
               "offline_tok_s_invariant": rate("ours_offline_bf16"),
               "offline_tok_s_eager": rate("ours_offline_bf16", source=eager_phases),
-              "offline_tok_s_fast": rate("ours_offline_plain_bf16"),
-              "offline_tok_s_fast_note": None,
               "batch1_tok_s": rate("ours_batch1_bf16", "decode_tokens_per_s"),
               "hf_tok_s": rate("hf"),
               "bandwidth_gb_s": round(read_bandwidth_gb_s(device, args.smoke), 1),
               "invariance_bitwise": bool((kernels.get("tests") or {}).get("passed")) and rcs.get("invariance") == 0}
-    if (phases.get("ours_offline_plain_bf16") or {}).get("skipped") == "--no-plain":   # skipped, not failed
-        record["offline_tok_s_fast_note"] = FAST_NOTE
     flops = (phases.get("peak_start") or {}).get("peak_flops_per_s")
     record.update(lora_rates(args.summary / "gpu-bench.log"))
     record.update({

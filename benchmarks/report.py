@@ -220,7 +220,6 @@ def add_summary(result: dict) -> None:
     rows, tps, ratios, rounds = [], {}, {}, {}
     for dtype in dtypes:
         for base, label in (("ours_offline", "ours offline{} (default, batch-invariant)"),
-                            ("ours_offline_plain", "ours offline{} (option.batch_invariant=false)"),
                             ("vllm_offline", "vLLM CPU offline{} (LLM.generate)")):
             if res := _ok(ph, name(base, dtype)):
                 rows.append(_offline_row(label.format(_label(dtype)), res))
@@ -239,10 +238,6 @@ def add_summary(result: dict) -> None:
         by_round = round_ratios(ph, ours, vllm)
         rounds[f"{ours}_vs_{vllm}"] = by_round
         ratios[f"{ours}_vs_{vllm}"] = by_round["median"] if by_round else _ratio(tps.get(ours), tps.get(vllm))
-        ratios[f"{name('ours_offline_plain', dtype)}_vs_{vllm}"] = _ratio(tps.get(name("ours_offline_plain", dtype)),
-                                                                          tps.get(vllm))
-        ratios[f"{ours}_vs_{name('ours_offline_plain', dtype)}"] = _ratio(tps.get(ours),
-                                                                          tps.get(name("ours_offline_plain", dtype)))
         b1 = {k: ((_ok(ph, k) or {}).get("batch1") or {}).get("decode_tokens_per_s") for k in (ours, vllm)}
         ratios[f"{name('ours_batch1', dtype)}_vs_{name('vllm_batch1', dtype)}"] = _ratio(b1[ours], b1[vllm])
         for k in (ours, vllm):
@@ -396,7 +391,7 @@ def greedy_agreement(phases: dict, dtypes: list[str | None]) -> dict:
     out = {}
     for dtype in dtypes:
         ours = (_ok(phases, name("ours_offline", dtype)) or {}).get("output_token_ids")
-        peers = [name(b, dtype) for b in ("ours_offline_plain", "vllm_offline")] + (["hf"] if dtype == dtypes[0] else [])
+        peers = [name("vllm_offline", dtype)] + (["hf"] if dtype == dtypes[0] else [])
         for peer in peers:
             theirs = (_ok(phases, peer) or {}).get("output_token_ids")
             if ours and theirs:

@@ -54,7 +54,6 @@ def test_skip_turns_off_a_phase_by_its_name_its_dtype_less_name_or_its_group():
     assert bench.skip_keys("vllm_offline_bf16") == {"vllm_offline_bf16", "vllm_offline", "vllm"}
     assert bench.skip_keys("ours_batch1_int8_fp32") == {"ours_batch1_int8_fp32", "ours_batch1_int8", "ours_batch1"}
     assert bench.skip_keys("llamacpp_batch1") == {"llamacpp_batch1", "llamacpp"}
-    assert "ours_offline" not in bench.skip_keys("ours_offline_plain_fp32")  # the plain variant is its own phase
     args = bench.parse_args(["--skip", "vllm_offline_bf16,ours_batch1,llamacpp"])
     assert args.skip == ["vllm_offline_bf16", "ours_batch1", "llamacpp"]
 
@@ -69,9 +68,9 @@ def test_smoke_records_why_it_turns_phases_off_and_says_which_sizes_it_replaces(
     assert "--num-prompts ignored" in capsys.readouterr().out
     assert (args.num_prompts, args.max_new_tokens, args.concurrency, args.threads) == (2, 8, [2], 1)
     assert args.smoke_skips == {"peak_end": "--smoke", "vllm": "--smoke (add --with vllm)"}
-    assert {"peak_end", "vllm"} <= set(args.skip) and not args.plain
-    with_vllm = bench.parse_args(["--smoke", "--with", "vllm,plain"])
-    assert "vllm" not in with_vllm.skip and with_vllm.plain
+    assert {"peak_end", "vllm"} <= set(args.skip)
+    with_vllm = bench.parse_args(["--smoke", "--with", "vllm"])
+    assert "vllm" not in with_vllm.skip
 
 
 def test_sigterm_unwinds_like_ctrl_c_so_finally_blocks_stop_the_engines():

@@ -1,6 +1,6 @@
 """benchmarks/gpu_kernels_check.py, gpu_check.sh's last word, on CPU: without a GPU it refuses with status 2;
 its summary (--smoke: a small bandwidth buffer) records the graphs' and the eager run's throughputs from two
-bench.py JSONs, with their ratios, and says why the plain round's figure is null. gpu_check.sh itself: --help,
+bench.py JSONs, with their ratios. gpu_check.sh itself: --help,
 a wrong argument, and its refusal without CUDA."""
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ def test_without_a_gpu_the_kernel_check_refuses_with_status_2(capsys):
 
 def test_the_summary_records_the_graphs_and_the_eager_throughputs_and_their_ratios(tmp_path):
     bench = {"phases": {"ours_offline_bf16": {"output_tokens_per_s": 12000.0},
-                        "ours_offline_plain_bf16": {"output_tokens_per_s": 15000.0},
                         "ours_batch1_bf16": {"decode_tokens_per_s": 450.0}, "hf": {"output_tokens_per_s": 3000.0}},
              "workload": {"num_prompts": 64, "max_new_tokens": 128}}
     eager = {"phases": {"ours_offline_bf16": {"output_tokens_per_s": 4000.0}}}
@@ -37,11 +36,11 @@ def test_the_summary_records_the_graphs_and_the_eager_throughputs_and_their_rati
                                    "--bench-eager-json", str(tmp_path / "e.json"), "--rc", "invariance=0"]) == 0
     record = json.loads(next(out.glob("gpu-*.json")).read_text())
     assert record["offline_tok_s_invariant"] == 12000.0 and record["offline_tok_s_eager"] == 4000.0
-    assert record["offline_tok_s_fast"] == 15000.0 and record["offline_tok_s_fast_note"] is None
     assert record["batch1_tok_s"] == 450.0
     assert record["graphs_vs_eager"] == 3.0 and record["offline_vs_hf"] == 4.0
     assert record["bandwidth_gb_s"] > 0 and record["invariance_bitwise"] is False    # no kernel tests ran
-    for key in ("device", "offline_tok_s_fast", "hf_tok_s"):
+    assert not any(key.startswith("offline_tok_s_fast") for key in record)   # the plain round is retired
+    for key in ("device", "hf_tok_s"):
         assert key in record
 
 
@@ -50,19 +49,6 @@ def test_the_summary_without_an_eager_run_leaves_its_figures_empty(tmp_path):
     assert gpu_kernels_check.main(["--smoke", "--summary", str(out)]) == 0
     record = json.loads(next(out.glob("gpu-*.json")).read_text())
     assert record["offline_tok_s_eager"] is None and record["graphs_vs_eager"] is None
-    assert record["offline_tok_s_fast"] is None and record["offline_tok_s_fast_note"] is None   # not run: no reason
-
-
-def test_the_summary_of_a_run_without_the_plain_round_keeps_the_fast_key_null_and_says_why(tmp_path):
-    # what bench.py writes with --no-plain, as gpu_check.sh runs it
-    bench = {"phases": {"ours_offline_bf16": {"output_tokens_per_s": 12000.0},
-                        "ours_offline_plain_bf16": {"skipped": "--no-plain"}}}
-    (tmp_path / "b.json").write_text(json.dumps(bench))
-    out = tmp_path / "out"
-    assert gpu_kernels_check.main(["--smoke", "--summary", str(out), "--bench-json", str(tmp_path / "b.json")]) == 0
-    record = json.loads(next(out.glob("gpu-*.json")).read_text())
-    assert record["offline_tok_s_invariant"] == 12000.0 and record["offline_tok_s_fast"] is None
-    assert "no effect on kernel_backend=triton" in record["offline_tok_s_fast_note"]
 
 
 # ---- gpu_check.sh, the script that ends with the summary: its arguments and its refusal, on CPU --------------
@@ -78,7 +64,7 @@ def _gpu_check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 def test_gpu_check_help_prints_the_steps_and_the_usage_and_a_wrong_argument_its_usage_with_status_2(tmp_path):
     shown = _gpu_check("--help", tmp_path=tmp_path)
     assert shown.returncode == 0 and "LORA_TIMEOUT" in shown.stdout and "--prepare" in shown.stdout
-    assert "offline_tok_s_fast_note" in shown.stdout and not (tmp_path / "out").exists()
+    assert "graphs_vs_eager" in shown.stdout and not (tmp_path / "out").exists()
     wrong = _gpu_check("--bogus", tmp_path=tmp_path)
     assert wrong.returncode == 2 and "unknown argument '--bogus'" in wrong.stderr and "Usage" in wrong.stderr
     assert _gpu_check("--prepare", "again", tmp_path=tmp_path).returncode == 2

@@ -1,7 +1,7 @@
 """The LoRA part of the settings: whether adapters are served, their limits, and where they may come from.
 
 Owns option.enable_lora and the lora_* / max_*lora* options and the engine's LoraConfig slice of them;
-loading and applying adapters is engine/lora.py's.
+loading and applying adapters is engine/model/lora/'s.
 """
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ class Sequence:
     grammar_ticket: Any = None                      # CompileTicket while the grammar compiles
     grammar: Any = None                             # GrammarState once compiled
     beam_group: Any = None                          # BeamGroup of a beam-search request (engine/beam_search.py)
-    # LoRA (engine/model/lora.py): the LoraAdapter params.adapter named, resolved at admission (a running
+    # LoRA (engine/model/lora/): the LoraAdapter params.adapter named, resolved at admission (a running
     # request keeps it even if the adapter is unloaded meanwhile); its key salts the prefix-cache hashes
     adapter: Any = None
 

@@ -1,7 +1,7 @@
 """The LoRA adapter routes: LMI's management API (GET/POST /models/{model}/adapters, GET/DELETE
 /models/{model}/adapters/{name}) and vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
-Owns these routes and their answers; loading and checking adapters is engine/model/lora.py's (through the
+Owns these routes and their answers; loading and checking adapters is engine/model/lora/'s (through the
 Service), the API key the middleware's (auth.py: these routes need it like every other).
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ FRONT_END_KEYS = frozenset({
     "engine", "entrypoint", "handler", "cluster_size", "model_dir", "device_id", "job_queue_size", "batch_size",
     "max_batch_delay", "max_idle_time", "minworkers", "maxworkers", "load_on_devices", "required_memory_mb",
     "reserved_memory_mb", "model_loading_timeout", "predict_timeout", "parallel_loading", "translatorfactory",
-    "mpi_mode", "task", "pythonexecutable", "s3url",
+    "mpi_mode", "pythonexecutable", "s3url",
 })
 
 # Options LMI's engines (vLLM, lmi-dist, TensorRT-LLM, transformers-neuronx) or vLLM's own arguments take that

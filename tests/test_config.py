@@ -182,3 +182,26 @@ def test_the_retired_batch_invariant_option_is_ignored_with_one_warning_naming_w
     assert warnings == ["option.batch_invariant is retired: every kernel backend computes each row alone, so a "
                         "sequence's logits never depend on its batch (there is no faster non-invariant form left to "
                         "choose); ignored"]
+
+
+def test_task_defaults_to_generation_and_takes_the_pooling_tasks_and_their_aliases():
+    assert Settings.from_properties({}).task == "text-generation" and not Settings.from_properties({}).is_pooling
+    for value, task in [("text-embedding", "text-embedding"), ("Embedding", "text-embedding"), ("score", "rerank"),
+                        ("classify", "classification"), ("auto", "auto")]:
+        settings = Settings.from_properties({"task": value})
+        assert settings.task == task and settings.is_pooling
+
+
+@pytest.mark.parametrize("properties, words", [({"task": "translate"}, "option.task='translate'"),
+                                               ({"pooling": "median"}, "option.pooling='median'"),
+                                               ({"normalize": "perhaps"}, "option.normalize='perhaps'")])
+def test_pooling_options_refuse_unknown_values_naming_the_option(properties, words):
+    with pytest.raises(ConfigError, match=words):
+        Settings.from_properties(properties)
+
+
+def test_pooling_and_normalize_are_unset_by_default_and_take_sentence_transformers_names():
+    assert Settings.from_properties({}).pooling is None and Settings.from_properties({}).normalize is None
+    settings = Settings.from_properties({"pooling": "last_token", "normalize": "true"})
+    assert settings.pooling == "lasttoken" and settings.normalize is True
+    assert Settings.from_properties({"pooling": "CLS"}).pooling == "cls"

@@ -3,7 +3,7 @@ properties (serving.properties + OPTION_* environment).
 
 Owns the composition, the validation of a whole set of properties (ConfigError naming the key) and the
 slices built from several parts; each option itself is its part's (model.py, engine.py, lora.py, serving.py,
-chat.py, batch.py).
+chat.py, batch.py, pooling.py).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from lmi_handler.config.engine import EngineOptions
 from lmi_handler.config.environment import add_environment_switches, read_mpi_launch
 from lmi_handler.config.lora import LoraOptions
 from lmi_handler.config.model import ModelOptions
+from lmi_handler.config.pooling import PoolingOptions
 from lmi_handler.config.serving import ServingOptions
 from lmi_handler.config.slices import EngineConfig, ParallelConfig
 from lmi_handler.model_source import hub_repo_id, local_model_dir
@@ -27,14 +28,14 @@ from lmi_handler.option_names import Kind, sort_key
 logger = logging.getLogger("lmi_handler.config")      # the name the package's log lines have always carried
 
 # The parts, in the order of docs/configuration.md's tables; a key belongs to the first part that has it
-PARTS = (ModelOptions, EngineOptions, LoraOptions, ServingOptions, ChatOptions, BatchOptions)
+PARTS = (ModelOptions, EngineOptions, LoraOptions, ServingOptions, ChatOptions, BatchOptions, PoolingOptions)
 # Keys whose values are never echoed (a bad value's error message names the key only)
 SECRET_KEYS = ("api_key",)
 
 
 # Python lists the fields of the last base first: the parts in reverse give the fields in PARTS' order
 # (validation too: a validator reads only fields of its own part, declared before its field).
-class Settings(BatchOptions, ChatOptions, ServingOptions, LoraOptions, EngineOptions, ModelOptions):
+class Settings(PoolingOptions, BatchOptions, ChatOptions, ServingOptions, LoraOptions, EngineOptions, ModelOptions):
     """The model's properties as handle() receives them (serving.properties `option.*` keys, no prefix)."""
 
     @property

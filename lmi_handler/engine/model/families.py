@@ -86,8 +86,9 @@ def family_of(cfg: dict) -> Family:
     family = FAMILIES.get(model_type)
     if family is None:
         raise ConfigError(f"config.json model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+    bare = [a.replace("ForCausalLM", "Model") for a in family.architectures]    # embedders saved bare (pooling)
     for arch in cfg.get("architectures") or ():
-        if arch not in family.architectures:
+        if arch not in family.architectures and arch not in bare:
             raise ConfigError(f"config.json architectures entry {arch!r} is not supported for model_type="
                               f"{model_type!r}; supported: {list(family.architectures)}")
     return family

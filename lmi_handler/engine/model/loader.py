@@ -90,7 +90,7 @@ def _tensor(hf: dict[str, torch.Tensor], names: str | list[str]) -> torch.Tensor
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
                lm_head_kind: str | None = None, huge_pages: bool = True, layout: ShardLayout | None = None,
-               kernel_backend: str = "auto") -> DecoderModel:
+               kernel_backend: str = "auto", pooling: bool = False) -> DecoderModel:
     """forward.DecoderModel of an HF directory, in eval mode on `device`, activations in `dtype`, on the kernel
     backend option.kernel_backend picks (backend.choose_backend, logged; the model's `kernel_backend` names it).
 
@@ -110,6 +110,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     prepare_linear(weight) lays its linears out once here instead. Norms, biases and an unpacked embedding are
     copied to `dtype` on `device` (a bf16 checkpoint loaded as bfloat16 is never widened), so no view keeps the
     mapped checkpoint file resident.
+    pooling: a pooling task's decoder (engine/pooling_engine.py), saved as the bare model (Qwen3-Embedding,
+    gte-Qwen2): its tensors may lack the `model.` prefix and lm_head (never used: the embedding stands in).
     Raises: ConfigError for a model or backend we cannot serve here; KeyError naming a missing weight;
     ValueError for quantize on a backend without pack_linear."""
     spec = build_spec(read_config(model_dir))
@@ -122,8 +124,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     kind = quantize or str(dtype).removeprefix("torch.")
     head_kind = lm_head_kind or kind
     hf = read_safetensors(model_dir, layout, full_qk_norm=spec.qk_norm == "full")
+    if pooling and "model.embed_tokens.weight" not in hf:
+        hf = {(k if k.startswith("lm_head.") else "model." + k): t for k, t in hf.items()}
     names = [layer_tensor_names(spec, i) for i in range(spec.num_layers)]
     head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    if pooling and head_name not in hf:
+        head_name = "model.embed_tokens.weight"
     linears = [(layer[role], kind) for layer in names for role in LINEARS] + [(head_name, head_kind)]
     arena = iter(panel_arena([(panels_shape(*_shape(hf, n), k), k) for n, k in linears], huge_pages)
                  if pack is not None else [])

@@ -62,7 +62,7 @@ class PoolingEngine:
         cfg = read_config(model_dir)
         self.task = resolve_task(task, Path(model_dir), cfg)
         self.is_encoder = is_encoder(cfg)
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.vocab_size = device, dtype, cfg["vocab_size"]
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         if self.is_encoder:
             self.model = load_encoder(model_dir, dtype, device, kernel_backend, quantize)

@@ -18,12 +18,14 @@ from lmi_handler.batch.server import BatchApi
 from lmi_handler.config import ConfigError, Settings
 from lmi_handler.frontend.loops import make_front_end
 from lmi_handler.handler import Handler
+from lmi_handler.pooling_service import served_task
 from lmi_handler.protocol.dialects import ROUTE_INVOCATIONS, Dialect
 from lmi_handler.server.adapters import add_adapter_routes
 from lmi_handler.server.auth import RequireApiKey, log_access_rule, open_paths
 from lmi_handler.server.metrics import CountRequests, Metrics
 from lmi_handler.server.openai import add_openai_routes
 from lmi_handler.server.ops import RequestIds, add_cancel_route, exit_when_dead
+from lmi_handler.server.pooling import create_pooling_app
 from lmi_handler.server.responses import add_responses_routes
 from lmi_handler.server.serving import add_generation_routes, answer_framework_errors, error_response, serve
 from lmi_handler.server.tgi import add_tgi_routes
@@ -39,6 +41,8 @@ def create_app(properties: dict[str, str]) -> FastAPI:
     finished /v1/responses answers kept, server/responses.py).
     """
     settings = Settings.from_properties(properties)
+    if served_task(settings) != "text-generation":       # embeddings, rerank, classification: server/pooling.py
+        return create_pooling_app(settings)
     app = FastAPI(title="lmi_handler", lifespan=_lifespan)
     metrics = Metrics(lambda: app.state.service.engine if app.state.service is not None else None,
                       lambda: app.state.front_end)

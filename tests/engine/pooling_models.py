@@ -79,3 +79,18 @@ def reference_pool(hidden: torch.Tensor, mode: str, skip: int = 0) -> torch.Tens
     if mode == "max":
         return hidden.masked_fill(mask[:, None] == 0, -1e9).max(0).values
     return (hidden * mask[:, None]).sum(0) / mask.sum().clamp_min(1e-9)
+
+
+WORDS = ("the a is of to and in what deep learning query passage hello world cats dogs sleep run fast slow big small "
+         "red blue model text vector search rank good bad paris france capital city river").split()
+
+
+def write_wordpiece_tokenizer(path: Path) -> None:
+    """A BERT WordPiece tokenizer of ENCODER's vocabulary size (special tokens, WORDS, letters, ## pieces)."""
+    from transformers import BertTokenizerFast
+
+    letters = list("abcdefghijklmnopqrstuvwxyz0123456789:.,?!")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *letters, *[f"##{c}" for c in letters]]
+    vocab = vocab[:ENCODER["vocab_size"]]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)

@@ -18,6 +18,9 @@ from lmi_handler.engine.faults import FaultInjector, FaultRule, StepGuard
 from lmi_handler.engine.health import EngineDead, EngineHealth
 from lmi_handler.engine.parallel.launch import run_mpi_follower
 from lmi_handler.engine.sequence import RequestOutput
+from lmi_handler.pooling_answers import PoolingAnswers
+from lmi_handler.pooling_handler import PoolingHandler
+from lmi_handler.pooling_service import PoolingService, served_task
 from lmi_handler.protocol.custom_output import CustomAnswer, FormatterError
 from lmi_handler.protocol.dialects import dialect_of
 from lmi_handler.protocol.encoder import Wire, encode, encode_bytes
@@ -385,6 +388,7 @@ class Handler:
         self.health = EngineHealth()      # one for both sides: dead is dead, whichever batch found it
         self.rolling: RollingBatch | None = None
         self.dynamic: DynamicBatch | None = None
+        self.pooling: PoolingHandler | None = None     # a pooling model's handle() (option.task)
 
     def handle(self, inputs: Input) -> Output | None:
         """DJL entry point (DESIGN §2): the first call carries the properties; an empty call returns None.
@@ -393,10 +397,12 @@ class Handler:
         call after it, so DJL's worker recovery (or the bundled front end) fails the requests and restarts.
         On an MPI rank above 0 the first call serves rank 0's steps until rank 0 shuts down, then returns None.
         """
-        if self.service is None and not self._initialize(inputs.get_properties()):
+        if self.service is None and self.pooling is None and not self._initialize(inputs.get_properties()):
             return None
         if inputs.is_empty():
             return None
+        if self.pooling is not None:            # a pooling model: pooling_handler.py answers every item now
+            return self.pooling.handle(inputs)
         self.health.check()
         if self.settings.is_rolling:
             return self.rolling.step(inputs)
@@ -411,6 +417,10 @@ class Handler:
         """Build the Service; False on an MPI follower rank, whose init call was the follower loop."""
         if self.settings is None:
             self.settings = Settings.from_properties(dict(properties))
+        if served_task(self.settings) != "text-generation":
+            answers = PoolingAnswers(PoolingService(self.settings), self.settings.served_model_names)
+            self.pooling = PoolingHandler(answers, self.settings.is_rolling)
+            return True
         engine_config = self.settings.engine_config()
         if engine_config.parallel.mpi is not None and engine_config.parallel.mpi.rank > 0:
             # LMI's MPI launch: ranks above 0 get only the init call; they serve rank 0's steps from inside it

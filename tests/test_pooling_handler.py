@@ -55,3 +55,13 @@ def test_dynamic_handle_answers_each_item_under_its_index(embedder_dir):
     output = worker.handle(_call([GOOD, BAD], rolling=False))
     first, second = (json.loads(output.content.value_at(i)) for i in range(2))
     assert len(first) == 2 and second["code"] == 400 and output.properties["batch_1_code"] == "400"
+
+
+def test_task_auto_serves_generation_for_a_generative_checkpoint_and_embeddings_for_a_sentence_transformer(
+        embedder_dir, tmp_path):
+    from lmi_handler.config import Settings
+    from lmi_handler.pooling_service import served_task
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    assert served_task(Settings.from_properties({"model_id": str(tmp_path), "task": "auto"})) == "text-generation"
+    assert served_task(Settings.from_properties({"model_id": str(embedder_dir), "task": "auto"})) == "text-embedding"

@@ -38,7 +38,8 @@ def reranker(tmp_path_factory):
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     path, hf = _server(tmp_path_factory, "classifier", num_labels=3)
-    with fresh_server(model_id=str(path), task="classification") as server:
+    with fresh_server(model_id=str(path), task="classification", api_key="sesame") as server:
+        server.client.headers["Authorization"] = "Bearer sesame"
         yield server, hf, server.app.state.pooling.tokenizer
 
 
@@ -136,8 +137,9 @@ def test_rerank_routes_answer_the_cross_encoders_sigmoid_scores_best_first(reran
     assert server.post("/invocations", json={"query": query, "texts": texts}).json() == plain
 
 
-def test_classify_predict_and_invocations_answer_the_classifiers_softmax(classifier):
+def test_classify_predict_and_invocations_answer_the_classifiers_softmax_behind_the_api_key(classifier):
     server, hf, tok = classifier
+    assert server.post("/classify", json={"input": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
     probs = [_expected_logits(hf, tok, t).softmax(-1) for t in TEXTS]
     vllm = server.post("/classify", json={"input": TEXTS}).json()
     for item, p in zip(vllm["data"], probs):

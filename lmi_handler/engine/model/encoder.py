@@ -130,8 +130,8 @@ class EncoderModel:
         out, start = [], 0
         for n in seq_lens:
             q, k, v = qkv[start:start + n].float().view(n, 3, heads, dim).permute(1, 2, 0, 3)   # (H, n, D) each
-            scores = (q @ k.transpose(1, 2)) * dim ** -0.5
-            out.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * dim).to(qkv.dtype))
+            o = F.scaled_dot_product_attention(q, k, v)            # the same call for a sequence in any batch
+            out.append(o.transpose(0, 1).reshape(n, heads * dim).to(qkv.dtype))
             start += n
         return torch.cat(out)
 

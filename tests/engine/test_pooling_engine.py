@@ -48,7 +48,7 @@ def test_encoder_vectors_equal_transformers_hidden_states_pooled_as_sentence_tra
                                                                                                mode):
     path, hf = encoders[model_type]
     write_sentence_transformers(path, mode)
-    for backend in ("torch", "cpp"):
+    for backend in ("torch", "cpp") if model_type == "bert" else ("cpp",):     # the reference linear once
         engine = PoolingEngine(path, torch.float32, CPU, "text-embedding", kernel_backend=backend)
         assert engine.pooler.mode == mode and engine.model.kernel_backend == backend
         outputs = engine.encode(_requests(TEXTS))

@@ -28,7 +28,7 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "tensor_parallel_size": "tensor_parallel_degree", "pipeline_parallel_size": "pipeline_parallel_degree",
     "quantization": "quantize", "model": "model_id",
     "max_seq_len": "max_model_len", "n_positions": "max_model_len", "max_input_len": None,
-    "enable_chunked_prefill": "max_rolling_batch_prefill_tokens", "trust_remote_code": None,
+    "enable_chunked_prefill": "max_rolling_batch_prefill_tokens",
     "disable_log_stats": None, "served_model_names": "served_model_name", "api_keys": "api_key",
     # LoRA and adapters
     "lora_dtype": None, "lora_extra_vocab_size": None, "fully_sharded_loras": None, "long_lora_scaling_factors": None,
@@ -61,7 +61,7 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "tokenizer": None, "tokenizer_mode": None, "tokenizer_revision": None, "skip_tokenizer_init": None,
     "code_revision": None, "download_dir": None, "load_format": None, "config_format": None, "hf_overrides": None,
     "rope_scaling": None, "rope_theta": None, "model_loader_extra_config": None, "ignore_patterns": None,
-    "model_impl": None, "hf_token": None, "pt_load_map_location": None, "use_tqdm_on_load": None,
+    "hf_token": None, "pt_load_map_location": None, "use_tqdm_on_load": None,
     "override_generation_config": None, "override_neuron_config": None, "override_pooler_config": None,
     "additional_config": None, "seed": None, "max_logprobs": None, "logits_processor_pattern": None,
     "guided_decoding_backend": None, "structured_outputs_config": None,

@@ -1,7 +1,7 @@
 """The model part of the settings: which checkpoint is served, from where, in which dtype and quantization.
 
-Owns option.model_id, revision, generation_config, dtype, quantize (model_dir is base.py's) and finding the
-model's directory; how the weights are then run is engine.py's part.
+Owns option.model_id, revision, generation_config, dtype, quantize, model_impl, trust_remote_code (model_dir is
+base.py's) and finding the model's directory; how the weights are then run is engine.py's part.
 """
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ class ModelOptions(Options):
     quantize: Literal["int8"] | None = None
     """Weight-only quantization at load: int8 = per-output-channel symmetric int8 weights, dequantized in
     the C++ CPU kernels (activations stay in `dtype`); CPU only. Unset or `none`: the checkpoint's weights."""
+
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
+    """Which implementation runs the model (vLLM's option; its `vllm` is `native` here). native: this engine's
+    layer description, for the families of docs/models.md; transformers: transformers' own AutoModelForCausalLM
+    with this engine's paged attention registered into its attention interface (the scheduler, paged KV cache,
+    prefix caching, chunked prefill and sampler as for a native model; no int8, LoRA or tensor parallelism),
+    for any decoder-only model whose attention goes through that interface; auto: native where the model_type
+    has a layer description, else transformers. Which one runs, and why, is logged at start-up; a model neither
+    serves is refused there naming its model_type (engine/model/model_impl.py)."""
+    trust_remote_code: bool = False
+    """Run modelling code that ships inside the checkpoint (config.json's auto_map) through the transformers
+    implementation, for a model_type transformers does not know. Off: such a checkpoint is refused at start-up."""
+
+    @field_validator("model_impl", mode="before")
+    @classmethod
+    def _lower_impl(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("dtype")
     @classmethod

@@ -59,6 +59,7 @@ class Settings(PoolingOptions, BatchOptions, ChatOptions, ServingOptions, LoraOp
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,
                             scheduling_policy=self.scheduling_policy,
                             bf16_kernel=self.bf16_kernel, kernel_backend=self.kernel_backend,
+                            model_impl=self.model_impl, trust_remote_code=self.trust_remote_code,
                             gpu_memory_utilization=self._utilization(), enforce_eager=self.enforce_eager,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
                             lora=self.lora_config(self.model_path),

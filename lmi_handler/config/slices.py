@@ -61,6 +61,8 @@ class EngineConfig:
     quantize: str | None = None
     bf16_kernel: str = "auto"
     kernel_backend: str = "auto"
+    model_impl: str = "auto"                      # auto | native | transformers (engine/model/model_impl.py)
+    trust_remote_code: bool = False
     gpu_memory_utilization: float | None = None   # CUDA: size the KV cache by it (None: kv_cache_bytes)
     enforce_eager: bool = False                   # CUDA: no decode graphs
     structured_output_compile_timeout_s: float = 30.0

@@ -75,6 +75,9 @@ class Engine:
         (logger.warning if precision.warn else logger.info)("%s", precision.reason)
         # a ModelRunner, or under tensor parallelism rank 0's executor over the group (engine/parallel/)
         self.runner = start_runner(config, self.device, precision)
+        if config.lora is not None and self.runner.kernel_backend == "transformers":
+            raise ConfigError("option.enable_lora runs on the native implementation only, not on the transformers "
+                              "fallback (option.model_impl)")
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
         self.max_model_len = config.max_model_len or self.runner.config.max_model_len
         self.allocator = BlockAllocator(self.runner.num_blocks, self.runner.block_size)
@@ -403,7 +406,7 @@ class RowTables:
 def check_max_model_len(config: EngineConfig) -> None:
     """Refuse option.max_model_len past the model's own context (config.json max_position_embeddings), as vLLM
     does, before anything loads: positions past it were never trained. Raises ConfigError naming both."""
-    model_len = read_model_config(config.model_path).max_model_len
+    model_len = read_model_config(config.model_path, config.model_impl, config.trust_remote_code).max_model_len
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ConfigError(f"option.max_model_len={config.max_model_len} exceeds the model's context of {model_len} "
                           "tokens (max_position_embeddings in its config.json): set it to at most that, or unset")

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import torch
 
+from lmi_handler.config import ConfigError
 from lmi_handler.engine.cuda_graphs import DecodeGraphs, graph_unfit
 from lmi_handler.engine.gpu_memory import blocks_for_gpu
 from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
+from lmi_handler.engine.model.fallback import fallback_shape, load_fallback
 from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config, spec_from_config
 from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes
+from lmi_handler.engine.model.model_impl import choose_impl
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
@@ -53,10 +56,15 @@ def _as_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def read_model_config(model_dir: str | Path) -> ModelConfig:
-    """ModelConfig from config.json (and generation_config.json when present)."""
+def read_model_config(model_dir: str | Path, model_impl: str = "auto", trust_remote_code: bool = False) -> ModelConfig:
+    """ModelConfig from config.json (and generation_config.json when present): the layer description's, or
+    transformers' config's for a model the fallback serves (option.model_impl, model_impl.choose_impl).
+    Raises ConfigError for a model neither serves."""
     cfg = read_config(model_dir)
-    spec = spec_from_config(cfg)
+    if choose_impl(cfg, model_impl, trust_remote_code).fallback:
+        spec = fallback_shape(model_dir, trust_remote_code)
+    else:
+        spec = spec_from_config(cfg)
     eos = _as_ids(cfg.get("eos_token_id"))
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
@@ -146,14 +154,21 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_bytes: int = 2 * 1024**3,
                  huge_pages: bool = True, quantize: str | None = None,
                  layout=None, group=None, kernel_backend: str = "auto", gpu_memory_utilization: float | None = None,
-                 enforce_eager: bool = True, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024):
-        self.config = read_model_config(model_dir)
+                 enforce_eager: bool = True, max_num_seqs: int = 32, max_num_batched_tokens: int = 1024,
+                 model_impl: str = "auto", trust_remote_code: bool = False):
+        self.config = read_model_config(model_dir, model_impl, trust_remote_code)
         self.dtype, self.device, self.block_size = dtype, torch.device(device), block_size
         self.quantize = quantize
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)   # Triton launches and graph replays go to the current device
-        self.model = load_model(model_dir, dtype, self.device, quantize=quantize, huge_pages=huge_pages,
-                                layout=layout, kernel_backend=kernel_backend)
+        self.impl = choose_impl(read_config(model_dir), model_impl, trust_remote_code)
+        if self.impl.fallback:
+            _check_fallback_settings(quantize, layout)
+            self.model = load_fallback(model_dir, dtype, self.device, kernel_backend, trust_remote_code, self.impl.why)
+            self.config = replace(self.config, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim)
+        else:
+            self.model = load_model(model_dir, dtype, self.device, quantize=quantize, huge_pages=huge_pages,
+                                    layout=layout, kernel_backend=kernel_backend)
         self.kernel_backend = self.model.kernel_backend
         if group is not None:
             self.model.group = group
@@ -171,7 +186,7 @@ class ModelRunner:
         shape = (c.num_layers, 2, self.num_blocks, block_size, num_kv_heads, c.head_dim)
         self.kv_cache = empty_huge(*shape, dtype=dtype, device=self.device, huge_pages=huge_pages).zero_()
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
-        self.applies_lora = layout is None
+        self.applies_lora = layout is None and not self.impl.fallback
         # the base's projection shapes the adapters' stacks are built to, read once (not at every new adapter set)
         self._lora_shapes = base_module_shapes(read_config(model_dir)) if self.applies_lora else None
         self._lora_stacks: dict[tuple[bytes, ...], LoraBatch] = {}    # adapter keys -> stacks, oldest first
@@ -336,6 +351,17 @@ def copy_blocks_reference(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) 
     """copy_blocks one block at a time, for the test that compares the two."""
     for src, dst in pairs:
         kv_cache[:, :, dst].copy_(kv_cache[:, :, src])
+
+
+def _check_fallback_settings(quantize: str | None, layout) -> None:
+    """The transformers fallback runs the checkpoint's own weights in one process. Raises ConfigError naming the
+    option otherwise."""
+    if quantize is not None:
+        raise ConfigError(f"option.quantize={quantize} runs on the native implementation only, not on the "
+                          "transformers fallback (option.model_impl)")
+    if layout is not None:
+        raise ConfigError("option.tensor_parallel_degree > 1 runs on the native implementation only; the "
+                          "transformers fallback (option.model_impl) runs in one process")
 
 
 def _check_schedulable(seq: Sequence, start: int, n: int, block_size: int) -> None:

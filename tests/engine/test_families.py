@@ -197,7 +197,7 @@ def _write_config(path, **changes):
 
 
 @pytest.mark.parametrize(("changes", "named"), [
-    (dict(model_type="mamba"), ["'mamba'", "qwen3", "gemma2"]),
+    (dict(model_type="not_a_model"), ["'not_a_model'", "qwen3", "gemma2"]),    # (others: the fallback's)
     (dict(architectures=["LlamaForSequenceClassification"]), ["LlamaForSequenceClassification", "LlamaForCausalLM"]),
     (dict(rope_parameters={"rope_type": "su", "rope_theta": 1e4}), ["'su'", "longrope", "yarn"]),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4}), ["gptq", "not supported"]),

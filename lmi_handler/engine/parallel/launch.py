@@ -43,6 +43,13 @@ class ModelRunnerSpec:
         """Refuse a degree the model cannot be split by, or a kernel backend that cannot run on `device` (rank
         0's; every backend shards every family: forward.DecoderModel's walk, engine/model/backend.py), before
         any rank starts. Raises ConfigError."""
+        from lmi_handler.engine.model.loader import read_config
+        from lmi_handler.engine.model.model_impl import choose_impl
+
+        impl = choose_impl(read_config(self.config.model_path), self.config.model_impl, self.config.trust_remote_code)
+        if impl.fallback and degree > 1:
+            raise ConfigError(f"option.tensor_parallel_degree={degree}: the transformers implementation ({impl.why}) "
+                              "runs in one process; tensor parallelism runs the native families")
         spec = self._spec()
         check_degree(spec, degree)
         if degree > 1:
@@ -87,6 +94,7 @@ def model_runner(config: EngineConfig, precision: Precision, device: torch.devic
     return ModelRunner(config.model_path, precision.dtype, device, block_size=config.block_size,
                        huge_pages=config.huge_pages,
                        quantize=precision.quantize, kernel_backend=config.kernel_backend,
+                       model_impl=config.model_impl, trust_remote_code=config.trust_remote_code,
                        enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=config.max_num_batched_tokens, **size_and_shard)
 

@@ -1,0 +1,125 @@
+"""engine/model/fallback.py: checkpoints without a layer description served by transformers' own model with this
+engine's paged attention (registered in its AttentionInterface), against transformers' generate()."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmi_handler.config import ConfigError
+from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
+from lmi_handler.engine.sequence import SamplingParams
+from tests.engine.fallback_models import FALLBACK_FAMILIES, build_tiny_fallback
+from tests.engine.helpers import (
+    build_tiny_llama,
+    build_tiny_tokenizer,
+    greedy_generate,
+    hf_greedy,
+    make_engine,
+    run,
+    scheduled_greedy,
+)
+from tests.helpers import REPO
+
+CPU = torch.device("cpu")
+LONG_PROMPT = [1] + [(7 * i + 3) % 500 + 3 for i in range(26)]            # 27 tokens: past StarCoder2's window
+PROMPTS = [LONG_PROMPT, [1, 250, 17, 99], [1] + list(range(40, 80))]
+SERVED = sorted(name for name in FALLBACK_FAMILIES if name != "bloom")
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def fallback_family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, build_tiny_fallback(path, request.param)
+
+
+def _runner(path, **options) -> ModelRunner:
+    return ModelRunner(path, torch.float32, CPU, block_size=4, num_blocks=96, **options)
+
+
+def test_every_fallback_family_gives_transformers_greedy_tokens_batched_and_prefilled_in_chunks(fallback_family,
+                                                                                                caplog):
+    name, path, hf = fallback_family
+    with caplog.at_level("INFO", logger="lmi_handler.engine.model.fallback"):
+        runner = _runner(path)                                        # option.model_impl=auto
+    model_type = FALLBACK_FAMILIES[name][0]
+    assert runner.kernel_backend == "transformers" and runner.model.attention_backend == "cpp"
+    assert f"model_impl=transformers for model_type={model_type} (model_type={model_type} has no layer " \
+           "description" in caplog.text
+    want = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS]
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    assert greedy_generate(runner, allocator, PROMPTS, 12, chunk_sizes=[5, 3, 7])[0] == want
+    assert greedy_generate(runner, allocator, PROMPTS[:1], 12)[0] == want[:1]
+
+
+def test_a_prefix_cache_hit_on_the_fallback_gives_transformers_tokens_computing_only_the_rest(tmp_path):
+    """StarCoder2 (a window of 16): the target's first 24 tokens come from the cache another request left, its
+    window reaches into them, chunked by a budget of 12."""
+    hf = build_tiny_fallback(tmp_path, "starcoder2")
+    runner = _runner(tmp_path)
+    target, warmer = LONG_PROMPT + [40, 41, 42], LONG_PROMPT[:24] + [9, 9, 9]
+    sched = Scheduler(SchedulerConfig(4, 12), BlockAllocator(runner.num_blocks, runner.block_size))
+    scheduled_greedy(runner, sched, [warmer], 8, "warmer")
+    (warm,), _ = scheduled_greedy(runner, sched, [target], 8, "warm")
+    assert warm.num_cached_tokens >= 16 and warm.output_token_ids == hf_greedy(hf, target, 8)
+
+
+def test_seeds_and_log_probs_on_the_fallback_work_as_on_a_native_family(tmp_path):
+    """Through the engine: a seeded request gives the same tokens again and beside another request, and the
+    log-prob reported with each greedy token is transformers' log_softmax of that position's logits."""
+    hf = build_tiny_fallback(tmp_path, "gpt_neox")
+    engine = make_engine(tmp_path, build_tiny_tokenizer())
+    assert engine.runner.kernel_backend == "transformers"
+    seeded = SamplingParams(greedy=False, temperature=1.5, seed=7, max_new_tokens=10, ignore_eos=True)
+    alone = run(engine, [LONG_PROMPT], [seeded])[0]["r0"]
+    assert run(engine, [LONG_PROMPT], [seeded])[0]["r0"] == alone
+    assert run(engine, [PROMPTS[1], LONG_PROMPT], [SamplingParams(max_new_tokens=6), seeded])[0]["r1"] == alone
+    assert run(engine, [LONG_PROMPT], [SamplingParams(greedy=False, temperature=1.5, seed=8, max_new_tokens=10,
+                                                      ignore_eos=True)])[0]["r0"] != alone
+    ids, outputs = run(engine, [LONG_PROMPT], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+    assert ids["r0"] == hf_greedy(hf, LONG_PROMPT, 6)
+    with torch.no_grad():
+        logits = hf(torch.tensor([LONG_PROMPT + ids["r0"]])).logits[0, len(LONG_PROMPT) - 1:-1]
+    want = logits.log_softmax(-1).gather(1, torch.tensor(ids["r0"])[:, None])[:, 0]
+    got = torch.tensor([t.log_prob for out in outputs["r0"] for t in out.new_tokens])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_model_impl_transformers_runs_a_native_family_through_the_fallback_with_its_native_tokens(tmp_path):
+    hf = build_tiny_llama(tmp_path, tie_word_embeddings=False)
+    native, fallback = _runner(tmp_path), _runner(tmp_path, model_impl="transformers")
+    assert native.kernel_backend == "cpp" and fallback.kernel_backend == "transformers"
+    want = greedy_generate(native, BlockAllocator(native.num_blocks, native.block_size), PROMPTS, 10)[0]
+    assert greedy_generate(fallback, BlockAllocator(96, 4), PROMPTS, 10, chunk_sizes=[4, 4, 9])[0] == want
+    assert want == [hf_greedy(hf, prompt, 10) for prompt in PROMPTS]
+
+
+@pytest.mark.slow
+def test_the_demo_models_llama_through_the_fallback_gives_the_native_greedy_tokens():
+    model = REPO / "model"
+    prompts = [[1, 504, 3458, 314, 4909, 282, 4649, 42], [1, 9690, 30, 657, 359, 346, 47]]
+    native = ModelRunner(model, torch.float32, CPU, num_blocks=64)
+    fallback = ModelRunner(model, torch.float32, CPU, num_blocks=64, model_impl="transformers")
+    assert fallback.kernel_backend == "transformers" and native.config == fallback.config
+    want = greedy_generate(native, BlockAllocator(64, 16), prompts, 16)[0]
+    assert greedy_generate(fallback, BlockAllocator(64, 16), prompts, 16)[0] == want
+
+
+def test_bloom_is_refused_at_start_up_because_its_attention_does_not_go_through_the_interface(tmp_path):
+    build_tiny_fallback(tmp_path, "bloom")
+    with pytest.raises(ConfigError) as info:
+        _runner(tmp_path)
+    message = str(info.value)
+    assert "model_type='bloom' (BloomForCausalLM) cannot run through the transformers fallback: its attention " \
+           "does not go through transformers' attention interface" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    (dict(quantize="int8"), "option.quantize=int8 runs on the native implementation only"),
+    (dict(kernel_backend="triton"), "option.kernel_backend=triton cannot run the transformers fallback here"),
+])
+def test_settings_the_fallback_cannot_honour_are_refused_naming_the_option(tmp_path, options, named):
+    build_tiny_fallback(tmp_path, "gpt2")
+    with pytest.raises(ConfigError, match=named):
+        _runner(tmp_path, **options)

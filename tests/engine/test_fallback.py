@@ -186,3 +186,36 @@ def test_lmi_handler_batch_answers_a_fallback_family_with_transformers_greedy_te
     texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in read_jsonl(out)}
     # (an incomplete UTF-8 character at the end is held back, as on every family: the detokenizer's rule)
     assert texts == {f"c{i}": tokenizer.decode(want, skip_special_tokens=True).rstrip("\ufffd") for i in range(3)}
+
+
+REMOTE_CONFIG = '''from transformers import LlamaConfig
+
+
+class TinyConfig(LlamaConfig):
+    model_type = "tiny_remote"
+'''
+REMOTE_MODEL = '''from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyConfig
+
+
+class TinyForCausalLM(LlamaForCausalLM):
+    config_class = TinyConfig
+'''
+
+
+def test_a_checkpoint_with_its_own_code_runs_only_with_trust_remote_code_and_gives_its_greedy_tokens(tmp_path):
+    hf = build_tiny_llama(tmp_path, tie_word_embeddings=False)
+    (tmp_path / "configuration_tiny.py").write_text(REMOTE_CONFIG)
+    (tmp_path / "modeling_tiny.py").write_text(REMOTE_MODEL)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tiny.TinyConfig",
+                            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="model_type='tiny_remote' needs trust_remote_code"):
+        _runner(tmp_path)
+    runner = _runner(tmp_path, trust_remote_code=True)
+    assert runner.kernel_backend == "transformers" and type(runner.model.hf).__name__ == "TinyForCausalLM"
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    assert greedy_generate(runner, allocator, PROMPTS[:2], 8)[0] == [hf_greedy(hf, p, 8) for p in PROMPTS[:2]]

@@ -10,7 +10,9 @@ greedy tokens each, EOS ignored. Phases, never two engines running at once:
    Engine and vLLM's CPU build (benchmarks/.venv-vllm, set up by peers.py, LD_PRELOAD as peers.py
    finds it) both loaded, taking turns on the whole workload, who goes first swapping every round, then
    each one's batch-1 decode; then, in the first dtype, structured output (structured.py): ours and vLLM
-   taking turns the same way, each round the prompts with a JSON schema each and without;
+   taking turns the same way, each round the prompts with a JSON schema each and without; then the
+   transformers fallback (option.model_impl=transformers: transformers' model with our paged attention)
+   in the first dtype, one round alone;
 3. batch-1 in rounds: ours in each dtype (its weights in that dtype), ours with option.quantize (int8) in
    each dtype and llama.cpp (peers.py, the demo model's own GGUF file), taking turns on one
    request alone (the batch-1 figure held against the ceiling; the one measured after the offline
@@ -589,6 +591,13 @@ def run(args: argparse.Namespace) -> dict:
             bench.offline(pair, args.offline_rounds)
     if pair := {name: bench.structured_worker for name in STRUCTURED if wanted(name)}:
         bench.offline(pair, args.offline_rounds)
+    fallback = f"ours_offline_transformers_{bench.dtype}"
+    if not args.transformers:
+        why = "--smoke (add --with transformers)" if args.smoke else "--no-transformers"
+        bench.phases[fallback] = {"skipped": why}
+        print(f"    {fallback}: skipped ({why})", flush=True)
+    elif wanted(fallback):
+        bench.offline({fallback: lambda name: bench.ours_worker(name, bench.dtype, model_impl="transformers")}, 1)
     batch1 = {f"ours_batch1_{d}": lambda name, d=d: bench.ours_worker(name, d, "ours-batch1") for d in args.dtype}
     batch1.update({f"ours_batch1_{q}_{d}": lambda name, q=q, d=d: bench.ours_worker(name, d, "ours-batch1", quantize=q)
                    for q in args.quantize for d in args.dtype})

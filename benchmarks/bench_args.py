@@ -17,8 +17,10 @@ DTYPES = {"fp32": {"ours": "fp32", "vllm": "float32", "torch": "float32"},
           "bf16": {"ours": "bf16", "vllm": "bfloat16", "torch": "bfloat16"}}
 DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 QUANTIZE = ("int8",)
-# phases run once per --dtype (named <phase>_<dtype>, e.g. vllm_offline_bf16); ours_batch1 (the weights in the dtype itself) and ours_batch1_<quantize> in each dtype
-PER_DTYPE = ("ours_offline", "vllm_offline", "ours_batch1", *(f"ours_batch1_{q}" for q in QUANTIZE))
+# phases run once per --dtype (named <phase>_<dtype>, e.g. vllm_offline_bf16); ours_offline_transformers
+# (option.model_impl=transformers, against the hf phase) runs in the first dtype only; ours_batch1 (the weights in the dtype itself) and ours_batch1_<quantize> in each dtype
+PER_DTYPE = ("ours_offline", "vllm_offline", "ours_offline_transformers", "ours_batch1",
+             *(f"ours_batch1_{q}" for q in QUANTIZE))
 GROUPS = ("peak", "vllm", "ours_batch1", "llamacpp")
 # the structured-output pair (structured.py), in the first dtype; --skip structured turns both off
 STRUCTURED = ("ours_structured", "vllm_structured")
@@ -74,8 +76,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "where set up) + ours structured output + batch runner + server at C=2 + priority (4 batch "
                         "requests, 2 probes, 4 tokens) + HF (bs 2), 1 thread unless --threads, a "
                         "64 MiB bandwidth buffer; these sizes replace --num-prompts, --max-new-tokens, --concurrency "
-                        "and --hf-batch-sizes; vLLM and the plain variant skipped unless named in --with")
-    p.add_argument("--with", dest="with_", type=words, default=[], help="with --smoke: also run these (vllm)")
+                        "and --hf-batch-sizes; vLLM and the transformers variant skipped unless named in --with")
+    p.add_argument("--with", dest="with_", type=words, default=[],
+                   help="with --smoke: also run these (vllm,transformers)")
     p.add_argument("--dtype", type=_dtypes, default=["fp32", "bf16"],
                    help="dtypes of the offline phases and batch-1, comma-separated: fp32,bf16 (default both; "
                         "ours option.dtype, vLLM dtype=float32|bfloat16); the other phases run in the first")
@@ -105,6 +108,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="rounds of the offline workload per engine, ours and vLLM taking turns, who goes first "
                         "swapping each round, and of batch-1 (ours int8 and llama.cpp); the figures are the median "
                         "round (default 3, --smoke 2)")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="do not also run our engine offline with option.model_impl=transformers (the transformers "
+                        "fallback, held against the hf phase's generate())")
     p.add_argument("--hf-batch-sizes", type=ints, default=[8, 16, 32, 64])
     p.add_argument("--hf-probe-tokens", type=int, default=32, help="tokens per probe of a batch size")
     p.add_argument("--peak-size", type=int, default=0, help="square matmul size (0: 2048 on CPU, 8192 on CUDA)")
@@ -176,6 +182,7 @@ def _apply_smoke(args: argparse.Namespace) -> None:
     args.priority_batch, args.priority_probes, args.priority_max_tokens = 4, 2, 4
     args.hf_batch_sizes, args.hf_probe_tokens, args.peak_size = [2], 4, args.peak_size or 512
     args.mem_bytes, args.mem_repeats = args.mem_bytes or 64 << 20, min(args.mem_repeats, 3)
+    args.transformers = "transformers" in args.with_
     args.smoke_skips = {"peak_end": "--smoke", **({} if "vllm" in args.with_ else {"vllm": "--smoke (add --with vllm)"})}
     args.skip = [*args.skip, *args.smoke_skips]
     args.phase_timeout_s = min(args.phase_timeout_s, 600)

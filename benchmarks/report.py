@@ -220,6 +220,7 @@ def add_summary(result: dict) -> None:
     rows, tps, ratios, rounds = [], {}, {}, {}
     for dtype in dtypes:
         for base, label in (("ours_offline", "ours offline{} (default, batch-invariant)"),
+                            ("ours_offline_transformers", "ours offline{} (option.model_impl=transformers)"),
                             ("vllm_offline", "vLLM CPU offline{} (LLM.generate)")):
             if res := _ok(ph, name(base, dtype)):
                 rows.append(_offline_row(label.format(_label(dtype)), res))
@@ -256,6 +257,8 @@ def add_summary(result: dict) -> None:
     if res := _ok(ph, "hf"):
         rows.append(_row(f"transformers generate(){_label(first)}, static batch {res['batch_size']}", res))
         ratios["ours_offline_vs_hf"] = _ratio(ours_first, res["output_tokens_per_s"])
+        ratios["ours_offline_transformers_vs_hf"] = _ratio(tps.get(name("ours_offline_transformers", first)),
+                                                           res["output_tokens_per_s"])
     _server_rows(result, rows, tps, ratios, ours_first, first)
     for q in result["config"].get("quantize") or []:
         for dtype in dtypes:

@@ -71,6 +71,8 @@ def test_smoke_records_why_it_turns_phases_off_and_says_which_sizes_it_replaces(
     assert {"peak_end", "vllm"} <= set(args.skip)
     with_vllm = bench.parse_args(["--smoke", "--with", "vllm"])
     assert "vllm" not in with_vllm.skip
+    assert not with_vllm.transformers and bench.parse_args(["--smoke", "--with", "transformers"]).transformers
+    assert bench.parse_args([]).transformers
 
 
 def test_sigterm_unwinds_like_ctrl_c_so_finally_blocks_stop_the_engines():

@@ -166,6 +166,7 @@ def test_smoke_run_writes_every_phase_a_plot_and_a_performance_table(model_dir, 
     assert phases["vllm_offline_fp32"] == smoke_off and phases["vllm_offline_bf16"] == smoke_off
     assert phases["vllm_server"] == smoke_off
     assert not any("plain" in phase for phase in phases)   # option.batch_invariant is retired, and its round
+    assert phases["ours_offline_transformers_fp32"] == {"skipped": "--smoke (add --with transformers)"}
     assert phases["peak_end"] == {"skipped": "--smoke"}
     if _batch_command_exists():
         assert phases["batch_runner"]["num_ok"] == 2 and phases["batch_runner"]["output_tokens"] == tokens

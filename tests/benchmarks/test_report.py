@@ -210,3 +210,12 @@ def test_batch1_rounds_with_a_read_probe_each_are_also_held_against_their_own_mi
     assert bf16["fraction_of_own_minute_ceiling"] == pytest.approx(1.0)   # 1.0, 1.44, 0.84 -> the middle one
     assert "against a read probe just before each round: 1.00, 1.44, 0.84, median 1.00" in bf16["note"]
     assert rows["ours fp32"]["fraction_of_own_minute_ceiling"] is None    # no rounds with a probe
+
+
+def test_the_transformers_fallback_gets_its_row_and_its_ratio_to_generate():
+    phases = {**_phases(), "ours_offline_transformers_fp32": _rounds([60.0]),
+              "hf": {"output_tokens_per_s": 20.0, "batch_size": 16, "output_tokens": 100, "elapsed_s": 5.0}}
+    result = _result(phases)
+    report.add_summary(result)
+    assert "ours offline fp32 (option.model_impl=transformers)" in [r["name"] for r in result["rows"]]
+    assert result["ratios"]["ours_offline_transformers_vs_hf"] == 3.0

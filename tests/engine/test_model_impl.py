@@ -34,6 +34,8 @@ def test_auto_runs_a_family_with_a_layer_description_natively_and_any_other_deco
                       "modeling_tiny.TinyForCausalLM", "qwen3"]),
     ({"model_type": "not_a_model"}, "auto", ["model_type='not_a_model' is not supported", "qwen3", "auto_map"]),
     (LLAMA, "vllm", ["option.model_impl='vllm'", "'auto', 'native', 'transformers'"]),
+    ({**GPT2, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "auto",
+     ["model_type='gpt2' with quantization_config (quant_method='gptq')", "not served"]),
 ])
 def test_a_model_neither_implementation_serves_is_refused_in_one_line_naming_its_type_and_what_is(cfg, impl, named):
     with pytest.raises(ConfigError) as info:

@@ -4,8 +4,8 @@ with our paged attention), decided once from config.json, and the start-up refus
 Owns the choice (vLLM's `--model-impl` auto | native | transformers; its "vllm" is our "native") and its one-line
 refusals: an encoder or encoder-decoder model, a checkpoint whose code ships in its repository
 (trust_remote_code) without option.trust_remote_code, a model type transformers' AutoModelForCausalLM does not
-know, and option.model_impl=native for a model without a layer description. Leaves the native families to
-families.py and the transformers-backed model to fallback.py.
+know, a pre-quantized checkpoint for the fallback, and option.model_impl=native for a model without a layer
+description. Leaves the native families to families.py and the transformers-backed model to fallback.py.
 """
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ def choose_impl(cfg: dict, model_impl: str = "auto", trust_remote_code: bool = F
                           f"(option.model_impl=native); native: {native}; option.model_impl=auto or transformers "
                           "serves other decoder-only models through transformers")
     _refuse_unknown(cfg, model_type, native, trust_remote_code)
+    if quant := cfg.get("quantization_config"):
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ConfigError(f"config.json model_type={model_type!r} with quantization_config (quant_method={method!r}): "
+                          "pre-quantized checkpoints are not served, natively nor through transformers; serve the "
+                          "unquantized checkpoint")
     if model_impl == "transformers":
         return ImplChoice(True, "option.model_impl=transformers")
     return ImplChoice(True, f"model_type={model_type} has no layer description (native: {', '.join(native)})")

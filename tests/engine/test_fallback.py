@@ -220,3 +220,18 @@ def test_a_checkpoint_with_its_own_code_runs_only_with_trust_remote_code_and_giv
     assert runner.kernel_backend == "transformers" and type(runner.model.hf).__name__ == "TinyForCausalLM"
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert greedy_generate(runner, allocator, PROMPTS[:2], 8)[0] == [hf_greedy(hf, p, 8) for p in PROMPTS[:2]]
+
+
+def test_lora_and_tensor_parallelism_on_the_fallback_are_refused_at_start_up_naming_the_option(tmp_path):
+    from lmi_handler.config import EngineConfig, LoraConfig
+    from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.parallel.launch import ModelRunnerSpec
+    from lmi_handler.engine.precision import Precision
+
+    build_tiny_fallback(tmp_path, "gpt2")
+    config = EngineConfig(model_path=tmp_path, dtype="float32", device_id=-1, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=None, block_size=4, kv_cache_bytes=1 << 22, lora=LoraConfig())
+    with pytest.raises(ConfigError, match="option.enable_lora runs on the native implementation only"):
+        Engine(config, tokenizer=build_tiny_tokenizer())
+    with pytest.raises(ConfigError, match="option.tensor_parallel_degree=2: the transformers implementation"):
+        ModelRunnerSpec(config, Precision(torch.float32, None, "")).check(2)

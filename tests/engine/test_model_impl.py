@@ -27,7 +27,8 @@ def test_auto_runs_a_family_with_a_layer_description_natively_and_any_other_deco
 @pytest.mark.parametrize(("cfg", "impl", "named"), [
     (GPT2, "native", ["model_type='gpt2' has no native implementation (option.model_impl=native)", "'qwen3'"]),
     ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "auto",
-     ["model_type='bert' is an encoder-only model: text generation serves decoder-only models", "qwen3"]),
+     ["model_type='bert' is an encoder-only model: text generation serves decoder-only models", "qwen3",
+      "option.task=text-embedding, rerank or classification serves the encoders"]),
     ({"model_type": "xlm-roberta"}, "transformers", ["model_type='xlm-roberta' is an encoder-only model"]),
     ({"model_type": "t5", "is_encoder_decoder": True}, "auto", ["model_type='t5' is an encoder-decoder model"]),
     (REMOTE, "auto", ["model_type='tiny_remote' needs trust_remote_code", "option.trust_remote_code=true",

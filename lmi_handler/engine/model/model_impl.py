@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmi_handler.config import ConfigError
+from lmi_handler.engine.model.encoder import ENCODER_TYPES
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 
@@ -73,9 +74,13 @@ def _refuse_encoder(cfg: dict, model_type: str, native: list[str]) -> None:
         kind = "an encoder-only model"
     else:
         return
+    pooling = ""
+    if model_type in ENCODER_TYPES:
+        pooling = (f"; option.task=text-embedding, rerank or classification serves the encoders {list(ENCODER_TYPES)} "
+                   "(docs/embeddings.md)")
     raise ConfigError(f"config.json model_type={model_type!r} is {kind}: text generation serves decoder-only "
                       f"models (natively: {', '.join(native)}; any other decoder-only model_type of transformers' "
-                      "AutoModelForCausalLM through option.model_impl=auto or transformers)")
+                      f"AutoModelForCausalLM through option.model_impl=auto or transformers){pooling}")
 
 
 def _refuse_unknown(cfg: dict, model_type: str, native: list[str], trust_remote_code: bool) -> None:

@@ -1,0 +1,124 @@
+// The row-invariant linear over 4-bit and 8-bit integer weight codes with group scales and zero points
+// (pre-quantized GPTQ / AWQ / compressed-tensors checkpoints, option.quantize=int4: engine/model/quant/).
+//
+// Layout (engine/model/quant/weight.py packs it; PANEL output columns per panel, zero-padded):
+//   4 bits (P, K, PANEL / 2) uint8: byte b of panel row k holds column b in its low nibble and column
+//          b + PANEL / 2 in its high nibble (so each vector of columns is one shift and mask of loaded bytes)
+//   8 bits (P, K, PANEL) uint8:     byte j of panel row k is column j's code
+//   scales, zeros: (G, P * PANEL) float32, G = ceil(K / group_size); row k's group is k / group_size (a
+//          checkpoint's act-order permutation is applied to x's columns before the call, quant/weight.py)
+// Arithmetic: w[k][n] = (float(code) - zero[g][n]) * scale[g][n] (two float32 operations: the subtraction is
+// exact, one rounding in the product), then linear_fma.h's float32 chain y = fma(x[k], w[k], y) over k in
+// order, cut into K blocks as every kind (linear.h's top). So y has exactly the bits of the float32 packed
+// linear over the dequantized weight (tested), and a row's bits never depend on the other rows.
+//
+// How: each K block of a panel (K_BLOCK_Q rows) is dequantized once into this thread's float buffer (16 KiB,
+// L1) by the first tile of an item that reads it, and every tile of the M block runs the float32 micro kernel
+// over it (packed_gemm, linear_driver.h: the same work items, threads and prefetch of the next packed block).
+#pragma once
+
+#include "linear_fma.h"
+#include "linear_driver.h"
+
+namespace {
+
+constexpr int64_t K_BLOCK_Q = 128;   // panel rows per K block: the float buffer is K_BLOCK_Q x PANEL floats
+
+// panel rows k0 .. k0 + kc - 1 of one panel (packed bytes at w, row k0 first) as floats into out (kc, PANEL);
+// s, z: the panel's first column of group 0 (row stride ld)
+template <int BITS>
+inline void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t ld, int64_t k0, int64_t kc,
+                          int64_t group_size, float* out) {
+  constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
+  for (int64_t k = 0; k < kc; ++k) {
+    const int64_t g = (k0 + k) / group_size;
+    const float* sg = s + g * ld;
+    const float* zg = z + g * ld;
+    const uint8_t* b = w + k * RB;
+    float* o = out + k * PANEL;
+    if constexpr (BITS == 4) {
+      for (int64_t j = 0; j < RB; ++j) {
+        o[j] = (static_cast<float>(b[j] & 15) - zg[j]) * sg[j];
+        o[j + RB] = (static_cast<float>(b[j] >> 4) - zg[j + RB]) * sg[j + RB];
+      }
+    } else {
+      for (int64_t j = 0; j < PANEL; ++j) o[j] = (static_cast<float>(b[j]) - zg[j]) * sg[j];
+    }
+  }
+}
+
+// which (call, panel block) this thread's buffer holds: a new call never reuses a block of an earlier one
+inline std::atomic<uint64_t>& quant_call_counter() {
+  static std::atomic<uint64_t> calls{0};
+  return calls;
+}
+struct QuantBlockCache {
+  uint64_t call = ~uint64_t{0};
+  const uint8_t* block = nullptr;
+  alignas(64) float w[K_BLOCK_Q * PANEL];
+};
+
+// y = x @ W^T (+ bias) over code panels (see the top). x: (M, K) float32 or bfloat16 (bf16 widened exactly);
+// packed: uint8 (P, K, PANEL / 2) for bits 4, (P, K, PANEL) for bits 8; scales, zeros (G, P * PANEL) float32;
+// bias (out_features,) float32 or bfloat16 or none; out_bf16: y rounded once to bfloat16, else float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, torch::Tensor scales,
+                           torch::Tensor zeros, int64_t group_size, int64_t bits, c10::optional<torch::Tensor> bias,
+                           bool out_bf16) {
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  is_bf16(x, "x");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  const int64_t row_bytes = bits == 4 ? PANEL / 2 : PANEL;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kUInt8 &&
+              packed.size(2) == row_bytes, "packed codes must be contiguous uint8 (P, K, ", row_bytes, ")");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "in_features mismatch: x has ", K, ", weight ", packed.size(1));
+  TORCH_CHECK(out_features <= P * PANEL && out_features > (P - 1) * PANEL, "bad out_features");
+  TORCH_CHECK(group_size > 0, "group_size must be > 0");
+  const int64_t G = (K + group_size - 1) / group_size;
+  for (const torch::Tensor* t : {&scales, &zeros})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == G && t->size(1) == P * PANEL && t->is_contiguous() &&
+                t->scalar_type() == torch::kFloat32, "scales and zeros must be contiguous (", G, ", ", P * PANEL,
+                ") float32");
+  torch::Tensor b_f;
+  if (bias.has_value() && bias->defined()) {
+    b_f = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b_f.numel() == out_features, "bad bias");
+  }
+  torch::Tensor y = torch::empty({M, out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  if (M == 0) return y;
+  const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
+  const FloatRows xf = float_rows(x, K, false);
+  const float* xp = xf.data;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
+  const int64_t ld = P * PANEL, panel_bytes = K * row_bytes;
+  const uint64_t call = quant_call_counter().fetch_add(1, std::memory_order_relaxed);
+  auto tile = [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const uint8_t* const* w, int64_t kc,
+                  float* const* buf, bool first, const char* const* pf, int64_t n) {
+    (void)np;   // packed_gemm runs one panel a pass (two_panels false)
+    thread_local QuantBlockCache cache;
+    if (cache.call != call || cache.block != w[0]) {
+      const int64_t p = (w[0] - wp) / panel_bytes;
+      if (bits == 4) {
+        dequant_block<4>(w[0], sp + p * PANEL, zp + p * PANEL, ld, k0, kc, group_size, cache.w);
+      } else {
+        dequant_block<8>(w[0], sp + p * PANEL, zp + p * PANEL, ld, k0, kc, group_size, cache.w);
+      }
+      cache.call = call, cache.block = w[0];
+    }
+    const float* wf[1] = {cache.w};
+    tile_kernel<1, ACC_WIDE>(MicroPlain<>{}, rows, xp + m * K + k0, K, wf, Vec::W, kc, buf, first, pf, n);
+  };
+  auto run = [&](auto store) {
+    packed_gemm(M, K, P, row_bytes, K_BLOCK_Q, MR_WIDE, wp, out_features, tile, store, false, few_rows_prefetch(M));
+  };
+  if (out_bf16) {
+    run(StoreRows<bf16>{data_of<bf16>(y), out_features, nullptr, bp});
+  } else {
+    run(StoreRows<float>{y.data_ptr<float>(), out_features, nullptr, bp});
+  }
+  return y;
+}
+
+}  // namespace

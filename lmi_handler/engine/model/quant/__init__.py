@@ -55,7 +55,13 @@ class QuantizedLinears:
         prefix = name.removesuffix(".weight")
         if self.config is None:
             return name in hf and ".layers." in name
-        return f"{prefix}.{self.config.packed}" in hf
+        if f"{prefix}.{self.config.packed}" in hf:
+            return True
+        if name in hf and ".layers." in name and not self.config.ignores(prefix):
+            raise ConfigError(f"config.json quantization_config ({self.config.describe()}): layer weight {name!r} "
+                              f"is stored in float and not in the config's ignore list (a checkpoint the quantizer "
+                              f"did not finish?)")
+        return False
 
     def take(self, hf: dict[str, torch.Tensor], names: str | list[str]) -> QuantWeight:
         """The linear of `names` as a QuantWeight (their codes concatenated by rows), its tensors dropped from hf."""

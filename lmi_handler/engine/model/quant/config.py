@@ -7,6 +7,7 @@ No torch here: families.py calls check_quantization_config while it reads config
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from lmi_handler.config import ConfigError
@@ -35,6 +36,16 @@ class QuantConfig:
     @property
     def packed(self) -> str:
         return "weight_packed" if self.method == "compressed-tensors" else "qweight"
+
+    def ignores(self, module: str) -> bool:
+        """Whether module `module` (e.g. model.layers.0.mlp.gate) is left in float by the config: named, a name's
+        suffix (AWQ's modules_to_not_convert) or matching a "re:" pattern (compressed-tensors' ignore)."""
+        for entry in self.ignore:
+            if entry.startswith("re:") and re.fullmatch(entry[3:], module):
+                return True
+            if module == entry or module.endswith("." + entry) or f".{entry}." in f".{module}.":
+                return True
+        return False
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"

@@ -14,7 +14,8 @@
 //
 // How: each K block of a panel (K_BLOCK_Q rows) is dequantized once into this thread's float buffer (16 KiB,
 // L1) by the first tile of an item that reads it, and every tile of the M block runs the float32 micro kernel
-// over it (packed_gemm, linear_driver.h: the same work items, threads and prefetch of the next packed block).
+// over it (packed_gemm, linear_driver.h: the same work items and threads). A few rows (decode) skip the buffer:
+// each panel row is dequantized and multiplied at once (few_rows, the same chain).
 #pragma once
 
 #include "linear_fma.h"
@@ -24,27 +25,58 @@ namespace {
 
 constexpr int64_t K_BLOCK_Q = 128;   // panel rows per K block: the float buffer is K_BLOCK_Q x PANEL floats
 
+// one panel row's PANEL codes (packed bytes at b) as floats into o: (code - z[j]) * s[j]
+template <int BITS>
+inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__ s, const float* __restrict__ z,
+                        float* __restrict__ o) {
+  if constexpr (BITS == 4) {
+    constexpr int64_t H = PANEL / 2;
+    for (int64_t j = 0; j < H; ++j) o[j] = (static_cast<float>(b[j] & 15) - z[j]) * s[j];
+    for (int64_t j = 0; j < H; ++j) o[j + H] = (static_cast<float>(b[j] >> 4) - z[j + H]) * s[j + H];
+  } else {
+    for (int64_t j = 0; j < PANEL; ++j) o[j] = (static_cast<float>(b[j]) - z[j]) * s[j];
+  }
+}
+
 // panel rows k0 .. k0 + kc - 1 of one panel (packed bytes at w, row k0 first) as floats into out (kc, PANEL);
-// s, z: the panel's first column of group 0 (row stride ld)
+// s, z: the panel's first column of group 0 (row stride ld). Group by group, its scales and zeros copied once.
 template <int BITS>
 inline void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t ld, int64_t k0, int64_t kc,
                           int64_t group_size, float* out) {
   constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
-  for (int64_t k = 0; k < kc; ++k) {
-    const int64_t g = (k0 + k) / group_size;
-    const float* sg = s + g * ld;
-    const float* zg = z + g * ld;
-    const uint8_t* b = w + k * RB;
-    float* o = out + k * PANEL;
-    if constexpr (BITS == 4) {
-      for (int64_t j = 0; j < RB; ++j) {
-        o[j] = (static_cast<float>(b[j] & 15) - zg[j]) * sg[j];
-        o[j + RB] = (static_cast<float>(b[j] >> 4) - zg[j + RB]) * sg[j + RB];
+  alignas(64) float sg[PANEL], zg[PANEL];
+  for (int64_t k = 0; k < kc;) {
+    const int64_t g = (k0 + k) / group_size, end = std::min(kc, (g + 1) * group_size - k0);
+    std::memcpy(sg, s + g * ld, sizeof(sg));
+    std::memcpy(zg, z + g * ld, sizeof(zg));
+    for (; k < end; ++k) dequant_row<BITS>(w + k * RB, sg, zg, out + k * PANEL);
+  }
+}
+
+// A few rows (R <= SMALL_M, decode): each panel row dequantized into registers and multiplied at once, no
+// block buffer: acc[i][j] = fma(x[i][k], w[k][j], acc[i][j]) in k order, micro_plain's chain (the same bits).
+template <int BITS, int R>
+inline void few_rows(const float* x, int64_t ldx, const uint8_t* w, const float* s, const float* z,
+                     int64_t ld, int64_t k0, int64_t kc, int64_t group_size, float* const* buf, bool first) {
+  constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
+  Vec acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = first ? Vec::zero() : Vec::load(buf[0] + i * PANEL + j * Vec::W);
+  alignas(64) float sg[PANEL], zg[PANEL], row[PANEL];
+  for (int64_t k = 0; k < kc;) {
+    const int64_t g = (k0 + k) / group_size, end = std::min(kc, (g + 1) * group_size - k0);
+    std::memcpy(sg, s + g * ld, sizeof(sg));
+    std::memcpy(zg, z + g * ld, sizeof(zg));
+    for (; k < end; ++k) {
+      dequant_row<BITS>(w + k * RB, sg, zg, row);
+      for (int i = 0; i < R; ++i) {
+        const Vec a = Vec::bcast(x[i * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = Vec::fma(a, Vec::load(row + j * Vec::W), acc[i][j]);
       }
-    } else {
-      for (int64_t j = 0; j < PANEL; ++j) o[j] = (static_cast<float>(b[j]) - zg[j]) * sg[j];
     }
   }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j].store(buf[0] + i * PANEL + j * Vec::W);
 }
 
 // which (call, panel block) this thread's buffer holds: a new call never reuses a block of an earlier one
@@ -97,9 +129,30 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   auto tile = [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const uint8_t* const* w, int64_t kc,
                   float* const* buf, bool first, const char* const* pf, int64_t n) {
     (void)np;   // packed_gemm runs one panel a pass (two_panels false)
+    const int64_t p = (w[0] - wp) / panel_bytes;
+    if (M <= SMALL_M) {   // a few rows: no block buffer (rows <= M)
+      const float* xr = xp + m * K + k0;
+      const float* sr = sp + p * PANEL;
+      const float* zr = zp + p * PANEL;
+#define LMI_FEW(B, R) few_rows<B, R>(xr, K, w[0], sr, zr, ld, k0, kc, group_size, buf, first)
+      if (bits == 4) {
+        switch (rows) {
+          case 1: return LMI_FEW(4, 1);
+          case 2: return LMI_FEW(4, 2);
+          case 3: return LMI_FEW(4, 3);
+          default: return LMI_FEW(4, 4);
+        }
+      }
+      switch (rows) {
+        case 1: return LMI_FEW(8, 1);
+        case 2: return LMI_FEW(8, 2);
+        case 3: return LMI_FEW(8, 3);
+        default: return LMI_FEW(8, 4);
+      }
+#undef LMI_FEW
+    }
     thread_local QuantBlockCache cache;
     if (cache.call != call || cache.block != w[0]) {
-      const int64_t p = (w[0] - wp) / panel_bytes;
       if (bits == 4) {
         dequant_block<4>(w[0], sp + p * PANEL, zp + p * PANEL, ld, k0, kc, group_size, cache.w);
       } else {

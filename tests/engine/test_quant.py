@@ -10,7 +10,7 @@ import torch
 
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.kv_cache import BlockAllocator
-from lmi_handler.engine.model.kernels import cpu_kernels
+from lmi_handler.engine.model.kernels import cpu_kernels, quantize_int8
 from lmi_handler.engine.model.quant import QuantWeight, quantize_int4
 from lmi_handler.engine.model_runner import ModelRunner
 from tests.engine.helpers import (
@@ -88,11 +88,13 @@ def test_option_quantize_int4_rounds_a_float_checkpoint_at_load_to_4_bits_in_gro
     runner = _runner(tmp_path, quantize="int4")
     qkv = runner.model.layer_weights[0].qkv
     assert isinstance(qkv, QuantWeight) and qkv.bits == 4 and qkv.group_size == 32
-    assert runner.model.lm_head.kind == "float32"                       # lm_head stays in the activations' dtype
+    assert runner.model.lm_head.kind == "int8"                          # lm_head as option.quantize=int8 has it
     with torch.no_grad():
         for module in hf.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(quantize_int4(module.weight).dequantize())
+        q, scale = quantize_int8(hf.lm_head.weight)
+        hf.lm_head.weight.copy_(q.float() * scale[:, None])
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     for prompt in PROMPTS:
         assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10)

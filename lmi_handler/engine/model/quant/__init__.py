@@ -77,7 +77,8 @@ class QuantizedLinears:
 def quantized_linears(cfg: dict, quantize: str | None, tensor_parallel: bool = False,
                       ) -> tuple[QuantizedLinears | None, str | None]:
     """(the model's QuantizedLinears or None, the option.quantize left for the loader's own packing: "int8" or
-    None). Raises ConfigError for a quantization_config we do not read (config.read_quant_config), an
+    None; with int4 "int8": lm_head, the one linear int4 leaves, becomes int8 panels as option.quantize=int8 makes
+    it, and so runs on the cpp backend only). Raises ConfigError for a quantization_config we do not read (config.read_quant_config), an
     option.quantize naming another method than the checkpoint's, int4 over a quantized checkpoint, and tensor
     parallelism of quantized linears (not yet)."""
     found = read_quant_config(cfg)
@@ -87,11 +88,12 @@ def quantized_linears(cfg: dict, quantize: str | None, tensor_parallel: bool = F
                           "unset option.quantize")
     if found is None and quantize != "int4":
         return None, quantize
+    left = "int8" if quantize == "int4" else None    # int4: lm_head as int8 panels (the loader's own packing)
     if tensor_parallel:
         what = found.describe() if found else "option.quantize=int4"
         raise ConfigError(f"{what}: tensor parallelism of quantized weights is not supported yet "
                           "(set option.tensor_parallel_degree=1)")
-    return QuantizedLinears(found), None
+    return QuantizedLinears(found), left
 
 
 def check_backend(linears: QuantizedLinears, backend: str) -> None:

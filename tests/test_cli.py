@@ -68,7 +68,7 @@ def test_ray_flags_without_ray_are_refused_before_anything_runs(tmp_path, capsys
     assert not (tmp_path / "out.jsonl").exists()
 
 
-@pytest.mark.parametrize("line,named", [("option.quantize=int4", "option.quantize='int4': Value error, must be 'int8'"),
+@pytest.mark.parametrize("line,named", [("option.quantize=int3", "option.quantize='int3': Value error, must be one of ['int8'"),
                                         ("option.dtype=fp8", "option.dtype='fp8'")])
 def test_a_refused_setting_ends_serve_with_one_line_naming_it_and_exit_code_2(tmp_path, capsys, line, named):
     from lmi_handler.cli import main

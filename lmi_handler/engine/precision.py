@@ -16,7 +16,11 @@ import torch
 
 from lmi_handler.config import ConfigError, EngineConfig
 
-QUANTIZE_KINDS = ("int8",)    # option.quantize values the engine serves (None: the checkpoint's weights)
+# option.quantize values the engine serves (None: the checkpoint's weights): int8 / int4 quantize at load; the
+# others name a pre-quantized checkpoint's method (LMI's spelling; engine/model/quant checks it against config.json)
+QUANTIZE_KINDS = ("int8", "int4", "gptq", "awq", "compressed-tensors")
+_QUANTIZE_WORDS = {"int8": "int8 (per output channel, quantized at load)",
+                   "int4": "int4 (a scale and zero point per 32 inputs, quantized at load)"}
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,8 @@ def resolve_precision(requested: str, quantize: str | None, checkpoint: torch.dt
     precision = _cpu_dtype(requested, checkpoint, native_bf16, kernels_built)
     if quantize is None:
         return precision
-    return Precision(precision.dtype, quantize, f"{precision.reason}; weights int8 (per output channel, "
-                     f"quantized at load)", precision.warn)
+    words = _QUANTIZE_WORDS.get(quantize, f"as the {quantize} checkpoint stores them")
+    return Precision(precision.dtype, quantize, f"{precision.reason}; weights {words}", precision.warn)
 
 
 def _cuda_dtype(requested: str, checkpoint: torch.dtype | None) -> Precision:

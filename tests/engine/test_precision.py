@@ -64,14 +64,14 @@ def test_int8_is_refused_where_the_engine_cannot_serve_it_naming_the_option():
         decide("auto", torch.float32, quantize="int8", device=CUDA)
     with pytest.raises(ConfigError, match=r"option\.quantize='int8' needs the C\+\+ CPU kernels"):
         decide("auto", torch.float32, quantize="int8", built=False)
-    with pytest.raises(ConfigError, match=r"option\.quantize='int4'"):
-        decide("auto", torch.float32, quantize="int4")
+    with pytest.raises(ConfigError, match=r"option\.quantize='fp8'"):
+        decide("auto", torch.float32, quantize="fp8")
     p = decide("auto", torch.bfloat16, quantize="int8")
     assert p.dtype == torch.bfloat16 and p.quantize == "int8" and "int8" in p.reason
 
 
-@pytest.mark.parametrize("key,value,match", [("quantize", "int4", r"option\.quantize='int4'.*'int8'"),
-                                             ("quantize", "awq", r"option\.quantize='awq'"),
+@pytest.mark.parametrize("key,value,match", [("quantize", "int3", r"option\.quantize='int3'.*'int8'"),
+                                             ("quantize", "bitsandbytes", r"option\.quantize='bitsandbytes'"),
                                              ("dtype", "int8", r"option\.dtype='int8'")])
 def test_unknown_dtype_and_quantize_values_are_refused_at_start_up_naming_the_option(key, value, match):
     with pytest.raises(ConfigError, match=match):

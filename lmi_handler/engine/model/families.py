@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from lmi_handler.config import ConfigError
+from lmi_handler.engine.model.quant.config import check_quantization_config
 from lmi_handler.engine.model.spec import ACTIVATIONS, ROPE_TYPES, LayerSpec, ModelSpec, build_rope
 
 
@@ -75,13 +76,8 @@ NORM_NAMES = {   # placement -> (before attention, after attention, before the M
 
 def family_of(cfg: dict) -> Family:
     """The table row of config.json's model_type (default llama), its architectures entries checked and
-    no quantization_config. Raises: ConfigError naming the value and what is supported."""
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ConfigError(f"config.json quantization_config (quant_method={method!r}): pre-quantized checkpoints "
-                          "(AWQ, GPTQ, FP8, bitsandbytes, ...) are not supported; serve the unquantized "
-                          "checkpoint (option.quantize=int8 quantizes its weights at load on CPU)")
+    a quantization_config we read (engine/model/quant). Raises: ConfigError naming the value and what is supported."""
+    check_quantization_config(cfg)     # engine/model/quant: a format it does not read is refused naming it
     model_type = cfg.get("model_type", "llama")
     family = FAMILIES.get(model_type)
     if family is None:

@@ -19,6 +19,8 @@ from lmi_handler.engine.model.backend import backend_ops, choose_backend, log_ch
 from lmi_handler.engine.model.families import build_spec, layer_tensor_names
 from lmi_handler.engine.model.forward import DecoderModel, LayerWeights
 from lmi_handler.engine.model.kernels import panel_arena, panels_shape
+from lmi_handler.engine.model.quant import check_backend as check_quantized_backend
+from lmi_handler.engine.model.quant import quantized_linears
 from lmi_handler.engine.model.spec import ModelSpec
 from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
 
@@ -114,9 +116,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     gte-Qwen2): its tensors may lack the `model.` prefix and lm_head (never used: the embedding stands in).
     Raises: ConfigError for a model or backend we cannot serve here; KeyError naming a missing weight;
     ValueError for quantize on a backend without pack_linear."""
-    spec = build_spec(read_config(model_dir))
+    cfg = read_config(model_dir)
+    spec = build_spec(cfg)
+    # engine/model/quant: a pre-quantized checkpoint's linears, or option.quantize=int4's (quantize: int8 or None)
+    quant, quantize = quantized_linears(cfg, quantize, tensor_parallel=layout is not None)
     name, why = choose_backend(kernel_backend, spec, device, tensor_parallel=layout is not None, quantize=quantize)
     log_choice(name, why, spec)
+    if quant is not None:
+        check_quantized_backend(quant, name)
     ops = backend_ops(name)
     pack = vars(ops).get("pack_linear")
     if quantize is not None and pack is None:
@@ -131,10 +138,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if pooling and head_name not in hf:
         head_name = "model.embed_tokens.weight"
     linears = [(layer[role], kind) for layer in names for role in LINEARS] + [(head_name, head_kind)]
+    linears = [(n, k) for n, k in linears if quant is None or not quant.covers(hf, n)]   # quantized: not in the arena
     arena = iter(panel_arena([(panels_shape(*_shape(hf, n), k), k) for n, k in linears], huge_pages)
                  if pack is not None else [])
 
     def take_linear(names, kind: str):
+        if quant is not None and quant.covers(hf, names):
+            return quant.take(hf, names)
         t = _tensor(hf, names)
         if pack is None:
             t = t.to(device=device, dtype=dtype)

@@ -24,6 +24,7 @@ from lmi_handler.engine.model.kernels import (
     row_argmax,
 )
 from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
+from lmi_handler.engine.model.quant import QuantWeight, quant_linear
 
 NAME = "cpp"
 PROJECTION_INDEX = {name: i for i, name in enumerate(KERNEL_PROJECTIONS)}   # LoraSet's projection numbers
@@ -55,7 +56,10 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (T, K) @ W.T (+ bias) over the packed panels (linear.h: one fixed chain of float32 operations per
     output whatever T is) -> (T, N) in `out_dtype` (default x's dtype), each value rounded once from its float32
-    accumulator (float32: written as it is, the tensor-parallel partials and the logits)."""
+    accumulator (float32: written as it is, the tensor-parallel partials and the logits). A quant.QuantWeight (4-bit
+    or 8-bit codes) goes through kernels/linear_quant.h: the float32 chain over its dequantized values."""
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias, out_dtype)
     return packed_linear(x.contiguous(), weight, bias, out_dtype)
 
 
@@ -100,8 +104,9 @@ def decoder_stack(spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv
     """The whole-stack operation for `spec` (a DecoderStack), or None where the fused stack cannot run it
     (spec.cpp_misfits() not []): forward.DecoderModel then walks the layers with the ops above. The caller
     asks only for a whole model, never a tensor-parallel shard (the stack has no place for the reduce)."""
-    if spec.cpp_misfits():
-        return None
+    if spec.cpp_misfits() or any(isinstance(w, QuantWeight) for layer in layers
+                                 for w in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+        return None                         # quantized linears: the walk (the stack holds only packed panels)
     return DecoderStack(spec, layers, final_norm, num_heads, num_kv_heads)
 
 

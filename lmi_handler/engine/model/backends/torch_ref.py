@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lmi_handler.engine.model.attention import AttentionMetadata, gather_context
 from lmi_handler.engine.model.linear import invariant_linear
 from lmi_handler.engine.model.lora import LoraBatch
+from lmi_handler.engine.model.quant.weight import QuantWeight
 
 NAME = "torch"
 
@@ -64,7 +65,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (T, K) @ weight (N, K).T (+ bias) over zero-padded 16-row tiles (linear.invariant_linear), in x's
-    dtype, then cast to `out_dtype` (default x's)."""
+    dtype, then cast to `out_dtype` (default x's). A quant.QuantWeight is dequantized first (its float value, in x's
+    dtype: the reference of the quantized kernels)."""
+    if isinstance(weight, QuantWeight):
+        weight = weight.dequantize(x.dtype).to(x.device)
     out = invariant_linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 

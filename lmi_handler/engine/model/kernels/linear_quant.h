@@ -1,0 +1,195 @@
+// The row-invariant linear over 4-bit and 8-bit integer weight codes with group scales and zero points
+// (pre-quantized GPTQ / AWQ / compressed-tensors checkpoints, option.quantize=int4: engine/model/quant/).
+//
+// Layout (engine/model/quant/weight.py packs it; PANEL output columns per panel, zero-padded):
+//   4 bits (P, K, PANEL / 2) uint8: byte b of panel row k holds column b in its low nibble and column
+//          b + PANEL / 2 in its high nibble (so each vector of columns is one shift and mask of loaded bytes)
+//   8 bits (P, K, PANEL) uint8:     byte j of panel row k is column j's code
+//   scales, zeros: (G, P * PANEL) float32, G = ceil(K / group_size); row k's group is k / group_size (a
+//          checkpoint's act-order permutation is applied to x's columns before the call, quant/weight.py)
+// Arithmetic: w[k][n] = (float(code) - zero[g][n]) * scale[g][n] (two float32 operations: the subtraction is
+// exact, one rounding in the product), then linear_fma.h's float32 chain y = fma(x[k], w[k], y) over k in
+// order, cut into K blocks as every kind (linear.h's top). So y has exactly the bits of the float32 packed
+// linear over the dequantized weight (tested), and a row's bits never depend on the other rows.
+//
+// How: each K block of a panel (K_BLOCK_Q rows) is dequantized once into this thread's float buffer (16 KiB,
+// L1) by the first tile of an item that reads it, and every tile of the M block runs the float32 micro kernel
+// over it (packed_gemm, linear_driver.h: the same work items and threads). A few rows (decode) skip the buffer:
+// each panel row is dequantized and multiplied at once (few_rows, the same chain).
+#pragma once
+
+#include "linear_fma.h"
+#include "linear_driver.h"
+
+namespace {
+
+constexpr int64_t K_BLOCK_Q = 128;   // panel rows per K block: the float buffer is K_BLOCK_Q x PANEL floats
+
+// one panel row's PANEL codes (packed bytes at b) as floats into o: (code - z[j]) * s[j]
+template <int BITS>
+inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__ s, const float* __restrict__ z,
+                        float* __restrict__ o) {
+#if defined(__AVX2__)
+  // eight columns a vector: the bytes' low nibbles (columns 0-15), then their high nibbles (16-31); 8-bit: bytes
+  // 0-31 in order. The same three float operations as the loops below (widening is exact): the same bits.
+  static_assert(PANEL == 32, "the AVX2 form unpacks 32 columns");
+  __m128i parts[4];
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    parts[0] = lo, parts[1] = _mm_srli_si128(lo, 8), parts[2] = hi, parts[3] = _mm_srli_si128(hi, 8);
+  } else {
+    for (int q = 0; q < 4; ++q) parts[q] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * q));
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+    _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_sub_ps(c, _mm256_loadu_ps(z + 8 * q)), _mm256_loadu_ps(s + 8 * q)));
+  }
+  return;
+#endif
+  if constexpr (BITS == 4) {
+    constexpr int64_t H = PANEL / 2;
+    for (int64_t j = 0; j < H; ++j) o[j] = (static_cast<float>(b[j] & 15) - z[j]) * s[j];
+    for (int64_t j = 0; j < H; ++j) o[j + H] = (static_cast<float>(b[j] >> 4) - z[j + H]) * s[j + H];
+  } else {
+    for (int64_t j = 0; j < PANEL; ++j) o[j] = (static_cast<float>(b[j]) - z[j]) * s[j];
+  }
+}
+
+// panel rows k0 .. k0 + kc - 1 of one panel (packed bytes at w, row k0 first) as floats into out (kc, PANEL);
+// s, z: the panel's first column of group 0 (row stride ld). Group by group, its scales and zeros copied once.
+template <int BITS>
+inline void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t ld, int64_t k0, int64_t kc,
+                          int64_t group_size, float* out) {
+  constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
+  alignas(64) float sg[PANEL], zg[PANEL];
+  for (int64_t k = 0; k < kc;) {
+    const int64_t g = (k0 + k) / group_size, end = std::min(kc, (g + 1) * group_size - k0);
+    std::memcpy(sg, s + g * ld, sizeof(sg));
+    std::memcpy(zg, z + g * ld, sizeof(zg));
+    for (; k < end; ++k) dequant_row<BITS>(w + k * RB, sg, zg, out + k * PANEL);
+  }
+}
+
+// A few rows (R <= SMALL_M, decode): each panel row dequantized into registers and multiplied at once, no
+// block buffer: acc[i][j] = fma(x[i][k], w[k][j], acc[i][j]) in k order, micro_plain's chain (the same bits).
+template <int BITS, int R>
+inline void few_rows(const float* x, int64_t ldx, const uint8_t* w, const float* s, const float* z,
+                     int64_t ld, int64_t k0, int64_t kc, int64_t group_size, float* const* buf, bool first) {
+  constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
+  Vec acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = first ? Vec::zero() : Vec::load(buf[0] + i * PANEL + j * Vec::W);
+  alignas(64) float sg[PANEL], zg[PANEL], row[PANEL];
+  for (int64_t k = 0; k < kc;) {
+    const int64_t g = (k0 + k) / group_size, end = std::min(kc, (g + 1) * group_size - k0);
+    std::memcpy(sg, s + g * ld, sizeof(sg));
+    std::memcpy(zg, z + g * ld, sizeof(zg));
+    for (; k < end; ++k) {
+      dequant_row<BITS>(w + k * RB, sg, zg, row);
+      for (int i = 0; i < R; ++i) {
+        const Vec a = Vec::bcast(x[i * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = Vec::fma(a, Vec::load(row + j * Vec::W), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j].store(buf[0] + i * PANEL + j * Vec::W);
+}
+
+// which (call, panel block) this thread's buffer holds: a new call never reuses a block of an earlier one
+inline std::atomic<uint64_t>& quant_call_counter() {
+  static std::atomic<uint64_t> calls{0};
+  return calls;
+}
+struct QuantBlockCache {
+  uint64_t call = ~uint64_t{0};
+  const uint8_t* block = nullptr;
+  alignas(64) float w[K_BLOCK_Q * PANEL];
+};
+
+// y = x @ W^T (+ bias) over code panels (see the top). x: (M, K) float32 or bfloat16 (bf16 widened exactly);
+// packed: uint8 (P, K, PANEL / 2) for bits 4, (P, K, PANEL) for bits 8; scales, zeros (G, P * PANEL) float32;
+// bias (out_features,) float32 or bfloat16 or none; out_bf16: y rounded once to bfloat16, else float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, torch::Tensor scales,
+                           torch::Tensor zeros, int64_t group_size, int64_t bits, c10::optional<torch::Tensor> bias,
+                           bool out_bf16) {
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  is_bf16(x, "x");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  const int64_t row_bytes = bits == 4 ? PANEL / 2 : PANEL;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kUInt8 &&
+              packed.size(2) == row_bytes, "packed codes must be contiguous uint8 (P, K, ", row_bytes, ")");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "in_features mismatch: x has ", K, ", weight ", packed.size(1));
+  TORCH_CHECK(out_features <= P * PANEL && out_features > (P - 1) * PANEL, "bad out_features");
+  TORCH_CHECK(group_size > 0, "group_size must be > 0");
+  const int64_t G = (K + group_size - 1) / group_size;
+  for (const torch::Tensor* t : {&scales, &zeros})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == G && t->size(1) == P * PANEL && t->is_contiguous() &&
+                t->scalar_type() == torch::kFloat32, "scales and zeros must be contiguous (", G, ", ", P * PANEL,
+                ") float32");
+  torch::Tensor b_f;
+  if (bias.has_value() && bias->defined()) {
+    b_f = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b_f.numel() == out_features, "bad bias");
+  }
+  torch::Tensor y = torch::empty({M, out_features}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  if (M == 0) return y;
+  const float* bp = b_f.defined() ? b_f.data_ptr<float>() : nullptr;
+  const FloatRows xf = float_rows(x, K, false);
+  const float* xp = xf.data;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
+  const int64_t ld = P * PANEL, panel_bytes = K * row_bytes;
+  const uint64_t call = quant_call_counter().fetch_add(1, std::memory_order_relaxed);
+  auto tile = [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const uint8_t* const* w, int64_t kc,
+                  float* const* buf, bool first, const char* const* pf, int64_t n) {
+    (void)np;   // packed_gemm runs one panel a pass (two_panels false)
+    const int64_t p = (w[0] - wp) / panel_bytes;
+    if (M <= SMALL_M) {   // a few rows: no block buffer (rows <= M)
+      const float* xr = xp + m * K + k0;
+      const float* sr = sp + p * PANEL;
+      const float* zr = zp + p * PANEL;
+#define LMI_FEW(B, R) few_rows<B, R>(xr, K, w[0], sr, zr, ld, k0, kc, group_size, buf, first)
+      if (bits == 4) {
+        switch (rows) {
+          case 1: return LMI_FEW(4, 1);
+          case 2: return LMI_FEW(4, 2);
+          case 3: return LMI_FEW(4, 3);
+          default: return LMI_FEW(4, 4);
+        }
+      }
+      switch (rows) {
+        case 1: return LMI_FEW(8, 1);
+        case 2: return LMI_FEW(8, 2);
+        case 3: return LMI_FEW(8, 3);
+        default: return LMI_FEW(8, 4);
+      }
+#undef LMI_FEW
+    }
+    thread_local QuantBlockCache cache;
+    if (cache.call != call || cache.block != w[0]) {
+      if (bits == 4) {
+        dequant_block<4>(w[0], sp + p * PANEL, zp + p * PANEL, ld, k0, kc, group_size, cache.w);
+      } else {
+        dequant_block<8>(w[0], sp + p * PANEL, zp + p * PANEL, ld, k0, kc, group_size, cache.w);
+      }
+      cache.call = call, cache.block = w[0];
+    }
+    const float* wf[1] = {cache.w};
+    tile_kernel<1, ACC_WIDE>(MicroPlain<>{}, rows, xp + m * K + k0, K, wf, Vec::W, kc, buf, first, pf, n);
+  };
+  auto run = [&](auto store) {
+    packed_gemm(M, K, P, row_bytes, K_BLOCK_Q, MR_WIDE, wp, out_features, tile, store, false, few_rows_prefetch(M));
+  };
+  if (out_bf16) {
+    run(StoreRows<bf16>{data_of<bf16>(y), out_features, nullptr, bp});
+  } else {
+    run(StoreRows<float>{y.data_ptr<float>(), out_features, nullptr, bp});
+  }
+  return y;
+}
+
+}  // namespace

@@ -24,6 +24,7 @@ from lmi_handler.engine.model.kernels import (
     row_argmax,
 )
 from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
+from lmi_handler.engine.model.moe import MoeWeights, grouped_experts
 
 NAME = "cpp"
 PROJECTION_INDEX = {name: i for i, name in enumerate(KERNEL_PROJECTIONS)}   # LoraSet's projection numbers
@@ -82,6 +83,12 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     kernels = cpu_kernels()
     gate_up = gate_up.contiguous()
     return kernels.silu_mul(gate_up) if act == "silu" else kernels.gelu_tanh_mul(gate_up)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """The routed experts over their packed panels (torch_ref.moe_experts' contract): moe.grouped_experts with
+    this backend's linear and act_mul, so each expert's rows go through linear.h's row-invariant linear."""
+    return grouped_experts(x, ids, weights, w, linear, act_mul)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul",
            "log_softmax", "greedy", "seeded_sample", "lora_stack", "lora_add", "lora_rows",
-           "decoder_stack"]
+           "decoder_stack", "moe_experts"]
 
 
 def available() -> bool:
@@ -63,6 +63,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return _kernels("rowwise").act_mul(gate_up, act)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w) -> torch.Tensor:
+    """The routed experts (torch_ref.moe_experts' contract): moe.grouped_experts over this backend's linear and
+    act_mul, one matmul kernel launch per chosen expert."""
+    from lmi_handler.engine.model.moe import grouped_experts
+
+    return grouped_experts(x, ids, weights, w, linear, act_mul)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

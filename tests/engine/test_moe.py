@@ -1,0 +1,171 @@
+"""Mixture-of-experts families against transformers on tiny random checkpoints: the layer description
+(families.py, spec.py), the router and experts (moe.py), their loading (loader.py) and each backend's
+moe_experts op, bitwise alone and in batches."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmi_handler.config import ConfigError
+from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.model.families import build_spec
+from lmi_handler.engine.model_runner import ModelRunner
+from tests.engine.family_models import BASE, TINY_MOE_FAMILIES, build_tiny_moe
+from tests.engine.helpers import PRECISIONS, assert_logits_bitwise_identical_alone_and_in_batch, greedy_generate
+
+CPU = torch.device("cpu")
+PROMPTS = [[1] + [(7 * i + 3) % 500 + 3 for i in range(26)], [1, 250, 17, 99], [1] + list(range(40, 80))]
+OTHERS = [[1] + [(11 * i + 5) % 500 + 3 for i in range(n)] for n in (9, 3, 14, 6, 21, 2, 30)]   # batches of 3, 8
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MOE_FAMILIES))
+def moe_family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, build_tiny_moe(path, request.param)
+
+
+def _runner(path, backend="auto", dtype=torch.float32, quantize=None):
+    return ModelRunner(path, dtype, CPU, block_size=4, num_blocks=160, kernel_backend=backend, quantize=quantize)
+
+
+def _hf_greedy_with_logprobs(hf, prompt: list[int], n: int) -> tuple[list[int], list[float], set]:
+    """transformers' generate(): greedy tokens, each one's log-prob, and the (layer, expert) pairs its routers
+    chose along the way."""
+    chosen: set = set()
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        if router is not None and not isinstance(router, torch.nn.Linear):
+            hooks.append(router.register_forward_hook(
+                lambda _m, _in, out, i=i: chosen.update((i, e) for e in out[2].flatten().tolist())))
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                      output_scores=True, return_dict_in_generate=True)
+    for hook in hooks:
+        hook.remove()
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(s[0].float().log_softmax(-1)[t]) for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs, chosen
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_every_moe_family_gives_transformers_greedy_tokens_and_log_probs_in_fp32(moe_family, backend):
+    """Prompts whose tokens reach every expert of every sparse layer (checked on transformers' routers)."""
+    name, path, hf = moe_family
+    runner = _runner(path, backend)
+    assert runner.kernel_backend == backend
+    sparse = [i for i, layer in enumerate(runner.model.spec.layers) if layer.moe is not None]
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    reached: set = set()
+    for prompt in PROMPTS:
+        ours, logits = greedy_generate(runner, allocator, [prompt], NEW_TOKENS)
+        theirs, their_logprobs, chosen = _hf_greedy_with_logprobs(hf, prompt, NEW_TOKENS)
+        reached |= chosen
+        assert ours[0] == theirs, f"{name}: prompt of {len(prompt)} tokens"
+        our_logprobs = [float(step.log_softmax(-1)[t]) for step, t in zip(logits[0], ours[0])]
+        assert our_logprobs == pytest.approx(their_logprobs, abs=1e-4)
+    experts = runner.model.spec.moe.num_experts
+    assert reached == {(i, e) for i in sparse for e in range(experts)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_every_moe_family_s_logits_are_bitwise_the_same_alone_and_in_batches_of_3_and_8_on_the_cpp_backend(
+        moe_family, precision):
+    name, path, _ = moe_family
+    dtype, quantize = PRECISIONS[precision]
+    runner = _runner(path, "cpp", dtype, quantize)
+    moe = next(w.moe for w in runner.model.layer_weights if w.moe is not None)
+    assert moe.gate_up[0].kind == (quantize or str(dtype).removeprefix("torch."))
+    assert moe.router.kind == str(dtype).removeprefix("torch.")          # routers never int8
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    for others in (OTHERS[:2], OTHERS):
+        assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[0], others, 4,
+                                                           chunks=[len(p) // 2 + 1 for p in others])
+
+
+def _config(name: str, **changes) -> dict:
+    from transformers import AutoConfig
+
+    model_type, overrides = TINY_MOE_FAMILIES[name]
+    return json.loads(AutoConfig.for_model(model_type, **{**BASE, **overrides, **changes}).to_json_string())
+
+
+def test_the_spec_reads_routing_sparse_layers_and_the_shared_expert_per_family():
+    mixtral = build_spec(_config("mixtral"))
+    assert mixtral.moe.routing == "softmax_topk" and mixtral.moe.norm_topk_prob and mixtral.moe.top_k == 2
+    assert [layer.window for layer in mixtral.layers] == [16] * 3
+    qwen2 = build_spec(_config("qwen2_moe"))
+    assert [layer.moe is not None for layer in qwen2.layers] == [True, False, True]      # mlp_only_layers=[1]
+    assert qwen2.moe.shared_expert_size == 64 and not qwen2.moe.norm_topk_prob and qwen2.qkv_bias
+    assert qwen2.intermediate_size == 128 and qwen2.moe.intermediate_size == 32
+    qwen3 = build_spec(_config("qwen3_moe"))
+    assert [layer.moe is not None for layer in qwen3.layers] == [False, True, False]     # decoder_sparse_step=2
+    assert qwen3.moe.norm_topk_prob and qwen3.moe.shared_expert_size is None
+    assert build_spec(_config("granitemoe")).moe.routing == "topk_softmax"
+    assert "mixture-of-experts layers" in build_spec(_config("olmoe")).cpp_misfits()
+
+
+def test_olmoe_s_clip_qkv_is_refused_at_start_up_naming_it():
+    with pytest.raises(ConfigError, match="clip_qkv=8.0"):
+        build_spec(_config("olmoe", clip_qkv=8.0))
+
+
+def test_a_checkpoint_with_transformers_stacked_experts_loads_to_the_same_logits(tmp_path):
+    """experts.gate_up_proj (E, 2I, H) and experts.down_proj (E, H, I), as transformers holds them in memory,
+    instead of the per-expert tensors the family's checkpoints save."""
+    build_tiny_moe(tmp_path / "split", "qwen3_moe")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        (stacked / f).write_bytes((tmp_path / "split" / f).read_bytes())
+    tensors = load_file(tmp_path / "split" / "model.safetensors")
+    p = "model.layers.1.mlp.experts."
+    gate_up = [torch.cat([tensors.pop(p + f"{e}.gate_proj.weight"), tensors.pop(p + f"{e}.up_proj.weight")])
+               for e in range(4)]
+    tensors[p + "gate_up_proj"] = torch.stack(gate_up)
+    tensors[p + "down_proj"] = torch.stack([tensors.pop(p + f"{e}.down_proj.weight") for e in range(4)])
+    save_file(tensors, stacked / "model.safetensors")
+    results = []
+    for path in (tmp_path / "split", stacked):
+        runner = _runner(path, "cpp")
+        results.append(greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), [PROMPTS[1]], 4))
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1][0], results[1][1][0]))
+
+
+def test_a_decode_step_reads_only_its_chosen_experts(tmp_path):
+    build_tiny_moe(tmp_path, "mixtral")
+    runner = _runner(tmp_path, "cpp")
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    read: list = []
+    ops = runner.model.ops
+    original = ops.linear
+
+    def counting_linear(x, weight, *args):
+        read.append(id(weight))
+        return original(x, weight, *args)
+
+    greedy_generate(runner, allocator, [PROMPTS[1]], 1)          # prefill, then count the one decode step
+    try:
+        ops.linear = counting_linear
+        greedy_generate(runner, allocator, [PROMPTS[1][:1]], 1)
+    finally:
+        ops.linear = original
+    experts = {id(w): e for layer in runner.model.layer_weights for e, w in enumerate(layer.moe.gate_up)}
+    per_layer = runner.model.spec.moe.top_k * len(runner.model.layer_weights)
+    assert len([r for r in read if r in experts]) == per_layer
+
+
+def test_tensor_parallel_mixture_of_experts_is_refused_at_load_naming_the_degree(tmp_path):
+    from lmi_handler.engine.model.loader import load_model
+    from lmi_handler.engine.parallel.layout import ShardLayout
+
+    build_tiny_moe(tmp_path, "mixtral")
+    spec = build_spec(json.loads((tmp_path / "config.json").read_text()))
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2.*mixture-of-experts"):
+        load_model(tmp_path, torch.float32, CPU, layout=ShardLayout.of(spec, 0, 2))

@@ -169,3 +169,22 @@ def test_tensor_parallel_mixture_of_experts_is_refused_at_load_naming_the_degree
     spec = build_spec(json.loads((tmp_path / "config.json").read_text()))
     with pytest.raises(ConfigError, match="tensor_parallel_degree=2.*mixture-of-experts"):
         load_model(tmp_path, torch.float32, CPU, layout=ShardLayout.of(spec, 0, 2))
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_the_cpp_expert_op_is_bitwise_the_grouped_experts_over_the_same_packed_linears(kind):
+    """moe.cpp (one C++ call: grouping, linear_silu and linear per chosen expert, the rank-order combination)
+    against moe.grouped_experts walking the cpp backend's linear and act_mul in Python."""
+    from lmi_handler.engine.model.backends import cpp
+    from lmi_handler.engine.model.moe import MoeWeights, grouped_experts, route
+    from lmi_handler.engine.model.spec import MoeSpec
+
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    x = torch.randn(11, 64, generator=g).to(dtype)
+    w = MoeWeights(router=None, gate_up=[cpp.pack_linear(torch.randn(64, 64, generator=g) * 0.2, kind) for _ in range(4)],
+                   down=[cpp.pack_linear(torch.randn(64, 32, generator=g) * 0.2, kind) for _ in range(4)])
+    ids, weights = route(torch.randn(11, 4, generator=g), MoeSpec(num_experts=4, top_k=2, intermediate_size=32))
+    ours = cpp.moe_experts(x, ids, weights, w)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, grouped_experts(x, ids, weights, w, cpp.linear, cpp.act_mul))

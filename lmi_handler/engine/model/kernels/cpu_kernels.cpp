@@ -73,9 +73,12 @@ constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 
 // families.cpp (a translation unit of its own): the C++ ops backend's masked attention, norm offset, rope, GeGLU
 void register_family_ops(py::module_& m);
+// moe.cpp (a translation unit of its own): a mixture-of-experts layer's routed experts over packed panels
+void register_moe_ops(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_family_ops(m);
+  register_moe_ops(m);
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.attr("NATIVE_BF16") = NATIVE_BF16;

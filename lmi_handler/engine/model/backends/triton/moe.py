@@ -88,7 +88,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Mo
     each a grouped matmul; combined per token in rank order in float32. The experts' weights are stacked once
     per layer (w.prepared: gate_up (E, 2I, hidden), down (E, hidden, I))."""
     if w.prepared is None:
-        w.prepared = (torch.stack(list(w.gate_up)).contiguous(), torch.stack(list(w.down)).contiguous())
+        w.prepared = (torch.stack(list(w.gate_up)), torch.stack(list(w.down)))
+        w.gate_up, w.down = list(w.prepared[0].unbind(0)), list(w.prepared[1].unbind(0))  # views: one copy held
     gate_up_w, down_w = w.prepared
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k

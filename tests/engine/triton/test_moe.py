@@ -54,3 +54,19 @@ def test_pairs_are_sorted_by_expert_into_whole_blocks_and_unchosen_experts_get_n
     runs = sorted_pairs.view(-1, BLOCK_M)
     assert [r[r >= 0].tolist() for r in runs[:3]] == [[1, 4], [0, 2, 5], [3]]   # pair t * 2 + k, token order
     assert (runs[3:] == -1).all()
+
+
+@needs_triton
+@pytest.mark.slow
+def test_qwen2_moe_on_the_triton_backend_gives_transformers_greedy_tokens(tmp_path, device):
+    """The whole forward with the fused MoE kernel: sparse layers around a dense one, the gated shared expert."""
+    from lmi_handler.engine.kv_cache import BlockAllocator
+    from lmi_handler.engine.model_runner import ModelRunner
+    from tests.engine.family_models import build_tiny_moe
+    from tests.engine.helpers import greedy_generate, hf_greedy
+
+    hf = build_tiny_moe(tmp_path, "qwen2_moe")
+    runner = ModelRunner(tmp_path, torch.float32, device, block_size=4, num_blocks=16, kernel_backend="triton")
+    prompt = [1, 250, 17, 99, 5, 6, 7, 8]
+    ours, _ = greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), [prompt], 3)
+    assert ours[0] == hf_greedy(hf, prompt, 3)

@@ -56,3 +56,38 @@ def build_tiny_family(path: Path, name: str, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+# mixture-of-experts families: 4 experts of width 32, top 2 (routing every prompt's tokens to each expert);
+# Qwen2-MoE with a dense layer between sparse ones (mlp_only_layers) and its shared expert, Qwen3-MoE with
+# decoder_sparse_step 2 and norm_topk_prob, OLMoE's full-width q/k norm, GraniteMoE's multipliers
+MOE = dict(num_experts_per_tok=2)
+TINY_MOE_FAMILIES = {
+    "mixtral": ("mixtral", dict(MOE, num_local_experts=4, intermediate_size=32, sliding_window=WINDOW)),
+    "qwen2_moe": ("qwen2_moe", dict(MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                    mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=2,
+                                    norm_topk_prob=True)),
+    "olmoe": ("olmoe", dict(MOE, num_experts=4, intermediate_size=32)),
+    "granitemoe": ("granitemoe", dict(MOE, num_local_experts=4, intermediate_size=32, embedding_multiplier=4.0,
+                                      attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=2.0)),
+}
+
+
+def build_tiny_moe(path: Path, name: str, seed: int = 0):
+    """Write the tiny mixture-of-experts checkpoint `name` (TINY_MOE_FAMILIES) to `path` as build_tiny_family
+    does; return the HF model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = TINY_MOE_FAMILIES[name]
+    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif ("gate" in pname or "router" in pname) and p.dim() == 2 and p.shape[0] <= 4:   # routers: spread tokens
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model

@@ -28,7 +28,7 @@ from lmi_handler.engine.model.spec import ModelSpec
 
 KERNEL_BACKENDS = ("auto", "cpp", "triton", "torch")
 OPS = ("store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul", "log_softmax", "greedy", "lora_add",
-       "decoder_stack")
+       "decoder_stack", "moe_experts")
 
 log = logging.getLogger(__name__)
 

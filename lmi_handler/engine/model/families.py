@@ -10,18 +10,48 @@ of these is a new row, not new code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.model.quant.config import check_quantization_config
-from lmi_handler.engine.model.spec import ACTIVATIONS, ROPE_TYPES, LayerSpec, ModelSpec, build_rope
+from lmi_handler.engine.model.spec import ACTIVATIONS, ROPE_TYPES, LayerSpec, ModelSpec, MoeSpec, build_rope
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts family's config.json and checkpoint name its experts.
+
+    num_experts_key / width_key: the config keys of the expert count and each expert's intermediate width.
+    norm_topk_prob: True (always renormalized: Mixtral) or the config key that says so. prefix: the layer's MLP
+    module (block_sparse_moe, mlp); router: the router's weight under it. form: how the experts' tensors are
+    saved: "w123" (experts.{e}.w1 / w3 / w2: Mixtral), "proj" (experts.{e}.gate_proj / up_proj / down_proj:
+    Qwen, OLMoE), "stacked" (input_linear (E, 2I, H) = gate | up, output_linear (E, H, I): GraniteMoE). Any
+    family's checkpoint may instead hold transformers' own stacked experts.gate_up_proj (E, 2I, H) and
+    experts.down_proj (E, H, I) (the loader takes whichever is there). sparse_steps: decoder_sparse_step and
+    mlp_only_layers decide which layers are sparse (Qwen2/3-MoE); else every layer is.
+    """
+
+    num_experts_key: str
+    width_key: str
+    prefix: str
+    router: str
+    form: str
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool | str = "norm_topk_prob"
+    shared_expert: bool = False
+    sparse_steps: bool = False
+
+
+MIXTRAL_EXPERTS = Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "gate.weight", "w123",
+                          norm_topk_prob=True)
+QWEN_EXPERTS = Experts("num_experts", "moe_intermediate_size", "mlp", "gate.weight", "proj", sparse_steps=True)
 
 
 @dataclass(frozen=True)
 class Family:
     """How one model_type differs from Llama.
 
-    qkv_bias / o_bias: "always", "never" or "attention_bias" (the config's switch). window: "all" (every
+    qkv_bias / o_bias: "always", "never" or the config's switch (attention_bias; Qwen2-MoE's qkv_bias). window: "all" (every
     layer takes config.sliding_window: Mistral, Phi-3), "layer_types" (the layers transformers' config marks
     sliding_attention: Qwen2/3's use_sliding_window + max_window_layers, Gemma 2/3 alternating, SmolLM3),
     None. embedding_scale: "sqrt_hidden" (Gemma) or "embedding_multiplier" (Granite). attention_scale:
@@ -45,6 +75,7 @@ class Family:
     granite: bool = False           # residual_multiplier and logits_scaling
     softcaps: bool = False          # final_logit_softcapping, attn_logit_softcapping (Gemma 2 / 3)
     no_rope_layers: bool = False    # SmolLM3's no_rope_layers (1: RoPE, 0: none)
+    experts: Experts | None = None  # mixture-of-experts families
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -64,6 +95,17 @@ FAMILIES = {f.model_type: f for f in (
     Family("granite", ("GraniteForCausalLM",), mlp_bias=True, embedding_scale="embedding_multiplier",
            attention_scale="attention_multiplier", granite=True),
     Family("olmo2", ("Olmo2ForCausalLM",), norm_placement="post", norm_weight_in_float=True, qk_norm="full"),
+    Family("mixtral", ("MixtralForCausalLM",), qkv_bias="never", o_bias="never", window="all",
+           experts=MIXTRAL_EXPERTS),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), qkv_bias="qkv_bias", o_bias="never", window="layer_types",
+           experts=replace(QWEN_EXPERTS, shared_expert=True)),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm="head", window="all", experts=QWEN_EXPERTS),
+    Family("olmoe", ("OlmoeForCausalLM",), qk_norm="full",
+           experts=Experts("num_experts", "intermediate_size", "mlp", "gate.weight", "proj")),
+    Family("granitemoe", ("GraniteMoeForCausalLM",), embedding_scale="embedding_multiplier",
+           attention_scale="attention_multiplier", granite=True,
+           experts=Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "router.layer.weight",
+                           "stacked", routing="topk_softmax", norm_topk_prob=False)),
 )}
 
 NORM_NAMES = {   # placement -> (before attention, after attention, before the MLP, after the MLP)
@@ -124,16 +166,18 @@ def build_spec(cfg: dict) -> ModelSpec:
     hf = hf_config_of(cfg)
     c = hf.to_dict()                     # transformers' values, its defaults and legacy keys resolved
     act = c.get(family.activation_key) or c.get("hidden_act") or "silu"
-    if act not in ACTIVATIONS:
+    if act not in ACTIVATIONS or (family.experts is not None and ACTIVATIONS[act] != "silu"):
         raise ConfigError(f"config.json {family.activation_key}={act!r} is not supported; supported: "
                           f"{sorted(ACTIVATIONS)}")
     num_heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
     max_pos = c["max_position_embeddings"]
     layers = _layers(hf, c, family, head_dim, max_pos)
+    if family.experts is not None:
+        layers = _sparse_layers(layers, hf, c, family.experts)
 
     def bias(rule: str) -> bool:
-        return rule == "always" or (rule == "attention_bias" and bool(c.get("attention_bias")))
+        return rule == "always" or (rule != "never" and bool(c.get(rule)))
 
     return ModelSpec(
         model_type=family.model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
@@ -149,6 +193,29 @@ def build_spec(cfg: dict) -> ModelSpec:
         final_logit_softcap=c.get("final_logit_softcapping") if family.softcaps else None,
         attn_softcap=c.get("attn_logit_softcapping") if family.softcaps else None,
         tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv)
+
+
+def _sparse_layers(layers: tuple[LayerSpec, ...], hf, c: dict, experts: Experts) -> tuple[LayerSpec, ...]:
+    """`layers` with the MoeSpec on each sparse one: every layer, or (Qwen2/3-MoE, transformers'
+    Qwen2MoeDecoderLayer's rule) layer i when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0. Keys are read through transformers' config object `hf` (its attribute_map: Qwen3-MoE saves
+    num_experts as num_local_experts). Raises ConfigError for a config option we do not implement (OLMoE's
+    clip_qkv)."""
+    if c.get("clip_qkv") is not None:
+        raise ConfigError(f"config.json clip_qkv={c['clip_qkv']!r} is not supported (only null)")
+    norm = experts.norm_topk_prob if isinstance(experts.norm_topk_prob, bool) else \
+        bool(getattr(hf, experts.norm_topk_prob))
+    moe = MoeSpec(num_experts=getattr(hf, experts.num_experts_key), top_k=hf.num_experts_per_tok,
+                  intermediate_size=getattr(hf, experts.width_key), routing=experts.routing, norm_topk_prob=norm,
+                  shared_expert_size=hf.shared_expert_intermediate_size if experts.shared_expert else None)
+
+    def sparse(i: int) -> bool:
+        if not experts.sparse_steps:
+            return True
+        step = c.get("decoder_sparse_step") or 1
+        return i not in (c.get("mlp_only_layers") or ()) and moe.num_experts > 0 and (i + 1) % step == 0
+
+    return tuple(replace(layer, moe=moe if sparse(i) else None) for i, layer in enumerate(layers))
 
 
 def _rope_params(c: dict, layer_type: str | None) -> dict:
@@ -208,6 +275,9 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, str | list[str]]:
         names["qkv_bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
     if spec.o_bias:
         names["o_bias"] = p + "self_attn.o_proj.bias"
+    if spec.layers[i].moe is not None:
+        del names["gate_up"], names["down"]
+        names.update(expert_tensor_names(spec, i))
     if spec.mlp_bias:
         names["gate_up_bias"] = [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
         names["down_bias"] = p + "mlp.down_proj.bias"
@@ -216,4 +286,29 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, str | list[str]]:
             names[role] = p + name + ".weight"
     if spec.qk_norm is not None:
         names.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
+    return names
+
+
+def expert_tensor_names(spec: ModelSpec, i: int) -> dict:
+    """Sparse layer i's roles -> checkpoint names: router (E, H); experts_gate_up / experts_down, one entry per
+    expert (a name list concatenated by rows, or (stacked name, e): row e of an (E, out, in) tensor): the
+    family's form (Experts.form) and transformers' stacked form as the alternative (a dict {"split": ...,
+    "stacked": ...} under "experts", the loader takes the one the checkpoint holds); Qwen2-MoE's shared
+    expert: shared_gate_up, shared_down and shared_gate (1, H)."""
+    experts = FAMILIES[spec.model_type].experts
+    p = f"model.layers.{i}.{experts.prefix}."
+    num = spec.layers[i].moe.num_experts
+    if experts.form == "w123":
+        split = ([[p + f"experts.{e}.w1.weight", p + f"experts.{e}.w3.weight"] for e in range(num)],
+                 [p + f"experts.{e}.w2.weight" for e in range(num)])
+    elif experts.form == "proj":
+        split = ([[p + f"experts.{e}.gate_proj.weight", p + f"experts.{e}.up_proj.weight"] for e in range(num)],
+                 [p + f"experts.{e}.down_proj.weight" for e in range(num)])
+    else:
+        split = ([(p + "input_linear.weight", e) for e in range(num)], [(p + "output_linear.weight", e) for e in range(num)])
+    stacked = ([(p + "experts.gate_up_proj", e) for e in range(num)], [(p + "experts.down_proj", e) for e in range(num)])
+    names: dict = {"router": p + experts.router, "experts": {"split": split, "stacked": stacked}}
+    if experts.shared_expert:
+        names.update(shared_gate_up=[p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"],
+                     shared_down=p + "shared_expert.down_proj.weight", shared_gate=p + "shared_expert_gate.weight")
     return names

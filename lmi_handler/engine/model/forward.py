@@ -19,6 +19,7 @@ from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.kernels import PackedWeight
 from lmi_handler.engine.model.linear import Collectives, row_parallel_linear
 from lmi_handler.engine.model.lora import LoraBatch
+from lmi_handler.engine.model.moe import MoeWeights, moe_mlp
 from lmi_handler.engine.model.spec import ModelSpec, RopeSpec, rope_cos_sin_rows
 
 NORM_ROLES = ("attn_pre", "attn_post", "mlp_pre", "mlp_post", "q_norm", "k_norm")
@@ -29,12 +30,12 @@ ROPE_SLAB = 256   # positions per slab of the CPU RoPE table (256 * head_dim flo
 class LayerWeights:
     """One layer's tensors by role (families.layer_tensor_names): fused qkv and gate_up rows (a backend's
     packed form where it packs them: kernels.PackedWeight on the cpp backend), the norms the spec's placement
-    has (None otherwise)."""
+    has (None otherwise). A sparse layer has `moe` (its router and experts) instead of gate_up and down."""
 
     qkv: torch.Tensor | PackedWeight
     o: torch.Tensor | PackedWeight
-    gate_up: torch.Tensor | PackedWeight
-    down: torch.Tensor | PackedWeight
+    gate_up: torch.Tensor | PackedWeight | None = None
+    down: torch.Tensor | PackedWeight | None = None
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
@@ -45,6 +46,7 @@ class LayerWeights:
     mlp_post: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None
 
 
 class DecoderModel(nn.Module):
@@ -217,6 +219,8 @@ class DecoderModel(nn.Module):
         return torch.cat((self.ops.rope(x[..., :rotary].contiguous(), cos, sin), x[..., rotary:]), dim=-1)
 
     def _mlp(self, h: torch.Tensor, w: LayerWeights, lora: LoraBatch | None, index: int) -> torch.Tensor:
+        if w.moe is not None:                  # a sparse layer (moe.py); LoRA adapts the dense MLPs only
+            return moe_mlp(h, w.moe, self.spec.layers[index].moe, self.ops)
         gate_up = self.ops.linear(h, w.gate_up, w.gate_up_bias)
         gate_up = self._lora(gate_up, h, lora, index, "gate_up_proj")
         act = self.ops.act_mul(gate_up, self.spec.activation)

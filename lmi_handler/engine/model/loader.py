@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lmi_handler.config import ConfigError
 from lmi_handler.engine.model.backend import backend_ops, choose_backend, log_choice
 from lmi_handler.engine.model.families import build_spec, layer_tensor_names
 from lmi_handler.engine.model.forward import DecoderModel, LayerWeights
+from lmi_handler.engine.model.moe import MoeWeights
 from lmi_handler.engine.model.kernels import panel_arena, panels_shape
 from lmi_handler.engine.model.quant import check_backend as check_quantized_backend
 from lmi_handler.engine.model.quant import quantized_linears
@@ -25,6 +27,8 @@ from lmi_handler.engine.model.spec import ModelSpec
 from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
 
 LINEARS = ("qkv", "o", "gate_up", "down")    # the roles a backend may pack, in the order a step reads them
+MOE_LINEARS = ("router", "shared_gate", "shared_gate_up", "shared_down")   # a sparse layer's, before its experts
+EXPERT_LINEARS = ("experts_gate_up", "experts_down")                      # one entry per expert
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -81,13 +85,29 @@ def _shard_or_skip(name: str, layout, full_qk_norm: bool = False):
         return False
 
 
-def _tensor(hf: dict[str, torch.Tensor], names: str | list[str]) -> torch.Tensor:
-    """The checkpoint tensor `names`, or the row concatenation of a list of them (q/k/v, gate/up).
-    Raises KeyError naming the weights the checkpoint lacks."""
+def _tensor(hf: dict[str, torch.Tensor], names: str | list[str] | tuple[str, int]) -> torch.Tensor:
+    """The checkpoint tensor `names`, the row concatenation of a list of them (q/k/v, gate/up), or (name, e):
+    expert e's slice of a stacked (E, out, in) tensor. Raises KeyError naming the weights the checkpoint lacks."""
+    if isinstance(names, tuple):
+        return _tensor(hf, names[0])[names[1]]
     parts = [names] if isinstance(names, str) else names
     if missing := [n for n in parts if n not in hf]:
         raise KeyError(f"weights missing from the checkpoint: {missing}")
     return hf[names] if isinstance(names, str) else torch.cat([hf[n] for n in names])
+
+
+def _experts_form(hf: dict[str, torch.Tensor], layer: dict) -> None:
+    """Replace a sparse layer's "experts" entry (families.expert_tensor_names: the family's form and transformers'
+    stacked one) by the roles experts_gate_up / experts_down of the form this checkpoint holds (the family's
+    when both are there). Raises KeyError naming the family's form's missing weights when neither is."""
+    alternatives = layer.pop("experts")
+    for form in (alternatives["split"], alternatives["stacked"]):
+        first = form[0][0]
+        names = [first[0]] if isinstance(first, tuple) else [first] if isinstance(first, str) else first
+        if all(n in hf for n in names):
+            layer["experts_gate_up"], layer["experts_down"] = form
+            return
+    _tensor(hf, alternatives["split"][0][0])          # raises, naming the family's form
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, quantize: str | None = None,
@@ -118,8 +138,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     ValueError for quantize on a backend without pack_linear."""
     cfg = read_config(model_dir)
     spec = build_spec(cfg)
+    if layout is not None and spec.moe is not None:
+        raise ConfigError(f"option.tensor_parallel_degree={layout.degree}: model_type={spec.model_type} is a "
+                          "mixture-of-experts model, served on one process only for now (degree 1)")
     # engine/model/quant: a pre-quantized checkpoint's linears, or option.quantize=int4's (quantize: int8 or None)
     quant, quantize = quantized_linears(cfg, quantize, tensor_parallel=layout is not None)
+    if quant is not None and spec.moe is not None:
+        raise ConfigError(f"model_type={spec.model_type}: 4-bit or pre-quantized weights (option.quantize=int4, "
+                          "GPTQ, AWQ, compressed-tensors) on a mixture-of-experts model are not served yet; serve "
+                          "its float checkpoint (option.quantize=int8 packs its experts at load)")
     name, why = choose_backend(kernel_backend, spec, device, tensor_parallel=layout is not None, quantize=quantize)
     log_choice(name, why, spec)
     if quant is not None:
@@ -134,10 +161,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if pooling and "model.embed_tokens.weight" not in hf:
         hf = {(k if k.startswith("lm_head.") else "model." + k): t for k, t in hf.items()}
     names = [layer_tensor_names(spec, i) for i in range(spec.num_layers)]
+    for layer in names:
+        if "experts" in layer:
+            _experts_form(hf, layer)
     head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     if pooling and head_name not in hf:
         head_name = "model.embed_tokens.weight"
-    linears = [(layer[role], kind) for layer in names for role in LINEARS] + [(head_name, head_kind)]
+    dense_kind = str(dtype).removeprefix("torch.")      # routers and the shared expert's gate: never int8
+    linears = [(n, k) for layer in names for _, n, k in _layer_linears(layer, kind, dense_kind)]
+    linears.append((head_name, head_kind))
     linears = [(n, k) for n, k in linears if quant is None or not quant.covers(hf, n)]   # quantized: not in the arena
     arena = iter(panel_arena([(panels_shape(*_shape(hf, n), k), k) for n, k in linears], huge_pages)
                  if pack is not None else [])
@@ -151,7 +183,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
             prepare = vars(ops).get("prepare_linear")             # optional: a backend's layout hook
             return prepare(t) if prepare is not None else t
         packed = pack(t, kind, out=next(arena))
-        if names != "model.embed_tokens.weight":                  # the panels replace the tensor
+        if names != "model.embed_tokens.weight" and not isinstance(names, tuple):   # the panels replace the tensor
             for name in [names] if isinstance(names, str) else names:
                 hf.pop(name, None)
         return packed
@@ -160,9 +192,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         return _tensor(hf, name).to(device=device, dtype=dtype, copy=True)
 
     def take_layer(layer: dict) -> LayerWeights:
-        weights = {role: take_linear(layer[role], kind) for role in LINEARS}      # the arena's order
-        weights.update({role: take_other(n) for role, n in layer.items() if role not in LINEARS})
-        return LayerWeights(**weights)
+        weights: dict = {}
+        for role, n, k in _layer_linears(layer, kind, dense_kind):              # the arena's order
+            packed = take_linear(n, k)
+            if role in EXPERT_LINEARS:
+                weights.setdefault(role, []).append(packed)
+            else:
+                weights[role] = packed
+        weights.update({role: take_other(n) for role, n in layer.items()
+                        if role not in weights and role not in EXPERT_LINEARS})
+        for n in layer.get("experts_gate_up", []) + layer.get("experts_down", []):
+            if isinstance(n, tuple):                                # a stacked tensor, every expert now taken
+                hf.pop(n[0], None)
+        return _layer_weights(weights)
 
     layers = [take_layer(layer) for layer in names]
     lm_head = take_linear(head_name, head_kind)
@@ -172,9 +214,35 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
-def _shape(hf: dict[str, torch.Tensor], names: str | list[str]) -> tuple[int, int]:
-    """(out, in) of the checkpoint tensor `names`, or of the row concatenation of a list of them."""
+def _shape(hf: dict[str, torch.Tensor], names: str | list[str] | tuple[str, int]) -> tuple[int, int]:
+    """(out, in) of the checkpoint tensor `names`, of the row concatenation of a list of them, or of one expert
+    of a stacked tensor."""
+    if isinstance(names, tuple):
+        return tuple(_tensor(hf, names[0]).shape[1:])
     parts = [names] if isinstance(names, str) else names
     if missing := [n for n in parts if n not in hf]:
         raise KeyError(f"weights missing from the checkpoint: {missing}")
     return sum(hf[n].shape[0] for n in parts), hf[parts[0]].shape[1]
+
+
+def _layer_linears(layer: dict, kind: str, dense_kind: str) -> list[tuple[str, object, str]]:
+    """A layer's linears as (role, checkpoint names, panel kind), in the order a step reads them: qkv, o, then
+    gate_up, down (dense) or the router, the shared expert and each expert's gate_up and down (sparse). Routers
+    and the shared expert's gate (a few rows that decide the routing) are packed as `dense_kind`, never int8."""
+    out = [(role, layer[role], kind) for role in LINEARS if role in layer]
+    out += [(role, layer[role], dense_kind if role in ("router", "shared_gate") else kind)
+            for role in MOE_LINEARS if role in layer]
+    for gate_up, down in zip(layer.get("experts_gate_up", []), layer.get("experts_down", [])):
+        out += [("experts_gate_up", gate_up, kind), ("experts_down", down, kind)]
+    return out
+
+
+def _layer_weights(weights: dict) -> LayerWeights:
+    """LayerWeights of a layer's tensors by role; a sparse layer's router and experts gathered in MoeWeights."""
+    if "router" not in weights:
+        return LayerWeights(**weights)
+    moe = MoeWeights(router=weights.pop("router"), gate_up=weights.pop("experts_gate_up"),
+                     down=weights.pop("experts_down"), router_bias=weights.pop("router_bias", None),
+                     shared_gate_up=weights.pop("shared_gate_up", None), shared_down=weights.pop("shared_down", None),
+                     shared_gate=weights.pop("shared_gate", None))
+    return LayerWeights(**weights, moe=moe)

@@ -52,13 +52,39 @@ class RopeSpec:
         return self.inv_freq
 
 
+ROUTINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A sparse layer's MLP: a router over `num_experts` SwiGLU experts of width `intermediate_size`, each token
+    sent to its `top_k` highest-scoring experts (engine/model/moe.py walks it).
+
+    routing: "softmax_topk" (Mixtral, Qwen2/3-MoE, OLMoE: softmax over every expert's logit in float32, then the
+    top k probabilities, renormalized to sum 1 when norm_topk_prob) or "topk_softmax" (GraniteMoE, gpt-oss: the
+    top k logits, then a softmax over those k). router_bias: the router has a bias (gpt-oss). shared_expert_size:
+    Qwen2-MoE's shared expert (a dense SwiGLU MLP every token takes, scaled by sigmoid(shared_expert_gate(x)));
+    None without one.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    shared_expert_size: int | None = None
+
+
 @dataclass(frozen=True)
 class LayerSpec:
-    """What varies from layer to layer: the attention window and the rotary embedding (None: no RoPE,
-    SmolLM3's NoPE layers)."""
+    """What varies from layer to layer: the attention window, the rotary embedding (None: no RoPE, SmolLM3's
+    NoPE layers) and the MLP (moe None: the dense MLP; else this sparse layer's MoeSpec, shared by every sparse
+    layer: Qwen2-MoE's decoder_sparse_step and mlp_only_layers leave dense layers between them)."""
 
     window: int | None = None       # attends to positions [p - window + 1, p]; None = every earlier one
     rope: RopeSpec | None = None
+    moe: MoeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +132,11 @@ class ModelSpec:
     fused_qkv: bool = False                   # the checkpoint holds qkv_proj / gate_up_proj (Phi-3)
 
     @property
+    def moe(self) -> MoeSpec | None:
+        """The sparse layers' MoeSpec, None for a dense model."""
+        return next((layer.moe for layer in self.layers if layer.moe is not None), None)
+
+    @property
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
 
@@ -134,6 +165,7 @@ class ModelSpec:
             "embedding / residual / logit multipliers": any(
                 v is not None for v in (self.embedding_scale, self.residual_scale, self.logit_scale)),
             "soft-capping": self.final_logit_softcap is not None or self.attn_softcap is not None,
+            "mixture-of-experts layers": self.moe is not None,
         }
         return [name for name, misfit in checks.items() if misfit]
 

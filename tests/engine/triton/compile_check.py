@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lmi_handler.engine.model.backends.triton import attention, lora, matmul, rowwise, sampling
+from lmi_handler.engine.model.backends.triton import attention, lora, matmul, moe, rowwise, sampling
 
 # the demo model's shapes (SmolLM2-135M): 9 heads over 3 KV heads of 64, hidden 576, MLP 1536
 ATTENTION = {"GROUP": 3, "GROUP_PAD": 4, "HEAD_DIM": 64, "DIM_PAD": 64, "SEQ_CHUNK": attention.SEQ_CHUNK, "TILE": attention.KV_TILE}
@@ -29,6 +29,8 @@ def cases(dt: str):
         yield attention._paged_attention_kernel, {**idx, "scale": "fp32", "softcap": "fp32"}, \
             {**ATTENTION, "USE_WINDOW": window, "USE_SOFTCAP": softcap}
     yield matmul._linear_kernel, {}, {**LINEAR, "WIDEN": dt == "fp32"}
+    yield moe._grouped_kernel, {"sorted_pairs": "*i32", "block_expert": "*i32"}, {k: v for k, v in LINEAR.items()
+                                                                              if k != "HAS_BIAS"} | {"WIDEN": dt == "fp32"}
     yield rowwise._rms_norm_kernel, {"eps": "fp32", "weight_offset": "fp32"}, {"HAS_RESIDUAL": True, "BLOCK": 1024}
     yield rowwise._rope_kernel, {}, {"HEAD_DIM": 64, "HEADS_PAD": 16, "DIM_PAD": 64}
     for gelu in (False, True):

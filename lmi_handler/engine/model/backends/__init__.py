@@ -26,6 +26,10 @@ accumulate in float32):
 - act_mul(gate_up (T, 2I), act "silu" | "gelu_tanh") -> act(gate) * up, (T, I).
 - lora_add(y, x, lora, layer, module, num_layers) -> y + each row's LoRA term of that projection (a LoraBatch;
   may add in place into y, a fresh projection output): the one place a backend applies adapters.
+- moe_experts(x (T, hidden), ids (T, K) int64, weights (T, K) float32, w: moe.MoeWeights) -> (T, hidden) in x's
+  dtype: token t's sum over its ranks k, in rank order and in float32, of weights[t, k] times SwiGLU expert
+  ids[t, k] applied to x[t] (that expert's output rounded to x's dtype first), rounded once; each expert's rows
+  grouped, never an expert no token chose read. torch_ref.moe_experts is the definition.
 - decoder_stack(spec, layers, final_norm, num_heads, num_kv_heads) -> a whole-stack operation for that spec
   (called as stack(x, cos, sin, kv_caches, meta, lora) -> final-norm hidden states), or None: the walk.
 - log_softmax(logits) -> (S, V) float32; greedy(logits) -> (S,) int64, the lowest index on ties.

@@ -24,6 +24,7 @@ from lmi_handler.engine.model.kernels import (
     row_argmax,
 )
 from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
+from lmi_handler.engine.model.moe import MoeWeights
 from lmi_handler.engine.model.quant import QuantWeight, quant_linear
 
 NAME = "cpp"
@@ -86,6 +87,18 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     kernels = cpu_kernels()
     gate_up = gate_up.contiguous()
     return kernels.silu_mul(gate_up) if act == "silu" else kernels.gelu_tanh_mul(gate_up)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """The routed experts over their packed panels (torch_ref.moe_experts' contract), one C++ call (moe.cpp):
+    the pairs grouped by expert, each chosen expert linear.h's linear_silu and linear over its rows, the outputs
+    combined per token in rank order; bitwise moe.grouped_experts with this module's linear and act_mul. The
+    panel lists are gathered once per layer (w.prepared)."""
+    if w.prepared is None:
+        w.prepared = ([p.panels for p in w.gate_up], [p.scale for p in w.gate_up], [p.panels for p in w.down],
+                      [p.scale for p in w.down], w.gate_up[0].out_features)
+    form = bf16_dot_form() if w.gate_up[0].kind == "bfloat16" else 0
+    return cpu_kernels().moe_experts(x, ids, weights, *w.prepared, form)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lmi_handler.engine.model.attention import AttentionMetadata, gather_context
 from lmi_handler.engine.model.linear import invariant_linear
 from lmi_handler.engine.model.lora import LoraBatch
+from lmi_handler.engine.model.moe import MoeWeights, grouped_experts
 from lmi_handler.engine.model.quant.weight import QuantWeight
 
 NAME = "torch"
@@ -100,6 +101,14 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """(T, 2I) = [gate | up] -> act(gate) * up; act "silu" or "gelu_tanh"."""
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """A sparse layer's routed SwiGLU experts (moe.grouped_experts with this backend's linear and act_mul): token
+    t's output is sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) in float32 in rank order k, rounded once to x's
+    dtype; each expert's gate_up / down over its own rows. x: (T, hidden); ids (T, K) int64; weights (T, K)
+    float32 -> (T, hidden)."""
+    return grouped_experts(x, ids, weights, w, linear, act_mul)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,

@@ -75,10 +75,13 @@ constexpr auto kNoGil = py::call_guard<py::gil_scoped_release>();
 void register_family_ops(py::module_& m);
 // quant.cpp (a translation unit of its own): the linear over 4-bit / 8-bit code panels (linear_quant.h)
 void register_quant_ops(py::module_& m);
+// moe.cpp (a translation unit of its own): a mixture-of-experts layer's routed experts over packed panels
+void register_moe_ops(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_family_ops(m);
   register_quant_ops(m);
+  register_moe_ops(m);
   m.attr("PANEL") = PANEL;
   m.attr("VECTOR_WIDTH") = Vec::W;
   m.attr("NATIVE_BF16") = NATIVE_BF16;

@@ -4,7 +4,7 @@ tensors under TRITON_INTERPRET=1, Triton's interpreter: slow, for tests).
 Every op is row-wise or tiled so that a row's bits never depend on the rest of the step: attention walks
 the KV in fixed tiles aligned to absolute positions, the matmul has a fixed K tile and no split-K, the norms
 and softmaxes reduce one row per program in a fixed order, and the LoRA term (lora_add, on the stacks
-lora_stack prepares once per adapter set) reduces each row against its own adapter in a fixed K order. `triton` is imported on the first call,
+lora_stack prepares once per adapter set) and the experts' grouped matmul (moe.py) keeps the matmul's tiles reduces each row against its own adapter in a fixed K order. `triton` is imported on the first call,
 not here, so the package imports without it; `available()` says whether it can run.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul",
            "log_softmax", "greedy", "seeded_sample", "lora_stack", "lora_add", "lora_rows",
-           "decoder_stack"]
+           "decoder_stack", "moe_experts"]
 
 
 def available() -> bool:
@@ -63,6 +63,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return _kernels("rowwise").act_mul(gate_up, act)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w) -> torch.Tensor:
+    """The routed experts (torch_ref.moe_experts' contract) as the fused MoE kernel (moe.py: pairs sorted by
+    expert, one grouped matmul per projection)."""
+    return _kernels("moe").moe_experts(x, ids, weights, w)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,87 @@
+// The routed experts of a mixture-of-experts layer for the C++ ops backend (backends/cpp.py's moe_experts):
+// the (token, rank) pairs grouped by expert, each chosen expert one packed gate_up linear with silu * up in its
+// store and one packed down linear over its own rows (linear.h's entry points: linear_silu and linear, the same
+// calls the dense MLP makes), the outputs combined per token in rank order in float32 and rounded once.
+//
+// Invariance by construction: a row's expert outputs are linear.h's row-invariant values, and its combination
+// reads only its own K outputs and weights in the fixed order k = 0, 1, ..., never the order in which experts
+// or other tokens arrive; an expert no token chose is never read (a batch-1 decode step reads top_k experts).
+// A translation unit of its own (build.py compiles every .cpp beside cpu_kernels.cpp), so the fused stack's
+// unit is compiled as before.
+#include "rowwise.h"
+
+namespace {
+
+template <class T>
+void combine_ranks_rows(const T* outs, const float* weights, T* out, int64_t num_tokens, int64_t top_k,
+                        int64_t hidden) {
+  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* w = weights + t * top_k;
+      const T* o = outs + t * top_k * hidden;
+      for (int64_t j = 0; j < hidden; ++j) acc[j] = load_scalar<T>(o + j) * w[0];
+      for (int64_t k = 1; k < top_k; ++k) {
+        for (int64_t j = 0; j < hidden; ++j) acc[j] = acc[j] + load_scalar<T>(o + k * hidden + j) * w[k];
+      }
+      for (int64_t j = 0; j < hidden; ++j) store_scalar<T>(out + t * hidden + j, acc[j]);
+    }
+  });
+}
+
+// x (T, hidden) float32 or bfloat16; ids (T, K) int64 in [0, E); weights (T, K) float32; gate_up[e] expert e's
+// packed cat(gate, up) panels (out_features gate_up_features), down[e] its down panels (out_features hidden),
+// each with its int8 scale or none; form: the bf16 panels' dot form (linear.h). Returns (T, hidden) in x's dtype:
+// sum over k of weights[t, k] * expert ids[t, k] (x[t]) in float32 in rank order, each expert output first
+// rounded to x's dtype (moe.grouped_experts' bits).
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                          const std::vector<torch::Tensor>& gate_up,
+                          const std::vector<c10::optional<torch::Tensor>>& gate_up_scale,
+                          const std::vector<torch::Tensor>& down,
+                          const std::vector<c10::optional<torch::Tensor>>& down_scale, int64_t gate_up_features,
+                          int64_t form) {
+  const bool bf = is_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.size(0) == x.size(0), "x must be (T, hidden), ids (T, K)");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && weights.scalar_type() == torch::kFloat32 &&
+              weights.sizes() == ids.sizes(), "ids must be int64 and weights float32, both (T, K)");
+  const int64_t E = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(down.size() == gate_up.size() && gate_up_scale.size() == gate_up.size() &&
+              down_scale.size() == gate_up.size(), "one gate_up, down and scale per expert");
+  x = x.contiguous();
+  ids = ids.contiguous();
+  weights = weights.contiguous();
+  const int64_t T = ids.size(0), K = ids.size(1), hidden = x.size(1);
+  std::vector<std::vector<int64_t>> pairs(E);          // expert -> its (token, rank) pairs t * K + k, in token order
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < T * K; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < E, "expert id ", id[p], " outside [0, ", E, ")");
+    pairs[id[p]].push_back(p);
+  }
+  auto outs = torch::empty({T * K, hidden}, x.options());
+  const auto index = torch::TensorOptions().dtype(torch::kInt64);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(pairs[e].size());
+    if (n == 0) continue;
+    auto slots = torch::from_blob(pairs[e].data(), {n}, index);
+    auto rows = x.index_select(0, torch::floor_divide(slots, K));
+    auto act = linear_silu(rows, gate_up[e], gate_up_features, c10::nullopt, gate_up_scale[e], bf, form);
+    outs.index_copy_(0, slots, linear(act, down[e], hidden, c10::nullopt, down_scale[e], bf, form));
+  }
+  auto out = torch::empty({T, hidden}, x.options());
+  if (bf) {
+    combine_ranks_rows<bf16>(data_of<bf16>(outs), weights.data_ptr<float>(), data_of<bf16>(out), T, K, hidden);
+  } else {
+    combine_ranks_rows<float>(outs.data_ptr<float>(), weights.data_ptr<float>(), out.data_ptr<float>(), T, K, hidden);
+  }
+  return out;
+}
+
+}  // namespace
+
+// the binding (cpu_kernels.cpp's module calls this once), without the GIL as the others
+void register_moe_ops(py::module_& m) {
+  m.def("moe_experts", &moe_experts, "a sparse layer's routed experts over packed panels, combined in rank order",
+        py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_scale"),
+        py::arg("down"), py::arg("down_scale"), py::arg("gate_up_features"), py::arg("form"),
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,195 @@
+"""Mixture-of-experts families against transformers on tiny random checkpoints: the layer description
+(families.py, spec.py), the router and experts (moe.py), their loading (loader.py) and each backend's
+moe_experts op, bitwise alone and in batches."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmi_handler.config import ConfigError
+from lmi_handler.engine.kv_cache import BlockAllocator
+from lmi_handler.engine.model.families import build_spec
+from lmi_handler.engine.model_runner import ModelRunner
+from tests.engine.family_models import BASE, TINY_MOE_FAMILIES, build_tiny_moe
+from tests.engine.helpers import PRECISIONS, greedy_generate
+
+CPU = torch.device("cpu")
+PROMPTS = [[1] + [(7 * i + 3) % 500 + 3 for i in range(26)], [1, 250, 17, 99], [1] + list(range(40, 80))]
+OTHERS = [[1] + [(11 * i + 5) % 500 + 3 for i in range(n)] for n in (9, 3, 14, 6, 21, 2, 30)]   # batches of 3, 8
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MOE_FAMILIES))
+def moe_family(request, tmp_path_factory):
+    """(name, checkpoint path, transformers' results on PROMPTS: [(tokens, log-probs)], the (layer, expert)
+    pairs its routers chose), computed once for both backends' tests."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny_moe(path, request.param)
+    results, reached = [], set()
+    for prompt in PROMPTS:
+        tokens, logprobs, chosen = _hf_greedy_with_logprobs(hf, prompt, NEW_TOKENS)
+        results.append((tokens, logprobs))
+        reached |= chosen
+    return request.param, path, results, reached
+
+
+def _runner(path, backend="auto", dtype=torch.float32, quantize=None):
+    return ModelRunner(path, dtype, CPU, block_size=4, num_blocks=160, kernel_backend=backend, quantize=quantize)
+
+
+def _hf_greedy_with_logprobs(hf, prompt: list[int], n: int) -> tuple[list[int], list[float], set]:
+    """transformers' generate(): greedy tokens, each one's log-prob, and the (layer, expert) pairs its routers
+    chose along the way."""
+    chosen: set = set()
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        if router is not None and not isinstance(router, torch.nn.Linear):
+            hooks.append(router.register_forward_hook(
+                lambda _m, _in, out, i=i: chosen.update((i, e) for e in out[2].flatten().tolist())))
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                      output_scores=True, return_dict_in_generate=True)
+    for hook in hooks:
+        hook.remove()
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(s[0].float().log_softmax(-1)[t]) for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs, chosen
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_every_moe_family_gives_transformers_greedy_tokens_and_log_probs_in_fp32(moe_family, backend):
+    """Prompts whose tokens reach every expert of every sparse layer (checked on transformers' routers)."""
+    name, path, expected, reached = moe_family
+    runner = _runner(path, backend)
+    assert runner.kernel_backend == backend
+    sparse = [i for i, layer in enumerate(runner.model.spec.layers) if layer.moe is not None]
+    assert reached == {(i, e) for i in sparse for e in range(runner.model.spec.moe.num_experts)}
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    # the reference backend checks the longest prompt (the cpp backend every one): CI time
+    for prompt, (theirs, their_logprobs) in zip(PROMPTS if backend == "cpp" else PROMPTS[:1], expected):
+        ours, logits = greedy_generate(runner, allocator, [prompt], NEW_TOKENS)
+        assert ours[0] == theirs, f"{name}: prompt of {len(prompt)} tokens"
+        our_logprobs = [float(step.log_softmax(-1)[t]) for step, t in zip(logits[0], ours[0])]
+        assert our_logprobs == pytest.approx(their_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_every_moe_family_s_logits_are_bitwise_the_same_alone_and_in_batches_of_3_and_8_on_the_cpp_backend(
+        moe_family, precision):
+    name, path, _, _ = moe_family
+    dtype, quantize = PRECISIONS[precision]
+    runner = _runner(path, "cpp", dtype, quantize)
+    moe = next(w.moe for w in runner.model.layer_weights if w.moe is not None)
+    assert moe.gate_up[0].kind == (quantize or str(dtype).removeprefix("torch."))
+    assert moe.router.kind == str(dtype).removeprefix("torch.")          # routers never int8
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    _, alone = greedy_generate(runner, allocator, [PROMPTS[0]], 4)
+    for others in (OTHERS[:2], OTHERS):         # the target's prefill and decodes beside chunked prefills and decodes
+        _, batch = greedy_generate(runner, allocator, [PROMPTS[0]] + others, 4,
+                                   chunk_sizes=[len(PROMPTS[0])] + [len(p) // 2 + 1 for p in others])
+        assert all(torch.equal(a, b) for a, b in zip(alone[0], batch[0])), f"{name} {precision}, {len(others) + 1}"
+
+
+def _config(name: str, **changes) -> dict:
+    from transformers import AutoConfig
+
+    model_type, overrides = TINY_MOE_FAMILIES[name]
+    return json.loads(AutoConfig.for_model(model_type, **{**BASE, **overrides, **changes}).to_json_string())
+
+
+def test_the_spec_reads_routing_sparse_layers_and_the_shared_expert_per_family():
+    mixtral = build_spec(_config("mixtral"))
+    assert mixtral.moe.routing == "softmax_topk" and mixtral.moe.norm_topk_prob and mixtral.moe.top_k == 2
+    assert [layer.window for layer in mixtral.layers] == [16] * 3
+    qwen2 = build_spec(_config("qwen2_moe"))
+    assert [layer.moe is not None for layer in qwen2.layers] == [True, False, True]      # mlp_only_layers=[1]
+    assert qwen2.moe.shared_expert_size == 64 and not qwen2.moe.norm_topk_prob and qwen2.qkv_bias
+    assert qwen2.intermediate_size == 128 and qwen2.moe.intermediate_size == 32
+    qwen3 = build_spec(_config("qwen3_moe"))
+    assert [layer.moe is not None for layer in qwen3.layers] == [False, True, False]     # decoder_sparse_step=2
+    assert qwen3.moe.norm_topk_prob and qwen3.moe.shared_expert_size is None
+    assert build_spec(_config("granitemoe")).moe.routing == "topk_softmax"
+    assert "mixture-of-experts layers" in build_spec(_config("olmoe")).cpp_misfits()
+
+
+def test_olmoe_s_clip_qkv_is_refused_at_start_up_naming_it():
+    with pytest.raises(ConfigError, match="clip_qkv=8.0"):
+        build_spec(_config("olmoe", clip_qkv=8.0))
+
+
+def test_a_checkpoint_with_transformers_stacked_experts_loads_to_the_same_logits(tmp_path):
+    """experts.gate_up_proj (E, 2I, H) and experts.down_proj (E, H, I), as transformers holds them in memory,
+    instead of the per-expert tensors the family's checkpoints save."""
+    build_tiny_moe(tmp_path / "split", "qwen3_moe")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        (stacked / f).write_bytes((tmp_path / "split" / f).read_bytes())
+    tensors = load_file(tmp_path / "split" / "model.safetensors")
+    p = "model.layers.1.mlp.experts."
+    gate_up = [torch.cat([tensors.pop(p + f"{e}.gate_proj.weight"), tensors.pop(p + f"{e}.up_proj.weight")])
+               for e in range(4)]
+    tensors[p + "gate_up_proj"] = torch.stack(gate_up)
+    tensors[p + "down_proj"] = torch.stack([tensors.pop(p + f"{e}.down_proj.weight") for e in range(4)])
+    save_file(tensors, stacked / "model.safetensors")
+    results = []
+    for path in (tmp_path / "split", stacked):
+        runner = _runner(path, "cpp")
+        results.append(greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), [PROMPTS[1]], 4))
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1][0], results[1][1][0]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_a_single_token_reads_only_its_chosen_experts(backend):
+    """Every expert the token did not choose holds NaN weights, and its output keeps its bits: those experts'
+    weights are never read (a batch-1 decode step reads top_k experts)."""
+    from lmi_handler.engine.model.backends import cpp, torch_ref
+    from lmi_handler.engine.model.moe import MoeWeights
+
+    g = torch.Generator().manual_seed(0)
+    gate_up = [torch.randn(64, 64, generator=g) for _ in range(4)]
+    down = [torch.randn(64, 32, generator=g) for _ in range(4)]
+    ops = cpp if backend == "cpp" else torch_ref
+    prepare = (lambda t: cpp.pack_linear(t, "float32")) if backend == "cpp" else (lambda t: t)
+    x, ids, weights = torch.randn(1, 64, generator=g), torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
+    clean = ops.moe_experts(x, ids, weights, MoeWeights(None, [prepare(t) for t in gate_up],
+                                                        [prepare(t) for t in down]))
+    poisoned = MoeWeights(None, [prepare(t if e in (0, 2) else torch.full_like(t, float("nan")))
+                                 for e, t in enumerate(gate_up)],
+                          [prepare(t if e in (0, 2) else torch.full_like(t, float("nan"))) for e, t in enumerate(down)])
+    assert torch.equal(ops.moe_experts(x, ids, weights, poisoned), clean)
+
+
+def test_tensor_parallel_mixture_of_experts_is_refused_at_load_naming_the_degree(tmp_path):
+    from lmi_handler.engine.model.loader import load_model
+    from lmi_handler.engine.parallel.layout import ShardLayout
+
+    build_tiny_moe(tmp_path, "mixtral")
+    spec = build_spec(json.loads((tmp_path / "config.json").read_text()))
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2.*mixture-of-experts"):
+        load_model(tmp_path, torch.float32, CPU, layout=ShardLayout.of(spec, 0, 2))
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_the_cpp_expert_op_is_bitwise_the_grouped_experts_over_the_same_packed_linears(kind):
+    """moe.cpp (one C++ call: grouping, linear_silu and linear per chosen expert, the rank-order combination)
+    against moe.grouped_experts walking the cpp backend's linear and act_mul in Python."""
+    from lmi_handler.engine.model.backends import cpp
+    from lmi_handler.engine.model.moe import MoeWeights, grouped_experts, route
+    from lmi_handler.engine.model.spec import MoeSpec
+
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    x = torch.randn(11, 64, generator=g).to(dtype)
+    w = MoeWeights(router=None, gate_up=[cpp.pack_linear(torch.randn(64, 64, generator=g) * 0.2, kind) for _ in range(4)],
+                   down=[cpp.pack_linear(torch.randn(64, 32, generator=g) * 0.2, kind) for _ in range(4)])
+    ids, weights = route(torch.randn(11, 4, generator=g), MoeSpec(num_experts=4, top_k=2, intermediate_size=32))
+    ours = cpp.moe_experts(x, ids, weights, w)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, grouped_experts(x, ids, weights, w, cpp.linear, cpp.act_mul))

@@ -186,3 +186,59 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused_naming_both(tmp
         check_draft(other, tiny_model_dir, 512, tiny_tokenizer)
     with pytest.raises(ConfigError, match="has no config.json"):
         check_draft(tmp_path / "missing", tiny_model_dir, 512, tiny_tokenizer)
+
+
+# ---- the demo model: a grounded prompt the n-gram proposer copies from, and a layer-truncated draft ------------
+
+SNIPPET = '''def moving_average(values, window):
+    """Return the moving averages of values over window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+'''
+
+
+def truncated_copy(model_dir, out, num_layers: int):
+    """The demo checkpoint with only its first num_layers decoder layers (same embeddings, norm and tokenizer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({name: w for name, w in weights.items()
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers},
+              out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out
+
+
+@pytest.mark.slow
+def test_on_the_demo_model_ngram_and_a_truncated_draft_give_the_plain_tokens_and_ngram_copies_its_lines(
+        model_dir, tokenizer, tmp_path):
+    lines = "".join(f"{i}. The quick brown fox jumps over the lazy dog.\n" for i in range(1, 5))
+    prompt = tokenizer(SNIPPET + "\n" + lines)["input_ids"]     # a list the model goes on with, copying its lines
+    requests = {"greedy": (prompt, SamplingParams(max_new_tokens=24, ignore_eos=True, top_n_tokens=1))}
+
+    def engine(speculative=None):
+        config = EngineConfig(model_path=model_dir, dtype="float32", device_id=-1, max_num_seqs=4,
+                              max_num_batched_tokens=256, max_model_len=1024, block_size=16, kv_cache_bytes=1 << 26,
+                              speculative=speculative)
+        return Engine(config, tokenizer=tokenizer)
+
+    want = outputs(engine(), ["greedy"], requests)
+    ngram = engine(SpeculativeConfig("ngram", 4, prompt_lookup_min=2, prompt_lookup_max=4))
+    assert outputs(ngram, ["greedy"], requests) == want
+    stats = ngram.speculator.stats
+    assert stats.num_accepted_tokens > stats.num_draft_tokens / 2, (stats, want["greedy"][1])   # it copies
+    draft = engine(SpeculativeConfig("draft_model", 3, draft_model=truncated_copy(model_dir, tmp_path, 2)))
+    assert outputs(draft, ["greedy"], requests) == want
+    assert draft.speculator.stats.num_draft_tokens > 0

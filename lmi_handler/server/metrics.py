@@ -67,7 +67,7 @@ class EngineCollector(Collector):
         yield from _prefix_cache(allocator.prefix_cache_stats)
         if engine.adapters is not None:
             yield from _adapters(engine.adapters)
-        if getattr(engine, "speculator", None) is not None:
+        if engine.speculator is not None:
             yield from _spec_decode(engine.speculator.stats)
 
 

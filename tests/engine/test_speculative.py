@@ -153,6 +153,32 @@ def test_a_constrained_request_verifies_its_drafts_and_stays_valid(tiny_model_di
     assert 0 < engine.speculator.stats.num_accepted_tokens < engine.speculator.stats.num_draft_tokens
 
 
+def test_a_lora_request_verifies_its_drafts_under_its_adapter(tiny_model_dir, tiny_tokenizer, tmp_path):
+    from transformers import LlamaConfig
+
+    from lmi_handler.config import LoraConfig
+    from tests.engine.lora_helpers import write_peft_adapter
+
+    write_peft_adapter(tmp_path / "a", LlamaConfig.from_pretrained(tiny_model_dir), seed=11)
+    requests = {"adapter": (PROMPTS[0], SamplingParams(adapter="a", top_n_tokens=1, **P)),
+                "base": (PROMPTS[2], SamplingParams(greedy=False, seed=2, **P))}
+
+    def engine(speculative=None):
+        config = EngineConfig(model_path=tiny_model_dir, dtype="float32", device_id=-1, max_num_seqs=4,
+                              max_num_batched_tokens=64, max_model_len=None, block_size=4, kv_cache_bytes=1 << 22,
+                              speculative=speculative,
+                              lora=LoraConfig(max_loras=2, max_cpu_loras=2, adapter_roots=(tmp_path,)))
+        built = Engine(config, tokenizer=tiny_tokenizer)
+        built.adapters.load("a", tmp_path / "a")
+        return built
+
+    want = outputs(engine(), list(requests), requests)
+    speculating = engine(SpeculativeConfig("ngram", 4))
+    speculating.speculator.proposer = OracleProposer({rid: [t for t, _, _ in want[rid][0]] for rid in requests})
+    assert outputs(speculating, list(requests), requests) == want
+    assert speculating.speculator.stats.num_accepted_tokens > 0
+
+
 def test_above_disable_by_batch_size_running_rows_the_step_decodes_plainly(tiny_model_dir, tiny_tokenizer):
     config = SpeculativeConfig("draft_model", 2, draft_model=tiny_model_dir, disable_by_batch_size=1)
     engine = make_engine(tiny_model_dir, tiny_tokenizer, speculative=config)

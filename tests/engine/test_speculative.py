@@ -189,6 +189,19 @@ def test_above_disable_by_batch_size_running_rows_the_step_decodes_plainly(tiny_
     assert engine.speculator.stats.num_drafts > 0
 
 
+def test_a_row_whose_drafts_keep_failing_decodes_plainly_for_a_while(plain, tiny_model_dir, tiny_tokenizer):
+    from lmi_handler.engine.speculative.speculator import LOW_ACCEPTANCE_AFTER
+
+    engine = make_engine(tiny_model_dir, tiny_tokenizer, speculative=SpeculativeConfig("ngram", 4))
+    tokens = [t for t, _, _ in plain["fp32"]["greedy"][0]]
+    engine.speculator.proposer = OracleProposer({"greedy": [(t + 1) % 512 for t in tokens]}, wrong=None)
+    assert outputs(engine, ["greedy"]) == {"greedy": plain["fp32"]["greedy"]}
+    stats = engine.speculator.stats
+    # 4 steps of 4 wrong drafts (16 drafted, none kept), then plain decode for the 15 tokens left (paused 16 steps)
+    assert stats.num_accepted_tokens == 0 and stats.num_draft_tokens == LOW_ACCEPTANCE_AFTER == 16
+    assert stats.num_drafts == 4 and len(tokens) == 20
+
+
 def test_ngram_lookup_drafts_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
     tokens = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3], dtype=np.int64)
     assert lookup(tokens, 3, 1, 3) == [4, 7, 8]           # "2 3" last seen before "4 7 8"

@@ -35,9 +35,8 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "enable_lora_bias": None, "adapters": None, "enable_prompt_adapter": None,
     "max_prompt_adapters": None, "max_prompt_adapter_token": None,
     # speculative decoding
-    "speculative_config": None, "speculative_draft_model": None, "speculative_model": None,
-    "speculative_length": None, "num_speculative_tokens": None, "draft_model_tp_size": None,
-    "record_acceptance_rate": None,
+    "speculative_model": "speculative_draft_model", "num_speculative_tokens": "speculative_length",
+    "draft_model_tp_size": None, "record_acceptance_rate": None,
     # tool calls, reasoning, chat template (served once those options exist as fields)
     "enable_auto_tool_choice": None, "tool_call_parser": None, "tool_parser_plugin": None,
     "reasoning_parser": None, "enable_reasoning": None, "chat_template": None, "chat_template_content_format": None,

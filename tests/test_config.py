@@ -1,4 +1,5 @@
 """serving.properties + OPTION_* environment -> Settings (LMI configuration rules)."""
+import re
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,42 @@ def test_pooling_and_normalize_are_unset_by_default_and_take_sentence_transforme
     settings = Settings.from_properties({"pooling": "last_token", "normalize": "true"})
     assert settings.pooling == "lasttoken" and settings.normalize is True
     assert Settings.from_properties({"pooling": "CLS"}).pooling == "cls"
+
+
+# ---- speculative decoding (config/engine.py's block; engine/speculative/) -------------------------------------
+
+def test_speculative_config_takes_vllms_json_and_lmis_draft_model_options(tmp_path):
+    ngram = Settings.from_properties({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4, '
+                                                            '"prompt_lookup_max": 3, "disable_by_batch_size": 8}'})
+    spec = ngram.engine_config().speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+            spec.disable_by_batch_size) == ("ngram", 4, 3, 3, 8)
+    as_model = Settings.from_properties({"speculative_config": '{"model": "[ngram]", "num_speculative_tokens": 2}'})
+    assert as_model.speculative().method == "ngram" and as_model.speculative().prompt_lookup_min == 5
+    draft = Settings.from_properties({"model_dir": str(tmp_path),
+                                      "speculative_config": '{"model": "draft", "num_speculative_tokens": 3}'})
+    assert draft.speculative().method == "draft_model" and draft.speculative().draft_model == tmp_path / "draft"
+    lmi = Settings.from_properties({"model_dir": str(tmp_path), "speculative_draft_model": "small",
+                                    "speculative_length": "6"}).speculative()
+    assert (lmi.method, lmi.draft_model, lmi.num_speculative_tokens) == ("draft_model", tmp_path / "small", 6)
+    assert Settings.from_properties({}).engine_config().speculative is None
+
+
+@pytest.mark.parametrize("value, words", [
+    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}', "method 'eagle3': served methods are ngram"),
+    ('{"method": "ngram"}', "num_speculative_tokens must be a whole number in [1, 16], got None"),
+    ('{"method": "ngram", "num_speculative_tokens": 40}', "num_speculative_tokens must be a whole number in [1, 16]"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "method draft_model needs `model`"),
+    ('{"model": "d", "num_speculative_tokens": 2, "acceptance": 1}', "unknown key(s) acceptance; known: method"),
+    ('[4]', "must be a JSON object"), ('{"method": ', "invalid JSON")])
+def test_a_bad_speculative_config_is_refused_at_start_up_naming_the_key(value, words):
+    with pytest.raises(ConfigError, match=r"option\.speculative_config=.*" + re.escape(words)):
+        Settings.from_properties({"speculative_config": value})
+
+
+def test_speculative_config_and_speculative_draft_model_together_are_refused():
+    with pytest.raises(ConfigError, match="set option.speculative_config or option.speculative_draft_model, not both"):
+        Settings.from_properties({"speculative_draft_model": "d",
+                                  "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'})

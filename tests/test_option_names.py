@@ -12,7 +12,7 @@ from lmi_handler.option_names import FOREIGN_OPTIONS, FRONT_END_KEYS, Kind, sort
 OURS = frozenset(Settings.model_fields)
 
 
-@pytest.mark.parametrize("key", ["fully_sharded_loras", "speculative_config", "lora_dtype", "swap_space"])
+@pytest.mark.parametrize("key", ["fully_sharded_loras", "kv_cache_dtype", "lora_dtype", "swap_space"])
 def test_an_lmi_or_vllm_option_we_do_not_serve_logs_a_warning_naming_it_at_start_up(key, caplog):
     with caplog.at_level(logging.WARNING, logger="lmi_handler.config"):
         settings = Settings.from_properties({key: "true", "max_rolling_batch_size": "8"})
@@ -60,8 +60,10 @@ def test_a_key_nothing_resembles_is_logged_not_refused_and_a_misspelt_foreign_on
 
 def test_what_is_ours_is_read_from_the_settings_fields_at_run_time():
     """A foreign name that becomes a field (as the tool-call and chat-template options did) is ours from then on."""
-    assert sort_key("speculative_config", OURS) == (Kind.FOREIGN, None)
-    assert sort_key("speculative_config", OURS | {"speculative_config"}) == (Kind.OURS, None)
+    assert sort_key("kv_cache_dtype", OURS) == (Kind.FOREIGN, None)
+    assert sort_key("kv_cache_dtype", OURS | {"kv_cache_dtype"}) == (Kind.OURS, None)
+    assert sort_key("speculative_config", OURS) == (Kind.OURS, None)
+    assert sort_key("num_speculative_tokens", OURS) == (Kind.FOREIGN, "speculative_length")
     assert sort_key("chat_template", OURS) == (Kind.OURS, None)
     assert not (OURS & FRONT_END_KEYS - {"model_dir", "device_id", "batch_size", "max_batch_delay", "job_queue_size"})
     assert not OURS & set(FOREIGN_OPTIONS) - {"chat_template", "tool_call_parser", "enable_auto_tool_choice",

@@ -5,11 +5,14 @@ EngineConfig slice (slices.py) the engine receives.
 """
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from lmi_handler.config.base import Options
+from lmi_handler.config.slices import SpeculativeConfig
+from lmi_handler.model_source import local_model_dir
 
 
 class EngineOptions(Options):
@@ -96,6 +99,50 @@ class EngineOptions(Options):
     fault_injection: str | None = None
     """Tests only: a rule making the engine step fail for chosen sequences (see engine/faults.py)."""
 
+    # ---- speculative decoding (engine/speculative/; docs/speculative.md) --------------------------------------
+    speculative_config: str | None = None
+    """Speculative decoding, vLLM's JSON (docs/speculative.md): `method` ngram (prompt lookup over the prompt and
+    the tokens so far) or draft_model (`model`: a checkpoint directory, absolute or relative to model_dir, sharing
+    the target's tokenizer and vocabulary; a `model` without `method` means draft_model), `num_speculative_tokens`
+    (tokens drafted per step, [1, 16], required), `prompt_lookup_min` / `prompt_lookup_max` (ngram lengths tried,
+    longest first; one unset takes the other's value, both unset 5), `disable_by_batch_size` (above this many
+    running sequences the step decodes plainly). The output is bitwise the plain decode's, tokens and log
+    probs: speculation changes only the speed. Unset: no speculation."""
+    speculative_draft_model: str | None = None
+    """LMI's (lmi-dist) draft model option: a checkpoint directory (absolute or relative to model_dir) drafting
+    speculative_length tokens per step; the same as speculative_config {"method": "draft_model", "model": ...}.
+    Set one of the two."""
+    speculative_length: int = Field(5, ge=1, le=16, validate_default=True)
+    """LMI's: tokens the speculative_draft_model drafts per step, [1, 16] (with speculative_config, its
+    num_speculative_tokens instead)."""
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative_json(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_speculative_config(value)
+        return value
+
+    @field_validator("speculative_length")
+    @classmethod
+    def _one_speculation_source(cls, value: int, info: ValidationInfo) -> int:
+        if info.data.get("speculative_config") is not None and info.data.get("speculative_draft_model") is not None:
+            raise ValueError("set option.speculative_config or option.speculative_draft_model, not both")
+        return value
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The engine's speculative slice (None: no speculation); relative draft paths resolved from model_dir."""
+        if self.speculative_draft_model is not None:
+            fields = {"method": "draft_model", "model": self.speculative_draft_model,
+                      "num_speculative_tokens": self.speculative_length}
+        elif self.speculative_config is not None:
+            fields = parse_speculative_config(self.speculative_config)
+        else:
+            return None
+        model = fields.pop("model", None)
+        draft = local_model_dir(model, self.model_dir) if fields["method"] == "draft_model" else None
+        return SpeculativeConfig(draft_model=draft, **fields)
+
     @field_validator("tensor_parallel_degree", mode="before")
     @classmethod
     def _degree(cls, value):
@@ -135,3 +182,57 @@ class EngineOptions(Options):
         if "kv_cache_bytes" in explicit and "gpu_memory_utilization" not in explicit:
             return None
         return self.gpu_memory_utilization
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size", "draft_tensor_parallel_size")
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """option.speculative_config (vLLM's JSON) as SpeculativeConfig's fields, `model` kept as written (a path).
+
+    vLLM's rules: a `model` without `method` is a draft model ("ngram" / "[ngram]" as the model means ngram);
+    ngram's prompt_lookup_min / _max default to each other, both unset to 5. Raises ValueError naming the key
+    and what is allowed (pydantic turns it into ConfigError naming option.speculative_config)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"must be a JSON object (vLLM's speculative_config), got invalid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"must be a JSON object (vLLM's speculative_config), got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(_SPECULATIVE_KEYS)}")
+    model, method = raw.get("model"), raw.get("method")
+    if method is None and model in ("ngram", "[ngram]"):
+        method, model = "ngram", None
+    elif method is None and model is not None:
+        method = "draft_model"
+    if method not in SPECULATIVE_METHODS:
+        shown = "no method (and no model)" if method is None else f"method {method!r}"
+        raise ValueError(f"{shown}: served methods are {', '.join(SPECULATIVE_METHODS)} (eagle, eagle3, mtp, "
+                         "medusa and suffix are not served here)")
+    if method == "draft_model" and not (isinstance(model, str) and model.strip()):
+        raise ValueError("method draft_model needs `model`: the draft checkpoint's directory")
+    fields: dict[str, Any] = {"method": method, "model": model,
+                              "num_speculative_tokens": _whole(raw, "num_speculative_tokens", 1, 16, required=True),
+                              "disable_by_batch_size": _whole(raw, "disable_by_batch_size", 1, 1 << 20)}
+    _whole(raw, "draft_tensor_parallel_size", 1, 1)      # the draft runs in this process, unsharded
+    if method == "ngram":
+        low, high = _whole(raw, "prompt_lookup_min", 1, 64), _whole(raw, "prompt_lookup_max", 1, 64)
+        low, high = low or high or 5, high or low or 5
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        fields.update(prompt_lookup_min=low, prompt_lookup_max=high)
+    return fields
+
+
+def _whole(raw: dict[str, Any], key: str, low: int, high: int, required: bool = False) -> int | None:
+    """raw[key] as a whole number in [low, high] (None when absent and not required). Raises ValueError."""
+    value = raw.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} must be a whole number in [{low}, {high}], got {value!r}")
+    return value

@@ -62,7 +62,7 @@ class Settings(PoolingOptions, BatchOptions, ChatOptions, ServingOptions, LoraOp
                             model_impl=self.model_impl, trust_remote_code=self.trust_remote_code,
                             gpu_memory_utilization=self._utilization(), enforce_eager=self.enforce_eager,
                             structured_output_compile_timeout_s=self.structured_output_compile_timeout_s,
-                            lora=self.lora_config(self.model_path),
+                            lora=self.lora_config(self.model_path), speculative=self.speculative(),
                             parallel=ParallelConfig(self.tensor_parallel_degree, self.tensor_parallel_timeout_s,
                                                     read_mpi_launch()))
 

@@ -42,6 +42,18 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """The engine's speculative-decoding slice (option.speculative_config or speculative_draft_model)."""
+
+    method: str                            # "ngram" | "draft_model"
+    num_speculative_tokens: int            # k: tokens drafted (and verified) per step for a row
+    prompt_lookup_min: int = 5             # ngram: shortest suffix looked up
+    prompt_lookup_max: int = 5             # ngram: longest suffix looked up (tried first)
+    draft_model: Path | None = None        # draft_model: the checkpoint's directory
+    disable_by_batch_size: int | None = None   # above this many running sequences, plain decode
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's slice of the settings."""
 
@@ -68,3 +80,4 @@ class EngineConfig:
     structured_output_compile_timeout_s: float = 30.0
     lora: LoraConfig | None = None
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None

@@ -33,6 +33,7 @@ from lmi_handler.engine.precision import pick_device, pick_precision
 from lmi_handler.engine.sampler import Sampler, SamplingMetadata
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, random_seed
+from lmi_handler.engine.speculative import VerifyRows, build_speculator, expand_rows, gather_logits
 from lmi_handler.engine.stopping import StopTable
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class Engine:
         self.beams = BeamSearch(self.scheduler, self.tokenizer, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._compiling: list[Sequence] = []   # waiting for their grammar, in arrival order
+        # speculative decoding (option.speculative_config; engine/speculative/), None when off
+        self.speculator = build_speculator(config, self.runner, self.tokenizer, self.max_model_len)
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.device, self.runner.dtype, self.runner.num_blocks, self.runner.block_size,
                     self.max_model_len)
@@ -208,6 +211,8 @@ class Engine:
         self.beams.abort(request_id)
         if seq is not None:
             self.scheduler.finish(seq)
+            if self.speculator is not None:
+                self.speculator.forget(seq)
 
     def abort_all(self) -> None:
         for request_id in list(self.seqs):
@@ -222,6 +227,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step for every scheduled sequence; return the outputs of requests that moved."""
         failed = self._poll_grammars()                   # compiled grammars attach; failed compiles end
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)   # decode rows' drafts, verified this step
         sched = self.scheduler.schedule()                # which sequences, how many tokens each
         if sched.is_empty:
             self._idle_wait()
@@ -233,6 +240,8 @@ class Engine:
         sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
         outputs = self.output.process(sampled)           # the one host sync; text, stop strings, grammars
         outputs += self._advance_beams(sampled)          # beams fork, die or end
+        if self.speculator is not None:
+            self.speculator.settle(sampled.accepted, self.scheduler)   # accepted drafts' K/V kept, the rest freed
         self._finish(sampled.seqs)                       # free what finished
         return failed + outputs
 
@@ -271,35 +280,39 @@ class Engine:
         """Before the forward, so every host -> device copy is queued ahead of it: the rows whose prompt is
         done after this step (a token is due), their sampling and stop tables, the prompt-logprob targets."""
         rows = [i for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens))
-                if seq.num_computed_tokens + n == seq.num_tokens]
+                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)]
         seqs = [sched.seqs[i] for i in rows]
         chunks, targets = plan_prompt_logprobs(sched, self.device)
         if not seqs:
             return SamplingInput(seqs, None, None, None, chunks, targets)
-        meta, stops = self.row_tables.get(seqs)
-        row_index = None if len(rows) == len(sched.seqs) else torch.tensor(rows).to(self.device, non_blocking=True)
-        return SamplingInput(seqs, row_index, meta, stops, chunks, targets)
+        verify = expand_rows(seqs, rows) if any(seq.draft_token_ids for seq in seqs) else None
+        meta, stops = self.row_tables.get(verify.views if verify is not None else seqs)
+        row_index = None if verify is not None or len(rows) == len(sched.seqs) else \
+            torch.tensor(rows).to(self.device, non_blocking=True)
+        return SamplingInput(verify.owners if verify is not None else seqs, row_index, meta, stops, chunks, targets,
+                             verify)
 
     def _sample(self, sampling: SamplingInput, model_out: ModelOutput) -> StepSample:
         """Sample the due rows and check eos / stop ids / length, all on the device."""
         prompt_values, prompt_top = gather_prompt_logprobs(sampling.prompt_chunks, sampling.prompt_targets, model_out)
         if not sampling.seqs:
             return StepSample([], None, None, sampling.prompt_chunks, prompt_values, prompt_top)
-        logits = model_out.logits                                                   # (S, vocab) float32
-        if sampling.row_index is not None:
+        logits = model_out.logits if sampling.verify is None else gather_logits(model_out, sampling.verify)
+        if sampling.row_index is not None:                                          # (B, vocab) float32
             logits = logits.index_select(0, sampling.row_index)                     # (B, vocab)
         layout = self.beams.layout(sampling.seqs)
         if layout is not None:   # beam rows score log probs; processors then edit those (transformers' order)
             rows = torch.tensor([r for group_rows in layout[1] for r in group_rows]).to(self.device, non_blocking=True)
             logits = logits.index_copy(0, rows, torch.log_softmax(logits.index_select(0, rows), dim=-1))
-        meta = self._with_grammar_masks(sampling.seqs, sampling.meta)
+        meta = self._with_grammar_masks(sampling.seqs, sampling.meta, sampling.verify)
         processed = self.sampler.process(logits, meta)
         sampled = self.sampler.pick(processed, meta)
         self.row_tables.record(sampled.token_ids)
         reasons = sampling.stops.reasons(sampled.token_ids, sampling.meta.positions + 1)
         candidates = beam_candidates(processed, *layout) if layout is not None else None
         return StepSample(sampling.seqs, sampled, reasons, sampling.prompt_chunks, prompt_values, prompt_top,
-                          beam_groups=layout[0] if layout is not None else [], beam_candidates=candidates)
+                          beam_groups=layout[0] if layout is not None else [], beam_candidates=candidates,
+                          drafts=sampling.verify.drafts if sampling.verify is not None else {})
 
     def _advance_beams(self, step: StepSample) -> list[RequestOutput]:
         """Each beam group's step from its candidates (brought to the host with the step's one sync)."""
@@ -313,13 +326,15 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _with_grammar_masks(self, seqs: list[Sequence], meta: SamplingMetadata) -> SamplingMetadata:
-        """The step's metadata with a bitmask row for each constrained sequence (filled while the forward
-        runs on an accelerator; on CPU, after it)."""
+    def _with_grammar_masks(self, seqs: list[Sequence], meta: SamplingMetadata,
+                            verify: VerifyRows | None = None) -> SamplingMetadata:
+        """The step's metadata with a bitmask row for each constrained row (filled while the forward runs on an
+        accelerator; on CPU, after it); a verify row's mask follows the drafts before it."""
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return meta
-        bitmask = self.grammars.fill_bitmask([seqs[i] for i in rows]).to(self.device, non_blocking=True)
+        prefixes = [verify.prefixes[i] for i in rows] if verify is not None else None
+        bitmask = self.grammars.fill_bitmask([seqs[i] for i in rows], prefixes).to(self.device, non_blocking=True)
         index = None if len(rows) == len(seqs) else torch.tensor(rows).to(self.device, non_blocking=True)
         return replace(meta, grammar_rows=index, grammar_bitmask=bitmask)
 
@@ -327,6 +342,8 @@ class Engine:
         for seq in seqs:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
+                if self.speculator is not None:
+                    self.speculator.forget(seq)
                 self.seqs.pop(seq.request_id, None)
                 self.output.remove(seq.request_id)
 
@@ -364,6 +381,7 @@ class SamplingInput:
     stops: StopTable | None
     prompt_chunks: list[PromptChunk]
     prompt_targets: torch.Tensor | None  # (N,) int64 on the device
+    verify: VerifyRows | None = None     # rows of sequences verifying drafts (seqs: their owners), None if none
 
 
 class RowTables:

@@ -137,19 +137,28 @@ class GrammarCompiler:
             raise GrammarError(first_lines(matcher.get_error()))
         return CompiledGrammar(matcher, time.monotonic())
 
-    def fill_bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
-        """(len(seqs), W) int32 on CPU: row i allows what seqs[i]'s grammar accepts next. Where the grammar may
-        end, the model's eos ids and the row's stop_token_ids are allowed too (they end the sequence)."""
+    def fill_bitmask(self, seqs: list[Sequence], prefixes: list[list[int]] | None = None) -> torch.Tensor:
+        """(len(seqs), W) int32 on CPU: row i allows what seqs[i]'s grammar accepts next, after the tokens
+        prefixes[i] (a verify row's drafts before it, engine/speculative/: consumed, the mask taken, rolled back;
+        the speculator keeps only drafts the grammar accepts). Where the grammar may end, the model's eos ids and
+        the row's stop_token_ids are allowed too (they end the sequence)."""
         import llguidance
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = bitmask_words(self.vocab_size)
         bitmask = torch.zeros(len(seqs), words, dtype=torch.int32)
+        ahead = [i for i, prefix in enumerate(prefixes or ()) if prefix]
+        plain = [(s.grammar.matcher, i) for i, s in enumerate(seqs) if not (prefixes and prefixes[i])]
         # llguidance writes row i at data_ptr + i * 4 * words, on its own threads (what its torch helper does,
         # without importing that helper's torch.compile kernels)
-        self._executor.unsafe_compute_mask_ptr([(s.grammar.matcher, i) for i, s in enumerate(seqs)],
-                                               bitmask.data_ptr(), 4 * words, len(seqs))
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), 4 * words, len(seqs))
+        for i in ahead:
+            matcher = seqs[i].grammar.matcher
+            matcher.consume_tokens(prefixes[i])
+            matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), 4 * words)
+            matcher.rollback(len(prefixes[i]))
         eos = self.tokenizer_info().eos_token
         may_end = ((bitmask[:, eos // 32] >> (eos % 32)) & 1).nonzero().flatten().tolist()   # one test for all rows
         for i in may_end:   # only rows whose grammar may end here: set their other end ids

@@ -47,7 +47,8 @@ class ModelOutput:
 
     logits: torch.Tensor                  # (num_seqs, vocab_size): at each sequence's last scheduled token
     chunk_logits: dict[int, torch.Tensor]  # seq index -> (num_scheduled_tokens_i, vocab_size), only for
-    # sequences with params.prompt_logprobs whose chunk starts inside the prompt
+    # sequences with params.prompt_logprobs whose chunk starts inside the prompt; for a sequence verifying
+    # drafts, (num_drafts, vocab_size): the rows before its last (engine/speculative/)
 
 
 def _as_ids(value) -> list[int]:
@@ -85,7 +86,8 @@ class ModelInput:
     scheduled token counts and the longest block table), never on token values.
 
         flat rows   |<- seq 0: n0 rows ->|<- seq 1: n1 rows ->| ...   T = sum(n)
-        logit_rows  [ chunk rows of prompt-logprob sequences ... | last row of every sequence ]
+        logit_rows  [ chunk rows of prompt-logprob sequences, then the rows before the last of
+                      sequences verifying drafts ...             | last row of every sequence ]
                     |<-------- num_chunk_rows ---------------->|<---------- S ------------->|
     """
 
@@ -276,12 +278,16 @@ class ModelRunner:
             context_lens_host=context_lens, block_size=self.block_size)
         chunked = [j for j, seq in enumerate(seqs)
                    if seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens]
-        logit_rows = torch.tensor([r for j in chunked for r in range(cu[j], cu[j + 1])] + cu[1:], dtype=torch.int64)
+        # a row verifying drafts (engine/speculative/) also needs the logits of every row before its last
+        verifying = [j for j, seq in enumerate(seqs) if seq.draft_token_ids]
+        ends = [cu[j + 1] for j in chunked] + [cu[j + 1] - 1 for j in verifying]
+        starts_ = [cu[j] for j in chunked + verifying]
+        logit_rows = torch.tensor([r for a, b in zip(starts_, ends) for r in range(a, b)] + cu[1:], dtype=torch.int64)
         logit_rows[-len(seqs):] -= 1                                    # each sequence's last row
         spans, row = {}, 0
-        for j in chunked:
-            spans[j] = (row, row + counts[j])
-            row += counts[j]
+        for j, a, b in zip(chunked + verifying, starts_, ends):
+            spans[j] = (row, row + b - a)
+            row += b - a
         copies = torch.tensor(sched.blocks_to_copy, dtype=torch.int64).view(-1, 2) if sched.blocks_to_copy else None
         model_input = ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, attn=attn,
@@ -365,7 +371,7 @@ def _check_fallback_settings(quantize: str | None, layout) -> None:
 
 
 def _check_schedulable(seq: Sequence, start: int, n: int, block_size: int) -> None:
-    if n < 1 or start + n > seq.num_tokens:
+    if n < 1 or start + n > seq.num_tokens + len(seq.draft_token_ids):
         raise ValueError(f"request {seq.request_id}: cannot schedule {n} tokens from "
                          f"position {start} of {seq.num_tokens}")
     if -(-(start + n) // block_size) > len(seq.block_table):
@@ -374,7 +380,10 @@ def _check_schedulable(seq: Sequence, start: int, n: int, block_size: int) -> No
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
-    """seq.all_token_ids[start:start + n] without copying the whole sequence (decode reads one token)."""
+    """(seq.all_token_ids + seq.draft_token_ids)[start:start + n] without copying the whole sequence (decode
+    reads one token; a verifying row its last token and its drafts)."""
+    if start + n > seq.num_tokens:
+        return _token_slice(seq, start, seq.num_tokens - start) + seq.draft_token_ids[:start + n - seq.num_tokens]
     num_prompt = seq.num_prompt_tokens
     if start >= num_prompt:
         return seq.output_token_ids[start - num_prompt:start - num_prompt + n]

@@ -64,6 +64,10 @@ class StepSample:
     beam_candidates: tuple[torch.Tensor, ...] | None = None   # beam_search.beam_candidates' 4 (G, K) tensors
     # filled by OutputProcessor.process: per group (values, parents, tokens, log probs) as lists
     beam_results: list[tuple[list[float], list[int], list[int], list[float]]] = field(default_factory=list)
+    # speculative decoding (engine/speculative/verify.py): first row of each verifying sequence -> its drafts
+    # (its rows are that one and the next len(drafts)); process fills `accepted`: id(seq) -> drafts kept
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    accepted: dict[int, int] = field(default_factory=dict)
 
 
 def plan_prompt_logprobs(sched: SchedulerOutput,
@@ -151,18 +155,42 @@ class OutputProcessor:
                 self._set_prompt_tokens(chunk.seq)
         step.beam_results = host.beams
         now = time.monotonic()
-        outputs = []
-        for i, seq in enumerate(step.seqs):
+        outputs, i = [], 0
+        while i < len(step.seqs):
+            seq, drafts = step.seqs[i], step.drafts.get(i)
             if seq.beam_group is not None:
+                i += 1
                 continue                   # beams advance as a group (engine/beam_search.py)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            n = seq.params.top_n_tokens
-            top = host.tops[i][:n] if host.tops and n else None
-            reason = host.reasons[i] if seq.grammar is None else _grammar_reason(seq, host.token_ids[i],
-                                                                                 host.reasons[i])
-            outputs.append(self.append_token(seq, host.token_ids[i], host.logprobs[i], top, reason))
+            if drafts is None:
+                outputs.append(self._append_row(seq, host, i))
+                i += 1
+                continue
+            outs = self._append_verified(seq, host, i, drafts)
+            step.accepted[id(seq)] = _kept(host, i, drafts, outs)
+            outputs.append(_merge(outs))
+            i += 1 + len(drafts)
         return outputs
+
+    def _append_row(self, seq: Sequence, host: _HostStep, i: int) -> RequestOutput:
+        """Append row i's token to `seq` (a constrained row's token goes through its grammar first)."""
+        n = seq.params.top_n_tokens
+        top = host.tops[i][:n] if host.tops and n else None
+        reason = host.reasons[i] if seq.grammar is None else _grammar_reason(seq, host.token_ids[i], host.reasons[i])
+        return self.append_token(seq, host.token_ids[i], host.logprobs[i], top, reason)
+
+    def _append_verified(self, seq: Sequence, host: _HostStep, first: int, drafts: list[int]) -> list[RequestOutput]:
+        """The verify rule: append rows first, first + 1, ... while each row's token (the target's own choice
+        at that position) equals the draft that row's successor was computed after; the first that differs,
+        or the row after the last draft, is appended too. A row that finishes the sequence (eos, stop id, stop
+        string, length, grammar) ends it there."""
+        outs = []
+        for j in range(len(drafts) + 1):
+            outs.append(self._append_row(seq, host, first + j))
+            if seq.finish_reason is not None or j == len(drafts) or host.token_ids[first + j] != drafts[j]:
+                break
+        return outs
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float,
                      top: list[tuple[int, float]] | None, reason_code: int) -> RequestOutput:
@@ -207,6 +235,24 @@ class OutputProcessor:
         state.prompt_tokens = [
             TokenOutput(tid, text, lp, state.detokenizer.is_special(tid), top, rank)
             for tid, text, lp, top, rank in zip(seq.prompt_token_ids, texts, seq.prompt_token_logprobs, tops, ranks)]
+
+
+def _kept(host: "_HostStep", first: int, drafts: list[int], outs: list[RequestOutput]) -> int:
+    """How many drafts the appended tokens confirmed: the leading rows whose token equals their draft."""
+    kept = 0
+    while kept < min(len(outs), len(drafts)) and host.token_ids[first + kept] == drafts[kept]:
+        kept += 1
+    return kept
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One step's RequestOutput from the outputs of the tokens a verifying row appended, in order."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    last.new_tokens = [token for out in outs for token in out.new_tokens]
+    last.prompt_tokens = next((out.prompt_tokens for out in outs if out.prompt_tokens is not None), None)
+    return last
 
 
 def _grammar_reason(seq: Sequence, token_id: int, reason_code: int) -> int:

@@ -175,6 +175,8 @@ class Scheduler:
                                                                   and not b.is_prefill for b in beams)):
                 continue        # a group decodes together, when all its beams are ready, from its first beam
             n = self._chunk(seq)
+            if seq.draft_token_ids and (n > budget or not self._reserve(seq, n)):
+                seq.draft_token_ids, n = [], 1     # drafts never cost another row its place or its blocks
             if n * len(beams) > budget:  # a full chunk or nothing: never a budget-shaped chunk
                 continue
             if not all(self._reserve_or_preempt(b, n, out, beams) for b in beams):
@@ -344,7 +346,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence) -> int:
         """This step's tokens for `seq`: 1 in decode, else the next fixed-size prefill chunk."""
         if not seq.is_prefill:
-            return 1
+            return 1 + len(seq.draft_token_ids)        # the last token, then the drafts it verifies
         return min(self._remaining(seq, seq.num_computed_tokens), self.config.prefill_chunk_size)
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -378,6 +380,7 @@ class Scheduler:
             self.running.remove(member)
             self._release(member)
             member.num_computed_tokens = 0
+            member.draft_token_ids = []
             member.status = SequenceStatus.WAITING
             self._enqueue(member, front=True)
         return list(group)
@@ -402,9 +405,28 @@ class Scheduler:
         """The step ran: every scheduled sequence now has its scheduled tokens in the KV cache, and
         the full blocks they completed join the prefix cache."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)   # drafts count once accepted (settle_drafts)
             if self.config.enable_prefix_caching:
                 self._cache_computed_blocks(seq)
+
+    def settle_drafts(self, seq: Sequence) -> None:
+        """After a step verified `seq`'s drafts and appended the tokens it accepted (and the one it chose after
+        them): their K/V are computed, so every token but the new last one counts as computed; the blocks past
+        the sequence's tokens (held only by rejected drafts' K/V) go back to the pool. The drafts are cleared.
+
+            positions  c      c+1 .. c+a        c+a+1 .. c+k
+            inputs     last   accepted drafts   rejected drafts (their K/V stale: released or overwritten later)
+        """
+        seq.draft_token_ids = []
+        if seq.status is not SequenceStatus.RUNNING:
+            return
+        seq.num_computed_tokens = seq.num_tokens - 1
+        if self.config.enable_prefix_caching:
+            self._cache_computed_blocks(seq)
+        keep = num_blocks_needed(seq.num_tokens, self.allocator.block_size)
+        if len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence from either queue and free its blocks."""

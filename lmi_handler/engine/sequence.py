@@ -172,6 +172,9 @@ class Sequence:
     # LoRA (engine/model/lora/): the LoraAdapter params.adapter named, resolved at admission (a running
     # request keeps it even if the adapter is unloaded meanwhile); its key salts the prefix-cache hashes
     adapter: Any = None
+    # speculative decoding (engine/speculative/): tokens drafted for this step, verified as extra query positions
+    # after the last token; cleared when the step settles (only accepted ones join output_token_ids)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -67,6 +67,8 @@ class EngineCollector(Collector):
         yield from _prefix_cache(allocator.prefix_cache_stats)
         if engine.adapters is not None:
             yield from _adapters(engine.adapters)
+        if engine.speculator is not None:
+            yield from _spec_decode(engine.speculator.stats)
 
 
 def _adapters(registry) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -77,6 +79,23 @@ def _adapters(registry) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     yield CounterMetricFamily("lmi_lora_adapter_loads", "LoRA adapters loaded since start", registry.num_loads)
     yield CounterMetricFamily("lmi_lora_adapter_evictions", "LoRA adapters evicted (least recently used) since start",
                               registry.num_evictions)
+
+
+def _spec_decode(stats) -> Iterator[CounterMetricFamily]:
+    """vLLM's spec_decode counters (engine/speculative/speculator.py SpecDecodeStats): drafts verified, tokens
+    drafted, tokens accepted, accepted tokens by draft position. Acceptance rate = accepted / draft tokens; mean
+    accepted length = 1 + accepted / drafts."""
+    yield CounterMetricFamily("lmi_spec_decode_num_drafts", "Rows that verified drafted tokens in a step",
+                              stats.num_drafts)
+    yield CounterMetricFamily("lmi_spec_decode_num_draft_tokens", "Tokens drafted and verified",
+                              stats.num_draft_tokens)
+    yield CounterMetricFamily("lmi_spec_decode_num_accepted_tokens", "Drafted tokens accepted (equal to the "
+                              "target's own choice)", stats.num_accepted_tokens)
+    per_pos = CounterMetricFamily("lmi_spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by "
+                                  "draft position (0 = the first drafted)", labels=["position"])
+    for position, count in enumerate(stats.accepted_per_pos):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
 
 
 def _prefix_cache(stats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from lmi_handler.engine.speculative import SpecDecodeStats
 from lmi_handler.frontend.loops import RollingFrontEnd
 from lmi_handler.frontend.requests import ClientRequest
 from lmi_handler.server.metrics import CountRequests, Metrics
@@ -46,6 +47,20 @@ def test_gauges_are_read_from_the_live_engine_and_front_end_at_each_scrape():
     assert sample(metrics, "lmi_kv_cache_usage_ratio") == 0.25
     assert sample(metrics, "lmi_front_end_active") == 0
     loop.close()
+
+
+def test_speculative_decodings_counters_are_read_from_the_engines_speculator():
+    stats = SpecDecodeStats(num_drafts=3, num_draft_tokens=9, num_accepted_tokens=5, accepted_per_pos=[3, 2, 0])
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    engine = SimpleNamespace(scheduler=Scheduler(SchedulerConfig(4, 64), allocator), allocator=allocator,
+                             adapters=None, speculator=SimpleNamespace(stats=stats))
+    metrics = Metrics(lambda: engine, lambda: RollingFrontEnd(lambda inputs: None, {}, max_batch_size=4))
+    assert sample(metrics, "lmi_spec_decode_num_drafts_total") == 3
+    assert sample(metrics, "lmi_spec_decode_num_draft_tokens_total") == 9
+    assert sample(metrics, "lmi_spec_decode_num_accepted_tokens_total") == 5
+    assert sample(metrics, "lmi_spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+    stats.num_accepted_tokens += 2
+    assert sample(metrics, "lmi_spec_decode_num_accepted_tokens_total") == 7
 
 
 def test_no_engine_yet_exports_no_gauges():

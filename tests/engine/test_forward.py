@@ -314,79 +314,35 @@ def test_the_walk_is_bitwise_the_fused_stack_through_the_runner(tiny_model_dir, 
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(fused_logits, walk_logits) for a, b in zip(rows_a, rows_b))
 
 
-@pytest.mark.parametrize(("precision", "bf16_mode"), [("fp32", "auto"), ("bf16", "auto"), ("bf16", "fma"),
-                                                      ("int8", "auto")])
-@pytest.mark.parametrize("num_prompts", [1, 3])
-def test_team_mode_decode_steps_are_bitwise_the_ops_called_one_by_one(tiny_model_dir, precision, num_prompts,
-                                                                      bf16_mode):
-    """A decode step of a few rows runs the fused stack's layers in one OpenMP region with barriers (team
-    mode, rowwise.h DecoderStack::forward_team: each thread its share of every op, its own rope + K/V write
-    for the attention items it owns), and gives the bits of the same C++ ops called one by one
-    (the walk, each op its own region), batch 1 and batch 3, with 2 threads.
-
-    Which steps take team mode is the CPU's to decide (rowwise.h team_fits): every decode step after the
-    prefill does (team_steps >= 5) unless the bf16 linears take the AMX form (bf16_dot_form() == BF16_AMX:
-    Intel CPUs with AMX-BF16, where amx_gemm splits its own work), where none does (team_steps == 0).
-    bf16_mode "fma" forces the FMA form, which never is AMX, so team mode's bits are checked on every host
-    kind (AMD Zen 3/4/5 and Intel with AMX alike); "auto" checks the host's own choice."""
-    from lmi_handler.engine.model.kernels import BF16_AMX, bf16_dot_form, choose_bf16_dot
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_steps_give_the_same_bits_over_1_2_3_threads_and_any_claim_order(tiny_model_dir, precision):
+    """The kernels' regions hand their pieces to whichever thread asks (pool.h): a step's logits (prefill, then
+    decode steps of 3 sequences) are bitwise the same with 1, 2 and 3 threads (more threads than these cores), and
+    with the pieces claimed in reverse or in a random order each region (set_claim_order), through the fused stack
+    and through the ops walked one by one."""
+    from lmi_handler.engine.model.kernels import cpu_kernels
 
     dtype, quantize = PRECISIONS[precision]
+    ops = cpu_kernels()
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    choose_bf16_dot(bf16_mode)
+    results = []
     try:
-        amx = dtype == torch.bfloat16 and quantize is None and bf16_dot_form() == BF16_AMX
-        results = []
         for walk in (False, True):
             runner = ModelRunner(tiny_model_dir, dtype, torch.device("cpu"), block_size=4, num_blocks=64,
                                  quantize=quantize)
-            stack = runner.model.stack
             if walk:
                 runner.model.stack = None
-            results.append(greedy_generate(runner, BlockAllocator(64, 4), PROMPTS[:num_prompts], 6))
-            if not walk and amx:
-                assert stack.kernel.team_steps == 0   # AMX form: team_fits refuses every step
-            elif not walk:
-                assert stack.kernel.team_steps >= 5    # every decode step after the prefill
+            for num_threads, order in ((1, 0), (2, 0), (3, 0), (2, 1), (3, 2)):
+                torch.set_num_threads(num_threads)
+                ops.set_claim_order(order)
+                results.append(greedy_generate(runner, BlockAllocator(64, 4), PROMPTS, 5))
     finally:
         torch.set_num_threads(threads)
-        choose_bf16_dot("auto")
-    (team_tokens, team_logits), (walk_tokens, walk_logits) = results
-    assert team_tokens == walk_tokens
-    assert all(torch.equal(a, b) for rows_a, rows_b in zip(team_logits, walk_logits) for a, b in zip(rows_a, rows_b))
-
-
-def test_team_mode_serves_only_steps_of_one_row_per_sequence(tiny_model_dir):
-    """Team mode's RoPE + K/V write and attention share no barrier, so a step where a sequence has two rows (the
-    second reads the first's keys, written by whichever thread owns them) or none must take the regions path:
-    with cu_seqlens_q [0, 2, 2] (T == S, but not a row each) team_steps stays put, and the rows equal the ops
-    called one by one."""
-    from lmi_handler.engine.model.attention import AttentionMetadata
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        outs = []
-        for walk in (False, True):
-            model = load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"))
-            stack = model.stack
-            if walk:
-                model.stack = None
-            spec, block = model.spec, 4
-            caches = [tuple(torch.zeros(4, block, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16)
-                            for _ in range(2)) for _ in range(spec.num_layers)]
-            meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1]), block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
-                                     context_lens=torch.tensor([2, 0], dtype=torch.int32),
-                                     cu_seqlens_q=torch.tensor([0, 2, 2], dtype=torch.int32), query_lens=[2, 0],
-                                     context_lens_host=[2, 0], block_size=block)
-            with torch.inference_mode():
-                outs.append(model(torch.tensor([5, 9]), torch.tensor([0, 1]), caches, meta))
-            if not walk:
-                assert stack.kernel.team_steps == 0
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+        ops.set_claim_order(0)
+    tokens, logits = results[0]
+    for other_tokens, other_logits in results[1:]:
+        assert other_tokens == tokens
+        assert all(torch.equal(a, b) for rows_a, rows_b in zip(logits, other_logits) for a, b in zip(rows_a, rows_b))
 
 
 def test_a_rank_loads_only_its_shard_and_its_embedding_and_logits_are_exact(tiny_model_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import pytest
 import torch
@@ -114,24 +115,50 @@ def test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share():
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
-def test_threads_do_not_change_the_bits(kind):
-    """Past 8 rows the work items (M block x panel) go to the threads by parallel_walk: each walks its own
-    share and then takes items from the back of the others'. Over 2-5 threads on these cores (more threads
-    than cores: shares finish unevenly) the output is the 1-thread one, bit for bit (that every item runs
-    exactly once, test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share)."""
+def test_threads_and_claim_order_do_not_change_the_bits(kind):
+    """The work items (M block x panel) go to the threads by parallel_walk: each walks its own share and then takes
+    items from the back of the others'. Over 2-5 threads on these cores (more threads than cores: shares finish
+    unevenly), and with the items claimed in reverse or in a random order (set_claim_order), the output is the
+    1-thread one, bit for bit, from one row (the weight streamed) to many (that every item runs exactly once,
+    test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share)."""
+    ops = cpu_kernels()
     before = torch.get_num_threads()
     try:
-        for num_rows, in_features, out_features in ((50, 576, 960), (9, 576, 70), (230, 300, 130)):
+        for num_rows, in_features, out_features in ((50, 576, 960), (9, 576, 70), (230, 300, 130), (1, 576, 960),
+                                                    (3, 300, 130)):
             x, weight, _ = random_case(num_rows, in_features, out_features, seed=2, with_bias=False)
             x = x.to(torch.bfloat16) if kind == "bfloat16" else x
             packed = pack_weight(weight, kind)
             torch.set_num_threads(1)
             one = packed_linear(x, packed, None)
-            for threads in (2, 3, 5):
+            for threads, order in ((2, 0), (3, 0), (5, 0), (2, 1), (3, 2), (2, 2)):
                 torch.set_num_threads(threads)
+                ops.set_claim_order(order)
                 for _ in range(3):
-                    assert torch.equal(packed_linear(x, packed, None), one), (num_rows, out_features, threads)
+                    assert torch.equal(packed_linear(x, packed, None), one), (num_rows, out_features, threads, order)
     finally:
+        torch.set_num_threads(before)
+        ops.set_claim_order(0)
+
+
+def test_a_region_ends_when_its_pieces_are_done_not_when_every_thread_came():
+    """A thread the OS took off its core holds back only the piece it holds (pool.h): with 2 threads and the
+    worker arriving 200 ms late at every region (set_worker_delay_us), 20 regions of 64 items each run every item
+    exactly once and take far less than the 4 s they would if each waited for the worker (the caller takes the
+    worker's share from its back)."""
+    ops = cpu_kernels()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ops.walk_counts(64, 0.0)               # the worker exists
+        ops.set_worker_delay_us(200_000)
+        start = time.perf_counter()
+        for _ in range(20):
+            counts, _ = ops.walk_counts(64, 0.0)
+            assert counts.tolist() == [1] * 64
+        assert time.perf_counter() - start < 2.0
+    finally:
+        ops.set_worker_delay_us(0)
         torch.set_num_threads(before)
 
 

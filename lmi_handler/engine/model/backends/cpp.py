@@ -127,9 +127,8 @@ class DecoderStack:
     """rowwise.h's DecoderStack over a model's packed layers: the decoder layers and the final norm as one C++
     call a step, bitwise the ops above called one by one by forward.DecoderModel's walk (the same kernels
     chained without Python dispatch; its gate_up linear applies silu * up in its store, the same bits as
-    linear then silu_mul; a decode step of a few rows runs every layer in one OpenMP region, team mode).
-    Built once at load from the layers' weights (holding their tensors, not copies). `kernel` is the C++
-    object (its team_steps counts the steps team mode ran)."""
+    linear then silu_mul; every op's work is split over the kernels' pool, kernels/pool.h). Built once at load
+    from the layers' weights (holding their tensors, not copies). `kernel` is the C++ object."""
 
     def __init__(self, spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int):
         self.num_layers = len(layers)

@@ -422,7 +422,7 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
 // [p * KVH / parts, (p + 1) * KVH / parts). One query row with all its heads, so each cache block is read as
 // one stream; a step of a few rows (batch-1 decode) splits each row by KV head instead, so that every thread
 // has work.
-inline int64_t attention_parts(int64_t T_rows, int64_t KVH) { return T_rows < 4 * team_threads() ? KVH : 1; }
+inline int64_t attention_parts(int64_t T_rows, int64_t KVH) { return T_rows < 4 * pool_threads() ? KVH : 1; }
 
 // paged_attention_typed's masked form: a row at position p reads keys max(0, p - window + 1)..p when window
 // > 0, and its scores are capped when softcap > 0

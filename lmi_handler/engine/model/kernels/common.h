@@ -5,7 +5,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <omp.h>
+
+#include "pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -23,135 +24,38 @@
 
 namespace {
 
-// Team mode: DecoderStack runs a few-row step's layers in one OpenMP region, every thread calling the same
-// ops with barriers between them (rowwise.h, DecoderStack::forward_team). While a thread's `team_share` is set,
-// parallel_chunks and parallel_walk open no region: they run this thread's contiguous share of the items,
-// [n * me / threads, n * (me + 1) / threads), and the other threads run theirs. Which thread runs an item never
-// changes its bits (items write disjoint outputs).
-struct TeamShare {
-  int64_t me = 0, threads = 0;   // threads 0: not in team mode
-};
-inline thread_local TeamShare team_share;
+// Work items over the kernels' pool (pool.h): a thread the OS has descheduled holds back only the piece it holds,
+// and a region ends when its pieces are done. Items write disjoint outputs, so which thread runs one never changes
+// its bits. An exception inside an item skips the items not yet started and is re-thrown on the calling thread, as
+// at::parallel_for does.
+inline int64_t pool_threads() { return lmi_pool::threads(); }
 
-// the threads an op's work is split over: the team's in team mode, else torch's pool
-inline int64_t team_threads() {
-  return team_share.threads > 0 ? team_share.threads : std::max(1, at::get_num_threads());
-}
-
-// this thread's share [begin, end) of n items in team mode
-inline std::pair<int64_t, int64_t> team_range(int64_t n) {
-  return {n * team_share.me / team_share.threads, n * (team_share.me + 1) / team_share.threads};
-}
-
-// Work items handed out on demand, `chunk` at a time, over torch's OpenMP threads (the same pool where
-// torch's wheel ships `libgomp.so.1`, as its CPU wheel does: the loader reuses it; a wheel with a renamed
-// libgomp would give this extension a pool of its own). A static split leaves one thread waiting at the barrier whenever the
-// other's share is dearer (longer contexts, a busier core): perf showed the main thread spinning in
-// libgomp for 16 % of a 64-sequence decode step. Items write disjoint outputs, so which thread runs
-// one never changes its bits.
-// An exception inside a chunk (e.g. a failed allocation) is caught, the remaining chunks are skipped,
-// and the first one is re-thrown on the calling thread, as at::parallel_for does.
+// Items 0..n-1 in pieces of `chunk` items (the last one shorter), f(begin, end) per piece, the pieces handed out
+// one at a time in order to whichever thread asks next. Callers size `chunk` for several pieces a thread
+// (chunk_for): a static share per thread left one thread waiting whenever the other's share was dearer (longer
+// contexts, a busier core; perf showed the main thread spinning in libgomp for 16 % of a 64-sequence decode step).
 template <class F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   if (n <= 0) return;
-  if (team_share.threads > 0) {   // team mode: this thread's share, in this thread
-    const auto [begin, end] = team_range(n);
-    if (begin < end) f(begin, end);
-    return;
-  }
   chunk = std::max<int64_t>(1, chunk);
   const int64_t num_chunks = (n + chunk - 1) / chunk;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_chunks));
-  if (threads <= 1 || at::in_parallel_region()) {
-    f(0, n);
-    return;
-  }
-  std::exception_ptr error;
-  std::atomic<bool> failed{false};
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    if (failed.load(std::memory_order_relaxed)) continue;
-    try {
-      f(c * chunk, std::min(n, (c + 1) * chunk));
-    } catch (...) {
-#pragma omp critical(lmi_parallel_chunks_error)
-      if (!error) error = std::current_exception();
-      failed.store(true, std::memory_order_relaxed);
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  lmi_pool::pool().run(num_chunks, false, [&](int64_t c) { f(c * chunk, std::min(n, (c + 1) * chunk)); });
 }
 
-// Items 0..n-1 over torch's OpenMP threads, each thread walking a contiguous share of its own in order
-// and, when its share is done, taking items one at a time from the back of another thread's share.
-// For loops that prefetch the item after the one they run (packed_gemm: the next panel's first K block):
-// handed out dynamically one at a time (parallel_chunks), a thread's next item is seldom the next one, and
-// the line it prefetched is the other thread's work (measured: a 64-row fp32 decode step's linears scaled
-// 1.36-1.70x from 1 to 2 threads, o_proj's 18 panels the worst). A share's state is one 64-bit word (front
-// in the low half, back in the high half) changed by compare-and-swap, so each item runs exactly once.
-// f(item) for each item; exceptions as in parallel_chunks.
+// Items 0..n-1 over the pool's threads, each thread walking a contiguous share of its own in order and, when its
+// share is done, taking items one at a time from the back of another thread's share (a share whose thread never
+// came, descheduled, is taken whole). For loops that prefetch the item after the one they run (packed_gemm: the
+// next panel's first K block): handed out one at a time from one counter, a thread's next item is seldom the next
+// one, and the line it prefetched is the other thread's work (measured: a 64-row fp32 decode step's linears scaled
+// 1.36-1.70x from 1 to 2 threads, o_proj's 18 panels the worst). f(item) for each item, exactly once.
 template <class F>
 void parallel_walk(int64_t n, const F& f) {
-  if (n <= 0) return;
-  if (team_share.threads > 0) {   // team mode: this thread's share, in this thread
-    const auto [begin, end] = team_range(n);
-    for (int64_t i = begin; i < end; ++i) f(i);
-    return;
-  }
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
-  if (threads <= 1 || at::in_parallel_region() || n >= (int64_t{1} << 31)) {
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  std::exception_ptr error;
-  std::atomic<bool> failed{false};
-  struct alignas(64) Share { std::atomic<uint64_t> state; };
-  std::vector<Share> shares(threads);
-  for (int t = 0; t < threads; ++t) {
-    const uint64_t front = static_cast<uint64_t>(n * t / threads), back = static_cast<uint64_t>(n * (t + 1) / threads);
-    shares[t].state.store(front | back << 32, std::memory_order_relaxed);
-  }
-  // the item at the front (own share) or back (another's) of share `t`; none when it is empty
-  auto take = [&](int t, bool own) -> std::optional<int64_t> {
-    uint64_t s = shares[t].state.load(std::memory_order_relaxed);
-    for (;;) {
-      const uint64_t front = s & 0xffffffffu, back = s >> 32;
-      if (front >= back) return std::nullopt;
-      const uint64_t next = own ? (front + 1) | back << 32 : front | (back - 1) << 32;
-      if (shares[t].state.compare_exchange_weak(s, next, std::memory_order_relaxed)) {
-        return static_cast<int64_t>(own ? front : back - 1);
-      }
-    }
-  };
-  auto running = [&] { return !failed.load(std::memory_order_relaxed); };
-#pragma omp parallel num_threads(threads)
-  {
-    const int me = omp_get_thread_num();
-    try {
-      while (running()) {
-        const auto item = take(me, true);
-        if (!item) break;
-        f(*item);
-      }
-      for (int d = 1; d < threads && running(); ++d) {
-        while (running()) {
-          const auto item = take((me + d) % threads, false);
-          if (!item) break;
-          f(*item);
-        }
-      }
-    } catch (...) {
-#pragma omp critical(lmi_parallel_chunks_error)
-      if (!error) error = std::current_exception();
-      failed.store(true, std::memory_order_relaxed);
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  lmi_pool::pool().run(n, true, f);
 }
 
 // chunk size for n items: about 8 chunks per thread (balance) but never below `min_chunk`
 inline int64_t chunk_for(int64_t n, int64_t min_chunk) {
-  return std::max<int64_t>(min_chunk, n / (8 * std::max(1, at::get_num_threads())));
+  return std::max<int64_t>(min_chunk, n / (8 * pool_threads()));
 }
 
 // ---- bfloat16: the upper 16 bits of a float32 --------------------------------------------------

@@ -45,12 +45,12 @@ std::tuple<torch::Tensor, int64_t> walk_counts(int64_t n, double slow_us) {
   TORCH_CHECK(n >= 0 && n < (int64_t{1} << 24), "n must be in [0, 2^24)");
   std::vector<std::atomic<int64_t>> counts(n);
   std::atomic<int64_t> taken{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));   // as parallel_walk
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool_threads(), n));   // as parallel_walk
   parallel_walk(n, [&](int64_t item) {
     counts[item].fetch_add(1, std::memory_order_relaxed);
     int64_t owner = 0;
     while (owner + 1 < threads && n * (owner + 1) / threads <= item) ++owner;
-    if (owner != omp_get_thread_num()) taken.fetch_add(1, std::memory_order_relaxed);
+    if (owner != std::max(0, lmi_pool::slot)) taken.fetch_add(1, std::memory_order_relaxed);
     if (owner == 0) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(slow_us);
       while (std::chrono::steady_clock::now() < until) {
@@ -106,6 +106,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stop_ids"), py::arg("num_output_tokens"), py::arg("max_new_tokens"), py::arg("is_eos") = py::none());
   m.def("walk_counts", &walk_counts, "parallel_walk's check: (runs of each item, items taken from another's share)",
         kNoGil);
+  m.def("set_threads", [](int64_t n) { return lmi_pool::threads_setting.exchange(static_cast<int>(n)); },
+        "the kernels' thread count (0: torch's, at::get_num_threads()); returns the previous setting");
+  m.def("threads", [] { return lmi_pool::threads(); }, "the kernels' thread count now");
+  m.def("set_claim_order", [](int64_t mode) { return lmi_pool::claim_order.exchange(static_cast<int>(mode)); },
+        "tests: the order pieces are claimed in (0 natural, 1 reversed, 2 shuffled each region); returns the previous");
+  m.def("set_worker_delay_us", [](int64_t us) { return lmi_pool::worker_delay_us.exchange(us); },
+        "tests: each worker waits this long before joining a region it sees (a late thread); returns the previous");
   m.def("vector_exp_agrees", &vector_exp_agrees, "whether the AVX-512 expf gives std::exp's bits here");
   m.def("lora_add", &lora_add, "y += each row's LoRA term (x A_s^T) B_s^T * scale_s, s = row_slot (-1: none), in place",
         kNoGil);
@@ -120,7 +127,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStack::forward, "the decoder stack and final norm on x (not changed)",
            kNoGil)
       .def("forward_lora", &DecoderStack::forward_lora, "forward with a step's LoRA adapters (LoraSet, row_slot)",
-           kNoGil)
-      .def_property_readonly("team_steps", [](const DecoderStack& s) { return s.team_steps.load(); },
-                             "steps run in team mode (a few-row decode step's layers in one OpenMP region)");
+           kNoGil);
 }

@@ -109,9 +109,7 @@ torch::Tensor linear_impl(torch::Tensor x, torch::Tensor packed, int64_t out_fea
       const int64_t mr = f32_tile_rows();
       // x in the tiles' own layout where pack_row_tiles says; a tile at row m (a multiple of mr) of r rows finds
       // its k0.. at m * K + k0 * r there
-      // (never in team mode: there parallel_chunks would copy only this thread's share of the tiles)
-      const bool tiled = narrow_tiles() && M > TILED_MIN_ROWS && (M > M_BLOCK || P >= TILED_MIN_PANELS) &&
-                         team_share.threads == 0;
+      const bool tiled = narrow_tiles() && M > TILED_MIN_ROWS && (M > M_BLOCK || P >= TILED_MIN_PANELS);
       const float* xp = tiled ? pack_row_tiles(xf.data, M, K, mr) : xf.data;
       packed_gemm(M, K, P, PANEL, M > M_BLOCK || tiled ? K : K_BLOCK_F32, mr, packed.data_ptr<float>(), out_features,
                   [&](int64_t np, int64_t rows, int64_t m, int64_t k0, const float* const* w, int64_t kc,

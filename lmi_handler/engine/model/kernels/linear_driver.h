@@ -2,11 +2,9 @@
 // and VDPBF16PS forms: M blocks x panels, K blocks, the weight prefetch), amx_gemm (AMX tiles: row chunks x
 // panels), pack_row_tiles (the float32 tiles' copy of x); the stores of finished rows and x's conversion to
 // float rows. Every parallel region of the linear is here (the primitives, parallel_chunks and parallel_walk,
-// in common.h); the forms' micro kernels are called through the `tile` callbacks linear_impl (linear.h)
-// passes, and never see a thread. One scheduling fact stays in linear_impl: the float32 tiled layout is not
-// taken in team mode (team_share). Moved into a function here, that test changed GCC's inlining elsewhere in the
-// unit (linear_impl, the bf16 attention, DecoderStack::forward: objdump against the one-file linear.h), so it
-// stays written out where it is used.
+// in common.h, over pool.h's threads: items claimed dynamically, so a descheduled thread holds back only the item
+// it runs); the forms' micro kernels are called through the `tile` callbacks linear_impl (linear.h) passes, and
+// never see a thread.
 #pragma once
 
 #include "linear_amx.h"
@@ -60,7 +58,7 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
   const int64_t NP = two_panels && M <= SMALL_M && NV == 2 ? 2 : 1;
   const int64_t stride = paired ? P / 2 : 1;   // an item's panels: p0 + j * stride, j < 2 paired, else j < NP
   const int64_t groups = paired ? P / 2 : (P + NP - 1) / NP;
-  const int64_t items = num_mb * groups, threads = std::max(1, at::get_num_threads());
+  const int64_t items = num_mb * groups;
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(WT)), total_rows = P * K_rows;
   auto run_item = [&](int64_t item) {
     alignas(64) float acc[2][M_BLOCK * PANEL];
@@ -115,13 +113,9 @@ void packed_gemm(int64_t M, int64_t K_rows, int64_t P, int64_t row_elems, int64_
       }
     }
   };
-  if (M <= 8) {   // one contiguous share per thread
-    parallel_chunks(items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) run_item(item);
-    });
-  } else {
-    parallel_walk(items, run_item);
-  }
+  // a contiguous share per thread (a few rows stream the weight: one stream a thread reads best), the shares of a
+  // thread that is late taken from their back by the others
+  parallel_walk(items, run_item);
 }
 
 #if LMI_AMX
@@ -132,12 +126,11 @@ template <class Store>
 void amx_gemm(int64_t M, int64_t K_rows, int64_t P, const bf16* wp, const bf16* xp, int64_t ldx, int64_t out_features,
               const Store& store) {
   const int64_t num_mc = (M + AMX_M_CHUNK - 1) / AMX_M_CHUNK, items = num_mc * P;
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t chunk = M <= 32 ? (items + threads - 1) / threads : chunk_for(items, 1);
+  const int64_t chunk = chunk_for(items, 1);
   const int64_t steps = K_rows / AMX_PAIRS, tail = K_rows % AMX_PAIRS;
   if (M <= AMX_ROWS && tail == 0) {   // one row tile (decode at small batch): panels two at a time
     const int64_t groups = (P + 1) / 2;
-    parallel_chunks(groups, (groups + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    parallel_chunks(groups, chunk_for(groups, 1), [&](int64_t begin, int64_t end) {
       amx_configure(M, true);
       alignas(64) float acc[2 * AMX_ROWS * PANEL];
       for (int64_t g = begin; g < end; ++g) {

@@ -127,7 +127,7 @@ struct LoraRows {
 };
 
 // y (T, out) += each row's LoRA term of x (T, in), in place; a (S, R, in), bt (S, R, out), scale (S,) float32
-// contiguous (checked by the caller: lora_check). Rows shared over torch's threads (a team's share in team mode).
+// contiguous (checked by the caller: lora_check). Rows shared over the pool's threads.
 template <class T>
 void lora_add_into(const torch::Tensor& x, torch::Tensor& y, const LoraRows& lr, const torch::Tensor& a,
                    const torch::Tensor& bt, const torch::Tensor& scale) {

@@ -23,7 +23,7 @@ namespace {
 // squares, then lanes summed in a fixed order (its bits differ from PyTorch's reduction by rounding only).
 template <class T>
 void add_rmsnorm_rows(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t N, float eps) {
-  at::parallel_for(0, rows, row_grain(N), [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, row_grain(N), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> xf;   // kept between calls: no malloc and free per call
     if (static_cast<int64_t>(xf.size()) < N) xf.resize(N);
     for (int64_t r = begin; r < end; ++r) {
@@ -65,8 +65,7 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> delta, t
 
 // RoPE + K/V write for the paged attention's work items [i0, i1) of the rows (attention_parts: item = (row,
 // part), `parts` a row; parts 1: whole rows): each item's query heads into q, its KV heads' k (rotated) and v
-// into the cache. In team mode the thread that attends an item writes its rows of q and the cache itself, with
-// no barrier in between (DecoderStack::forward_team); rope_kv_write_rows is whole rows over torch's threads.
+// into the cache; rope_kv_write_rows is whole rows over the pool's threads.
 template <class T>
 void rope_kv_write_items(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp, int64_t H,
                          int64_t KVH, int64_t D, int64_t parts, int64_t i0, int64_t i1) {
@@ -89,7 +88,7 @@ void rope_kv_write_items(const T* xp, const T* cp, const T* sp, T* kc, T* vc, co
 template <class T>
 void rope_kv_write_rows(const T* xp, const T* cp, const T* sp, T* kc, T* vc, const int64_t* slots, T* qp,
                         int64_t rows, int64_t H, int64_t KVH, int64_t D) {
-  at::parallel_for(0, rows, row_grain((H + 2 * KVH) * D), [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, row_grain((H + 2 * KVH) * D), [&](int64_t begin, int64_t end) {
     rope_kv_write_items<T>(xp, cp, sp, kc, vc, slots, qp, H, KVH, D, 1, begin, end);
   });
 }
@@ -166,7 +165,7 @@ inline void silu_mul_span(const T* g, const T* u, T* o, int64_t n, bool vector) 
 template <class T>
 void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t I, bool vector) {
   vector = vector && vector_exp_agrees();
-  at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, row_grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) silu_mul_span<T>(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I, vector);
   });
 }
@@ -314,7 +313,6 @@ inline void layer_forward(torch::Tensor& x, bool add_delta, const LayerWeights& 
 struct DecoderStack {
   std::vector<LayerWeights> layers;
   torch::Tensor norm;
-  mutable std::atomic<int64_t> team_steps{0};   // steps run in team mode (the tests' check that it runs)
   int64_t H, KVH, intermediate;
   double eps, norm_eps, scale;
 
@@ -336,126 +334,6 @@ struct DecoderStack {
     }
   }
 
-  // Team mode (common.h) serves a step of at most TEAM_MAX_ROWS rows, one per sequence (decode), with two or
-  // more threads: its 5 region starts and joins a layer (the linears' and the attention's, ~150 a step) become
-  // 5 barriers of one region. Not with the AMX form (amx_gemm splits its own work) nor a gate_up that
-  // linear_silu cannot pair (its fallback makes whole tensors).
-  static constexpr int64_t TEAM_MAX_ROWS = 8;
-  bool team_fits(int64_t T, const AttentionPlan& plan, int64_t bf16_form) const {
-    if (T < 1 || T > TEAM_MAX_ROWS || at::get_num_threads() < 2 || at::in_parallel_region()) return false;
-    for (int64_t s = 0; s < plan.context_lens.size(0); ++s)
-      if (plan.cu[s + 1] - plan.cu[s] != 1) return false;   // exactly one row for every sequence
-    for (const auto& l : layers) {
-      if (l.qkv_w.scalar_type() == torch::kBFloat16 && bf16_form == BF16_AMX) return false;
-      if (!pairable(l.gu_w.scalar_type(), 2 * intermediate, bf16_form)) return false;
-    }
-    return true;
-  }
-
-  // The layers of a few-row decode step in one OpenMP region (team mode): every thread runs every op on
-  // its share of the op's items (common.h team_share), a barrier after each op whose outputs the next op
-  // reads across shares. Each thread keeps its own copy of the residual stream and of the norms' output (both
-  // computed by every thread, the same bits), and the q rows of the attention items it owns, whose rope and
-  // K/V write it does itself (rope_kv_write_items: no barrier between them and the attention; a row per
-  // sequence, so an item reads no key another thread writes this step). Per layer:
-  //   norm -> qkv | rope + K/V write + attention | o | norm -> gate_up with silu * up | down |   (| a barrier)
-  // The same ops on the same values as layer_forward, so the same bits. x: the residual stream (T, hidden),
-  // updated in place; the last down output is left in ws.delta. An error in any thread (none is expected:
-  // the shapes were checked before) skips the rest of every op, the barriers still met, and is raised after.
-  // With LoRA adapters (`lora`, its `lora_rows` the step's rows by slot): each projection's term is one more op
-  // of the team, each thread adding its share of the adapter rows (lora_add_into: row-wise, so the same bits as
-  // the op alone), a barrier after it; the gate_up linear then writes its whole output (gate_up, a (T, 2I)
-  // tensor) for its term, and silu * up follows as its own op over the team's shares of the rows.
-  template <class T>
-  void forward_team(torch::Tensor& x, const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                    const StepInputs& in, Workspace& ws, const LoraSet* lora = nullptr,
-                    const LoraRows* lora_rows = nullptr) const {
-    constexpr bool bf = std::is_same_v<T, bf16>;
-    const int threads = at::get_num_threads();
-    const int64_t T_rows = x.size(0), N = x.size(1), D = ws.q.size(2), H = in.H, KVH = in.KVH;
-    std::vector<torch::Tensor> xs(threads), hs(threads), qs(threads);   // each thread's own
-    for (int t = 0; t < threads; ++t) {
-      xs[t] = t == 0 ? x : x.clone();
-      hs[t] = torch::empty_like(x);
-      qs[t] = torch::empty_like(ws.q);
-    }
-    const int64_t* slots = in.slot_mapping.data_ptr<int64_t>();
-    const torch::Tensor gate_up = lora ? torch::empty({T_rows, 2 * in.intermediate}, x.options()) : torch::Tensor();
-    const bool vector_silu = vector_exp_agrees();
-    std::exception_ptr error;
-    std::atomic<bool> failed{false};
-#pragma omp parallel num_threads(threads)
-    {
-      const int me = omp_get_thread_num();
-      team_share = {me, omp_get_num_threads()};
-      auto run = [&](const auto& op) {
-        if (failed.load(std::memory_order_relaxed)) return;
-        try {
-          op();
-        } catch (...) {
-#pragma omp critical(lmi_parallel_chunks_error)
-          if (!error) error = std::current_exception();
-          failed.store(true, std::memory_order_relaxed);
-        }
-      };
-      torch::Tensor &xm = xs[me], &hm = hs[me], &qm = qs[me];
-      for (size_t li = 0; li < layers.size(); ++li) {
-        const LayerWeights& l = layers[li];
-        const torch::Tensor &kc = k_caches[li], &vc = v_caches[li];
-        // a LoRA term of projection p: this thread's share of the adapter rows, then a barrier
-        auto lora_op = [&](int p, const torch::Tensor& xin, torch::Tensor& y) {
-          if (!lora || !lora->has(li, p)) return;
-          run([&] { lora->add<T>(xin, y, *lora_rows, li, p); });
-#pragma omp barrier
-        };
-        run([&] {
-          add_rmsnorm_into<T>(xm, li > 0 ? &ws.delta : nullptr, l.in_norm, in.eps, hm);
-          linear_impl<void>(hm, l.qkv_w, (H + 2 * KVH) * D, l.qkv_b, l.qkv_s, bf, in.bf16_form, &ws.qkv);
-        });
-#pragma omp barrier
-        lora_op(0, hm, ws.qkv);
-        run([&] {
-          const int64_t parts = attention_parts(T_rows, KVH);   // the attention's own items (team threads)
-          const auto [i0, i1] = team_range(T_rows * parts);
-          rope_kv_write_items<T>(data_of<T>(ws.qkv), data_of<T>(in.cos), data_of<T>(in.sin), data_of<T>(kc),
-                                 data_of<T>(vc), slots, data_of<T>(qm), H, KVH, D, parts, i0, i1);
-          paged_attention_into(qm, kc, vc, in.plan, in.scale, ws.attn);
-        });
-#pragma omp barrier
-        run([&] { linear_impl<void>(ws.attn_rows, l.o_w, N, l.o_b, l.o_s, bf, in.bf16_form, &ws.delta); });
-#pragma omp barrier
-        lora_op(1, ws.attn_rows, ws.delta);
-        if (lora && lora->has(li, 2)) {
-          torch::Tensor gu = gate_up;
-          run([&] {
-            add_rmsnorm_into<T>(xm, &ws.delta, l.post_norm, in.eps, hm);
-            linear_impl<void>(hm, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &gu);
-          });
-#pragma omp barrier
-          lora_op(2, hm, gu);
-          run([&] {   // silu_mul_rows' rows, this thread's share
-            const auto [r0, r1] = team_range(T_rows);
-            const int64_t I = in.intermediate;
-            for (int64_t t = r0; t < r1; ++t)
-              silu_mul_span<T>(data_of<T>(gu) + t * 2 * I, data_of<T>(gu) + t * 2 * I + I, data_of<T>(ws.act) + t * I,
-                               I, vector_silu);
-          });
-        } else {
-          run([&] {
-            add_rmsnorm_into<T>(xm, &ws.delta, l.post_norm, in.eps, hm);
-            linear_impl<SiluMul>(hm, l.gu_w, 2 * in.intermediate, l.gu_b, l.gu_s, bf, in.bf16_form, &ws.act);
-          });
-        }
-#pragma omp barrier
-        run([&] { linear_impl<void>(ws.act, l.down_w, N, l.down_b, l.down_s, bf, in.bf16_form, &ws.delta); });
-#pragma omp barrier
-        lora_op(3, ws.act, ws.delta);
-      }
-      team_share = {};
-    }
-    if (error) std::rethrow_exception(error);
-  }
-
   // x: (T, hidden) float32 or bfloat16 (not changed); cos, sin: (T, head_dim); k_caches[l], v_caches[l]:
   // layer l's cache; the attention metadata as paged_attention's. Returns the final-norm hidden states (T, hidden).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
@@ -468,7 +346,7 @@ struct DecoderStack {
   // forward with a step's LoRA adapters: `lora` the adapter set's stacks (LoraSet, one per set), row_slot (T,)
   // int64 each row's slot in it (-1 = the base). Each layer adds the rows' terms after its qkv, o, gate_up (before
   // silu * up) and down linears (lora.h: row-wise, so the stack stays batch-invariant); rows of the base keep
-  // forward's bits. Team mode too where it fits (forward_team with `lora`).
+  // forward's bits.
   torch::Tensor forward_lora(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                              const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                              torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
@@ -514,15 +392,6 @@ struct DecoderStack {
     Workspace ws(h, H, KVH, D, intermediate);
     const LoraRows lora_rows = lora ? LoraRows(row_slot, T, lora->num_slots()) : LoraRows();
     const LoraSet* lo = lora && !lora_rows.empty() ? lora : nullptr;   // null: no row has an adapter
-    if (team_fits(T, plan, bf16_form)) {
-      team_steps.fetch_add(1, std::memory_order_relaxed);
-      if (bf) {
-        forward_team<bf16>(h, k_caches, v_caches, in, ws, lo, lo ? &lora_rows : nullptr);
-      } else {
-        forward_team<float>(h, k_caches, v_caches, in, ws, lo, lo ? &lora_rows : nullptr);
-      }
-      return add_rmsnorm(h, ws.delta, norm, norm_eps);
-    }
     for (size_t l = 0; l < layers.size(); ++l) {
       std::optional<LoraStep> step;
       const LoraStep* layer_lora = lo ? &step.emplace(LoraStep{*lo, lora_rows, l}) : nullptr;

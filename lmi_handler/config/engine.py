@@ -45,9 +45,12 @@ class EngineOptions(Options):
     tensor_parallel_timeout_s: float = Field(60.0, gt=0)
     """Seconds one collective of a tensor-parallel step may wait for the other ranks; past it (a rank hung)
     the engine fails with RankFailed instead of hanging. A rank that dies is seen at once."""
-    num_threads: int = Field(0, ge=0, le=1024)
-    """CPU threads for PyTorch (torch.set_num_threads); 0 = PyTorch's default. On a shared CPU, 1 avoids
-    threads waiting on each other."""
+    num_threads: int | Literal["auto"] = "auto"
+    """CPU threads the engine computes with (torch's and the C++ kernels'), fixed when a number (1-1024). auto (or
+    0): the cores of the process's affinity mask, no more than its cgroup's cpu.max quota in whole cores, then
+    adapted while it runs: one thread fewer when its threads wait for a core more than a quarter of their runnable
+    time (another process on the CPU), down to 1, and one more tried now and then, kept when faster; each change is
+    logged (engine/threads.py)."""
     kernel_backend: Literal["auto", "cpp", "triton", "torch"] = "auto"
     """Which kernels run the model, chosen once at load and logged with why (engine/model/backend.py): cpp =
     the C++ CPU kernels, every family (Llama-shaped models, with RMSNorm pre-norm, SiLU and no window, cap or
@@ -142,6 +145,13 @@ class EngineOptions(Options):
         model = fields.pop("model", None)
         draft = local_model_dir(model, self.model_dir) if fields["method"] == "draft_model" else None
         return SpeculativeConfig(draft_model=draft, **fields)
+
+    @field_validator("num_threads")
+    @classmethod
+    def _num_threads_range(cls, value):
+        if isinstance(value, int) and not 0 <= value <= 1024:
+            raise ValueError("num_threads must be auto or 0-1024")
+        return value
 
     @field_validator("tensor_parallel_degree", mode="before")
     @classmethod

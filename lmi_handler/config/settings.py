@@ -53,7 +53,7 @@ class Settings(PoolingOptions, BatchOptions, ChatOptions, ServingOptions, LoraOp
                             max_num_batched_tokens=max(self.max_rolling_batch_prefill_tokens,
                                                        self.max_rolling_batch_size),
                             max_model_len=self.max_model_len, block_size=self.block_size,
-                            kv_cache_bytes=self.kv_cache_bytes, num_threads=self.num_threads,
+                            kv_cache_bytes=self.kv_cache_bytes, num_threads=0 if self.num_threads == "auto" else self.num_threads,
                             huge_pages=self.huge_pages,
                             malloc_tuning=self.malloc_tuning,
                             enable_prefix_caching=self.enable_prefix_caching, quantize=self.quantize,

@@ -65,7 +65,7 @@ class EngineConfig:
     max_model_len: int | None
     block_size: int
     kv_cache_bytes: int
-    num_threads: int = 0
+    num_threads: int = 0                           # 0: auto (engine/threads.py)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"                # "fcfs" or "priority" (engine/scheduler.py)
     huge_pages: bool = True

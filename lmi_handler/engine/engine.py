@@ -35,6 +35,7 @@ from lmi_handler.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 from lmi_handler.engine.sequence import FinishReason, RequestOutput, SamplingParams, Sequence, random_seed
 from lmi_handler.engine.speculative import VerifyRows, build_speculator, expand_rows, gather_logits
 from lmi_handler.engine.stopping import StopTable
+from lmi_handler.engine.threads import ThreadControl
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,7 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoTokenizer
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.threads = ThreadControl(config.num_threads)   # fixed, or auto: sized to the CPU and adapted
         check_max_model_len(config)
         self.device = pick_device(config.device_id)
         precision = pick_precision(config, self.device)
@@ -235,7 +235,8 @@ class Engine:
             return failed
         model_input = self.runner.prepare(sched)         # SchedulerOutput -> ModelInput (plain tensors)
         sampling = self._prepare_sampling(sched)         # rows due a token, their tables (device)
-        model_out = self.runner.execute(model_input)     # forward: logits
+        with self.threads.measure(sum(sched.num_scheduled_tokens)):
+            model_out = self.runner.execute(model_input)  # forward: logits
         self.scheduler.update_from_output(sched)         # their tokens are in the KV cache now
         sampled = self._sample(sampling, model_out)      # token ids, log probs, stop reasons (device)
         outputs = self.output.process(sampled)           # the one host sync; text, stop strings, grammars

@@ -51,6 +51,7 @@ import peers  # noqa: E402
 import report as report_mod  # noqa: E402
 from bench_args import DTYPES, PHASES, STRUCTURED, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
 from host import cpu_list, host_info, omp_bind_cpus  # noqa: E402
+from interference import busy_cores  # noqa: E402
 from monitor import PhaseMonitor, machine_snapshot  # noqa: E402
 from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
 from round_protocol import percentiles  # noqa: E402
@@ -589,6 +590,13 @@ def run(args: argparse.Namespace) -> dict:
                   f"vllm_offline_{dtype}": lambda name, d=dtype: bench.vllm_worker(name, d)}
         if pair := {name: make for name, make in makers.items() if wanted(name)}:
             bench.offline(pair, args.offline_rounds)
+    for dtype in args.dtype if args.busy_cores else []:   # the offline pair again beside N spinning processes
+        makers = {f"ours_offline_busy_{dtype}": lambda name, d=dtype: bench.ours_worker(name, d),
+                  f"vllm_offline_busy_{dtype}": lambda name, d=dtype: bench.vllm_worker(name, d)}
+        if pair := {name: make for name, make in makers.items() if wanted(name)}:
+            with busy_cores(args.busy_cores) as pids:
+                print(f"    {args.busy_cores} busy core(s): spinning processes {pids}", flush=True)
+                bench.offline(pair, args.offline_rounds)
     if pair := {name: bench.structured_worker for name in STRUCTURED if wanted(name)}:
         bench.offline(pair, args.offline_rounds)
     fallback = f"ours_offline_transformers_{bench.dtype}"

@@ -20,7 +20,7 @@ QUANTIZE = ("int8",)
 # phases run once per --dtype (named <phase>_<dtype>, e.g. vllm_offline_bf16); ours_offline_transformers
 # (option.model_impl=transformers, against the hf phase) runs in the first dtype only; ours_batch1 (the weights in the dtype itself) and ours_batch1_<quantize> in each dtype
 PER_DTYPE = ("ours_offline", "vllm_offline", "ours_offline_transformers", "ours_batch1",
-             *(f"ours_batch1_{q}" for q in QUANTIZE))
+             *(f"ours_batch1_{q}" for q in QUANTIZE), "ours_offline_busy", "vllm_offline_busy")
 GROUPS = ("peak", "vllm", "ours_batch1", "llamacpp")
 # the structured-output pair (structured.py), in the first dtype; --skip structured turns both off
 STRUCTURED = ("ours_structured", "vllm_structured")
@@ -98,6 +98,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="ours_priority: interactive (priority 0) requests sent while the batch waits")
     p.add_argument("--priority-max-tokens", type=int, default=16, help="ours_priority: tokens of every request")
     p.add_argument("--priority-probe-gap-s", type=float, default=0.5, help="ours_priority: seconds between probes")
+    p.add_argument("--busy-cores", type=int, default=0,
+                   help="the busy phases (ours_offline_busy_<dtype> beside vllm_offline_busy_<dtype>, the offline pair "
+                        "again) with this many processes that only spin, started before and stopped after "
+                        "(interference.py); 0: no busy phases")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per engine step")
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
@@ -150,7 +154,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                              ("--mem-bytes", args.mem_bytes, 0), ("--mem-repeats", args.mem_repeats, 1),
                              ("--priority-batch", args.priority_batch, 1), ("--priority-probes", args.priority_probes, 1),
                              ("--priority-max-tokens", args.priority_max_tokens, 1),
-                             ("--priority-probe-gap-s", args.priority_probe_gap_s, 0)):
+                             ("--priority-probe-gap-s", args.priority_probe_gap_s, 0), ("--busy-cores", args.busy_cores, 0)):
         if value is not None and value < low:
             p.error(f"{name} {value}: at least {low}")
     for name, values in (("--concurrency", args.concurrency), ("--hf-batch-sizes", args.hf_batch_sizes)):

@@ -221,7 +221,9 @@ def add_summary(result: dict) -> None:
     for dtype in dtypes:
         for base, label in (("ours_offline", "ours offline{} (default, batch-invariant)"),
                             ("ours_offline_transformers", "ours offline{} (option.model_impl=transformers)"),
-                            ("vllm_offline", "vLLM CPU offline{} (LLM.generate)")):
+                            ("vllm_offline", "vLLM CPU offline{} (LLM.generate)"),
+                            ("ours_offline_busy", "ours offline{}, busy cores (--busy-cores)"),
+                            ("vllm_offline_busy", "vLLM CPU offline{}, busy cores (--busy-cores)")):
             if res := _ok(ph, name(base, dtype)):
                 rows.append(_offline_row(label.format(_label(dtype)), res))
                 tps[name(base, dtype)] = res["output_tokens_per_s"]
@@ -239,6 +241,10 @@ def add_summary(result: dict) -> None:
         by_round = round_ratios(ph, ours, vllm)
         rounds[f"{ours}_vs_{vllm}"] = by_round
         ratios[f"{ours}_vs_{vllm}"] = by_round["median"] if by_round else _ratio(tps.get(ours), tps.get(vllm))
+        busy, vllm_busy = name("ours_offline_busy", dtype), name("vllm_offline_busy", dtype)
+        by_round = round_ratios(ph, busy, vllm_busy)
+        ratios[f"{busy}_vs_{vllm_busy}"] = by_round["median"] if by_round else _ratio(tps.get(busy), tps.get(vllm_busy))
+        ratios[f"{busy}_vs_{ours}"] = _ratio(tps.get(busy), tps.get(ours))
         b1 = {k: ((_ok(ph, k) or {}).get("batch1") or {}).get("decode_tokens_per_s") for k in (ours, vllm)}
         ratios[f"{name('ours_batch1', dtype)}_vs_{name('vllm_batch1', dtype)}"] = _ratio(b1[ours], b1[vllm])
         for k in (ours, vllm):
@@ -603,6 +609,12 @@ def docs_section(result: dict, json_path: str) -> str:
     row("ours offline, output tok/s", [_fmt((offline[d] or {}).get("output_tokens_per_s"), ".1f") for d in dtypes])
     row("ours / vLLM CPU, offline (median of per-round ratios)",
         [_fmt(ratios.get(f"ours_offline_{d}_vs_vllm_offline_{d}"), ".2f") for d in dtypes])
+    busy = (result.get("config") or {}).get("busy_cores")
+    if busy:
+        row(f"ours / vLLM CPU, offline, {busy} of the cores busy (--busy-cores)",
+            [_fmt(ratios.get(f"ours_offline_busy_{d}_vs_vllm_offline_busy_{d}"), ".2f") for d in dtypes])
+        row(f"ours offline, {busy} of the cores busy / quiet",
+            [_fmt(ratios.get(f"ours_offline_busy_{d}_vs_ours_offline_{d}"), ".2f") for d in dtypes])
     row("ours / vLLM CPU, batch-1 decode", [_fmt(ratios.get(f"ours_batch1_{d}_vs_vllm_batch1_{d}"), ".2f") for d in dtypes])
     row("ours int8 weights / llama.cpp Q4_1, batch-1 decode",
         [_fmt(ratios.get(f"ours_batch1_int8_{d}_vs_llamacpp_batch1"), ".2f") for d in dtypes])

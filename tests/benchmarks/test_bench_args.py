@@ -32,6 +32,7 @@ import bench  # noqa: E402
     (["--quantize", "int4"], "argument --quantize: int4: one or more of int8, or none"),
     (["--mem-repeats", "0"], "--mem-repeats 0: at least 1"),
     (["--mem-bytes", "-1"], "--mem-bytes -1: at least 0"),
+    (["--busy-cores", "-1"], "--busy-cores -1: at least 0"),
     (["--skip", "vllm_offline_fp16"], "--skip vllm_offline_fp16: unknown phase"),
     (["--option", "no_such_knob", "1"], "--option no_such_knob: not an option of this engine build"),
     (["--option", "dtype", "bf16"], "--option dtype: set by the benchmark (use --dtype)"),

@@ -219,3 +219,18 @@ def test_the_transformers_fallback_gets_its_row_and_its_ratio_to_generate():
     report.add_summary(result)
     assert "ours offline fp32 (option.model_impl=transformers)" in [r["name"] for r in result["rows"]]
     assert result["ratios"]["ours_offline_transformers_vs_hf"] == 3.0
+
+
+def test_the_busy_phases_get_their_rows_their_ratio_to_vllm_and_to_the_quiet_run():
+    phases = {**_phases(), "ours_offline_busy_fp32": _rounds([60.0, 50.0, 55.0]),
+              "vllm_offline_busy_fp32": _rounds([40.0, 50.0, 50.0])}
+    result = _result(phases)
+    result["config"]["busy_cores"] = 1
+    report.add_summary(result)
+    assert "ours offline fp32, busy cores (--busy-cores)" in [r["name"] for r in result["rows"]]
+    ratios = result["ratios"]
+    assert ratios["ours_offline_busy_fp32_vs_vllm_offline_busy_fp32"] == pytest.approx(1.1)   # 1.5, 1.0, 1.1
+    assert ratios["ours_offline_busy_fp32_vs_ours_offline_fp32"] == pytest.approx(0.5)        # 55 / 110
+    doc = report.docs_section(result, "../benchmarks/results/bench-x.json")
+    assert "| ours / vLLM CPU, offline, 1 of the cores busy (--busy-cores) | 1.10 | – |" in doc
+    assert "| ours offline, 1 of the cores busy / quiet | 0.50 | – |" in doc

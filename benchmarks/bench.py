@@ -50,8 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 import report as report_mod  # noqa: E402
 from bench_args import DTYPES, PHASES, STRUCTURED, parse_args, skip_keys  # noqa: E402,F401 - PHASES: tests read it here
-from host import cpu_list, host_info, omp_bind_cpus  # noqa: E402
-from interference import busy_cores  # noqa: E402
+from host import busy_cores, cpu_list, host_info, omp_bind_cpus  # noqa: E402
 from monitor import PhaseMonitor, machine_snapshot  # noqa: E402
 from offline_rounds import OfflineWorker, log_tail, run_rounds  # noqa: E402
 from round_protocol import percentiles  # noqa: E402

@@ -2,7 +2,8 @@
 and its ceilings, measured inside the run they are held against (read bandwidth, peak FLOP/s).
 
 Owns "what machine was this" (recorded in every result JSON, since ratios move with the host), which CPUs
-vLLM's OpenMP threads are bound to, and the probes (C sources in probes/). Plain Python; torch only inside
+vLLM's OpenMP threads are bound to, the probes (C sources in probes/) and other work on it (busy_cores, for
+--busy-cores). Plain Python; torch only inside
 peak_matmul: the orchestrator and every venv can import it.
 """
 from __future__ import annotations
@@ -14,7 +15,9 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # the instruction-set flags that decide which kernels an engine can use (vLLM's CPU docs list avx512f,
@@ -285,3 +288,23 @@ def peak_matmul(dtype_name: str, size: int, threads: int, decode_shape: tuple[in
     if decode_shape:
         out.update(decode_shape=list(decode_shape), decode_shape_flops_per_s=rate(*decode_shape, 50))
     return out
+
+
+SPIN = "while True: pass"
+
+
+@contextmanager
+def busy_cores(num: int, settle_s: float = 0.5):
+    """Other work on the host, for --busy-cores: N processes that only spin (one core each) for the block's duration
+    (none when num is 0), as a neighbour, a log shipper or the container's own front end would take cores from the
+    engine; each stopped (killed and reaped) at its end, also on an error or Ctrl-C. Yields their pids."""
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.DEVNULL) for _ in range(max(0, num))]
+    try:
+        if procs:
+            time.sleep(settle_s)
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()

@@ -1,7 +1,9 @@
 """benchmarks/host.py: the host record (cpuinfo, meminfo, sysfs on temp trees), the CPUs vLLM's
-threads are bound to, and the read-bandwidth probe on a small buffer."""
+threads are bound to, the read-bandwidth probe on a small buffer, and
+--busy-cores' spinning processes (running inside the block, gone after it)."""
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -143,3 +145,20 @@ def test_the_fma_peak_probe_counts_two_flops_per_lane_per_fma_and_reports_every_
     flops = 2 * result["lanes"] * result["chains"] * result["iters"] * result["threads"]
     assert result["best_flops_per_s"] == pytest.approx(flops / min(result["seconds"]), rel=1e-3)
     assert result["bound_cpus"] and 0 < result["cpu_fraction"] <= 1.05
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_n_spinning_processes_run_inside_the_block_and_are_stopped_after_it_even_on_an_error():
+    with pytest.raises(RuntimeError), host.busy_cores(2, settle_s=0.0) as pids:
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        raise RuntimeError("a phase failed")
+    assert not any(_alive(p) for p in pids)
+    with host.busy_cores(0) as none:
+        assert none == []

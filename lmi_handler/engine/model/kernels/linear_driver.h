@@ -271,7 +271,7 @@ inline FloatRows float_rows(const torch::Tensor& x, int64_t width, bool round) {
 // first panel cold, now whole) 1.00-1.03x slower with this form, so fewer panels keep the K blocks; at 1882 rows
 // all four 0.969x. The engine's round (profiling.py steps, HEAD and this tree alternating in 4 pairs of
 // processes): 0.962x the time, prefill 0.975x, decode 0.96x.
-constexpr int64_t TILED_MIN_ROWS = 8;     // a few-row step (team mode included) keeps the row-major streaming forms
+constexpr int64_t TILED_MIN_ROWS = 8;     // a few-row step keeps the row-major streaming forms
 constexpr int64_t TILED_MIN_PANELS = 64;  // 2048 output columns: gate_up and the lm_head of the demo model
 constexpr int64_t TILED_PREFETCH_BYTES = 65536;   // of the next panel, to L2 (the whole 192 KiB panel of down cost)
 inline const float* pack_row_tiles(const float* x, int64_t M, int64_t K, int64_t mr) {

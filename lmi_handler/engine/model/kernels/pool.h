@@ -124,8 +124,12 @@ class Pool {
   void run(int64_t n, bool walk, const F& f) {
     if (n <= 0) return;
     const int width = static_cast<int>(std::min<int64_t>(threads(), n));
+    if (width <= 1 || in_region() || n >= (int64_t{1} << 31)) {   // nested: never try the lock this thread holds
+      for (int64_t i = 0; i < n; ++i) f(i);
+      return;
+    }
     std::unique_lock<std::mutex> owner(owner_mu_, std::try_to_lock);
-    if (width <= 1 || in_region() || !owner.owns_lock() || n >= (int64_t{1} << 31)) {
+    if (!owner.owns_lock()) {   // another caller's region runs: this one runs inline
       for (int64_t i = 0; i < n; ++i) f(i);
       return;
     }

@@ -71,6 +71,25 @@ def test_every_fallback_family_s_logits_are_bitwise_the_same_alone_and_in_a_batc
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, LONG_PROMPT, PROMPTS[1:], 6, chunks=[3, 7])
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_a_wrapped_activation_gives_a_row_the_same_bits_alone_and_among_others_whatever_the_thread_count(act):
+    """Unwrapped, torch's CPU SiLU and GELU-tanh gave 6 and 10 of these 129 rows other bits in the batch (2 threads,
+    width 1377: the per-thread chunks' unaligned edges take the scalar formula)."""
+    from transformers.activations import ACT2FN
+
+    from lmi_handler.engine.model.fallback import RowWiseActivation
+
+    wrapped, threads = RowWiseActivation(ACT2FN[act]), torch.get_num_threads()
+    x = torch.randn(1, 129, 1377, generator=torch.Generator().manual_seed(0)) * 4
+    try:
+        for num_threads in (2, 5):
+            torch.set_num_threads(num_threads)
+            batch = wrapped(x)
+            assert all(torch.equal(batch[0, i], wrapped(x[:, i:i + 1])[0, 0]) for i in range(x.shape[1]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_prefix_cache_hit_on_the_fallback_gives_transformers_tokens_computing_only_the_rest(tmp_path):
     """StarCoder2 (a window of 16): the target's first 24 tokens come from the cache another request left, its
     window reaches into them, chunked by a budget of 12."""

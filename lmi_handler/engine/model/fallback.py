@@ -99,12 +99,31 @@ class RowInvariantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class RowWiseActivation(nn.Module):
+    """A transformers activation module called one row at a time on CPU. torch's CPU elementwise kernels split a
+    tensor into one chunk per thread at element offsets that need not fall on a vector boundary, and the few
+    elements around an unaligned boundary take the scalar formula (SiLU, GELU-tanh: not bitwise the vector one),
+    so a row's bits moved with the step's row count (measured: 5 threads, width 3072; 2 threads, width 1377).
+    Called as a (1, width) tensor, a row's split depends on its width alone. x (..., width) -> the same shape."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= 1:
+            return self.act(x)
+        return torch.cat([self.act(row) for row in rows.split(1)]).view(x.shape)
+
+
 def route_linears(hf: nn.Module, ops) -> int:
     """Replace every nn.Linear of `hf` (the lm_head too, tied or not) and every transformers Conv1D (GPT-2's:
     weight (in, out), used transposed) by a RowInvariantLinear on `ops`; torch's own F.linear picks its kernel
     by the row count (GEMV for one row), so a row's bits moved with its batch. The other ops of the fallback
     families (embeddings, LayerNorm, RMSNorm, GELU, SiLU, rotary: an outer product of one multiply per value)
-    compute a row from that row alone in torch. Returns how many modules were replaced."""
+    compute a row from that row alone in torch (the activations on CPU once route_activations wraps them).
+    Returns how many modules were replaced."""
     from transformers.pytorch_utils import Conv1D
 
     found = [(name, module) for name, module in hf.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
@@ -112,6 +131,19 @@ def route_linears(hf: nn.Module, ops) -> int:
         weight = module.weight.t() if isinstance(module, Conv1D) else module.weight
         parent, _, attr = name.rpartition(".")
         setattr(hf.get_submodule(parent), attr, RowInvariantLinear(weight, module.bias, ops))
+    return len(found)
+
+
+def route_activations(hf: nn.Module) -> int:
+    """On CPU, wrap every transformers activation module of `hf` (transformers.activations' classes: ACT2FN's) in
+    RowWiseActivation. Returns how many were wrapped."""
+    from transformers.activations import ACT2CLS
+
+    kinds = tuple({cls[0] if isinstance(cls, tuple) else cls for cls in ACT2CLS.values()})
+    found = [(name, module) for name, module in hf.named_modules() if isinstance(module, kinds)]
+    for name, module in found:
+        parent, _, attr = name.rpartition(".")
+        setattr(hf.get_submodule(parent), attr, RowWiseActivation(module))
     return len(found)
 
 
@@ -232,6 +264,8 @@ def load_fallback(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
                                               trust_remote_code=trust_remote_code)
     ops = backend_ops(name)
     linears = route_linears(hf.to(device).eval(), ops)
+    if device.type == "cpu":
+        route_activations(hf)
     model = FallbackModel(hf, ops, name)
     model.num_kv_heads, model.head_dim = probe(model, fallback_shape(model_dir, trust_remote_code).num_layers)
     log.info("model_impl=transformers for model_type=%s (%s): %s through transformers' AutoModelForCausalLM, its "

@@ -16,6 +16,7 @@ from tests.batch.helpers import COMPLETIONS, batch_line, read_jsonl, write_jsonl
 from tests.engine.fallback_models import FALLBACK_FAMILIES, build_tiny_fallback
 from tests.engine.helpers import (
     TINY_TOKENIZER_TEXTS,
+    assert_logits_bitwise_identical_alone_and_in_batch,
     build_tiny_llama,
     build_tiny_tokenizer,
     greedy_generate,
@@ -55,6 +56,38 @@ def test_every_fallback_family_gives_transformers_greedy_tokens_batched_and_pref
     want = [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert greedy_generate(runner, allocator, PROMPTS, 8, chunk_sizes=[5, 3, 7])[0] == want
+
+
+def test_every_fallback_family_s_logits_are_bitwise_the_same_alone_and_in_a_batch_on_the_cpp_backend(fallback_family):
+    """fp32: the target's prefill and decodes share their steps with the others' chunked prefills and decodes;
+    every linear (GPT-2's Conv1D and the lm_head too) runs the C++ packed row-invariant linear."""
+    from lmi_handler.engine.model.fallback import RowInvariantLinear
+
+    _, path, _ = fallback_family
+    runner = _runner(path)
+    assert runner.model.attention_backend == "cpp" and isinstance(runner.model.head, RowInvariantLinear)
+    assert not any(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in runner.model.modules())
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, LONG_PROMPT, PROMPTS[1:], 6, chunks=[3, 7])
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_a_wrapped_activation_gives_a_row_the_same_bits_alone_and_among_others_whatever_the_thread_count(act):
+    """Unwrapped, torch's CPU SiLU and GELU-tanh gave 6 and 10 of these 129 rows other bits in the batch (2 threads,
+    width 1377: the per-thread chunks' unaligned edges take the scalar formula)."""
+    from transformers.activations import ACT2FN
+
+    from lmi_handler.engine.model.fallback import RowWiseActivation
+
+    wrapped, threads = RowWiseActivation(ACT2FN[act]), torch.get_num_threads()
+    x = torch.randn(1, 129, 1377, generator=torch.Generator().manual_seed(0)) * 4
+    try:
+        for num_threads in (2, 5):
+            torch.set_num_threads(num_threads)
+            batch = wrapped(x)
+            assert all(torch.equal(batch[0, i], wrapped(x[:, i:i + 1])[0, 0]) for i in range(x.shape[1]))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_prefix_cache_hit_on_the_fallback_gives_transformers_tokens_computing_only_the_rest(tmp_path):

@@ -5,7 +5,9 @@ TGI's transformers fallback do): each attention layer writes the step's keys and
 by the slot mapping and attends over the block table, with the kernel backend's store_kv / paged_attention ops,
 so the scheduler, prefix caching, chunked prefill and the sampler serve the model as they serve a native one.
 Owns FallbackModel (DecoderModel's interface: forward -> final hidden states, compute_logits) and its load with
-the start-up probe that refuses a model whose attention does not go through the interface. Leaves the choice of
+the start-up probe that refuses a model whose attention does not go through the interface, and the routing of
+every linear of the model (nn.Linear, transformers' Conv1D, the lm_head) through the kernel backend's row-invariant
+linear (RowInvariantLinear), so a sequence's bits do not depend on the rest of its step. Leaves the choice of
 implementation to model_impl.py, the KV cache and batching to model_runner.py.
 """
 from __future__ import annotations
@@ -76,6 +78,73 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     out = step.ops.paged_attention(q, k_cache, v_cache, step.meta, scale, kwargs.get("sliding_window"),
                                    kwargs.get("softcap"))
     return out.to(query.dtype)[None], None                                   # (1, T, H, D)
+
+
+class RowInvariantLinear(nn.Module):
+    """A linear of transformers' model on the kernel backend's row-invariant linear: `ops.linear(x, weight, bias)`
+    with `weight` as that backend takes it (the cpp backend's packed panels, made once here; the (out, in) tensor
+    for torch's invariant_linear and Triton's matmul). x (..., in) -> (..., out) in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
+        super().__init__()
+        pack = vars(ops).get("pack_linear")
+        weight = weight.detach()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.linear = ops.linear
+        self.weight = pack(weight, str(weight.dtype).removeprefix("torch."), None) if pack else weight.contiguous()
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class RowWiseActivation(nn.Module):
+    """A transformers activation module called one row at a time on CPU. torch's CPU elementwise kernels split a
+    tensor into one chunk per thread at element offsets that need not fall on a vector boundary, and the few
+    elements around an unaligned boundary take the scalar formula (SiLU, GELU-tanh: not bitwise the vector one),
+    so a row's bits moved with the step's row count (measured: 5 threads, width 3072; 2 threads, width 1377).
+    Called as a (1, width) tensor, a row's split depends on its width alone. x (..., width) -> the same shape."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= 1:
+            return self.act(x)
+        return torch.cat([self.act(row) for row in rows.split(1)]).view(x.shape)
+
+
+def route_linears(hf: nn.Module, ops) -> int:
+    """Replace every nn.Linear of `hf` (the lm_head too, tied or not) and every transformers Conv1D (GPT-2's:
+    weight (in, out), used transposed) by a RowInvariantLinear on `ops`; torch's own F.linear picks its kernel
+    by the row count (GEMV for one row), so a row's bits moved with its batch. The other ops of the fallback
+    families (embeddings, LayerNorm, RMSNorm, GELU, SiLU, rotary: an outer product of one multiply per value)
+    compute a row from that row alone in torch (the activations on CPU once route_activations wraps them).
+    Returns how many modules were replaced."""
+    from transformers.pytorch_utils import Conv1D
+
+    found = [(name, module) for name, module in hf.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
+    for name, module in found:
+        weight = module.weight.t() if isinstance(module, Conv1D) else module.weight
+        parent, _, attr = name.rpartition(".")
+        setattr(hf.get_submodule(parent), attr, RowInvariantLinear(weight, module.bias, ops))
+    return len(found)
+
+
+def route_activations(hf: nn.Module) -> int:
+    """On CPU, wrap every transformers activation module of `hf` (transformers.activations' classes: ACT2FN's) in
+    RowWiseActivation. Returns how many were wrapped."""
+    from transformers.activations import ACT2CLS
+
+    kinds = tuple({cls[0] if isinstance(cls, tuple) else cls for cls in ACT2CLS.values()})
+    found = [(name, module) for name, module in hf.named_modules() if isinstance(module, kinds)]
+    for name, module in found:
+        parent, _, attr = name.rpartition(".")
+        setattr(hf.get_submodule(parent), attr, RowWiseActivation(module))
+    return len(found)
 
 
 def register_attention() -> None:
@@ -193,11 +262,15 @@ def load_fallback(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
     name, backend_why = attention_backend(kernel_backend, device, dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=ATTENTION,
                                               trust_remote_code=trust_remote_code)
-    model = FallbackModel(hf.to(device).eval(), backend_ops(name), name)
+    ops = backend_ops(name)
+    linears = route_linears(hf.to(device).eval(), ops)
+    if device.type == "cpu":
+        route_activations(hf)
+    model = FallbackModel(hf, ops, name)
     model.num_kv_heads, model.head_dim = probe(model, fallback_shape(model_dir, trust_remote_code).num_layers)
     log.info("model_impl=transformers for model_type=%s (%s): %s through transformers' AutoModelForCausalLM, its "
-             "attention this engine's paged attention on kernel_backend=%s (%s)", hf.config.model_type, why,
-             type(hf).__name__, name, backend_why)
+             "attention this engine's paged attention and its %d linears the row-invariant linear on kernel_backend=%s (%s)",
+             hf.config.model_type, why, type(hf).__name__, linears, name, backend_why)
     return model
 
 
@@ -209,7 +282,7 @@ def probe(model: FallbackModel, num_layers: int) -> tuple[int, int]:
     num_key_value_heads its config may carry). Raises ConfigError naming the model type and why otherwise (its
     attention does not go through transformers' AttentionInterface, as BLOOM's alibi attention, or passes what the
     paged attention cannot honour)."""
-    hf, device = model.hf, model.head.weight.device
+    hf, device = model.hf, next(model.hf.parameters()).device
     calls: list = []
     head = (f"config.json model_type={hf.config.model_type!r} ({type(hf).__name__}) cannot run through the "
             "transformers fallback: ")

@@ -96,8 +96,9 @@ def assert_rows_alone_match_the_batch(x, packed, bias):
 def test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share():
     """parallel_walk (the linears' split of their items over threads): each item runs exactly once whatever
     the thread count (more threads than these 2 cores, more than items, none), and when the first share is
-    slow (each of its items spins 500 us) the other thread takes items from its back and still none runs
-    twice or never."""
+    slow (each of its items spins 500 us) work moves between the shares and still none runs twice or never:
+    the worker takes items from the slow share's back, or, when the host keeps it from running until the
+    caller has done the slow share (a busy CPU), the caller takes the worker's whole share (32)."""
     ops = cpu_kernels()
     before = torch.get_num_threads()
     try:
@@ -109,7 +110,7 @@ def test_parallel_walk_runs_every_item_once_and_takes_from_a_slow_share():
         torch.set_num_threads(2)
         counts, taken = ops.walk_counts(64, 500.0)    # share 0: 32 items x 0.5 ms; share 1 done at once
         assert counts.tolist() == [1] * 64
-        assert 0 < taken < 32
+        assert 0 < taken <= 32
     finally:
         torch.set_num_threads(before)
 

@@ -271,6 +271,13 @@ def peak_matmul(dtype_name: str, size: int, threads: int, decode_shape: tuple[in
     def rate(m: int, k: int, n: int, repeat: int) -> float:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        # each timed pass about 0.1 s at most: a bf16 matmul without native bf16 dot products (AVX2 hosts)
+        # runs at about 1 GFLOP/s, and 50 decode-shaped ones a pass took the smoke run 30 s
+        repeat = max(1, min(repeat, round(0.1 / max(time.perf_counter() - start, 1e-9))))
         best = float("inf")
         for _ in range(6):  # the first is a warm-up
             if device == "cuda":

@@ -752,14 +752,20 @@ def test_an_avx2_build_gives_the_same_bits_as_the_references():
     """CPUs without AVX-512 get the same kernels with 8-float vectors (-march=haswell: AVX2 + FMA). Built
     here under another name and checked like the native build: bf16 and int8 panels bitwise the fixed-order
     references (so every CPU gives the same bf16 and int8 logits), rows the same alone and in a batch."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load_inline
 
-    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name, cpu_flags, kernel_sources
+    from lmi_handler.engine.model.kernels.build import _SOURCE, _module_name, cpu_flags
 
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
-    module = load(name=_module_name(_SOURCE) + "_avx2", sources=kernel_sources(_SOURCE),
-                  extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    # linear.h alone (the headers it includes, the same flags as the extension's build): the whole extension
+    # took CI 160 s to build a second time, for the one binding this test calls
+    binding = ('#include "linear.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.attr("VECTOR_WIDTH") = Vec::W;\n'
+               '  m.attr("NATIVE_BF16") = NATIVE_BF16;\n  m.def("linear", &linear);\n}\n')
+    module = load_inline(name=_module_name(_SOURCE) + "_avx2_linear", cpp_sources=[binding],
+                         extra_include_paths=[str(_SOURCE.parent)],
+                         extra_cflags=["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"],
+                         extra_ldflags=["-fopenmp"])
     assert module.VECTOR_WIDTH == 8 and not module.NATIVE_BF16
     for num_rows, in_features, out_features in ((1, 576, 960), (7, 33, 77), (20, 576, 200), (13, 1536, 70)):
         x, weight, bias = random_case(num_rows, in_features, out_features, seed=num_rows, with_bias=True)

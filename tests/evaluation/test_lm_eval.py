@@ -25,14 +25,20 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 LOGLIKELIHOOD_TOLERANCE = 1e-3
 
 
-def run_harness(out: Path, model: str, model_args: str, *options: str) -> tuple[dict, dict[str, list[dict]]]:
-    """`lm-eval run` on the shipped tasks, 4 requests per batch: (results by task, logged samples by task)."""
+def start_harness(out: Path, model: str, model_args: str, *options: str) -> subprocess.Popen:
+    """`lm-eval run` on the shipped tasks, 4 requests per batch, started (its output under `out`)."""
     command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
                "--tasks", ",".join(TASKS), "--include_path", str(TASKS_DIR), "--batch_size", "4",
                "--output_path", str(out), "--log_samples", *options]
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    out.mkdir(parents=True)
+    with open(out / "stderr.log", "w") as log:        # a file, not a pipe: neither run waits on a full pipe
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def harness_results(proc: subprocess.Popen, out: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """A started harness run's (results by task, logged samples by task), once it exits 0."""
+    assert proc.wait(timeout=900) == 0, (out / "stderr.log").read_text()[-4000:]
     (results_file,) = out.rglob("results_*.json")
     samples = {task: [json.loads(line) for path in out.rglob(f"samples_{task}_*.jsonl")
                       for line in path.read_text().splitlines()] for task in TASKS}
@@ -41,13 +47,19 @@ def run_harness(out: Path, model: str, model_args: str, *options: str) -> tuple[
 
 @pytest.fixture(scope="module")
 def harness_runs(fp32_server, model_dir, tmp_path_factory):
-    """The harness's hf model on model/ and its local-completions model on the fp32 server, same tasks."""
+    """The harness's hf model on model/ and its local-completions model on the fp32 server, same tasks, the two
+    runs side by side (each spends much of its time importing the harness)."""
     out = tmp_path_factory.mktemp("lm_eval")
-    hf = run_harness(out / "hf", "hf", f"pretrained={model_dir},dtype=float32", "--device", "cpu")
-    ours = run_harness(out / "ours", "local-completions",
-                       f"model=model,base_url={fp32_server.url}/v1/completions,tokenizer={model_dir},"
-                       "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
-    return hf, ours
+    hf = start_harness(out / "hf", "hf", f"pretrained={model_dir},dtype=float32", "--device", "cpu")
+    ours = start_harness(out / "ours", "local-completions",
+                         f"model=model,base_url={fp32_server.url}/v1/completions,tokenizer={model_dir},"
+                         "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
+    try:
+        return harness_results(hf, out / "hf"), harness_results(ours, out / "ours")
+    finally:
+        for proc in (hf, ours):
+            proc.kill()
+            proc.wait()
 
 
 def by_doc(samples: list[dict]) -> dict[int, dict]:

@@ -120,7 +120,10 @@ class Engine:
         limits = LoraLimits(config.lora.max_lora_rank, config.lora.target_modules, config.lora.max_cpu_loras,
                             config.lora.adapter_roots)
         base = json.loads((Path(config.model_path) / "config.json").read_text())
-        return AdapterRegistry(base, limits, held=self._held_adapters)
+        # the layer description's (the fallback and a tensor-parallel rank 0's executor hold none here)
+        spec = getattr(getattr(self.runner, "model", None), "spec", None)
+        sparse = frozenset(i for i, layer in enumerate(spec.layers if spec else ()) if layer.moe is not None)
+        return AdapterRegistry(base, limits, held=self._held_adapters, sparse_layers=sparse)
 
     def _held_adapters(self) -> set[str]:
         """Names of the adapters live sequences hold (called from the adapter routes' thread: tuple() copies

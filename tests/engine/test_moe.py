@@ -193,3 +193,39 @@ def test_the_cpp_expert_op_is_bitwise_the_grouped_experts_over_the_same_packed_l
     ours = cpp.moe_experts(x, ids, weights, w)
     assert ours.dtype == dtype
     assert torch.equal(ours, grouped_experts(x, ids, weights, w, cpp.linear, cpp.act_mul))
+
+
+def test_an_adapter_naming_the_mlp_of_a_sparse_layer_is_refused_and_one_on_dense_layers_loads(tmp_path):
+    """Qwen3-MoE with decoder_sparse_step 2: layer 1 is routed experts, layers 0 and 2 a dense MLP. An adapter's
+    gate_proj on layer 1 would change nothing (there is no one gate_proj there): refused by name, never
+    accepted and silently not applied; on layers 0 and 2, beside attention projections on every layer, it loads."""
+    from lmi_handler.config import EngineConfig, LoraConfig
+    from lmi_handler.engine.engine import Engine
+    from lmi_handler.engine.model.lora import LoraError
+    from tests.engine.helpers import build_tiny_tokenizer
+    from tests.engine.lora_helpers import PEFT_PREFIX
+
+    hf = build_tiny_moe(tmp_path / "base", "qwen3_moe")
+    engine = Engine(EngineConfig(model_path=tmp_path / "base", dtype="float32", device_id=-1, max_num_seqs=2,
+                                 max_num_batched_tokens=32, max_model_len=None, block_size=4, kv_cache_bytes=1 << 20,
+                                 lora=LoraConfig(max_lora_rank=8, adapter_roots=(tmp_path,))),
+                    tokenizer=build_tiny_tokenizer())
+    assert engine.adapters.sparse_layers == frozenset({1})
+    hidden, inter = hf.config.hidden_size, hf.config.intermediate_size
+
+    def write(folder, layers):
+        tensors = {f"{PEFT_PREFIX}.{i}.self_attn.q_proj.lora_A.weight": torch.ones(4, hidden) for i in range(3)}
+        tensors |= {f"{PEFT_PREFIX}.{i}.self_attn.q_proj.lora_B.weight": torch.ones(hidden, 4) for i in range(3)}
+        for i in layers:
+            tensors[f"{PEFT_PREFIX}.{i}.mlp.gate_proj.lora_A.weight"] = torch.ones(4, hidden)
+            tensors[f"{PEFT_PREFIX}.{i}.mlp.gate_proj.lora_B.weight"] = torch.ones(inter, 4)
+        folder.mkdir()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+
+    write(tmp_path / "sparse", [0, 1])
+    with pytest.raises(LoraError, match="layer 1, a mixture-of-experts layer") as err:
+        engine.adapters.load("sparse", tmp_path / "sparse")
+    assert err.value.status_code == 400 and "sparse" not in engine.adapters
+    write(tmp_path / "dense", [0, 2])
+    assert engine.adapters.load("dense", tmp_path / "dense").modules == ("gate_proj", "q_proj")

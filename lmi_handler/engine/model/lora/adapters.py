@@ -81,13 +81,16 @@ class LoraAdapter:
 
 
 def load_adapter(name: str, path: str | Path, config: Mapping, limits: LoraLimits,
-                 check_root: bool = True) -> LoraAdapter:
+                 check_root: bool = True, sparse_layers: frozenset[int] = frozenset()) -> LoraAdapter:
     """Read a PEFT LoRA adapter folder and check it against the base's `config` (config.json as a dict).
+
+    `sparse_layers`: the base's mixture-of-experts layers (spec.layers[i].moe set), whose MLP is routed
+    experts, not the one gate/up/down an adapter's MLP weights would change.
 
     Raises LoraError (400) naming what is wrong: a bad name, a path outside limits.allowed_roots (when
     `check_root`), missing files, a config that is not plain LoRA, a rank over limits.max_lora_rank, a module
-    the base lacks or option.lora_target_modules leaves out, a layer past the base's, a shape that does not
-    match, an A without its B.
+    the base lacks or option.lora_target_modules leaves out, a layer past the base's, an MLP module on a
+    sparse layer, a shape that does not match, an A without its B.
     """
     if not _ADAPTER_NAME.fullmatch(name or ""):
         raise LoraError(f"adapter name {name!r} is not 1-128 characters of [A-Za-z0-9._-] starting with a letter "
@@ -105,7 +108,8 @@ def load_adapter(name: str, path: str | Path, config: Mapping, limits: LoraLimit
     if rank > limits.max_lora_rank:
         raise LoraError(f"adapter {name!r} has rank {rank}, over option.max_lora_rank={limits.max_lora_rank}")
     scale = alpha / math.sqrt(rank) if peft.get("use_rslora") else alpha / rank
-    weights = _read_weights(folder, name, rank, base_module_shapes(config), config["num_hidden_layers"], limits)
+    weights = _read_weights(folder, name, rank, base_module_shapes(config), config["num_hidden_layers"], limits,
+                            sparse_layers)
     return LoraAdapter(name, folder, rank, float(scale), weights)
 
 
@@ -132,7 +136,8 @@ def _read_config(folder: Path) -> dict:
 
 
 def _read_weights(folder: Path, name: str, rank: int, shapes: dict[str, tuple[int, int]], num_layers: int,
-                  limits: LoraLimits) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+                  limits: LoraLimits, sparse_layers: frozenset[int] = frozenset()
+                  ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -156,6 +161,10 @@ def _read_weights(folder: Path, name: str, rank: int, shapes: dict[str, tuple[in
                             f"({', '.join(sorted(allowed))})")
         if layer >= num_layers:
             raise LoraError(f"adapter {name!r}: {tensor_name} names layer {layer}, the base has {num_layers}")
+        if match[2] == "mlp" and layer in sparse_layers:
+            raise LoraError(f"adapter {name!r}: {tensor_name} adapts the MLP of layer {layer}, a mixture-of-experts "
+                            "layer in this base: LoRA on routed experts is not served (attention projections are, "
+                            "and the MLPs of dense layers)")
         in_features, out_features = shapes[module]
         want = (rank, in_features) if half == "A" else (out_features, rank)
         if tuple(tensor.shape) != want:

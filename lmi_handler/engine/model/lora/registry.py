@@ -16,10 +16,12 @@ class AdapterRegistry:
     Loading past limits.max_cpu_loras evicts the least recently used adapter that no running request holds
     (`held()` names those, the engine's live sequences); when every one is held the load is refused (503).
     Unloading takes the name away at once; requests already running keep their LoraAdapter object.
+    `sparse_layers`: the base's mixture-of-experts layers, whose MLPs an adapter may not name (load_adapter).
     """
 
-    def __init__(self, config: Mapping, limits: LoraLimits, held: Callable[[], Iterable[str]] = tuple):
-        self.config, self.limits, self.held = dict(config), limits, held
+    def __init__(self, config: Mapping, limits: LoraLimits, held: Callable[[], Iterable[str]] = tuple,
+                 sparse_layers: frozenset[int] = frozenset()):
+        self.config, self.limits, self.held, self.sparse_layers = dict(config), limits, held, sparse_layers
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self.num_loads = self.num_evictions = 0
@@ -30,7 +32,8 @@ class AdapterRegistry:
         with self._lock:
             if name in self._adapters:
                 raise LoraError(f"adapter {name!r} is already loaded (unload it first)", 409, "name")
-        adapter = load_adapter(name, path, self.config, self.limits, check_root)     # slow part: unlocked
+        adapter = load_adapter(name, path, self.config, self.limits, check_root,      # slow part: unlocked
+                               self.sparse_layers)
         with self._lock:
             if name in self._adapters:
                 raise LoraError(f"adapter {name!r} is already loaded (unload it first)", 409, "name")

@@ -19,6 +19,7 @@ from lmi_handler.engine.beam_search import BeamSearch, beam_candidates
 from lmi_handler.engine.grammar import GrammarCompiler
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model.backend import backend_ops
+from lmi_handler.engine.model.loader import spec_from_config
 from lmi_handler.engine.model.lora import AdapterRegistry, LoraAdapter, LoraError, LoraLimits
 from lmi_handler.engine.model_runner import ModelOutput, read_model_config
 from lmi_handler.engine.output_processor import (
@@ -120,10 +121,7 @@ class Engine:
         limits = LoraLimits(config.lora.max_lora_rank, config.lora.target_modules, config.lora.max_cpu_loras,
                             config.lora.adapter_roots)
         base = json.loads((Path(config.model_path) / "config.json").read_text())
-        # the layer description's (the fallback and a tensor-parallel rank 0's executor hold none here)
-        spec = getattr(getattr(self.runner, "model", None), "spec", None)
-        sparse = frozenset(i for i, layer in enumerate(spec.layers if spec else ()) if layer.moe is not None)
-        return AdapterRegistry(base, limits, held=self._held_adapters, sparse_layers=sparse)
+        return AdapterRegistry(base, limits, held=self._held_adapters, sparse_layers=sparse_layers(base))
 
     def _held_adapters(self) -> set[str]:
         """Names of the adapters live sequences hold (called from the adapter routes' thread: tuple() copies
@@ -432,3 +430,13 @@ def check_max_model_len(config: EngineConfig) -> None:
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ConfigError(f"option.max_model_len={config.max_model_len} exceeds the model's context of {model_len} "
                           "tokens (max_position_embeddings in its config.json): set it to at most that, or unset")
+
+
+def sparse_layers(cfg: dict) -> frozenset[int]:
+    """The mixture-of-experts layers of config.json's model (the layer description's rule, families.py); none
+    for a model the layer description does not serve (the transformers fallback takes no adapters)."""
+    try:
+        spec = spec_from_config(cfg)
+    except ConfigError:
+        return frozenset()
+    return frozenset(i for i, layer in enumerate(spec.layers) if layer.moe is not None)

@@ -9,26 +9,34 @@ from lmi_handler.engine.model.backends import torch_ref
 from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
 from lmi_handler.engine.model.linear import invariant_linear
 from lmi_handler.engine.model.quant import Codes, pack_codes, quant_linear, quantize_int4
+from lmi_handler.engine.model.quant.weight import e4m3_values
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels did not build")
 
 
-def _codes(bits: int, group_size: int, act_order: bool, n: int = 70, k: int = 96, seed: int = 0) -> Codes:
+def _codes(bits: int, group_size: int, act_order: bool, n: int = 70, k: int = 96, seed: int = 0,
+           fp8: bool = False) -> Codes:
+    """Random codes; fp8: e4m3 bytes (every finite one, no NaN) with float32 scales and zero 0."""
     gen = torch.Generator().manual_seed(seed)
     groups = -(-k // group_size)
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen).to(torch.uint8)
     zeros = torch.randint(0, 1 << bits, (groups, n), generator=gen).float()
     scales = (torch.rand(groups, n, generator=gen) * 0.05 + 1e-3).half().float()
     g_idx = (torch.arange(k) // group_size)[torch.randperm(k, generator=gen)] if act_order else None
+    if fp8:
+        codes = torch.where((codes & 0x7f) == 0x7f, codes - 1, codes)          # 0x7f / 0xff: NaN
+        scales = torch.rand(groups, n, generator=gen) * 1e-3 + 1e-5
+        return Codes(codes, torch.zeros_like(scales), scales, group_size, 8, g_idx, e4m3_values())
     return Codes(codes, zeros, scales, group_size, bits, g_idx)
 
 
 CASES = [(4, 32, False), (4, 32, True), (4, 40, False), (4, 96, False), (8, 32, False), (8, 64, True)]
+FP8_CASES = [(8, 32, False), (8, 40, False), (8, 96, False)]       # 32 x 32 blocks, a partial block, per channel
 
 
-@pytest.mark.parametrize("bits,group_size,act_order", CASES)
-def test_the_packed_codes_hold_exactly_the_weight_they_were_read_as(bits, group_size, act_order):
-    codes = _codes(bits, group_size, act_order)
+@pytest.mark.parametrize("bits,group_size,act_order,fp8", [c + (False,) for c in CASES] + [(8, 32, True, True)])
+def test_the_packed_codes_hold_exactly_the_weight_they_were_read_as(bits, group_size, act_order, fp8):
+    codes = _codes(bits, group_size, act_order, fp8=fp8)
     weight = pack_codes(codes)
     assert torch.equal(weight.dequantize(), codes.dequantize())
     assert weight.panels.dtype == torch.uint8 and weight.panels.shape[2] == (16 if bits == 4 else 32)
@@ -38,9 +46,21 @@ def test_the_packed_codes_hold_exactly_the_weight_they_were_read_as(bits, group_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_gives_the_bits_of_the_float32_linear_over_the_dequantized_weight_alone_and_in_any_batch(
         bits, group_size, act_order, dtype):
+    _check_kernel(_codes(bits, group_size, act_order), dtype)
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", FP8_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_over_fp8_bytes_gives_the_bits_of_the_float32_linear_over_their_scaled_e4m3_values(
+        bits, group_size, act_order, dtype):
+    codes = _codes(bits, group_size, act_order, fp8=True)
+    assert pack_codes(codes).panels.dtype == torch.uint8 and pack_codes(codes).kind == f"fp8_g{group_size}"
+    _check_kernel(codes, dtype)
+
+
+def _check_kernel(codes: Codes, dtype: torch.dtype) -> None:
     """Bitwise the float32 packed linear over dequantize() (columns in the kernel's k order), for 1 to 40 rows,
     and each row's bits the same alone as in the batch (one fixed chain over k per output)."""
-    codes = _codes(bits, group_size, act_order)
     weight = pack_codes(codes)
     perm = weight.perm if weight.perm is not None else torch.arange(weight.in_features)
     floats = pack_weight(weight.dequantize()[:, perm].contiguous(), "float32")

@@ -1,5 +1,5 @@
-"""Quantized linears at load: a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors: config.py detects,
-formats.py reads) or a float checkpoint's rounded to 4 bits (option.quantize=int4: rtn.py), each linear unpacked
+"""Quantized linears at load: a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors, FP8: config.py detects,
+formats.py and fp8.py read) or a float checkpoint's rounded to 4 bits (option.quantize=int4: rtn.py), each linear unpacked
 once into the C++ kernel's code panels (weight.py, kernels/linear_quant.h), never the whole model dequantized.
 
 The loader's one hook (loader.load_model): `quantized_linears(cfg, quantize, ...)` gives a QuantizedLinears (or
@@ -20,13 +20,17 @@ from lmi_handler.engine.model.quant.config import (  # noqa: F401
     QuantConfig,
     check_option,
     check_quantization_config,
+    matches,
     read_quant_config,
 )
-from lmi_handler.engine.model.quant.formats import READERS
+from lmi_handler.engine.model.quant.formats import READERS as INT_READERS
+from lmi_handler.engine.model.quant.fp8 import READERS as FP8_READERS
 from lmi_handler.engine.model.quant.rtn import INT4_GROUP, quantize_int4
 from lmi_handler.engine.model.quant.weight import Codes, QuantWeight, concat, pack_codes, quant_linear  # noqa: F401
 
 log = logging.getLogger(__name__)
+
+READERS = {**INT_READERS, **FP8_READERS}          # QuantConfig.reader -> its reader of one linear's tensors
 
 QUANTIZED_BACKENDS = ("cpp", "torch")
 
@@ -55,7 +59,7 @@ class QuantizedLinears:
         prefix = name.removesuffix(".weight")
         if self.config is None:
             return name in hf and ".layers." in name
-        if f"{prefix}.{self.config.packed}" in hf:
+        if any(f"{prefix}.{marker}" in hf for marker in self.config.markers):
             return True
         if name in hf and ".layers." in name and not self.config.ignores(prefix):
             raise ConfigError(f"config.json quantization_config ({self.config.describe()}): layer weight {name!r} "
@@ -69,7 +73,7 @@ class QuantizedLinears:
         if self.config is None:
             codes = [quantize_int4(hf.pop(n)) for n in parts]
         else:
-            read = READERS[self.config.method]
+            read = READERS[self.config.reader]
             codes = [read(hf, n.removesuffix(".weight"), self.config) for n in parts]
         return pack_codes(concat(codes))
 
@@ -83,7 +87,7 @@ def quantized_linears(cfg: dict, quantize: str | None, tensor_parallel: bool = F
     parallelism of quantized linears (not yet)."""
     found = read_quant_config(cfg)
     check_option(quantize, found)
-    if found is not None and quantize not in (None, found.method):
+    if found is not None and quantize is not None and not matches(quantize, found):
         raise ConfigError(f"option.quantize={quantize!r} on a checkpoint already quantized ({found.describe()}): "
                           "unset option.quantize")
     if found is None and quantize != "int4":

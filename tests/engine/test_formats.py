@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmi_handler.engine.model.quant import READERS
-from lmi_handler.engine.model.quant.config import QuantConfig
+from lmi_handler.engine.model.quant.config import QuantConfig, read_quant_config
 from lmi_handler.engine.model.quant.formats import unpack_int32
 from lmi_handler.engine.model.quant.weight import e4m3_values
 from tests.engine.quant_checkpoints import (
@@ -16,6 +16,7 @@ from tests.engine.quant_checkpoints import (
     fp8_module,
     gptq_module,
     pack_words,
+    quant_config,
 )
 
 W = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.1
@@ -107,3 +108,24 @@ def test_the_e4m3_table_holds_every_byte_s_number_exactly():
     assert torch.isnan(values[0x7f]) and torch.isnan(values[0xff])
     finite = torch.arange(256)[~torch.isnan(values)]
     assert torch.equal(values[finite].to(torch.float8_e4m3fn).view(torch.uint8).long(), finite)
+
+
+@pytest.mark.parametrize("method,kw,block,reader", [
+    ("fp8", dict(block=(128, 128)), (128, 128), "fp8"),
+    ("fp8", dict(block=None), None, "fp8"),
+    ("compressed-tensors", dict(fmt="float-quantized", block=(128, 128)), (128, 128),
+     "compressed-tensors/float-quantized"),
+    ("compressed-tensors", dict(fmt="float-quantized", channel=True), None, "compressed-tensors/float-quantized"),
+])
+def test_fp8_configs_are_read_as_e4m3_weights_whose_activation_scheme_is_named_as_not_done(method, kw, block, reader):
+    config = read_quant_config({"quantization_config": quant_config(method, **kw)})
+    assert config.fp8 and config.bits == 8 and config.block == block and config.reader == reader
+    assert config.group_size == (block[1] if block else -1)
+    assert "activations not done: weight-only" in config.describe()
+
+
+def test_compressed_tensors_w8a8_is_read_as_8_bit_weights_and_its_int8_activations_named_as_not_done():
+    config = read_quant_config({"quantization_config": quant_config("compressed-tensors", fmt="int-quantized")})
+    assert (config.reader, config.bits, config.group_size, config.fp8) == ("compressed-tensors/int-quantized", 8, -1,
+                                                                          False)
+    assert "int8 dynamic per token activations not done" in config.describe()

@@ -140,6 +140,13 @@ def _quant_config(path, config: dict) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def _w4a8() -> dict:
+    config = quant_config("compressed-tensors")
+    config["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "dynamic": True,
+                                                               "strategy": "token"}
+    return config
+
+
 @pytest.mark.parametrize("config,named", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     ({"quant_method": "hqq", "nbits": 4}, "'hqq'"),
@@ -152,6 +159,7 @@ def _quant_config(path, config: dict) -> None:
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
     ({**quant_config("compressed-tensors"), "format": "nvfp4-pack-quantized"}, "'nvfp4-pack-quantized'"),
     (quant_config("compressed-tensors", fmt="float-quantized", sym=False), "asymmetric float weights"),
+    (_w4a8(), "pack-quantized with int8 dynamic per token activations is not supported"),
 ])
 def test_a_quantization_we_do_not_read_is_refused_at_start_up_naming_the_method_and_the_supported_list(
         tmp_path, config, named):

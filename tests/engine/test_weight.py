@@ -9,7 +9,6 @@ from lmi_handler.engine.model.backends import torch_ref
 from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
 from lmi_handler.engine.model.linear import invariant_linear
 from lmi_handler.engine.model.quant import Codes, pack_codes, quant_linear, quantize_int4
-from lmi_handler.engine.model.quant.weight import e4m3_values
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels did not build")
 
@@ -26,7 +25,7 @@ def _codes(bits: int, group_size: int, act_order: bool, n: int = 70, k: int = 96
     if fp8:
         codes = torch.where((codes & 0x7f) == 0x7f, codes - 1, codes)          # 0x7f / 0xff: NaN
         scales = torch.rand(groups, n, generator=gen) * 1e-3 + 1e-5
-        return Codes(codes, torch.zeros_like(scales), scales, group_size, 8, g_idx, e4m3_values())
+        return Codes(codes, torch.zeros_like(scales), scales, group_size, 8, g_idx, "e4m3")
     return Codes(codes, zeros, scales, group_size, bits, g_idx)
 
 
@@ -95,3 +94,14 @@ def test_int4_rounding_keeps_each_weight_within_half_a_step_of_its_group_s_q4_1_
     on_grid = torch.randint(0, 16, (48, 32)).float() * d + lo
     on_grid[:, 0], on_grid[:, 1] = lo[:, 0], (15 * d + lo)[:, 0]
     assert torch.allclose(quantize_int4(on_grid).dequantize(), on_grid, rtol=0, atol=1e-5)
+
+
+def test_the_kernel_turns_every_finite_e4m3_byte_into_its_number():
+    """An identity x reads the dequantized weight back: each of the 254 finite bytes (both zeros, the
+    subnormals, +-448) times scale 1 is exactly the float8_e4m3fn number torch gives it."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7f != 0x7f], dtype=torch.uint8)
+    codes = finite.view(2, 127).repeat(16, 1)                                   # (32, 127)
+    ones = torch.ones(1, 32)
+    weight = pack_codes(Codes(codes, torch.zeros_like(ones), ones, 127, 8, fmt="e4m3"))
+    y = quant_linear(torch.eye(127), weight)                                    # (127, 32) = W^T
+    assert torch.equal(y.T, codes.view(torch.float8_e4m3fn).float())

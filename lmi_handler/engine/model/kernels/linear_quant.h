@@ -7,10 +7,11 @@
 //   8 bits (P, K, PANEL) uint8:     byte j of panel row k is column j's code
 //   scales, zeros: (G, P * PANEL) float32, G = ceil(K / group_size); row k's group is k / group_size (a
 //          checkpoint's act-order permutation is applied to x's columns before the call, quant/weight.py)
-//   values (optional): 2^bits float32, the value each code stands for (FP8 e4m3: the 256 values of its bytes);
-//          without it a code's value is the integer itself
+//   fmt: CODE_INT, a code's value is the integer itself; CODE_E4M3 (8 bits), a code is a float8 e4m3fn byte
+//          and its value the number it holds (FP8 checkpoints; their zeros are 0)
 // Arithmetic: w[k][n] = (value(code) - zero[g][n]) * scale[g][n] (two float32 operations: the subtraction is
-// exact for integer codes and for a zero of 0, one rounding in the product), then linear_fma.h's float32 chain
+// exact, one rounding in the product; e4m3 skips the subtraction of its zero 0, which changes no bit: x - 0 is
+// x, -0 included), then linear_fma.h's float32 chain
 // y = fma(x[k], w[k], y) over k in order, cut into K blocks as every kind (linear.h's top). So y has exactly the
 // bits of the float32 packed linear over the dequantized weight (tested), and a row's bits never depend on the
 // other rows.
@@ -18,9 +19,12 @@
 // How: each K block of a panel (K_BLOCK_Q rows) is dequantized once into this thread's float buffer (16 KiB,
 // L1) by the first tile of an item that reads it, and every tile of the M block runs the float32 micro kernel
 // over it (packed_gemm, linear_driver.h: the same work items and threads). A few rows (decode) skip the buffer:
-// each panel row is dequantized and multiplied at once (few_rows, the same chain). A table of values is looked
-// up in registers (AVX2 gathers from the 1 KiB table, L1), never widened into a float copy of the weight.
+// each panel row is dequantized and multiplied at once (few_rows, the same chain). An e4m3 byte becomes its
+// float32 number in registers by integer operations (e4m3_to_float), never a float copy of the weight.
 #pragma once
+
+#include <cstring>
+#include <limits>
 
 #include "linear_fma.h"
 #include "linear_driver.h"
@@ -28,12 +32,44 @@
 namespace {
 
 constexpr int64_t K_BLOCK_Q = 128;   // panel rows per K block: the float buffer is K_BLOCK_Q x PANEL floats
+enum CodeFmt : int { CODE_INT = 0, CODE_E4M3 = 1 };   // what a code is (see the top)
 
-// one panel row's PANEL codes (packed bytes at b) as floats into o: (value(code) - z[j]) * s[j], value(c) =
-// lut[c] with LUT, else c
-template <int BITS, bool LUT>
+// The float8 e4m3fn number byte c holds, exactly: sign bit 7, exponent bits 3-6 (bias 7), mantissa bits 0-2;
+// exponent 0 is subnormal (m 2^-9), 0x7f / 0xff are NaN, there is no infinity. A normal one is the float32 with
+// exponent e + 120 and the mantissa's 3 bits on top of its 23 (no float arithmetic, no denormal anywhere).
+inline float e4m3_to_float(unsigned c) {
+  const uint32_t em = c & 0x7f;
+  float v;
+  if (em == 0x7f) {
+    v = std::numeric_limits<float>::quiet_NaN();
+  } else if (em < 8) {
+    v = static_cast<float>(em) * 0x1p-9f;
+  } else {
+    const uint32_t bits = (em << 20) + (uint32_t{120} << 23);
+    std::memcpy(&v, &bits, sizeof(v));
+  }
+  return (c & 0x80) ? -v : v;
+}
+
+#if defined(__AVX2__)
+// e4m3_to_float on eight bytes widened to int32 lanes (the same bits, NaN lanes NaN)
+inline __m256 e4m3_to_float8(__m256i c) {
+  const __m256i em = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
+  __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+#endif
+
+// one panel row's PANEL codes (packed bytes at b) as floats into o: (value(code) - z[j]) * s[j] (see the top)
+template <int BITS, int FMT>
 inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__ s, const float* __restrict__ z,
-                        const float* __restrict__ lut, float* __restrict__ o) {
+                        float* __restrict__ o) {
+  static_assert(FMT == CODE_INT || BITS == 8, "e4m3 codes are bytes");
 #if defined(__AVX2__)
   // eight columns a vector: the bytes' low nibbles (columns 0-15), then their high nibbles (16-31); 8-bit: bytes
   // 0-31 in order. The same three float operations as the loops below (widening is exact): the same bits.
@@ -48,47 +84,46 @@ inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__
   }
   for (int q = 0; q < 4; ++q) {
     const __m256i idx = _mm256_cvtepu8_epi32(parts[q]);
-    __m256 c;
-    if constexpr (LUT) {
-      c = _mm256_i32gather_ps(lut, idx, 4);
+    if constexpr (FMT == CODE_E4M3) {
+      _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(e4m3_to_float8(idx), _mm256_loadu_ps(s + 8 * q)));
     } else {
-      c = _mm256_cvtepi32_ps(idx);
+      const __m256 c = _mm256_cvtepi32_ps(idx);
+      _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_sub_ps(c, _mm256_loadu_ps(z + 8 * q)), _mm256_loadu_ps(s + 8 * q)));
     }
-    _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_sub_ps(c, _mm256_loadu_ps(z + 8 * q)), _mm256_loadu_ps(s + 8 * q)));
   }
   return;
 #endif
-  auto value = [lut](unsigned c) { return LUT ? lut[c] : static_cast<float>(c); };
-  if constexpr (BITS == 4) {
+  if constexpr (FMT == CODE_E4M3) {
+    for (int64_t j = 0; j < PANEL; ++j) o[j] = e4m3_to_float(b[j]) * s[j];
+  } else if constexpr (BITS == 4) {
     constexpr int64_t H = PANEL / 2;
-    for (int64_t j = 0; j < H; ++j) o[j] = (value(b[j] & 15) - z[j]) * s[j];
-    for (int64_t j = 0; j < H; ++j) o[j + H] = (value(b[j] >> 4) - z[j + H]) * s[j + H];
+    for (int64_t j = 0; j < H; ++j) o[j] = (static_cast<float>(b[j] & 15) - z[j]) * s[j];
+    for (int64_t j = 0; j < H; ++j) o[j + H] = (static_cast<float>(b[j] >> 4) - z[j + H]) * s[j + H];
   } else {
-    for (int64_t j = 0; j < PANEL; ++j) o[j] = (value(b[j]) - z[j]) * s[j];
+    for (int64_t j = 0; j < PANEL; ++j) o[j] = (static_cast<float>(b[j]) - z[j]) * s[j];
   }
 }
 
 // panel rows k0 .. k0 + kc - 1 of one panel (packed bytes at w, row k0 first) as floats into out (kc, PANEL);
 // s, z: the panel's first column of group 0 (row stride ld). Group by group, its scales and zeros copied once.
-template <int BITS, bool LUT>
-inline void dequant_block(const uint8_t* w, const float* s, const float* z, const float* lut, int64_t ld,
-                          int64_t k0, int64_t kc, int64_t group_size, float* out) {
+template <int BITS, int FMT>
+inline void dequant_block(const uint8_t* w, const float* s, const float* z, int64_t ld, int64_t k0, int64_t kc,
+                          int64_t group_size, float* out) {
   constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
   alignas(64) float sg[PANEL], zg[PANEL];
   for (int64_t k = 0; k < kc;) {
     const int64_t g = (k0 + k) / group_size, end = std::min(kc, (g + 1) * group_size - k0);
     std::memcpy(sg, s + g * ld, sizeof(sg));
     std::memcpy(zg, z + g * ld, sizeof(zg));
-    for (; k < end; ++k) dequant_row<BITS, LUT>(w + k * RB, sg, zg, lut, out + k * PANEL);
+    for (; k < end; ++k) dequant_row<BITS, FMT>(w + k * RB, sg, zg, out + k * PANEL);
   }
 }
 
 // A few rows (R <= SMALL_M, decode): each panel row dequantized into registers and multiplied at once, no
 // block buffer: acc[i][j] = fma(x[i][k], w[k][j], acc[i][j]) in k order, micro_plain's chain (the same bits).
-template <int BITS, bool LUT, int R>
+template <int BITS, int FMT, int R>
 inline void few_rows(const float* x, int64_t ldx, const uint8_t* w, const float* s, const float* z,
-                     const float* lut, int64_t ld, int64_t k0, int64_t kc, int64_t group_size, float* const* buf,
-                     bool first) {
+                     int64_t ld, int64_t k0, int64_t kc, int64_t group_size, float* const* buf, bool first) {
   constexpr int64_t RB = BITS == 4 ? PANEL / 2 : PANEL;
   Vec acc[R][NV];
   for (int i = 0; i < R; ++i)
@@ -99,7 +134,7 @@ inline void few_rows(const float* x, int64_t ldx, const uint8_t* w, const float*
     std::memcpy(sg, s + g * ld, sizeof(sg));
     std::memcpy(zg, z + g * ld, sizeof(zg));
     for (; k < end; ++k) {
-      dequant_row<BITS, LUT>(w + k * RB, sg, zg, lut, row);
+      dequant_row<BITS, FMT>(w + k * RB, sg, zg, row);
       for (int i = 0; i < R; ++i) {
         const Vec a = Vec::bcast(x[i * ldx + k]);
         for (int j = 0; j < NV; ++j) acc[i][j] = Vec::fma(a, Vec::load(row + j * Vec::W), acc[i][j]);
@@ -121,10 +156,10 @@ struct QuantBlockCache {
   alignas(64) float w[K_BLOCK_Q * PANEL];
 };
 
-// The product over one code form (BITS, LUT: see the top) into y's store; quant_linear checks and dispatches.
-template <int BITS, bool LUT, class Store>
+// The product over one code form (BITS, FMT: see the top) into y's store; quant_linear checks and dispatches.
+template <int BITS, int FMT, class Store>
 inline void quant_gemm(int64_t M, int64_t K, int64_t P, int64_t out_features, const float* xp, const uint8_t* wp,
-                       const float* sp, const float* zp, const float* lut, int64_t group_size, Store store) {
+                       const float* sp, const float* zp, int64_t group_size, Store store) {
   constexpr int64_t row_bytes = BITS == 4 ? PANEL / 2 : PANEL;
   const int64_t ld = P * PANEL, panel_bytes = K * row_bytes;
   const uint64_t call = quant_call_counter().fetch_add(1, std::memory_order_relaxed);
@@ -136,7 +171,7 @@ inline void quant_gemm(int64_t M, int64_t K, int64_t P, int64_t out_features, co
       const float* xr = xp + m * K + k0;
       const float* sr = sp + p * PANEL;
       const float* zr = zp + p * PANEL;
-#define LMI_FEW(R) few_rows<BITS, LUT, R>(xr, K, w[0], sr, zr, lut, ld, k0, kc, group_size, buf, first)
+#define LMI_FEW(R) few_rows<BITS, FMT, R>(xr, K, w[0], sr, zr, ld, k0, kc, group_size, buf, first)
       switch (rows) {
         case 1: return LMI_FEW(1);
         case 2: return LMI_FEW(2);
@@ -147,7 +182,7 @@ inline void quant_gemm(int64_t M, int64_t K, int64_t P, int64_t out_features, co
     }
     thread_local QuantBlockCache cache;
     if (cache.call != call || cache.block != w[0]) {
-      dequant_block<BITS, LUT>(w[0], sp + p * PANEL, zp + p * PANEL, lut, ld, k0, kc, group_size, cache.w);
+      dequant_block<BITS, FMT>(w[0], sp + p * PANEL, zp + p * PANEL, ld, k0, kc, group_size, cache.w);
       cache.call = call, cache.block = w[0];
     }
     const float* wf[1] = {cache.w};
@@ -159,10 +194,10 @@ inline void quant_gemm(int64_t M, int64_t K, int64_t P, int64_t out_features, co
 // y = x @ W^T (+ bias) over code panels (see the top). x: (M, K) float32 or bfloat16 (bf16 widened exactly);
 // packed: uint8 (P, K, PANEL / 2) for bits 4, (P, K, PANEL) for bits 8; scales, zeros (G, P * PANEL) float32;
 // bias (out_features,) float32 or bfloat16 or none; out_bf16: y rounded once to bfloat16, else float32;
-// values: (2^bits,) float32, each code's value (FP8 e4m3's table), or none for the integer codes.
+// fmt: CODE_INT (integer codes) or CODE_E4M3 (float8 e4m3fn bytes, bits 8; zeros are not read).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, torch::Tensor scales,
                            torch::Tensor zeros, int64_t group_size, int64_t bits, c10::optional<torch::Tensor> bias,
-                           bool out_bf16, c10::optional<torch::Tensor> values = c10::nullopt) {
+                           bool out_bf16, int64_t fmt = CODE_INT) {
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   is_bf16(x, "x");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
@@ -178,11 +213,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
     TORCH_CHECK(t->dim() == 2 && t->size(0) == G && t->size(1) == P * PANEL && t->is_contiguous() &&
                 t->scalar_type() == torch::kFloat32, "scales and zeros must be contiguous (", G, ", ", P * PANEL,
                 ") float32");
-  const bool lut = values.has_value() && values->defined();
-  if (lut)
-    TORCH_CHECK(values->dim() == 1 && values->numel() == (int64_t{1} << bits) && values->is_contiguous() &&
-                values->scalar_type() == torch::kFloat32, "values must be a contiguous (", int64_t{1} << bits,
-                ",) float32 table");
+  TORCH_CHECK(fmt == CODE_INT || (fmt == CODE_E4M3 && bits == 8), "fmt must be 0 (integer codes) or 1 (e4m3 "
+              "bytes, bits 8), got ", fmt, " with bits ", bits);
   torch::Tensor b_f;
   if (bias.has_value() && bias->defined()) {
     b_f = bias->to(torch::kFloat32).contiguous();
@@ -195,15 +227,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
-  const float* tp = lut ? values->data_ptr<float>() : nullptr;
   auto run = [&](auto store) {
-#define LMI_QUANT(B, L) quant_gemm<B, L>(M, K, P, out_features, xf.data, wp, sp, zp, tp, group_size, store)
-    if (bits == 4) {
-      if (lut) return LMI_QUANT(4, true);
-      return LMI_QUANT(4, false);
-    }
-    if (lut) return LMI_QUANT(8, true);
-    return LMI_QUANT(8, false);
+#define LMI_QUANT(B, F) quant_gemm<B, F>(M, K, P, out_features, xf.data, wp, sp, zp, group_size, store)
+    if (bits == 4) return LMI_QUANT(4, CODE_INT);
+    if (fmt == CODE_E4M3) return LMI_QUANT(8, CODE_E4M3);
+    return LMI_QUANT(8, CODE_INT);
 #undef LMI_QUANT
   };
   if (out_bf16) {

@@ -1,5 +1,5 @@
-"""FP8 (float8 e4m3) weights of one linear read into weight.Codes: each byte kept as it is (the code; its value
-the e4m3 number, weight.e4m3_values) with a float32 scale per group of input columns and output row, zero 0, so
+"""FP8 (float8 e4m3) weights of one linear read into weight.Codes: each byte kept as it is (the code, fmt "e4m3":
+its value the e4m3 number, weight.e4m3_values) with a float32 scale per group of input columns and output row, zero 0, so
 a weight is value(byte) * scale in float32 (one rounding) and stays 8 bits in memory. Two layouts:
 
 - quant_method fp8 (transformers' FineGrainedFP8Config / DeepSeek-V3, Qwen3-FP8): weight float8_e4m3fn (N, K);
@@ -19,7 +19,7 @@ import torch
 
 from lmi_handler.engine.model.quant.config import QuantConfig
 from lmi_handler.engine.model.quant.formats import drop_activation_tensors, group_scales
-from lmi_handler.engine.model.quant.weight import Codes, e4m3_values
+from lmi_handler.engine.model.quant.weight import Codes
 
 
 def block_scales(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
@@ -56,7 +56,7 @@ def read_fp8(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) -> Codes:
         raise ValueError(f"{prefix}.weight_zero_point: FP8 weights with zero points are not supported")
     drop_activation_tensors(hf, prefix)
     codes = codes[:n, :k].contiguous()
-    return Codes(codes, torch.zeros_like(scales), scales.contiguous(), group, 8, values=e4m3_values())
+    return Codes(codes, torch.zeros_like(scales), scales.contiguous(), group, 8, fmt="e4m3")
 
 
 READERS = {"fp8": read_fp8, "compressed-tensors/float-quantized": read_fp8}

@@ -43,8 +43,8 @@ class ModelOptions(Options):
     """Weight quantization: int8 = per-output-channel symmetric int8 weights, int4 = 4-bit codes with a scale and
     zero point per 32 inputs, each quantized at load and dequantized in the C++ CPU kernels (activations stay in
     `dtype`); CPU only. gptq, awq, compressed-tensors, fp8 (LMI's spelling) name a pre-quantized checkpoint's
-    method, which must match its config.json quantization_config (fp8 also a compressed-tensors FP8 one;
-    detected without it too: docs/quantization.md).
+    method, which must match its config.json quantization_config (fp8 also a compressed-tensors FP8 one, and on a
+    float checkpoint rounds its layer linears to e4m3 at load; detected without it too: docs/quantization.md).
     Unset or `none`: the checkpoint's weights."""
 
     model_impl: Literal["auto", "native", "transformers"] = "auto"

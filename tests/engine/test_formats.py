@@ -129,3 +129,10 @@ def test_compressed_tensors_w8a8_is_read_as_8_bit_weights_and_its_int8_activatio
     assert (config.reader, config.bits, config.group_size, config.fp8) == ("compressed-tensors/int-quantized", 8, -1,
                                                                           False)
     assert "int8 dynamic per token activations not done" in config.describe()
+
+
+def test_an_fp8_weight_holding_nan_bytes_is_refused_naming_the_tensor():
+    tensors, _ = fp8_module(WIDE, (32, 32))
+    tensors["weight"].view(torch.uint8)[3, 5] = 0x7F
+    with pytest.raises(ValueError, match=r"m\.weight holds NaN"):
+        _read("fp8", tensors, QuantConfig("fp8", 8, 32, fp8=True, block=(32, 32)))

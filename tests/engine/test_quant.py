@@ -11,7 +11,7 @@ import torch
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.kernels import cpu_kernels, quantize_int8
-from lmi_handler.engine.model.quant import QuantWeight, quantize_int4
+from lmi_handler.engine.model.quant import QuantWeight, quantize_fp8, quantize_int4
 from lmi_handler.engine.model_runner import ModelRunner
 from tests.engine.helpers import (
     assert_logits_bitwise_identical_alone_and_in_batch,
@@ -73,7 +73,8 @@ def test_each_format_gives_transformers_greedy_tokens_on_the_weights_it_dequanti
         assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10), name
 
 
-@pytest.mark.parametrize("name", ["gptq-4bit-zeros-act-order", "compressed-w8a16-channel", "fp8-block-32"])
+@pytest.mark.parametrize("name", ["gptq-4bit-zeros-act-order", "compressed-w8a16-channel", "fp8-block-32",
+                                  "compressed-w8a8-int", "compressed-w4a16-zero-points"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_model_s_logits_are_bitwise_the_same_alone_and_in_a_batch(checkpoints, name, dtype):
     path, _ = checkpoints(name)
@@ -129,6 +130,21 @@ def test_option_quantize_int4_rounds_a_float_checkpoint_at_load_to_4_bits_in_gro
                 module.weight.copy_(quantize_int4(module.weight).dequantize())
         q, scale = quantize_int8(hf.lm_head.weight)
         hf.lm_head.weight.copy_(q.float() * scale[:, None])
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    for prompt in PROMPTS:
+        assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10)
+
+
+def test_option_quantize_fp8_rounds_a_float_checkpoint_s_layer_linears_to_e4m3_per_output_channel_at_load(tmp_path):
+    hf = build_tiny_llama(tmp_path, tie_word_embeddings=False)
+    runner = _runner(tmp_path, quantize="fp8")
+    gate_up = runner.model.layer_weights[1].gate_up
+    assert isinstance(gate_up, QuantWeight) and gate_up.kind == "fp8_g64" and gate_up.panels.dtype == torch.uint8
+    assert runner.model.lm_head.kind == "float32"                     # lm_head stays float, as FP8 checkpoints
+    with torch.no_grad():
+        for module in hf.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize_fp8(module.weight).dequantize())
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     for prompt in PROMPTS:
         assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10)

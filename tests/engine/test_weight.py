@@ -8,7 +8,7 @@ import torch
 from lmi_handler.engine.model.backends import torch_ref
 from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
 from lmi_handler.engine.model.linear import invariant_linear
-from lmi_handler.engine.model.quant import Codes, pack_codes, quant_linear, quantize_int4
+from lmi_handler.engine.model.quant import Codes, pack_codes, quant_linear, quantize_fp8, quantize_int4
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ kernels did not build")
 
@@ -105,3 +105,15 @@ def test_the_kernel_turns_every_finite_e4m3_byte_into_its_number():
     weight = pack_codes(Codes(codes, torch.zeros_like(ones), ones, 127, 8, fmt="e4m3"))
     y = quant_linear(torch.eye(127), weight)                                    # (127, 32) = W^T
     assert torch.equal(y.T, codes.view(torch.float8_e4m3fn).float())
+
+
+def test_fp8_rounding_keeps_each_weight_within_e4m3_s_half_step_of_its_row_scale():
+    w = torch.randn(48, 80)
+    w[5] = 0.0                                                                   # an all-zero row: scale 1
+    codes = quantize_fp8(w)
+    assert codes.fmt == "e4m3" and codes.group_size == 80 and codes.scales.shape == (1, 48)
+    scale = codes.scales.T
+    err = (codes.dequantize() - w).abs()
+    assert bool((err <= torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6)).all())
+    assert torch.equal(codes.dequantize()[5], torch.zeros(80))
+    assert torch.allclose(codes.dequantize().abs().amax(1), w.abs().amax(1), rtol=1e-6, atol=0)      # amax -> 448

@@ -20,7 +20,7 @@
 // L1) by the first tile of an item that reads it, and every tile of the M block runs the float32 micro kernel
 // over it (packed_gemm, linear_driver.h: the same work items and threads). A few rows (decode) skip the buffer:
 // each panel row is dequantized and multiplied at once (few_rows, the same chain). An e4m3 byte becomes its
-// float32 number in registers by integer operations (e4m3_to_float), never a float copy of the weight.
+// float32 number in registers (e4m3_to_float16x: through float16, F16C), never a float copy of the weight.
 #pragma once
 
 #include <cstring>
@@ -51,17 +51,18 @@ inline float e4m3_to_float(unsigned c) {
   return (c & 0x80) ? -v : v;
 }
 
-#if defined(__AVX2__)
-// e4m3_to_float on eight bytes widened to int32 lanes (the same bits, NaN lanes NaN)
-inline __m256 e4m3_to_float8(__m256i c) {
-  const __m256i em = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
-  __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
-  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
-                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+#if defined(__AVX2__) && defined(__F16C__)
+// e4m3_to_float on 16 bytes (vector c), into two vectors of eight: each byte moved into a float16 with the same
+// sign, exponent and mantissa bits (exponent field e of bias 15 instead of 7, the mantissa's 3 bits on top of its
+// 10: the float16 is the e4m3 number times 2^-8 exactly, subnormals included), widened exactly by VCVTPH2PS
+// (F16C) and scaled back by 2^8 (exact). Not for NaN bytes (0x7f, 0xff: the reader refuses them, quant/fp8.py).
+inline void e4m3_to_float16x(__m128i c, __m256& lo, __m256& hi) {
+  const __m256i x = _mm256_cvtepu8_epi16(c);
+  const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3f80)),
+                                    _mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16(-0x8000)));
+  const __m256 up = _mm256_set1_ps(256.0f);
+  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), up);
+  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), up);
 }
 #endif
 
@@ -70,6 +71,18 @@ template <int BITS, int FMT>
 inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__ s, const float* __restrict__ z,
                         float* __restrict__ o) {
   static_assert(FMT == CODE_INT || BITS == 8, "e4m3 codes are bytes");
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (FMT == CODE_E4M3) {   // bytes 0-31 in order, sixteen at a time
+    static_assert(PANEL == 32, "the AVX2 form unpacks 32 columns");
+    for (int q = 0; q < 2; ++q) {
+      __m256 lo, hi;
+      e4m3_to_float16x(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * q)), lo, hi);
+      _mm256_storeu_ps(o + 16 * q, _mm256_mul_ps(lo, _mm256_loadu_ps(s + 16 * q)));
+      _mm256_storeu_ps(o + 16 * q + 8, _mm256_mul_ps(hi, _mm256_loadu_ps(s + 16 * q + 8)));
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   // eight columns a vector: the bytes' low nibbles (columns 0-15), then their high nibbles (16-31); 8-bit: bytes
   // 0-31 in order. The same three float operations as the loops below (widening is exact): the same bits.
@@ -82,16 +95,13 @@ inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__
   } else {
     for (int q = 0; q < 4; ++q) parts[q] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * q));
   }
-  for (int q = 0; q < 4; ++q) {
-    const __m256i idx = _mm256_cvtepu8_epi32(parts[q]);
-    if constexpr (FMT == CODE_E4M3) {
-      _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(e4m3_to_float8(idx), _mm256_loadu_ps(s + 8 * q)));
-    } else {
-      const __m256 c = _mm256_cvtepi32_ps(idx);
+  if constexpr (FMT == CODE_INT) {
+    for (int q = 0; q < 4; ++q) {
+      const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
       _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_sub_ps(c, _mm256_loadu_ps(z + 8 * q)), _mm256_loadu_ps(s + 8 * q)));
     }
+    return;
   }
-  return;
 #endif
   if constexpr (FMT == CODE_E4M3) {
     for (int64_t j = 0; j < PANEL; ++j) o[j] = e4m3_to_float(b[j]) * s[j];

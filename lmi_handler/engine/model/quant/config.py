@@ -211,7 +211,10 @@ def _compressed(q: dict) -> QuantConfig:
 
 def check_option(option: str | None, found: QuantConfig | None) -> None:
     """option.quantize naming a checkpoint method (LMI: awq, gptq, fp8, ...) must match config.json's (fp8 also
-    names a compressed-tensors float-quantized checkpoint). Raises ConfigError naming both where it does not."""
+    names a compressed-tensors float-quantized checkpoint, and on a float checkpoint rounds it at load, as vLLM's
+    quantization=fp8 does). Raises ConfigError naming both where it does not."""
+    if option == "fp8" and found is None:
+        return
     if option in CHECKPOINT_OPTIONS and not matches(option, found):
         have = "no quantization_config" if found is None else f"quant_method={found.method!r}"
         raise ConfigError(f"option.quantize={option!r} names a pre-quantized checkpoint, but config.json has {have}")

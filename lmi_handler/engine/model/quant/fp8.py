@@ -35,7 +35,8 @@ def block_scales(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) ->
 
 def read_fp8(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) -> Codes:
     """One linear's e4m3 weight and scales (see the module) as Codes (group_size: the block's columns, or k).
-    Raises KeyError for a missing tensor, ValueError for a weight not float8_e4m3fn or scales of another shape."""
+    Raises KeyError for a missing tensor, ValueError for a weight not float8_e4m3fn, holding NaN or with scales of
+    another shape."""
     weight = hf.pop(prefix + ".weight", None)
     names = [f"{prefix}.{m}" for m in q.markers if f"{prefix}.{m}" in hf]
     if weight is None or not names:
@@ -44,6 +45,8 @@ def read_fp8(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) -> Codes:
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{prefix}.weight: {q.describe()} needs float8_e4m3fn weights, got {weight.dtype}")
     codes = weight.view(torch.uint8)
+    if bool(((codes & 0x7F) == 0x7F).any()):
+        raise ValueError(f"{prefix}.weight holds NaN (bytes 0x7f / 0xff): a broken FP8 checkpoint")
     padded = hf.pop(prefix + ".weight_shape_original", None)
     n, k = codes.shape if padded is None else (int(v) for v in padded.tolist())
     if q.block is not None and scale.numel() > 1:

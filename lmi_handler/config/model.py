@@ -14,7 +14,7 @@ from pydantic import field_validator
 from lmi_handler.config.base import ConfigError, Options
 from lmi_handler.model_source import ModelSourceError, resolve_model
 
-QUANTIZE_VALUES = ("int8", "int4", "gptq", "awq", "compressed-tensors")   # option.quantize (precision.py)
+QUANTIZE_VALUES = ("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8")   # option.quantize (precision.py)
 DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "fp16": "float16",
           "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -39,11 +39,12 @@ class ModelOptions(Options):
     bf16/fp16 checkpoint runs in bf16 where the CPU has native bf16 dot products (AVX512_BF16 / AMX), else
     fp32; fp16 runs as bf16 on CPU; on CUDA auto is the checkpoint's fp16/bf16, else bf16
     (engine/precision.py)."""
-    quantize: Literal["int8", "int4", "gptq", "awq", "compressed-tensors"] | None = None
+    quantize: Literal["int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] | None = None
     """Weight quantization: int8 = per-output-channel symmetric int8 weights, int4 = 4-bit codes with a scale and
     zero point per 32 inputs, each quantized at load and dequantized in the C++ CPU kernels (activations stay in
-    `dtype`); CPU only. gptq, awq, compressed-tensors (LMI's spelling) name a pre-quantized checkpoint's method,
-    which must match its config.json quantization_config (detected without it too: docs/quantization.md).
+    `dtype`); CPU only. gptq, awq, compressed-tensors, fp8 (LMI's spelling) name a pre-quantized checkpoint's
+    method, which must match its config.json quantization_config (fp8 also a compressed-tensors FP8 one, and on a
+    float checkpoint rounds its layer linears to e4m3 at load; detected without it too: docs/quantization.md).
     Unset or `none`: the checkpoint's weights."""
 
     model_impl: Literal["auto", "native", "transformers"] = "auto"

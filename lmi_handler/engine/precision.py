@@ -18,9 +18,10 @@ from lmi_handler.config import ConfigError, EngineConfig
 
 # option.quantize values the engine serves (None: the checkpoint's weights): int8 / int4 quantize at load; the
 # others name a pre-quantized checkpoint's method (LMI's spelling; engine/model/quant checks it against config.json)
-QUANTIZE_KINDS = ("int8", "int4", "gptq", "awq", "compressed-tensors")
+QUANTIZE_KINDS = ("int8", "int4", "gptq", "awq", "compressed-tensors", "fp8")
 _QUANTIZE_WORDS = {"int8": "int8 (per output channel, quantized at load)",
-                   "int4": "int4 (a scale and zero point per 32 inputs, quantized at load)"}
+                   "int4": "int4 (a scale and zero point per 32 inputs, quantized at load)",
+                   "fp8": "fp8 (e4m3: the checkpoint's, or a float checkpoint's rounded at load per output channel)"}
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ def test_int8_is_refused_where_the_engine_cannot_serve_it_naming_the_option():
         decide("auto", torch.float32, quantize="int8", device=CUDA)
     with pytest.raises(ConfigError, match=r"option\.quantize='int8' needs the C\+\+ CPU kernels"):
         decide("auto", torch.float32, quantize="int8", built=False)
-    with pytest.raises(ConfigError, match=r"option\.quantize='fp8'"):
-        decide("auto", torch.float32, quantize="fp8")
+    with pytest.raises(ConfigError, match=r"option\.quantize='bitsandbytes'"):
+        decide("auto", torch.float32, quantize="bitsandbytes")
     p = decide("auto", torch.bfloat16, quantize="int8")
     assert p.dtype == torch.bfloat16 and p.quantize == "int8" and "int8" in p.reason
 

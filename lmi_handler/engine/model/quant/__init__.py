@@ -1,5 +1,6 @@
-"""Quantized linears at load: a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors: config.py detects,
-formats.py reads) or a float checkpoint's rounded to 4 bits (option.quantize=int4: rtn.py), each linear unpacked
+"""Quantized linears at load: a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors, FP8: config.py detects,
+formats.py and fp8.py read) or a float checkpoint's rounded at load (option.quantize=int4, or fp8 without a
+quantization_config: rtn.py), each linear unpacked
 once into the C++ kernel's code panels (weight.py, kernels/linear_quant.h), never the whole model dequantized.
 
 The loader's one hook (loader.load_model): `quantized_linears(cfg, quantize, ...)` gives a QuantizedLinears (or
@@ -20,13 +21,17 @@ from lmi_handler.engine.model.quant.config import (  # noqa: F401
     QuantConfig,
     check_option,
     check_quantization_config,
+    matches,
     read_quant_config,
 )
-from lmi_handler.engine.model.quant.formats import READERS
-from lmi_handler.engine.model.quant.rtn import INT4_GROUP, quantize_int4
+from lmi_handler.engine.model.quant.formats import READERS as INT_READERS
+from lmi_handler.engine.model.quant.fp8 import READERS as FP8_READERS
+from lmi_handler.engine.model.quant.rtn import INT4_GROUP, quantize_fp8, quantize_int4  # noqa: F401
 from lmi_handler.engine.model.quant.weight import Codes, QuantWeight, concat, pack_codes, quant_linear  # noqa: F401
 
 log = logging.getLogger(__name__)
+
+READERS = {**INT_READERS, **FP8_READERS}          # QuantConfig.reader -> its reader of one linear's tensors
 
 QUANTIZED_BACKENDS = ("cpp", "torch")
 
@@ -34,10 +39,13 @@ QUANTIZED_BACKENDS = ("cpp", "torch")
 class QuantizedLinears:
     """Which linears of a checkpoint are quantized and how to read them (see the module)."""
 
-    def __init__(self, config: QuantConfig | None):
-        self.config = config          # None: option.quantize=int4, rounding the float layer linears at load
+    def __init__(self, config: QuantConfig | None, rounding: str = "int4"):
+        self.config = config          # None: the float layer linears rounded at load to `rounding` (int4 or fp8)
+        self.rounding = rounding
 
     def describe(self) -> str:
+        if self.config is None and self.rounding == "fp8":
+            return "option.quantize=fp8 (e4m3 weights, a scale per output channel, rounded at load; weight-only)"
         if self.config is None:
             return f"option.quantize=int4 (4-bit codes, a scale and zero point per {INT4_GROUP} inputs)"
         return self.config.describe()
@@ -55,7 +63,7 @@ class QuantizedLinears:
         prefix = name.removesuffix(".weight")
         if self.config is None:
             return name in hf and ".layers." in name
-        if f"{prefix}.{self.config.packed}" in hf:
+        if any(f"{prefix}.{marker}" in hf for marker in self.config.markers):
             return True
         if name in hf and ".layers." in name and not self.config.ignores(prefix):
             raise ConfigError(f"config.json quantization_config ({self.config.describe()}): layer weight {name!r} "
@@ -67,9 +75,10 @@ class QuantizedLinears:
         """The linear of `names` as a QuantWeight (their codes concatenated by rows), its tensors dropped from hf."""
         parts = [names] if isinstance(names, str) else names
         if self.config is None:
-            codes = [quantize_int4(hf.pop(n)) for n in parts]
+            rounding = quantize_fp8 if self.rounding == "fp8" else quantize_int4
+            codes = [rounding(hf.pop(n)) for n in parts]
         else:
-            read = READERS[self.config.method]
+            read = READERS[self.config.reader]
             codes = [read(hf, n.removesuffix(".weight"), self.config) for n in parts]
         return pack_codes(concat(codes))
 
@@ -78,22 +87,25 @@ def quantized_linears(cfg: dict, quantize: str | None, tensor_parallel: bool = F
                       ) -> tuple[QuantizedLinears | None, str | None]:
     """(the model's QuantizedLinears or None, the option.quantize left for the loader's own packing: "int8" or
     None; with int4 "int8": lm_head, the one linear int4 leaves, becomes int8 panels as option.quantize=int8 makes
-    it, and so runs on the cpp backend only). Raises ConfigError for a quantization_config we do not read (config.read_quant_config), an
+    it, and so runs on the cpp backend only). option.quantize=fp8 over a float checkpoint rounds its layer
+    linears to e4m3 at load (rtn.quantize_fp8; lm_head stays in the activations' dtype, as FP8 checkpoints
+    keep it). Raises ConfigError for a quantization_config we do not read (config.read_quant_config), an
     option.quantize naming another method than the checkpoint's, int4 over a quantized checkpoint, and tensor
     parallelism of quantized linears (not yet)."""
     found = read_quant_config(cfg)
     check_option(quantize, found)
-    if found is not None and quantize not in (None, found.method):
+    if found is not None and quantize is not None and not matches(quantize, found):
         raise ConfigError(f"option.quantize={quantize!r} on a checkpoint already quantized ({found.describe()}): "
                           "unset option.quantize")
-    if found is None and quantize != "int4":
+    rounding = quantize if found is None and quantize in ("int4", "fp8") else None
+    if found is None and rounding is None:
         return None, quantize
     left = "int8" if quantize == "int4" else None    # int4: lm_head as int8 panels (the loader's own packing)
     if tensor_parallel:
-        what = found.describe() if found else "option.quantize=int4"
+        what = found.describe() if found else f"option.quantize={rounding}"
         raise ConfigError(f"{what}: tensor parallelism of quantized weights is not supported yet "
                           "(set option.tensor_parallel_degree=1)")
-    return QuantizedLinears(found), left
+    return QuantizedLinears(found, rounding or "int4"), left
 
 
 def check_backend(linears: QuantizedLinears, backend: str) -> None:

@@ -10,9 +10,13 @@ checkpoint's own k order), following each quantizer's published packing:
   columns 0 2 4 6 1 3 5 7 of its eight (in that order, low bits first); qzeros (G, N / 8) the same; scales (G, N).
 - compressed-tensors pack-quantized: weight_packed int32 (N, K / f) packed along k low bits first, each code the
   signed value + 2^(bits-1) (so a zero point of 2^(bits-1)); weight_scale (N, G) (channel: G = 1);
-  weight_shape (2,) = (N, K).
+  weight_shape (2,) = (N, K); asymmetric: weight_zero_point, the signed zero + 2^(bits-1) packed the same way
+  along n (int32 (N / f, G)); weight_g_idx (K,) where the quantizer reordered columns (actorder).
+- compressed-tensors int-quantized (W8A8's weights): weight int8 (N, K) signed; weight_scale (N, 1) channel,
+  (N, G) group or (1,) tensor; weight_zero_point int8 of the scale's shape where asymmetric. Its activation
+  tensors (input_scale, input_zero_point: static activations) are dropped: weight-only (docs/quantization.md).
 
-Leaves detection to config.py and the kernel's layout to weight.py.
+FP8 (e4m3) weights are read by fp8.py. Leaves detection to config.py and the kernel's layout to weight.py.
 """
 from __future__ import annotations
 
@@ -65,6 +69,20 @@ def read_awq(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) -> Codes:
     return Codes(codes, zeros, scales, k if q.group_size == -1 else q.group_size, q.bits)
 
 
+def group_scales(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """compressed-tensors' weight_scale ((N, G), (N, 1) or one value per tensor) as (G, N) float32."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(1, n).contiguous()
+    return scale.reshape(n, -1).T.contiguous()
+
+
+def drop_activation_tensors(hf: dict[str, torch.Tensor], prefix: str) -> None:
+    """Drop a linear's static activation quantization tensors: the engine's linears are weight-only."""
+    for name in ("input_scale", "input_zero_point", "activation_scale", "output_scale", "output_zero_point"):
+        hf.pop(f"{prefix}.{name}", None)
+
+
 def read_compressed(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) -> Codes:
     shape = hf.pop(prefix + ".weight_shape", None)
     codes = unpack_int32(_pop(hf, prefix + ".weight_packed"), q.bits, 1)
@@ -72,10 +90,34 @@ def read_compressed(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) ->
         n, k = (int(v) for v in shape.tolist())
         codes = codes[:n, :k]
     codes = codes.contiguous()
-    scales = _pop(hf, prefix + ".weight_scale").float().T.contiguous()                     # (G, N)
-    k = codes.shape[1]
-    zeros = torch.full_like(scales, float(1 << (q.bits - 1)))
-    return Codes(codes, zeros, scales, k if q.group_size == -1 else q.group_size, q.bits)
+    n, k = codes.shape
+    scales = group_scales(_pop(hf, prefix + ".weight_scale"), n)                             # (G, N)
+    half = float(1 << (q.bits - 1))
+    zero = hf.pop(prefix + ".weight_zero_point", None)
+    if zero is None:
+        zeros = torch.full_like(scales, half)
+    elif zero.dtype == torch.int32:                      # packed along n (group and channel strategies)
+        zeros = unpack_int32(zero, q.bits, 0)[:n].float().T.contiguous()
+    else:                                                # one signed value per tensor
+        zeros = group_scales(zero, n) + half
+    g_idx = hf.pop(prefix + ".weight_g_idx", None)
+    return Codes(codes, zeros, scales, k if q.group_size == -1 else q.group_size, q.bits,
+                 None if g_idx is None else g_idx.long())
 
 
-READERS = {"gptq": read_gptq, "awq": read_awq, "compressed-tensors": read_compressed}
+def read_compressed_int(hf: dict[str, torch.Tensor], prefix: str, q: QuantConfig) -> Codes:
+    weight = _pop(hf, prefix + ".weight")
+    if weight.dtype != torch.int8:
+        raise ValueError(f"{prefix}.weight: int-quantized weights must be int8, got {weight.dtype}")
+    n, k = weight.shape
+    codes = (weight.to(torch.int16) + 128).to(torch.uint8)
+    scales = group_scales(_pop(hf, prefix + ".weight_scale"), n)
+    zero = hf.pop(prefix + ".weight_zero_point", None)
+    zeros = torch.full_like(scales, 128.0) if zero is None else group_scales(zero, n) + 128
+    drop_activation_tensors(hf, prefix)
+    return Codes(codes, zeros, scales, k if q.group_size == -1 else q.group_size, 8)
+
+
+
+READERS = {"gptq": read_gptq, "awq": read_awq, "compressed-tensors": read_compressed,
+           "compressed-tensors/int-quantized": read_compressed_int}      # QuantConfig.reader -> reader (fp8.py: more)

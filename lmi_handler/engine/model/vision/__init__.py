@@ -34,6 +34,7 @@ the language model's positions are theirs to add.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +67,16 @@ class ImageInput:
     @property
     def end(self) -> int:
         return self.spans[-1][1]
+
+    @property
+    def cache_key(self) -> bytes:
+        """content_hash, or (an image built without one, e.g. in a test) BLAKE2b of its pixel tensors."""
+        if self.content_hash:
+            return self.content_hash
+        digest = hashlib.blake2b(digest_size=32)
+        for name in sorted(self.pixel_inputs):
+            digest.update(name.encode() + self.pixel_inputs[name].contiguous().cpu().numpy().tobytes())
+        return digest.digest()
 
     def positions(self) -> list[int]:
         """The prompt positions of its rows, in row order."""
@@ -113,3 +124,52 @@ def family_of(cfg: dict) -> VisionFamily | None:
 def vision_model_types() -> list[str]:
     """Every model_type a vision family serves, sorted (for start-up messages)."""
     return sorted(_families())
+
+
+def text_config_of(cfg: dict) -> dict:
+    """The language model's config.json dict: a vision family's text_config, else `cfg` itself."""
+    family = family_of(cfg)
+    return cfg if family is None else family.text_config(cfg)
+
+
+def text_tensors(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors as the text families name them (a vision family's language-model tensors renamed,
+    its vision tensors left out); a text model's unchanged."""
+    family = family_of(cfg)
+    if family is None:
+        return tensors
+    return {new: t for name, t in tensors.items() if (new := family.text_tensor_name(name)) is not None}
+
+
+def load_encoder(model_dir, cfg: dict, dtype: torch.dtype, device: torch.device) -> VisionEncoder | None:
+    """The vision family's encoder on `device` in `dtype`, or None for a text-only model."""
+    family = family_of(cfg)
+    return None if family is None else family.load_encoder(model_dir, cfg, dtype, device)
+
+
+def read_tensors(model_dir, prefixes: tuple[str, ...], dtype: torch.dtype,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names start with one of `prefixes`, in `dtype` on `device`."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from lmi_handler.engine.model.loader import safetensors_files
+
+    out = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(Path(model_dir) / file, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefixes):
+                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def image_block_keys(images: tuple[ImageInput, ...], block_size: int) -> dict[int, bytes]:
+    """Block index -> the content hashes of the images whose rows fall in that block (the prefix cache mixes
+    them into the block's key: the same tokens with another picture never share cached K/V)."""
+    keys: dict[int, bytes] = {}
+    for image in images:
+        for block in range(image.start // block_size, (image.end - 1) // block_size + 1):
+            keys[block] = keys.get(block, b"") + image.cache_key
+    return keys

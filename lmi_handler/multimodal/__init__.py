@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
+from typing import Callable
 
 from lmi_handler.config import ConfigError, MultimodalOptions
 from lmi_handler.engine.model.vision import MultimodalPrompt, VisionFamily, family_of
 from lmi_handler.multimodal.media import LoadedImage, load_image
-from lmi_handler.protocol.content import ImagePart, replace_markdown_images
-from lmi_handler.protocol.errors import RequestValidationError
+from lmi_handler.protocol.content import ImagePart, markdown_images, replace_markdown_images
+from lmi_handler.protocol.errors import RequestValidationError, check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +28,15 @@ class MultimodalInputs:
     request threads (a Rust tokenizer used from two threads at once can fail with "Already borrowed").
     """
 
-    def __init__(self, options: MultimodalOptions, model_path, model_name: str, cfg: dict,
-                 lock: threading.Lock | None = None):
+    def __init__(self, options: MultimodalOptions, model_name: str, cfg: dict, lock: threading.Lock | None = None,
+                 model_path=None):
         self.options, self.model_name = options, model_name
         self.model_type = cfg.get("model_type", "llama")
         self.family: VisionFamily | None = family_of(cfg)
         self.lock = lock or threading.Lock()
         self.processor = None
         if self.family is not None:
-            self.processor = _load_processor(model_path)
+            self.processor = _load_processor(model_path if model_path is not None else options.model_path)
 
     @property
     def serves_images(self) -> bool:
@@ -53,6 +54,23 @@ class MultimodalInputs:
         if self.family is None:
             return text
         return replace_markdown_images(text, self.family.image_placeholder(self.processor))
+
+    def markdown_parts(self, text: str) -> list[ImagePart]:
+        """TGI's `![](url)` images of an `inputs` string; none for a text-only model (the markdown is text)."""
+        return markdown_images(text) if self.family is not None else []
+
+    def tokenized(self, text: str, parts: list[ImagePart], field: str, encode: Callable[..., list[int]],
+                  add_special_tokens: bool = True) -> tuple[str, list[int], MultimodalPrompt | None]:
+        """(text, token ids, images) of one prompt: `encode`'s ids (the service's tokenizer, checking `field`'s
+        text) when it has no image, else the processor's (TGI's markdown images of an `inputs` string written as
+        the placeholder first). Raises RequestValidationError naming the field or the part."""
+        self.check_parts(parts)          # a text-only model refuses images, naming itself
+        if not parts:
+            return text, encode(text, field, add_special_tokens=add_special_tokens), None
+        check_unicode(text, field)
+        processed = self.inputs_text(text) if field == "inputs" else text
+        images = self.prompt(processed, parts, add_special_tokens)
+        return text, list(images.token_ids), images
 
     def prompt(self, text: str, parts: list[ImagePart], add_special_tokens: bool) -> MultimodalPrompt:
         """The prompt of `text` (placeholders already in it, one per part) with the parts' images: loaded,

@@ -45,7 +45,9 @@ class MultimodalInputs:
     @property
     def chat_template(self) -> str | None:
         """The processor's chat template (vision checkpoints keep it there), None when it has none."""
-        template = getattr(self.processor, "chat_template", None)
+        if self.processor is None:
+            return None
+        template = self.processor.chat_template
         return template if isinstance(template, str) else None
 
     def inputs_text(self, text: str) -> str:

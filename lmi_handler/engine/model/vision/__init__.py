@@ -8,7 +8,7 @@ image rows replaced), and when an image's rows are needed (a prefill chunk) to m
 
 A family (one module here: idefics3.py, llava.py, qwen2_vl.py) provides, as a VisionFamily:
 
-- `model_types`: the config.json model_type values it serves, e.g. ("idefics3", "smolvlm").
+- `model_types`: the config.json model_type values it serves, e.g. ("idefics3",).
 - `text_config(cfg) -> dict`: the language model's config.json dict (families.build_spec reads it as any text
   model's: its model_type must be a row of families.FAMILIES).
 - `text_tensor_name(name) -> str | None`: a checkpoint tensor's name as the text families spell it

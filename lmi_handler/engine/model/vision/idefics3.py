@@ -19,7 +19,7 @@ PROJECTOR = "model.connector.modality_projection.proj.weight"
 
 
 class Idefics3Family:
-    model_types = ("idefics3", "smolvlm")
+    model_types = ("idefics3",)
 
     def text_config(self, cfg: dict) -> dict:
         text = dict(cfg.get("text_config") or {})

@@ -141,3 +141,13 @@ def tiny_vlm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_vlm")
     model, processor = build_tiny_idefics3(path)
     return path, model, processor
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """A tiny random LLaVA-1.5 checkpoint with its processor: (its directory, transformers' model, its processor)."""
+    from tests.engine.vision_models import build_tiny_llava
+
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model, processor = build_tiny_llava(path)
+    return path, model, processor

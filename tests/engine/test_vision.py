@@ -57,6 +57,26 @@ def test_greedy_tokens_and_log_probs_equal_transformers_generate_with_one_and_tw
     assert [lp for _, lp in ours] == pytest.approx(expected_lp, abs=1e-4)
 
 
+def test_llava_greedy_tokens_and_log_probs_equal_transformers_generate_with_two_images(tiny_llava):
+    path, model, processor = tiny_llava
+    engine = make_engine(path, processor.tokenizer, max_num_batched_tokens=16)
+    vlm = (path, model, processor, engine)
+    images = [picture(50, 30, seed=1), picture(20, 64, seed=2)]
+    mm, text = _prompt(vlm, images)
+    inputs = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == list(mm.token_ids) and [i.num_tokens for i in mm.images] == [16, 16]
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    expected = out.sequences[0, len(mm.token_ids):].tolist()
+    expected_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, expected)]
+    ours = _ours(engine, {"r": mm})["r"]
+    assert [t for t, _ in ours] == expected
+    assert [lp for _, lp in ours] == pytest.approx(expected_lp, abs=1e-4)
+    other, _ = _prompt(vlm, [picture(50, 30, seed=8), picture(20, 64, seed=9)])
+    assert [t for t, _ in _ours(engine, {"o": other})["o"]] != expected     # the pictures matter
+
+
 def test_the_image_changes_the_answer_so_the_tests_above_check_it(vlm):
     one, _ = _prompt(vlm, [picture(50, 30, seed=0)])
     other, _ = _prompt(vlm, [picture(50, 30, seed=9)])

@@ -1,4 +1,4 @@
-"""A tiny random Idefics3 (SmolVLM) checkpoint built with transformers' own classes: a 2-layer SigLIP of 32 x 32
+"""Tiny random vision-language checkpoints built with transformers' own classes (Idefics3 / SmolVLM, LLaVA). Idefics3: a 2-layer SigLIP of 32 x 32
 tiles (16 patches of 8, pixel shuffle 2: 4 tokens a tile), a 2-layer Llama, the tiny tokenizer with Idefics3's
 image tokens, the PIL image processor (images up to 64 px split into 32 px tiles and a global view) and
 SmolVLM's chat template; and pictures drawn with Pillow."""
@@ -48,6 +48,40 @@ def build_tiny_idefics3(path: Path, seed: int = 0):
                 p.normal_(0.0, 0.3) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model, processor
+
+
+LLAVA_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() }}: {% for part in message['content'] %}"
+                  "{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}\n"
+                  "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def build_tiny_llava(path: Path, seed: int = 0):
+    """A tiny random LLaVA-1.5 (a 3-layer CLIP of 32 x 32 images in patches of 8, feature layer -2 without the class
+    token: 16 tokens an image; a 2-layer Llama) and its processor, written to `path`; returns (model, processor)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = build_tiny_tokenizer(vocab_size=400)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(images, tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, image_token="<image>", chat_template=LLAVA_TEMPLATE)
+    config = LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
+                         max_position_embeddings=512, bos_token_id=0, eos_token_id=1, initializer_range=0.2),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision_tower" in name or "projector" in name:
+                p.normal_(0.0, 0.3) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model, processor

@@ -112,8 +112,9 @@ class VisionFamily(Protocol):
 
 def _families() -> dict[str, VisionFamily]:
     from lmi_handler.engine.model.vision.idefics3 import IDEFICS3
+    from lmi_handler.engine.model.vision.llava import LLAVA
 
-    return {model_type: family for family in (IDEFICS3,) for model_type in family.model_types}
+    return {model_type: family for family in (IDEFICS3, LLAVA) for model_type in family.model_types}
 
 
 def family_of(cfg: dict) -> VisionFamily | None:

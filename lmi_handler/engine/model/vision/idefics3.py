@@ -48,7 +48,7 @@ class Idefics3Family:
         image_id = processor.image_token_id
         global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_tag)
         found, spans, tile = [], [], 0
-        for start, end in _runs(ids, image_id):
+        for start, end in runs(ids, image_id):
             spans.append((start, end))
             if start > 0 and ids[start - 1] == global_id:
                 n = len(spans)
@@ -67,7 +67,7 @@ class Idefics3Family:
                                cfg.get("scale_factor", 2), dtype, device)
 
 
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+def runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """[start, end) of each maximal run of `token` in `ids`."""
     runs, start = [], None
     for i, t in enumerate(ids + [None]):

@@ -3,8 +3,8 @@ over one image's tiles, in torch ops on the engine's device and dtype.
 
 Owns the arithmetic of transformers' SiglipVisionTransformer / Idefics3VisionTransformer (modeling_siglip.py,
 modeling_idefics3.py), written from them: the patch embedding, the NaViT-style position ids of a partly padded
-tile, the pre-norm encoder layers (bidirectional attention over the tile's real patches, GELU-tanh MLP) and the
-post-layernorm. Leaves what follows the tower (pixel shuffle, projector) to the family's module.
+tile, the pre-norm encoder layers (bidirectional attention over the tile's real patches, GELU-tanh MLP; the layer
+CLIP shares, vit_layer) and the post-layernorm. Leaves what follows the tower (pixel shuffle, projector) to the family's module.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class SiglipTower:
         keep = patch_mask.flatten(1)                                            # (n, P) real patches
         mask = None if bool(keep.all()) else keep[:, None, None, :]             # host sync: once per image
         for i in range(c.num_layers):
-            x = self._layer(x, mask, f"encoder.layers.{i}.")
+            x = vit_layer(x, w, f"encoder.layers.{i}.", c, self.act, mask)
         return F.layer_norm(x, (c.hidden_size,), w["post_layernorm.weight"], w["post_layernorm.bias"],
                             c.layer_norm_eps)
 
@@ -81,16 +81,19 @@ class SiglipTower:
         ids = (bucket_h[:, :, None] * side + bucket_w[:, None, :]).reshape(n, -1)
         return torch.where(patch_mask.view(n, -1), ids, torch.zeros_like(ids))
 
-    def _layer(self, x: torch.Tensor, mask: torch.Tensor | None, p: str) -> torch.Tensor:
-        c, w = self.config, self.w
-        n, length, dim = x.shape
-        heads = c.num_heads
-        h = F.layer_norm(x, (dim,), w[p + "layer_norm1.weight"], w[p + "layer_norm1.bias"], c.layer_norm_eps)
-        q, k, v = (F.linear(h, w[p + f"self_attn.{name}_proj.weight"], w[p + f"self_attn.{name}_proj.bias"])
-                   .view(n, length, heads, dim // heads).transpose(1, 2) for name in "qkv")
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)            # (n, heads, P, head_dim)
-        a = a.transpose(1, 2).reshape(n, length, dim)
-        x = x + F.linear(a, w[p + "self_attn.out_proj.weight"], w[p + "self_attn.out_proj.bias"])
-        h = F.layer_norm(x, (dim,), w[p + "layer_norm2.weight"], w[p + "layer_norm2.bias"], c.layer_norm_eps)
-        h = self.act(F.linear(h, w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"]))
-        return x + F.linear(h, w[p + "mlp.fc2.weight"], w[p + "mlp.fc2.bias"])
+
+def vit_layer(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, c: VisionConfig, act,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One pre-norm encoder layer of SigLIP / CLIP (their EncoderLayer): x + attention(layer_norm1(x)) over every
+    (unmasked) patch, then + fc2(act(fc1(layer_norm2(x)))). x: (n, P, D); mask: (n, 1, 1, P) bool keys or None."""
+    n, length, dim = x.shape
+    heads = c.num_heads
+    h = F.layer_norm(x, (dim,), w[p + "layer_norm1.weight"], w[p + "layer_norm1.bias"], c.layer_norm_eps)
+    q, k, v = (F.linear(h, w[p + f"self_attn.{name}_proj.weight"], w[p + f"self_attn.{name}_proj.bias"])
+               .view(n, length, heads, dim // heads).transpose(1, 2) for name in "qkv")
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                # (n, heads, P, head_dim)
+    a = a.transpose(1, 2).reshape(n, length, dim)
+    x = x + F.linear(a, w[p + "self_attn.out_proj.weight"], w[p + "self_attn.out_proj.bias"])
+    h = F.layer_norm(x, (dim,), w[p + "layer_norm2.weight"], w[p + "layer_norm2.bias"], c.layer_norm_eps)
+    h = act(F.linear(h, w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"]))
+    return x + F.linear(h, w[p + "mlp.fc2.weight"], w[p + "mlp.fc2.bias"])

@@ -574,13 +574,15 @@ def test_the_openai_clients_image_message_is_answered_as_transformers_generates_
     assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(expected_lp, abs=1e-4)
 
 
-def test_tgi_markdown_images_and_batch_lines_carry_their_images(vlm_app):
+def test_lmi_chat_tgi_markdown_images_and_batch_lines_carry_their_images(vlm_app):
     from tests.engine.vision_models import data_url, picture
 
     url = data_url(picture(40, 40, seed=12))
     for path in ("/generate", "/invocations"):
         reply = vlm_app.post(path, json={"inputs": f"![]({url}){IMAGE_QUESTION}", "parameters": {"max_new_tokens": 3}})
         assert reply.status_code == 200, reply.text
+    chat = vlm_app.post("/invocations", json={"messages": _image_chat(url), "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > 20, chat.text     # 5 tiles x 4
     body = {"model": "vlm", "messages": _image_chat(url, url), "max_tokens": 2}
     plan = vlm_app.service.plan_openai_body(body, "/v1/chat/completions", "line-1")
     assert len(plan.prompts[0].params.multimodal.images) == 2

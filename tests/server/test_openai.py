@@ -608,3 +608,15 @@ def test_every_bad_image_answers_400_naming_the_part_and_why(vlm_app, urls, role
     markdown = vlm_app.post("/generate", json={"inputs": f"![]({drawn.get(urls[0], urls[0])})Hi"})
     if role == "user" and len(urls) == 1:
         assert markdown.status_code == 400 and why in markdown.json()["error"], markdown.text
+
+
+def test_an_images_tokens_count_against_the_context(vlm_app):
+    from tests.engine.vision_models import data_url, picture
+
+    messages = _image_chat(data_url(picture(64, 64, seed=13)), data_url(picture(64, 64, seed=14)))
+    fits = vlm_app.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    prompt_tokens = fits.json()["usage"]["prompt_tokens"]
+    assert fits.status_code == 200 and prompt_tokens > 40          # 2 images of 5 tiles x 4 tokens, and the text
+    too_long = vlm_app.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 513 - prompt_tokens})
+    assert too_long.status_code == 400
+    assert f"({prompt_tokens} in the messages, {513 - prompt_tokens} for the completion)" in too_long.json()["error"]["message"]

@@ -24,12 +24,13 @@ class ChatTemplate:
         self.template = template
         self.lock = lock or threading.Lock()
 
-    def render(self, chat: ChatCompletionRequest) -> str:
+    def render(self, chat: ChatCompletionRequest, multimodal: bool = False) -> str:
         """A chat request's prompt: its messages, tools (as OpenAI tools, transformers' form), its
         chat_template_kwargs as template variables, add_generation_prompt and continue_final_message (vLLM's
-        fields). Raises RequestValidationError (400 naming `messages`)."""
+        fields); `multimodal`: contents as lists of text and image parts (content.template_message). Raises
+        RequestValidationError (400 naming `messages`)."""
         tools = chat.tools.template_tools() if chat.tools is not None else None
-        return self.apply(chat.text_messages(), tools=tools, add_generation_prompt=chat.add_generation_prompt,
+        return self.apply(chat.text_messages(multimodal), tools=tools, add_generation_prompt=chat.add_generation_prompt,
                           continue_final_message=chat.continue_final_message, **(chat.chat_template_kwargs or {}))
 
     def apply(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,

@@ -65,8 +65,8 @@ FOREIGN_OPTIONS: dict[str, str | None] = {
     "additional_config": None, "seed": None, "max_logprobs": None, "logits_processor_pattern": None,
     "guided_decoding_backend": None, "structured_outputs_config": None,
     # multimodal and pooling
-    "limit_mm_per_prompt": None, "mm_processor_kwargs": None, "disable_mm_preprocessor_cache": None,
-    "allowed_local_media_path": None, "pooler_config": None, "runner": None, "convert": None,
+    "mm_processor_kwargs": None, "disable_mm_preprocessor_cache": None, "pooler_config": None, "runner": None,
+    "convert": None,
     # serving front ends
     "host": None, "port": None, "uvicorn_log_level": None, "disable_log_requests": None, "max_log_len": None,
     "ssl_keyfile": None, "ssl_certfile": None, "allowed_origins": None, "root_path": None, "middleware": None,

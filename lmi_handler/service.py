@@ -17,15 +17,18 @@ from lmi_handler.chat_template import ChatTemplate
 from lmi_handler.config import ConfigError, Settings
 from lmi_handler.custom_formatters import BUILTIN_OUTPUT_FORMATTERS, CustomFormatters, format_input
 from lmi_handler.engine.engine import LORA_NOT_APPLIED, Engine, RequestRejected, RequestTooLong
+from lmi_handler.engine.model.loader import read_config
 from lmi_handler.engine.model.lora import LoraAdapter, LoraError
+from lmi_handler.engine.model.vision import MultimodalPrompt
 from lmi_handler.engine.sequence import SamplingParams
+from lmi_handler.multimodal import MultimodalInputs
 from lmi_handler.protocol import plan as rules
 from lmi_handler.protocol import sequences
 from lmi_handler.protocol.chat_output import ChatOutputRule
 from lmi_handler.protocol.checkpoint_defaults import CheckpointDefaults
 from lmi_handler.protocol.custom_output import CustomOutputRule
 from lmi_handler.protocol.dialects import ROUTE_RESPONSES, Dialect, dialect_of
-from lmi_handler.protocol.errors import RequestValidationError, show_value
+from lmi_handler.protocol.errors import RequestValidationError, check_unicode, show_value
 from lmi_handler.protocol.invocations import InvocationRequest, load_json
 from lmi_handler.protocol.openai import CompletionRequest
 from lmi_handler.protocol.params import GenerationParameters
@@ -36,7 +39,6 @@ from lmi_handler.protocol.sequences import Member
 logger = logging.getLogger(__name__)
 
 ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"   # SageMaker's per-request adapter (LMI)
-
 
 class Service:
     """The model and everything needed to plan requests for it."""
@@ -53,7 +55,10 @@ class Service:
         # fail with "Already borrowed". The engine's tokenizer stays the engine loop's alone.
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.model_path))
         self._tokenizer_lock = threading.Lock()
-        self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text(), self._tokenizer_lock)
+        # a vision-language checkpoint's processor and the images' limits; its chat template may live there
+        self.media = MultimodalInputs(settings, self.model_name, read_config(settings.model_path), self._tokenizer_lock)
+        self.chat_template = ChatTemplate(self.tokenizer, settings.chat_template_text() or self.media.chat_template,
+                                          self._tokenizer_lock)
         # generation_config.json's sampling values for what requests leave out (option.generation_config)
         self.checkpoint_defaults = CheckpointDefaults.read(settings.model_path, settings.generation_config)
         self.formatters = self._load_formatters()
@@ -321,11 +326,11 @@ class Service:
         except RequestRejected as exc:      # named as every parameter is (LMI's sit in `parameters`)
             raise RequestValidationError("priority", f"Invalid parameter `priority`: {exc}") from None
         prompts = []
-        for index, (text, token_ids) in enumerate(texts):
-            token_ids = self._truncate(token_ids, request.parameters)
+        for index, (text, token_ids, images) in enumerate(texts):
+            token_ids = self._truncate(token_ids, request.parameters, images is not None)
             generation = self._openai_length(request, kind, len(token_ids))
             params = self._echo_logprobs(request, self._token_controls(generation, generation.to_sampling_params()))
-            params = replace(params, adapter=adapters[index % len(adapters)])
+            params = replace(params, adapter=adapters[index % len(adapters)], multimodal=images)
             try:
                 self.engine.check_fits(len(token_ids), params.max_new_tokens, params.num_beams)
             except RequestTooLong as exc:
@@ -427,14 +432,16 @@ class Service:
         remaining = max(self.engine.max_model_len - num_prompt_tokens, 1)
         return request.parameters.model_copy(update={"max_new_tokens": remaining})
 
-    def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int]]]:
+    def _prompt_texts(self, request: InvocationRequest) -> list[tuple[str, list[int], MultimodalPrompt | None]]:
+        """Each prompt's text, token ids and images (chat's image parts, `inputs`' markdown ones: multimodal/)."""
+        media = self.media
         if request.chat is not None:
-            text = self.chat_template.render(request.chat)
-            return [(text, self._encode(text, "messages", add_special_tokens=False))]
+            text = self.chat_template.render(request.chat, multimodal=media.serves_images)
+            return [media.tokenized(text, request.chat.image_parts(), "messages", self._encode, False)]
         if request.completion is not None:
-            return [self._completion_prompt(prompt) for prompt in request.completion.prompts]
+            return [(*self._completion_prompt(prompt), None) for prompt in request.completion.prompts]
         inputs = request.inputs if isinstance(request.inputs, list) else [request.inputs]
-        return [(text, self._encode(text, "inputs")) for text in inputs]
+        return [media.tokenized(text, media.markdown_parts(text), "inputs", self._encode) for text in inputs]
 
     def _completion_prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
         """A completions prompt's text and ids: text is tokenized, token ids checked against the vocabulary
@@ -446,14 +453,14 @@ class Service:
     def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Raises RequestValidationError for text that is not valid Unicode
         (JSON allows lone surrogates such as "\\ud800"; UTF-8 and the tokenizer do not)."""
-        _check_unicode(text, field)
+        check_unicode(text, field)
         with self._tokenizer_lock:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode(self, text: str, field: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of `text` and each one's character span in it (the token routes). Raises
         RequestValidationError naming `field` for text that is not valid Unicode."""
-        _check_unicode(text, field)
+        check_unicode(text, field)
         with self._tokenizer_lock:
             encoding = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
         return list(encoding["input_ids"]), [tuple(span) for span in encoding["offset_mapping"]]
@@ -476,9 +483,12 @@ class Service:
         return self.chat_template.apply(messages)
 
     @staticmethod
-    def _truncate(token_ids: list[int], params: GenerationParameters) -> list[int]:
-        """LMI/TGI `truncate`: keep the last N prompt tokens."""
+    def _truncate(token_ids: list[int], params: GenerationParameters, images: bool = False) -> list[int]:
+        """LMI/TGI `truncate`: keep the last N prompt tokens (a prompt with images is never cut: 400)."""
         if params.truncate is not None and len(token_ids) > params.truncate:
+            if images:
+                raise RequestValidationError("truncate", "Invalid parameter `truncate`: a prompt with images is "
+                                             f"not cut ({len(token_ids)} tokens, its images' included)")
             return token_ids[-params.truncate:]
         return token_ids
 
@@ -486,13 +496,3 @@ class Service:
         """One token's text (top-token alternatives); called by formatters in the engine's thread."""
         with self._tokenizer_lock:
             return self.tokenizer.decode([token_id])
-
-
-def _check_unicode(text: str, field: str) -> None:
-    """Raise RequestValidationError naming `field` for text that is not valid Unicode (JSON allows lone
-    surrogates such as "\\ud800"; UTF-8 and the tokenizer do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RequestValidationError(field, f"Invalid parameter `{field}`: the text is not valid Unicode "
-                                     f"({exc.reason} at position {exc.start})") from None

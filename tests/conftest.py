@@ -130,3 +130,24 @@ def ray_head(tmp_path_factory):
     cluster = RayHead(tmp_path_factory.mktemp("ray") / "head.log")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """A tiny random Idefics3 (SmolVLM) checkpoint with its processor (tests/engine/vision_models.py): (its
+    directory, transformers' model, its processor)."""
+    from tests.engine.vision_models import build_tiny_idefics3
+
+    path = tmp_path_factory.mktemp("tiny_vlm")
+    model, processor = build_tiny_idefics3(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """A tiny random LLaVA-1.5 checkpoint with its processor: (its directory, transformers' model, its processor)."""
+    from tests.engine.vision_models import build_tiny_llava
+
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model, processor = build_tiny_llava(path)
+    return path, model, processor

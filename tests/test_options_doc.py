@@ -37,13 +37,14 @@ def test_every_settings_field_has_a_row_naming_its_key_default_and_docstring():
 def test_each_part_gets_its_own_heading_and_table_in_part_order_and_every_field_sits_in_its_parts():
     table = render_table()
     headings = [line for line in table.splitlines() if line.startswith("### ")]
-    assert headings == ["### Model", "### Engine", "### LoRA adapters", "### Serving", "### Chat", "### Batch jobs",
-                        "### Pooling"]
+    assert headings == ["### Model", "### Engine", "### LoRA adapters", "### Serving", "### Chat", "### Images",
+                        "### Batch jobs", "### Pooling"]
     sections = dict(zip(headings, table.split("### ")[1:]))
     assert "`option.dtype`" in sections["### Model"] and "`option.block_size`" in sections["### Engine"]
     assert "`option.max_loras`" in sections["### LoRA adapters"] and "`job_queue_size`" in sections["### Serving"]
     assert "`option.tool_call_parser`" in sections["### Chat"] and "`option.batch_dir`" in sections["### Batch jobs"]
     assert "`option.task`" in sections["### Pooling"]
+    assert "`option.limit_mm_per_prompt`" in sections["### Images"]
     assert table.count("| key | type |") == len(PARTS)
 
 

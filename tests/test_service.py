@@ -124,3 +124,16 @@ def test_a_batch_line_too_long_for_the_context_names_the_openai_fields(service):
         service.plan_openai_body({"prompt": "Hi", "max_tokens": 9000}, ROUTE_COMPLETIONS, "line-1",
                                  greedy_when_unset=True)
     assert info.value.field == "max_tokens" and "maximum context length" in info.value.message
+
+
+def test_an_image_part_sent_to_a_text_only_model_is_a_400_naming_the_model_and_markdown_stays_text(service, tokenizer):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look: "}, part]}]}
+    with pytest.raises(RequestValidationError) as info:
+        service.plan(json.dumps(body), route=ROUTE_CHAT)
+    err = info.value
+    assert err.status_code == 400 and err.field == "messages[0].content[1]"
+    assert f"the model {service.model_name!r} (model_type llama) takes text only" in err.message
+    text = "![](https://example.com/a.png) What is it?"          # TGI leaves markdown as text for a text model
+    plan = service.plan(json.dumps({"inputs": text}))
+    assert list(plan.prompts[0].token_ids) == tokenizer.encode(text) and plan.prompts[0].params.multimodal is None

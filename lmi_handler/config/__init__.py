@@ -21,6 +21,7 @@ from lmi_handler.config.environment import (
 )
 from lmi_handler.config.lora import LORA_MODULES, LoraOptions
 from lmi_handler.config.model import DTYPES, ModelOptions
+from lmi_handler.config.multimodal import MultimodalOptions
 from lmi_handler.config.pooling import POOLING_MODES, POOLING_TASKS, TASKS, PoolingOptions
 from lmi_handler.config.serving import ServingOptions
 from lmi_handler.config.settings import PARTS, SECRET_KEYS, Settings, check_option_names
@@ -29,7 +30,7 @@ from lmi_handler.config.slices import EngineConfig, LoraConfig, MpiLaunch, Paral
 __all__ = [
     "DTYPES", "ENVIRONMENT_SWITCHES", "LORA_MODULES", "PARTS", "POOLING_MODES", "POOLING_TASKS", "TASKS", "RAY_LOOPBACK_SWITCH", "REPLICA_LOOPBACK_ENV",
     "SECRET_KEYS", "BatchOptions", "ChatOptions", "ConfigError", "EngineConfig", "EngineOptions", "LoraConfig",
-    "LoraOptions", "ModelOptions", "MpiLaunch", "Options", "ParallelConfig", "PoolingOptions", "ServingOptions", "Settings",
+    "LoraOptions", "ModelOptions", "MpiLaunch", "MultimodalOptions", "Options", "ParallelConfig", "PoolingOptions", "ServingOptions", "Settings",
     "SpeculativeConfig",
     "check_option_names", "keep_ray_on_loopback", "process_environment", "read_mpi_launch",
     "read_serving_properties", "triton_interpreted",

@@ -19,6 +19,7 @@ from lmi_handler.config.engine import EngineOptions
 from lmi_handler.config.environment import add_environment_switches, read_mpi_launch
 from lmi_handler.config.lora import LoraOptions
 from lmi_handler.config.model import ModelOptions
+from lmi_handler.config.multimodal import MultimodalOptions
 from lmi_handler.config.pooling import PoolingOptions
 from lmi_handler.config.serving import ServingOptions
 from lmi_handler.config.slices import EngineConfig, ParallelConfig
@@ -28,14 +29,16 @@ from lmi_handler.option_names import Kind, sort_key
 logger = logging.getLogger("lmi_handler.config")      # the name the package's log lines have always carried
 
 # The parts, in the order of docs/configuration.md's tables; a key belongs to the first part that has it
-PARTS = (ModelOptions, EngineOptions, LoraOptions, ServingOptions, ChatOptions, BatchOptions, PoolingOptions)
+PARTS = (ModelOptions, EngineOptions, LoraOptions, ServingOptions, ChatOptions, MultimodalOptions, BatchOptions,
+         PoolingOptions)
 # Keys whose values are never echoed (a bad value's error message names the key only)
 SECRET_KEYS = ("api_key",)
 
 
 # Python lists the fields of the last base first: the parts in reverse give the fields in PARTS' order
 # (validation too: a validator reads only fields of its own part, declared before its field).
-class Settings(PoolingOptions, BatchOptions, ChatOptions, ServingOptions, LoraOptions, EngineOptions, ModelOptions):
+class Settings(PoolingOptions, BatchOptions, MultimodalOptions, ChatOptions, ServingOptions, LoraOptions, EngineOptions,
+               ModelOptions):
     """The model's properties as handle() receives them (serving.properties `option.*` keys, no prefix)."""
 
     @property

@@ -21,6 +21,7 @@ from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
 from lmi_handler.engine.model.backend import backend_ops
 from lmi_handler.engine.model.loader import spec_from_config
 from lmi_handler.engine.model.lora import AdapterRegistry, LoraAdapter, LoraError, LoraLimits
+from lmi_handler.engine.model.vision import text_config_of
 from lmi_handler.engine.model_runner import ModelOutput, read_model_config
 from lmi_handler.engine.output_processor import (
     OutputProcessor,
@@ -120,7 +121,7 @@ class Engine:
             return None
         limits = LoraLimits(config.lora.max_lora_rank, config.lora.target_modules, config.lora.max_cpu_loras,
                             config.lora.adapter_roots)
-        base = json.loads((Path(config.model_path) / "config.json").read_text())
+        base = text_config_of(json.loads((Path(config.model_path) / "config.json").read_text()))   # a VLM's LM
         return AdapterRegistry(base, limits, held=self._held_adapters, sparse_layers=sparse_layers(base))
 
     def _held_adapters(self) -> set[str]:

@@ -22,31 +22,37 @@ def num_blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
     """Chain hash of one full block: BLAKE2b-256 over the parent block's hash and this block's ids.
 
     A block's K/V depend on its own tokens and on every token before it; chaining the parent's
     digest makes the key cover both. A cryptographic digest rather than Python's hash(): a
     colliding key would silently attach another prompt's K/V and give wrong outputs (vLLM v1
-    offers sha256 for the same reason). Token ids are packed as int64.
+    offers sha256 for the same reason). Token ids are packed as int64. `extra`: what else the block's K/V
+    depend on (the content hashes of the images whose rows it holds).
     """
     digest = hashlib.blake2b(parent or b"", digest_size=32)
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(extra)
     return digest.digest()
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
-                        num_blocks: int, salt: bytes | None = None) -> list[BlockHash]:
+                        num_blocks: int, salt: bytes | None = None,
+                        extras: dict[int, bytes] | None = None) -> list[BlockHash]:
     """Append to `hashes` (a sequence's chain so far, kept on the Sequence) until it covers
     `num_blocks` full blocks of `token_ids`; returns `hashes[:num_blocks]`. `salt` (a LoRA adapter's key)
-    is the first block's parent: K/V computed under different adapters never share a key.
+    is the first block's parent: K/V computed under different adapters never share a key. `extras`: block index
+    -> bytes mixed into that block's key (vision.image_block_keys).
 
     Raises: ValueError if token_ids hold fewer than num_blocks full blocks.
     """
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{len(token_ids)} tokens hold fewer than {num_blocks} blocks of {block_size}")
     for i in range(len(hashes), num_blocks):
-        hashes.append(hash_block(hashes[-1] if hashes else salt, token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(hash_block(hashes[-1] if hashes else salt, token_ids[i * block_size:(i + 1) * block_size],
+                                 (extras or {}).get(i, b"")))
     return hashes[:num_blocks]
 
 

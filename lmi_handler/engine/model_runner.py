@@ -16,6 +16,7 @@ import torch
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.cuda_graphs import DecodeGraphs, graph_unfit
 from lmi_handler.engine.gpu_memory import blocks_for_gpu
+from lmi_handler.engine.image_rows import step_image_rows
 from lmi_handler.engine.kv_cache import build_block_tables, slots_for_positions
 from lmi_handler.engine.model.attention import AttentionMetadata
 from lmi_handler.engine.model.fallback import fallback_shape, load_fallback
@@ -23,6 +24,7 @@ from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config, spec_from_config
 from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes
 from lmi_handler.engine.model.model_impl import choose_impl
+from lmi_handler.engine.model.vision import load_encoder, text_config_of
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
@@ -66,7 +68,7 @@ def read_model_config(model_dir: str | Path, model_impl: str = "auto", trust_rem
         spec = fallback_shape(model_dir, trust_remote_code)
     else:
         spec = spec_from_config(cfg)
-    eos = _as_ids(cfg.get("eos_token_id"))
+    eos = _as_ids(cfg.get("eos_token_id")) or _as_ids(text_config_of(cfg).get("eos_token_id"))
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
         eos += _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
@@ -100,6 +102,7 @@ class ModelInput:
     blocks_to_copy: torch.Tensor | None = None  # (N, 2) int64 (src, dst) block ids, copied before the forward
     lora: LoraBatch | None = None       # the step's LoRA adapters (on the runner's device); None: no row has one
     graph: bool = False                 # the decode graphs replay it (prepare decides; its tensors stay on the host)
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # flat rows (K,) and their image embeddings
 
     @property
     def num_seqs(self) -> int:
@@ -172,6 +175,8 @@ class ModelRunner:
             self.model = load_model(model_dir, dtype, self.device, quantize=quantize, huge_pages=huge_pages,
                                     layout=layout, kernel_backend=kernel_backend)
         self.kernel_backend = self.model.kernel_backend
+        # a vision-language checkpoint's tower and projector (engine/model/vision/), None for a text model
+        self.vision = None if self.impl.fallback else load_encoder(model_dir, read_config(model_dir), dtype, self.device)
         if group is not None:
             self.model.group = group
         c = self.config
@@ -190,7 +195,7 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.applies_lora = layout is None and not self.impl.fallback
         # the base's projection shapes the adapters' stacks are built to, read once (not at every new adapter set)
-        self._lora_shapes = base_module_shapes(read_config(model_dir)) if self.applies_lora else None
+        self._lora_shapes = base_module_shapes(text_config_of(read_config(model_dir))) if self.applies_lora else None
         self._lora_stacks: dict[tuple[bytes, ...], LoraBatch] = {}    # adapter keys -> stacks, oldest first
         self.graphs: DecodeGraphs | None = None
         if not why_eager:
@@ -215,7 +220,9 @@ class ModelRunner:
         copies its rows straight into the graphs' buffers."""
         model_input = self.prepare_host(sched)
         model_input.lora = self.lora_batch(sched.seqs, sched.num_scheduled_tokens)
-        model_input.graph = self.graphs is not None and self.graphs.takes(model_input)
+        if self.vision is not None:
+            model_input.image_rows = step_image_rows(self.vision, sched.seqs, sched.num_scheduled_tokens, self.device)
+        model_input.graph = self.graphs is not None and model_input.image_rows is None and self.graphs.takes(model_input)
         if self.device.type != "cpu" and not model_input.graph:
             model_input = model_input.to(self.device)     # (a graph's step copies its rows into its buffers)
         return model_input
@@ -327,7 +334,8 @@ class ModelRunner:
             return ModelOutput(logits=self.graphs.run(mi), chunk_logits={})
         if mi.blocks_to_copy is not None:
             copy_blocks(self.kv_cache, mi.blocks_to_copy)
-        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, mi.lora)     # (T, hidden)
+        hidden = self.model(mi.input_ids, mi.positions, self.kv_caches, mi.attn, mi.lora,     # (T, hidden)
+                            image_rows=mi.image_rows)
         # one row per sequence and no prompt-logprob chunk: logit_rows is every row in order (no copy)
         rows = hidden if mi.num_chunk_rows == 0 and hidden.shape[0] == mi.num_seqs else hidden[mi.logit_rows]
         logits = self.model.compute_logits(rows)                                           # (R, vocab) f32

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lmi_handler.engine.kv_cache import BlockAllocator, BlockHash, extend_block_hashes, num_blocks_needed
+from lmi_handler.engine.model.vision import image_block_keys
 from lmi_handler.engine.sequence import Sequence, SequenceStatus
 
 
@@ -315,7 +316,10 @@ class Scheduler:
         if len(seq.block_hashes) >= num_blocks:   # all_token_ids copies: build it only when needed
             return seq.block_hashes[:num_blocks]
         salt = seq.adapter.key if seq.adapter is not None else None      # two adapters never share cached K/V
-        return extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.allocator.block_size, num_blocks, salt)
+        images = seq.params.multimodal.images if seq.params.multimodal is not None else ()
+        extras = image_block_keys(images, self.allocator.block_size) if images else None   # nor two pictures
+        return extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.allocator.block_size, num_blocks, salt,
+                                   extras)
 
     def _admit(self, seq: Sequence, hits: list[int], n: int) -> bool:
         """Give a waiting `seq` the cached blocks `hits` plus new blocks for its next `n` tokens;

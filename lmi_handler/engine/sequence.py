@@ -105,6 +105,9 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False (transformers' heuristic) or "never"
     adapter: str | None = None          # the LoRA adapter's name (option.enable_lora); None = the base model
     priority: int = 0                   # vLLM: lower runs first under option.scheduling_policy=priority (scheduler.py)
+    # a prompt's images (engine/model/vision.MultimodalPrompt: token ids with the placeholders expanded, each
+    # image's pixels, positions and hash); carried with the knobs so every member of n / best_of / beams has them
+    multimodal: Any = field(default=None, compare=False)
 
     @property
     def uses_beam_search(self) -> bool:
@@ -175,6 +178,9 @@ class Sequence:
     # speculative decoding (engine/speculative/): tokens drafted for this step, verified as extra query positions
     # after the last token; cleared when the step settles (only accepted ones join output_token_ids)
     draft_token_ids: list[int] = field(default_factory=list)
+    # images (params.multimodal): image index -> its encoded rows, kept from the first prefill chunk that reaches
+    # it until the prompt is past it (engine/image_rows.py)
+    image_embeds: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

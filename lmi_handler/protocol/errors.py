@@ -109,3 +109,13 @@ def show_value(value: Any) -> str:
     elif value is None:
         text = "null"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Raise RequestValidationError naming `field` for text that is not valid Unicode (JSON allows lone
+    surrogates such as "\\ud800"; UTF-8 and the tokenizer do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestValidationError(field, f"Invalid parameter `{field}`: the text is not valid Unicode "
+                                     f"({exc.reason} at position {exc.start})") from None

@@ -4,13 +4,13 @@ Owns OpenAI's words (finish_reason "stop", usage, logprobs shapes); error object
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from lmi_handler.engine.sequence import FinishReason, TokenOutput
+from lmi_handler.protocol.content import ImagePart, check_parts, image_parts, template_message
 from lmi_handler.protocol.decoding import CONSTRAINT_FIELDS
 from lmi_handler.protocol.errors import RequestValidationError, from_pydantic
 from lmi_handler.protocol.params import INT64_MAX, INT64_MIN, MAX_TOP_N_TOKENS, RULES, GenerationParameters
@@ -26,7 +26,7 @@ OPENAI_RULES: dict[str, str] = {
     **RULES,
     "model": "a string",
     "messages": f"a non-empty list of {{role, content}} objects (role one of {', '.join(ROLES)}; "
-                "content a string or a list of text parts; only assistant messages may omit it)",
+                "content a string or a list of text and image_url parts; only assistant messages may omit it)",
     "prompt": "a non-empty string, a non-empty list of token ids (integers >= 0), or a non-empty list of either "
               "(one choice set per prompt)",
     "max_tokens": "an integer >= 1",
@@ -215,6 +215,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestValidationError.out_of_range("body", data, "a JSON object")
         request = super().parse({key: value for key, value in data.items() if key not in TOOL_FIELDS})
         request._tools = parse_tool_request({key: data[key] for key in TOOL_FIELDS if data.get(key) is not None})
+        check_parts(request.messages)           # each content part's shape, named messages[i].content[j]
         if request.continue_final_message and request.add_generation_prompt:
             raise RequestValidationError("continue_final_message", "Invalid parameter `continue_final_message`: "
                                          "needs add_generation_prompt=false (both open a new assistant turn)")
@@ -244,15 +245,18 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("bad message")
             if content is None and message.get("role") != "assistant":  # OpenAI: only assistant may omit it
                 raise ValueError("missing content")
-            if isinstance(content, list) and not all(_is_text_part(p) for p in content):
-                raise ValueError("non-text content part")
         return messages
 
-    def text_messages(self) -> list[dict[str, Any]]:
-        """Messages as chat templates expect them: text parts joined into one string, a legacy `function`
-        message as a `tool` message, and the arguments of an assistant's tool calls as objects (JSON text
-        that parses; transformers' templates index them, vLLM does the same)."""
-        return [_template_message(m) for m in self.messages]
+    def text_messages(self, multimodal: bool = False) -> list[dict[str, Any]]:
+        """Messages as chat templates expect them (content.template_message): text parts joined into one string
+        (`multimodal`: a list of text and {"type": "image"} parts), a legacy `function` message as a `tool`
+        message, the arguments of an assistant's tool calls as objects (JSON text that parses; transformers'
+        templates index them, vLLM does the same)."""
+        return [template_message(m, multimodal) for m in self.messages]
+
+    def image_parts(self) -> list[ImagePart]:
+        """The images of the messages, in order (content.image_parts)."""
+        return image_parts(self.messages)
 
     def to_generation_parameters(self, *, default_max_new_tokens: int | None = None,
                                  defaults: dict | None = None,
@@ -342,37 +346,6 @@ class CompletionRequest(_SamplingRequest):
                       return_full_text=self.echo, top_n_tokens=self.logprobs,
                       num_beams=max(self.n, self.best_of or 1) if self.use_beam_search else 1)
         return _parse_generation(values)
-
-
-def _is_text_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-
-
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    out = {**message, "content": _text_of(message.get("content"))}
-    if out["role"] == "function":          # legacy function result
-        out["role"] = "tool"
-    calls = out.get("tool_calls")
-    if isinstance(calls, list):
-        out["tool_calls"] = [_with_argument_object(call) for call in calls]
-    return out
-
-
-def _with_argument_object(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-def _text_of(content: str | list | None) -> str:
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content)
-    return content or ""
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -4,6 +4,8 @@ tool calling (also through LangChain's bind_tools and /invocations' chat schema)
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 from typing import Literal
 
@@ -12,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 from huggingface_hub import InferenceClient
+from PIL import Image
 
 from tests.helpers import NAMED_WEATHER, TIME_PARAMETERS, TOOL_PARAMETERS, TOOLS, WEATHER_QUESTION, serve
 from tests.server.helpers import PROMPT, generated_text, solo_text
@@ -522,3 +525,98 @@ def test_bad_tools_answer_400_naming_the_field(sdk, fields, param):
     assert info.value.status_code == 400 and info.value.body["param"] == param
     if fields == {"tools": TOOLS}:
         assert "option.enable_auto_tool_choice" in info.value.body["message"]
+
+
+# ---- images (docs/images.md) on a tiny random SmolVLM, the real app in this process ------------------------------
+
+IMAGE_QUESTION = "What is in the picture?"
+
+
+@pytest.fixture(scope="module")
+def vlm_app(tiny_vlm):
+    """The app on the tiny vision-language checkpoint in float32: at most 2 images a prompt, http images only from
+    example.com, 10000 pixels an image."""
+    from tests.server.helpers import InProcessServer
+
+    server = InProcessServer(model_id=str(tiny_vlm[0]), dtype="fp32", limit_mm_per_prompt="2",
+                             allowed_media_domains="example.com", max_image_pixels="10000", num_threads="1",
+                             kv_cache_bytes=str(16 << 20))
+    yield server
+    server.close()
+
+
+def _image_chat(*urls: str, role: str = "user") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": role, "content": [*parts, {"type": "text", "text": IMAGE_QUESTION}]}]
+
+
+def test_the_openai_clients_image_message_is_answered_as_transformers_generates_it(vlm_app, tiny_vlm):
+    import torch
+
+    from tests.engine.vision_models import data_url, picture
+
+    _, model, processor = tiny_vlm
+    image = picture(50, 30, seed=11)
+    sdk = openai.AsyncOpenAI(base_url="http://app/v1", api_key="unused", max_retries=0,
+                             http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=vlm_app.app)))
+    reply = vlm_app.loop.run_until_complete(sdk.chat.completions.create(
+        model="vlm", messages=_image_chat(data_url(image, "JPEG")), temperature=0, max_tokens=6, logprobs=True))
+    decoded = Image.open(io.BytesIO(base64.b64decode(data_url(image, "JPEG").split(",", 1)[1]))).convert("RGB")
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+        "type": "text", "text": IMAGE_QUESTION}]}], add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[[decoded]], add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    expected = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    expected_lp = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, expected)]
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1] and reply.usage.completion_tokens == 6
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(expected_lp, abs=1e-4)
+
+
+def test_lmi_chat_tgi_markdown_images_and_batch_lines_carry_their_images(vlm_app):
+    from tests.engine.vision_models import data_url, picture
+
+    url = data_url(picture(40, 40, seed=12))
+    for path in ("/generate", "/invocations"):
+        reply = vlm_app.post(path, json={"inputs": f"![]({url}){IMAGE_QUESTION}", "parameters": {"max_new_tokens": 3}})
+        assert reply.status_code == 200, reply.text
+    chat = vlm_app.post("/invocations", json={"messages": _image_chat(url), "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > 20, chat.text     # 5 tiles x 4
+    body = {"model": "vlm", "messages": _image_chat(url, url), "max_tokens": 2}
+    plan = vlm_app.service.plan_openai_body(body, "/v1/chat/completions", "line-1")
+    assert len(plan.prompts[0].params.multimodal.images) == 2
+
+
+@pytest.mark.parametrize(("urls", "role", "field", "why"), [
+    (["data:image/png;base64,@@"], "user", "messages[0].content[0]", "base64 does not decode"),
+    (["data:image/png;base64,aGVsbG8="], "user", "messages[0].content[0]", "no image this server decodes"),
+    (["https://elsewhere.org/a.png"], "user", "messages[0].content[0]", "not in option.allowed_media_domains"),
+    (["/etc/hostname"], "user", "messages[0].content[0]", "allowed_local_media_path is unset"),
+    (["big"], "user", "messages[0].content[0]", "more than option.max_image_pixels=10000"),
+    (["small"] * 3, "user", "messages[0].content[2]", "at most 2 images (option.limit_mm_per_prompt)"),
+    (["small"], "assistant", "messages[0].content[0]", "user messages only"),
+])
+def test_every_bad_image_answers_400_naming_the_part_and_why(vlm_app, urls, role, field, why):
+    from tests.engine.vision_models import data_url, picture
+
+    drawn = {"big": data_url(picture(120, 120)), "small": data_url(picture(20, 20))}
+    messages = _image_chat(*[drawn.get(u, u) for u in urls], role=role)
+    reply = vlm_app.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == field and why in error["message"], reply.text
+    markdown = vlm_app.post("/generate", json={"inputs": f"![]({drawn.get(urls[0], urls[0])})Hi"})
+    if role == "user" and len(urls) == 1:
+        assert markdown.status_code == 400 and why in markdown.json()["error"], markdown.text
+
+
+def test_an_images_tokens_count_against_the_context(vlm_app):
+    from tests.engine.vision_models import data_url, picture
+
+    messages = _image_chat(data_url(picture(64, 64, seed=13)), data_url(picture(64, 64, seed=14)))
+    fits = vlm_app.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    prompt_tokens = fits.json()["usage"]["prompt_tokens"]
+    assert fits.status_code == 200 and prompt_tokens > 40          # 2 images of 5 tiles x 4 tokens, and the text
+    too_long = vlm_app.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 513 - prompt_tokens})
+    assert too_long.status_code == 400
+    assert f"({prompt_tokens} in the messages, {513 - prompt_tokens} for the completion)" in too_long.json()["error"]["message"]

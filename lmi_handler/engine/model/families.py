@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.model.quant.config import check_quantization_config
 from lmi_handler.engine.model.spec import ACTIVATIONS, ROPE_TYPES, LayerSpec, ModelSpec, MoeSpec, build_rope
+from lmi_handler.engine.model.vision import text_config_of
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ def hf_config_of(cfg: dict):
 
 def build_spec(cfg: dict) -> ModelSpec:
     """The ModelSpec of a config.json dict. Raises ConfigError (family_of, check_rope_types, an activation
-    not in spec.ACTIVATIONS)."""
+    not in spec.ACTIVATIONS). A vision-language checkpoint's spec is its language model's (vision.text_config_of)."""
+    cfg = text_config_of(cfg)
     family = family_of(cfg)
     check_rope_types(cfg)
     hf = hf_config_of(cfg)

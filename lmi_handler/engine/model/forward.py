@@ -97,14 +97,19 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                lora: LoraBatch | None = None) -> torch.Tensor:
+                lora: LoraBatch | None = None, image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """input_ids, positions: (T,) int64 -> (T, hidden) after the final norm; writes this step's K/V.
         kv_caches[l]: (K, V), each (num_blocks, block_size, num_kv_heads, head_dim) in the activations' dtype.
-        `lora`: the step's adapters, None when no row has one (never on a shard)."""
+        `lora`: the step's adapters, None when no row has one (never on a shard). `image_rows`: (rows (K,)
+        int64, embeddings (K, hidden)): those rows' input embeddings are the images' (engine/model/vision/),
+        put in after the embedding scale (Gemma 3 scales its token embeddings only)."""
         spec = self.spec
         x = self._embed(input_ids)
         if spec.embedding_scale is not None:
             x = x * torch.tensor(spec.embedding_scale, dtype=x.dtype)
+        if image_rows is not None:
+            x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
         ropes = self._rope_rows(positions, meta, x.dtype)
         if self.stack is not None:                      # one rope on every layer (cpp_misfits)
             cos, sin = ropes[id(spec.layers[0].rope)]

@@ -24,6 +24,7 @@ from lmi_handler.engine.model.kernels import panel_arena, panels_shape
 from lmi_handler.engine.model.quant import check_backend as check_quantized_backend
 from lmi_handler.engine.model.quant import quantized_linears
 from lmi_handler.engine.model.spec import ModelSpec
+from lmi_handler.engine.model.vision import family_of, text_tensors
 from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
 
 LINEARS = ("qkv", "o", "gate_up", "down")    # the roles a backend may pack, in the order a step reads them
@@ -157,7 +158,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         raise ValueError(f"quantize={quantize!r} needs the C++ ops backend (kernel_backend {name})")
     kind = quantize or str(dtype).removeprefix("torch.")
     head_kind = lm_head_kind or kind
-    hf = read_safetensors(model_dir, layout, full_qk_norm=spec.qk_norm == "full")
+    if layout is not None and family_of(cfg) is not None:
+        raise ConfigError(f"option.tensor_parallel_degree={layout.degree}: model_type={cfg['model_type']} (a "
+                          "vision-language model) is served on one process only for now (degree 1)")
+    hf = text_tensors(cfg, read_safetensors(model_dir, layout, full_qk_norm=spec.qk_norm == "full"))
     if pooling and "model.embed_tokens.weight" not in hf:
         hf = {(k if k.startswith("lm_head.") else "model." + k): t for k, t in hf.items()}
     names = [layer_tensor_names(spec, i) for i in range(spec.num_layers)]

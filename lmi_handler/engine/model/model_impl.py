@@ -39,6 +39,7 @@ def choose_impl(cfg: dict, model_impl: str = "auto", trust_remote_code: bool = F
     model type no AutoModelForCausalLM knows, or native without a family row.
     """
     from lmi_handler.engine.model.families import FAMILIES
+    from lmi_handler.engine.model.vision import vision_model_types
 
     model_impl = (model_impl or "auto").strip().lower()
     if model_impl not in MODEL_IMPLS:
@@ -46,7 +47,7 @@ def choose_impl(cfg: dict, model_impl: str = "auto", trust_remote_code: bool = F
     model_type = cfg.get("model_type", "llama")
     native = sorted(FAMILIES)
     _refuse_encoder(cfg, model_type, native)
-    if model_impl != "transformers" and model_type in FAMILIES:
+    if model_impl != "transformers" and (model_type in FAMILIES or model_type in vision_model_types()):
         return ImplChoice(False, f"model_type={model_type} has a layer description (option.model_impl={model_impl})")
     if model_impl == "native":
         raise ConfigError(f"config.json model_type={model_type!r} has no native implementation "

@@ -52,3 +52,42 @@ def build_tiny_qwen2_vl(path: Path | None, model_type: str = "qwen2_5_vl", seed:
     if path is not None:
         model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+VISION_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]   # ids 508..511
+MIN_PIXELS, MAX_PIXELS = 8 * 8, 48 * 48
+
+
+def build_tiny_processor(path: Path | None):
+    """The checkpoint's processor (qwen2_vl.QwenVLProcessor: transformers' Qwen2_5_VLProcessor needs torchvision for
+    its video processor): the tiny byte-level tokenizer with Qwen's vision tokens as its last ids, and
+    transformers' PIL Qwen2-VL image processor at 4-pixel patches, between 64 and 2304 pixels (an image of up to
+    48 x 48 keeps its size, rounded to 8). Both saved to `path` unless None."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from lmi_handler.engine.model.vision.qwen2_vl import QwenVLProcessor
+    from tests.engine.helpers import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB - len(VISION_TOKENS))
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    assert tokenizer.convert_tokens_to_ids(VISION_TOKENS) == [IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID,
+                                                             VISION_END_ID]
+    images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
+                                      size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+    if path is not None:
+        tokenizer.save_pretrained(path)
+        images.save_pretrained(path)
+    return QwenVLProcessor(tokenizer, images)
+
+
+def draw_image(width: int, height: int, seed: int = 0):
+    """A Pillow RGB picture: a gradient with a rectangle and an ellipse placed by `seed`."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height))
+    image.putdata([((x * 255) // width, (y * 255) // height, (seed * 40) % 256)
+                   for y in range(height) for x in range(width)])
+    draw = ImageDraw.Draw(image)
+    draw.rectangle([seed % 7, seed % 5, width // 2, height // 2 + seed % 3], fill=(250, 30 * seed % 256, 20))
+    draw.ellipse([width // 3, height // 3, width - 2, height - 1], outline=(10, 200, 90), width=2)
+    return image

@@ -13,31 +13,40 @@ from lmi_handler.engine.model.loader import read_config
 from lmi_handler.engine.model.mrope import mrope_positions
 from lmi_handler.engine.model_runner import ModelRunner
 from tests.engine.helpers import greedy_generate, hf_greedy, make_meta
-from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, MERGE, VISION_END_ID, VISION_START_ID, build_tiny_qwen2_vl
+from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, MERGE, VISION_END_ID, VISION_START_ID
 
 CPU = torch.device("cpu")
 TEXT_PROMPTS = [[1, 17, 300, 45, 9, 33, 2, 71], [1, 250, 4]]
 
 
-def image_prompt(grids: list[tuple[int, int, int]], text: tuple[int, ...] = (5, 6)) -> list[int]:
-    """<s> text, then each image as <vision_start> its merged tokens <vision_end> text."""
-    ids = [1, 11, 12]
+def image_prompt(grids: list[tuple[int, int, int]], text: tuple[int, ...] = (5, 6)):
+    """(<s> text, then each image as <vision_start> its merged tokens <vision_end> text; [(first image token,
+    grid)])."""
+    ids, images = [1, 11, 12], []
     for t, h, w in grids:
-        ids += [VISION_START_ID] + [IMAGE_TOKEN_ID] * (t * h * w // MERGE ** 2) + [VISION_END_ID] + list(text)
-    return ids
+        ids.append(VISION_START_ID)
+        images.append((len(ids), (t, h, w)))
+        ids += [IMAGE_TOKEN_ID] * (t * h * w // MERGE ** 2) + [VISION_END_ID] + list(text)
+    return ids, images
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return path, build_tiny_qwen2_vl(path, request.param)
+def tiny(request):
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+@pytest.fixture(scope="module", params=["torch", "cpp"])
+def runner(request, qwen2_5_vl_checkpoint):
+    """The tiny Qwen2.5-VL's runner on each backend (the language model's arithmetic: Qwen2-VL's is the same)."""
+    return ModelRunner(qwen2_5_vl_checkpoint[0], torch.float32, CPU, block_size=4, num_blocks=64,
+                       kernel_backend=request.param)
 
 
 @pytest.mark.parametrize("grids", [[], [(1, 4, 6)], [(1, 6, 4), (1, 2, 2)], [(1, 8, 4), (1, 4, 10)]])
 def test_prompt_streams_and_decode_delta_equal_transformers_get_rope_index(tiny, grids):
     _, hf = tiny
-    ids = image_prompt(grids)
-    ours = mrope_positions(ids, IMAGE_TOKEN_ID, grids, MERGE)
+    ids, images = image_prompt(grids)
+    ours = mrope_positions(len(ids), images, MERGE)
     input_ids = torch.tensor([ids])
     if not grids:
         assert torch.equal(ours.prompt, torch.arange(len(ids)).expand(3, -1)) and ours.delta == 0
@@ -51,11 +60,11 @@ def test_prompt_streams_and_decode_delta_equal_transformers_get_rope_index(tiny,
     assert torch.equal(ours.rows(len(ids) - 2, 4)[:, :2], theirs[:, 0, -2:])
 
 
-def test_image_tokens_and_grids_that_disagree_are_refused():
-    with pytest.raises(ValueError, match="image 0"):
-        mrope_positions([1, IMAGE_TOKEN_ID, IMAGE_TOKEN_ID, 5], IMAGE_TOKEN_ID, [(1, 4, 4)], MERGE)
-    with pytest.raises(ValueError, match="take 0 of its 1 images"):
-        mrope_positions([1, 5], IMAGE_TOKEN_ID, [(1, 4, 4)], MERGE)
+def test_images_that_overlap_or_run_past_the_prompt_are_refused():
+    with pytest.raises(ValueError, match="overlaps"):
+        mrope_positions(20, [(1, (1, 4, 4)), (3, (1, 4, 4))], MERGE)
+    with pytest.raises(ValueError, match="past its 4 tokens"):
+        mrope_positions(4, [(1, (1, 4, 4))], MERGE)
 
 
 def test_the_spec_reads_the_mrope_sections_from_the_text_config(tiny):
@@ -73,10 +82,8 @@ def test_sections_that_do_not_cover_the_rotary_dims_are_refused(tiny):
         build_spec(cfg)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_a_text_prompt_gives_transformers_greedy_tokens(tiny, backend):
-    path, hf = tiny
-    runner = ModelRunner(path, torch.float32, CPU, block_size=4, num_blocks=64, kernel_backend=backend)
+def test_a_text_prompt_gives_transformers_greedy_tokens(runner, qwen2_5_vl_checkpoint):
+    _, hf = qwen2_5_vl_checkpoint
     ours, _ = greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), TEXT_PROMPTS, 8)
     assert ours == [hf_greedy(hf, p, 8) for p in TEXT_PROMPTS]
 
@@ -89,25 +96,20 @@ def _forward(runner: ModelRunner, ids: list[int], positions: torch.Tensor) -> to
         return runner.model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_three_equal_streams_give_the_one_stream_logits_bitwise(tiny, backend):
-    path, _ = tiny
-    runner = ModelRunner(path, torch.float32, CPU, block_size=4, num_blocks=64, kernel_backend=backend)
+def test_three_equal_streams_give_the_one_stream_logits_bitwise(runner):
     ids = TEXT_PROMPTS[0] * 3
     one = _forward(runner, ids, torch.arange(len(ids)))
     three = _forward(runner, ids, torch.arange(len(ids)).expand(3, -1))
     assert torch.equal(one, three)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_an_image_prompt_s_streams_give_the_language_model_s_logits(tiny, backend):
+def test_an_image_prompt_s_streams_give_the_language_model_s_logits(runner, qwen2_5_vl_checkpoint):
     """Our decoder at the prompt's three streams against transformers' language model at the same position ids
     (the image tokens' embeddings are the image token's: the vision tower is not in this test)."""
-    path, hf = tiny
-    runner = ModelRunner(path, torch.float32, CPU, block_size=4, num_blocks=64, kernel_backend=backend)
+    _, hf = qwen2_5_vl_checkpoint
     grids = [(1, 6, 4), (1, 4, 8)]
-    ids = image_prompt(grids)
-    streams = mrope_positions(ids, IMAGE_TOKEN_ID, grids, MERGE).prompt
+    ids, images = image_prompt(grids)
+    streams = mrope_positions(len(ids), images, MERGE).prompt
     ours = _forward(runner, ids, streams)
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor([ids]), position_ids=streams[:, None, :]).logits[0]

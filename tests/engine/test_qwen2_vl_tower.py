@@ -7,23 +7,15 @@ import torch
 
 from lmi_handler.engine.model.loader import read_config
 from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL, QwenVLProcessor, window_order
-from tests.engine.qwen2_vl_models import (
-    IMAGE_TOKEN_ID,
-    MERGE,
-    build_tiny_processor,
-    build_tiny_qwen2_vl,
-    draw_image,
-)
+from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, MERGE, draw_image
 
 CPU = torch.device("cpu")
 IMAGES = [draw_image(40, 24, 1), draw_image(30, 44, 2)]     # grids of 10 x 6 and 12 x 8 patches (30 x 44 -> 32 x 48)
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = build_tiny_qwen2_vl(path, request.param)
-    build_tiny_processor(path)
+def tiny(request):
+    path, hf = request.getfixturevalue(f"{request.param}_checkpoint")
     encoder = QWEN2_VL.load_encoder(path, read_config(path), torch.float32, CPU)
     return path, hf, encoder, QwenVLProcessor.load(path)
 

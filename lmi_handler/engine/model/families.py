@@ -77,7 +77,6 @@ class Family:
     softcaps: bool = False          # final_logit_softcapping, attn_logit_softcapping (Gemma 2 / 3)
     no_rope_layers: bool = False    # SmolLM3's no_rope_layers (1: RoPE, 0: none)
     experts: Experts | None = None  # mixture-of-experts families
-    text_config: bool = False       # a vision-language model: the decoder is config.text_config (Qwen2-VL)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -108,12 +107,12 @@ FAMILIES = {f.model_type: f for f in (
            attention_scale="attention_multiplier", granite=True,
            experts=Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "router.layer.weight",
                            "stacked", routing="topk_softmax", norm_topk_prob=False)),
-    # vision-language: Qwen2's decoder with M-RoPE (rope_parameters' mrope_section, spec.RopeSpec); the vision
-    # tower is engine/model/vision/qwen2_vl.py's
-    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
-           window="layer_types", text_config=True),
-    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
-           window="layer_types", text_config=True),
+    # the language models of Qwen2-VL / Qwen2.5-VL (engine/model/vision/qwen2_vl.py's text_config): Qwen2 with
+    # M-RoPE (rope_parameters' mrope_section, spec.RopeSpec)
+    Family("qwen2_vl_text", ("Qwen2VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
+           window="layer_types"),
+    Family("qwen2_5_vl_text", ("Qwen2_5_VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
+           window="layer_types"),
 )}
 
 NORM_NAMES = {   # placement -> (before attention, after attention, before the MLP, after the MLP)
@@ -141,23 +140,20 @@ def family_of(cfg: dict) -> Family:
 
 
 def _rope_dicts(cfg: dict) -> list[dict]:
-    """Every RoPE parameter dict config.json holds (per layer type for Gemma 3; a vision-language model's
-    text_config too), old and new keys."""
+    """Every RoPE parameter dict config.json holds (per layer type for Gemma 3), old and new keys."""
     found = []
-    for where in (cfg, cfg.get("text_config") or {}):
-        for key in ("rope_scaling", "rope_parameters"):
-            value = where.get(key) or {}
-            nested = [v for v in value.values() if isinstance(v, dict)]
-            found += nested or [value]
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key) or {}
+        nested = [v for v in value.values() if isinstance(v, dict)]
+        found += nested or [value]
     return found
 
 
 def check_rope_types(cfg: dict) -> None:
-    """Raises ConfigError for a RoPE type we do not implement, naming it and ROPE_TYPES ("mrope": Qwen2-VL's
-    legacy name of the default frequencies with an mrope_section, as transformers reads it)."""
+    """Raises ConfigError for a RoPE type we do not implement, naming it and ROPE_TYPES."""
     for params in _rope_dicts(cfg):
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ROPE_TYPES and not (kind == "mrope" and params.get("mrope_section")):
+        if kind not in ROPE_TYPES:
             raise ConfigError(f"config.json rope_type={kind!r} is not supported; supported: {list(ROPE_TYPES)}")
 
 
@@ -175,8 +171,7 @@ def build_spec(cfg: dict) -> ModelSpec:
     cfg = text_config_of(cfg)
     family = family_of(cfg)
     check_rope_types(cfg)
-    top = hf_config_of(cfg)
-    hf = top.get_text_config() if family.text_config else top
+    hf = hf_config_of(cfg)
     c = hf.to_dict()                     # transformers' values, its defaults and legacy keys resolved
     act = c.get(family.activation_key) or c.get("hidden_act") or "silu"
     if act not in ACTIVATIONS or (family.experts is not None and ACTIVATIONS[act] != "silu"):
@@ -205,8 +200,7 @@ def build_spec(cfg: dict) -> ModelSpec:
         logit_scale=c["logits_scaling"] if family.granite else None,
         final_logit_softcap=c.get("final_logit_softcapping") if family.softcaps else None,
         attn_softcap=c.get("attn_logit_softcapping") if family.softcaps else None,
-        tie_word_embeddings=bool(top.tie_word_embeddings if family.text_config else c.get("tie_word_embeddings")),
-        fused_qkv=family.fused_qkv)
+        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv)
 
 
 def _sparse_layers(layers: tuple[LayerSpec, ...], hf, c: dict, experts: Experts) -> tuple[LayerSpec, ...]:

@@ -15,6 +15,7 @@ on all three, delta = the prompt's largest position + 1 - its length (transforme
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,28 +24,19 @@ import torch
 @dataclass(frozen=True, eq=False)
 class MropePositions:
     """One sequence's M-RoPE positions: `prompt` (3, P) int64 for its P prompt tokens, `delta` for every later
-    token (all three streams at p + delta). A prompt without images has prompt = arange(P) on each stream
-    and delta 0: (T,) positions, today's."""
+    token (all three streams at p + delta)."""
 
     prompt: torch.Tensor
     delta: int
 
     def rows(self, start: int, n: int) -> torch.Tensor:
         """(3, n) int64: the streams of tokens [start, start + n) of the sequence (prompt or generated)."""
-        num_prompt = self.prompt.shape[1]
         head = self.prompt[:, start:start + n]
         if head.shape[1] == n:
             return head
-        first = max(start, num_prompt)
+        first = max(start, self.prompt.shape[1])
         tail = torch.arange(first, start + n, dtype=torch.int64) + self.delta
         return torch.cat((head, tail.expand(3, -1)), dim=1)
-
-    def is_text(self, start: int, n: int) -> bool:
-        """Whether tokens [start, start + n) sit at equal positions on the three streams (no image token), so a
-        (T,) position p + offset(start) serves them: offset is 0 in the prompt's text before its first image
-        and delta after the prompt."""
-        return start >= self.prompt.shape[1] or bool((self.prompt[:, start:start + n] == self.prompt[0, start]
-                                                      + torch.arange(min(n, self.prompt.shape[1] - start))).all())
 
 
 def image_positions(start: int, grid_thw: tuple[int, int, int], spatial_merge_size: int) -> torch.Tensor:
@@ -55,33 +47,64 @@ def image_positions(start: int, grid_thw: tuple[int, int, int], spatial_merge_si
     return torch.stack(grid).reshape(3, -1) + start
 
 
-def mrope_positions(token_ids: list[int], image_token_id: int, image_grids: list[tuple[int, int, int]],
+def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int]]],
                     spatial_merge_size: int) -> MropePositions:
-    """The prompt's M-RoPE positions (module docstring). The image tokens are image_token_id's runs, consumed
-    one image at a time in order: image i takes t * h * w / merge ** 2 tokens of image_grids[i] (t, h, w in
-    patches). Raises ValueError when the image tokens and the grids disagree in number."""
-    chunks, pos, i, image = [], 0, 0, 0
-    ids = torch.tensor(token_ids, dtype=torch.int64)
-    is_image = (ids == image_token_id).tolist()
-    while i < len(token_ids):
-        if not is_image[i]:
-            j = i
-            while j < len(token_ids) and not is_image[j]:
-                j += 1
-            chunks.append(torch.arange(pos, pos + j - i).expand(3, -1))
-            pos, i = pos + j - i, j
-            continue
-        if image >= len(image_grids):
-            raise ValueError(f"the prompt holds more image tokens than its {len(image_grids)} images take")
-        grid = image_grids[image]
+    """The positions of a prompt of `num_tokens` tokens whose images (in prompt order) are (first token, grid
+    (t, h, w) in patches): image i takes tokens [first, first + t h w / merge²). Raises ValueError for images
+    that overlap or run past the prompt."""
+    chunks, pos, i = [], 0, 0
+    for first, grid in images:
+        if first < i:
+            raise ValueError(f"an image at token {first} overlaps the one before it (which ends at {i})")
+        chunks.append(torch.arange(pos, pos + first - i).expand(3, -1))
+        pos += first - i
         tokens = image_positions(pos, grid, spatial_merge_size)
-        if not all(is_image[i:i + tokens.shape[1]]) or i + tokens.shape[1] > len(token_ids):
-            raise ValueError(f"image {image} (grid {tuple(grid)}) needs {tokens.shape[1]} image tokens in a row")
         chunks.append(tokens)
         pos += max(grid[1], grid[2]) // spatial_merge_size
-        i, image = i + tokens.shape[1], image + 1
-    if image != len(image_grids):
-        raise ValueError(f"the prompt's image tokens take {image} of its {len(image_grids)} images")
-    prompt = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.int64)
-    delta = int(prompt.max()) + 1 - len(token_ids) if len(token_ids) else 0
-    return MropePositions(prompt.contiguous(), delta)
+        i = first + tokens.shape[1]
+    if i > num_tokens:
+        raise ValueError(f"the prompt's last image ends at token {i}, past its {num_tokens} tokens")
+    chunks.append(torch.arange(pos, pos + num_tokens - i).expand(3, -1))
+    prompt = torch.cat(chunks, dim=1).contiguous()
+    delta = int(prompt.max()) + 1 - num_tokens if num_tokens else 0
+    return MropePositions(prompt, delta)
+
+
+class MropeSteps:
+    """A runner's M-RoPE: each step's positions from its sequences' images (SamplingParams.multimodal, a
+    vision.MultimodalPrompt whose images carry image_grid_thw), a prompt's streams computed once (kept while its
+    MultimodalPrompt lives)."""
+
+    def __init__(self, spatial_merge_size: int):
+        self.merge = spatial_merge_size
+        self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def streams(self, prompt) -> MropePositions:
+        found = self._streams.get(prompt)
+        if found is None:
+            images = [(image.start, tuple(image.pixel_inputs["image_grid_thw"][0].tolist())) for image in prompt.images]
+            found = self._streams[prompt] = mrope_positions(len(prompt.token_ids), images, self.merge)
+        return found
+
+    def step_positions(self, seqs: list, counts: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """The step's positions from `positions` (T,) (each row's token index, prepare_host's, changed in place):
+        (T,) while no row is at or past a prompt's first image, an image prompt's generated tokens moved by its
+        delta; else (3, T), those rows' three streams (every other row's three the same: the rows of its (T,)
+        position, bit for bit)."""
+        rows: list[tuple[int, torch.Tensor]] = []
+        row = 0
+        for seq, n in zip(seqs, counts):
+            prompt = seq.params.multimodal
+            if prompt is not None and prompt.images:
+                streams, start = self.streams(prompt), seq.num_computed_tokens
+                if start >= streams.prompt.shape[1]:               # generated tokens: p + delta on all three
+                    positions[row:row + n] += streams.delta
+                elif start + n > prompt.images[0].start:         # from the first image on: its streams
+                    rows.append((row, streams.rows(start, n)))
+            row += n
+        if not rows:
+            return positions
+        out = positions.expand(3, -1).clone()
+        for row, streams in rows:
+            out[:, row:row + streams.shape[1]] = streams
+        return out

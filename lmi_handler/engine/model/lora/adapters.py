@@ -47,16 +47,14 @@ def base_module_shapes(config: Mapping) -> dict[str, tuple[int, int]]:
     """The base's LoRA-able projections from its config.json: name -> (in_features, out_features).
 
     Llama-family models have q/k/v/o and gate/up/down; Phi-3 stores q/k/v and gate/up fused (qkv_proj,
-    gate_up_proj), so an adapter of it names those. A vision-language model's are its text_config's.
+    gate_up_proj), so an adapter of it names those.
     """
-    model_type = config.get("model_type")
-    config = config.get("text_config") or config
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     num_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // num_heads
     q_out, kv_out = num_heads * head_dim, (config.get("num_key_value_heads") or num_heads) * head_dim
     shapes = {"o_proj": (q_out, hidden), "down_proj": (inter, hidden)}
-    if model_type == "phi3":
+    if config.get("model_type") == "phi3":
         return shapes | {"qkv_proj": (hidden, q_out + 2 * kv_out), "gate_up_proj": (hidden, 2 * inter)}
     return shapes | {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
                      "gate_proj": (hidden, inter), "up_proj": (hidden, inter)}

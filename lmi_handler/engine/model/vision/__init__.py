@@ -113,8 +113,9 @@ class VisionFamily(Protocol):
 def _families() -> dict[str, VisionFamily]:
     from lmi_handler.engine.model.vision.idefics3 import IDEFICS3
     from lmi_handler.engine.model.vision.llava import LLAVA
+    from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL
 
-    return {model_type: family for family in (IDEFICS3, LLAVA) for model_type in family.model_types}
+    return {model_type: family for family in (IDEFICS3, LLAVA, QWEN2_VL) for model_type in family.model_types}
 
 
 def family_of(cfg: dict) -> VisionFamily | None:
@@ -140,6 +141,12 @@ def text_tensors(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     if family is None:
         return tensors
     return {new: t for name, t in tensors.items() if (new := family.text_tensor_name(name)) is not None}
+
+
+def mrope_steps(cfg: dict):
+    """The vision family's M-RoPE step positions (mrope.MropeSteps: Qwen2-VL), None for a family without."""
+    family = family_of(cfg)
+    return None if family is None or not hasattr(family, "mrope_steps") else family.mrope_steps(cfg)
 
 
 def load_encoder(model_dir, cfg: dict, dtype: torch.dtype, device: torch.device) -> VisionEncoder | None:

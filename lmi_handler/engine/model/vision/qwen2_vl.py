@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lmi_handler.engine.model.mrope import MropeSteps
 from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -225,6 +226,10 @@ class Qwen2VLFamily:
         """One image in a prompt: <|vision_start|><|image_pad|><|vision_end|>, as Qwen's chat template writes it;
         the processor repeats <|image_pad|> once per merged token."""
         return "<|vision_start|>" + processor.image_token + "<|vision_end|>"
+
+    def mrope_steps(self, cfg: dict) -> MropeSteps:
+        """Each step's M-RoPE positions (mrope.py), the image grids merged spatial_merge_size a side."""
+        return MropeSteps(TowerConfig.read(cfg).merge)
 
     def load_processor(self, model_dir) -> "QwenVLProcessor":
         return QwenVLProcessor.load(model_dir)

@@ -1,0 +1,91 @@
+"""Qwen2-VL / Qwen2.5-VL served by the engine's runner (vision/qwen2_vl.py, mrope.py, model_runner's image rows):
+greedy tokens and chosen-token log-probs against transformers' generate() with the same images, and a row's bits
+alone and batched with other image and text rows, prefilled whole or in chunks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
+from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL
+from lmi_handler.engine.model_runner import ModelRunner
+from lmi_handler.engine.scheduler import SchedulerOutput
+from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, draw_image
+
+CPU = torch.device("cpu")
+N = 6
+IMAGES = [draw_image(40, 24, 1), draw_image(30, 44, 2), draw_image(16, 16, 3)]
+
+
+@pytest.fixture(scope="module")
+def tiny(qwen2_5_vl_checkpoint):
+    """The tiny Qwen2.5-VL's HF model, our runner (the default backend: the fused C++ stack) and processor
+    (Qwen2-VL's tower is test_qwen2_vl_tower's, its language model the same)."""
+    path, hf = qwen2_5_vl_checkpoint
+    runner = ModelRunner(path, torch.float32, CPU, block_size=4, num_blocks=160)
+    return hf, runner, QWEN2_VL.load_processor(path)
+
+
+def _prompt(processor, images, text: str = "Describe"):
+    marks = " and ".join(QWEN2_VL.image_placeholder(processor) for _ in images)
+    return QWEN2_VL.prepare(processor, f"{text} {marks} now.", images, add_special_tokens=True)
+
+
+def generate(runner: ModelRunner, prompts: list, n: int, chunk: int | None = None):
+    """Greedy-decode MultimodalPrompts (or token lists) together for n tokens, prefilling `chunk` tokens a step
+    (None: whole); returns (tokens, the float32 logits each token was drawn from) per prompt."""
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt.token_ids) if hasattr(prompt, "token_ids") else list(prompt)
+        params = SamplingParams(multimodal=prompt if hasattr(prompt, "token_ids") else None)
+        seq = Sequence(f"r{i}", ids, params)
+        seq.block_table = allocator.allocate(num_blocks_needed(len(ids) + n, runner.block_size))
+        seqs.append(seq)
+    logits = [[] for _ in seqs]
+    while active := [s for s in seqs if s.num_output_tokens < n]:
+        counts = [min(chunk or s.num_tokens, s.num_tokens - s.num_computed_tokens) for s in active]
+        out = runner.execute(runner.prepare(SchedulerOutput(seqs=active, num_scheduled_tokens=counts)))
+        for row, (seq, count) in enumerate(zip(active, counts)):
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == seq.num_tokens:
+                logits[seqs.index(seq)].append(out.logits[row].clone())
+                seq.output_token_ids.append(int(out.logits[row].argmax()))     # sync: the test's host loop
+    return [s.output_token_ids for s in seqs], [torch.stack(rows) for rows in logits]
+
+
+def hf_generate(hf, prompt, n: int):
+    """transformers' greedy tokens and each step's raw logits for the prompt's ids, pixels and grids."""
+    ids = torch.tensor([prompt.token_ids])
+    out = hf.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+        pixel_values=torch.cat([image.pixel_inputs["pixel_values"] for image in prompt.images]),
+        image_grid_thw=torch.cat([image.pixel_inputs["image_grid_thw"] for image in prompt.images]),
+        max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, output_logits=True,
+        return_dict_in_generate=True)
+    return out.sequences[0, ids.shape[1]:].tolist(), torch.cat(out.logits).float()
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_greedy_tokens_and_their_log_probs_equal_transformers_generate(tiny, count):
+    hf, runner, processor = tiny
+    prompt = _prompt(processor, IMAGES[:count])
+    (ours,), (our_logits,) = generate(runner, [prompt], N)
+    theirs, their_logits = hf_generate(hf, prompt, N)
+    assert ours == theirs
+    chosen = torch.tensor(ours)[:, None]
+    torch.testing.assert_close(torch.log_softmax(our_logits, -1).gather(1, chosen),
+                               torch.log_softmax(their_logits, -1).gather(1, chosen), rtol=0, atol=2e-5)
+    other = _prompt(processor, IMAGES[2:3] + IMAGES[1:count])        # another first picture: other logits
+    assert not torch.allclose(generate(runner, [other], 1)[1][0], our_logits[:1], atol=1e-3)
+
+
+def test_a_row_s_bits_are_the_same_alone_and_batched_with_image_and_text_rows_whole_or_chunked(tiny):
+    _, runner, processor = tiny
+    target = _prompt(processor, IMAGES[:2])
+    (alone,), (alone_logits,) = generate(runner, [target], N)
+    others = [_prompt(processor, IMAGES[2:], "Other"), [1, 17, 300, 45, 9], _prompt(processor, IMAGES[1:2], "x")]
+    for chunk in (None, 5):
+        tokens, logits = generate(runner, [others[0], target, others[1], others[2]], N, chunk)
+        assert tokens[1] == alone and torch.equal(logits[1], alone_logits), f"chunk {chunk}"

@@ -35,8 +35,9 @@ class MultimodalInputs:
         self.family: VisionFamily | None = family_of(cfg)
         self.lock = lock or threading.Lock()
         self.processor = None
-        if self.family is not None:
-            self.processor = _load_processor(model_path if model_path is not None else options.model_path)
+        if self.family is not None:      # a family may build its own (Qwen2-VL's: transformers' needs torchvision)
+            load = getattr(self.family, "load_processor", _load_processor)
+            self.processor = load(model_path if model_path is not None else options.model_path)
 
     @property
     def serves_images(self) -> bool:

@@ -54,6 +54,12 @@ def build_tiny_qwen2_vl(path: Path | None, model_type: str = "qwen2_5_vl", seed:
     return model
 
 
+# Qwen2-VL's chat template (Qwen/Qwen2-VL-2B-Instruct's, without its system default), saved as chat_template.jinja
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 VISION_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]   # ids 508..511
 MIN_PIXELS, MAX_PIXELS = 8 * 8, 48 * 48
 
@@ -77,7 +83,8 @@ def build_tiny_processor(path: Path | None):
     if path is not None:
         tokenizer.save_pretrained(path)
         images.save_pretrained(path)
-    return QwenVLProcessor(tokenizer, images)
+        (Path(path) / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    return QwenVLProcessor(tokenizer, images, QWEN_TEMPLATE)
 
 
 def draw_image(width: int, height: int, seed: int = 0):

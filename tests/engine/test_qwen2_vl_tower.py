@@ -39,6 +39,16 @@ def test_the_processor_expands_each_image_to_its_merged_tokens_between_the_visio
         processor("one " + processor.image_token, IMAGES)
 
 
+def test_the_checkpoint_s_chat_template_writes_one_placeholder_per_image_part(tiny):
+    from jinja2 import Template
+
+    _, _, _, processor = tiny
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    text = Template(processor.chat_template).render(messages=messages, add_generation_prompt=True)
+    assert text.count(QWEN2_VL.image_placeholder(processor)) == 2
+    assert len(QWEN2_VL.prepare(processor, text, IMAGES, add_special_tokens=False).images) == 2
+
+
 @pytest.mark.parametrize("count", [1, 2])
 def test_the_tower_gives_transformers_vision_model_s_tokens(tiny, count):
     """Each image encoded alone (as the engine does) against transformers' visual over the prompt's images at once

@@ -284,16 +284,29 @@ class QwenVLProcessor:
     checkpoint), then expands the i-th <|image_pad|> of the text to image i's t * h * w / merge² tokens, as
     transformers' processor does, and tokenizes."""
 
-    def __init__(self, tokenizer, image_processor):
+    def __init__(self, tokenizer, image_processor, chat_template: str | None = None):
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
 
     @classmethod
     def load(cls, model_dir) -> "QwenVLProcessor":
+        """From the checkpoint: its tokenizer, preprocessor_config.json and the processor's chat template
+        (chat_template.jinja, or chat_template.json's, else the tokenizer's)."""
+        import json
+        from pathlib import Path
+
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)), Qwen2VLImageProcessorPil.from_pretrained(str(model_dir)))
+        model_dir = Path(model_dir)
+        template = None
+        if (model_dir / "chat_template.jinja").is_file():
+            template = (model_dir / "chat_template.jinja").read_text()
+        elif (model_dir / "chat_template.json").is_file():
+            template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)),
+                   Qwen2VLImageProcessorPil.from_pretrained(str(model_dir)), template)
 
     def __call__(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
         """{"input_ids": list[int], and with images "pixel_values" (N, C t p p) float32, "image_grid_thw" (I, 3)}.

@@ -11,6 +11,7 @@ from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
+from tests.engine.helpers import make_engine
 from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, draw_image
 
 CPU = torch.device("cpu")
@@ -89,3 +90,24 @@ def test_a_row_s_bits_are_the_same_alone_and_batched_with_image_and_text_rows_wh
     for chunk in (None, 5):
         tokens, logits = generate(runner, [others[0], target, others[1], others[2]], N, chunk)
         assert tokens[1] == alone and torch.equal(logits[1], alone_logits), f"chunk {chunk}"
+
+
+def test_a_prefix_cache_hit_past_the_image_gives_the_tokens_of_a_miss_in_16_token_steps(qwen2_5_vl_checkpoint, tiny):
+    """The engine (scheduler, prefix cache, chunked prefill): a request whose cached prefix ends past its image
+    resumes on the image prompt's streams (M-RoPE positions at a start inside the prompt)."""
+    _, _, processor = tiny
+    engine = make_engine(qwen2_5_vl_checkpoint[0], processor.tokenizer, max_num_batched_tokens=16)
+    prompt = _prompt(processor, IMAGES[:2])
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True, multimodal=prompt)
+
+    def run(request_id: str):
+        seq = engine.add_request(request_id, list(prompt.token_ids), params)
+        tokens = []
+        while engine.has_unfinished:
+            tokens += [(t.id, t.log_prob) for out in engine.step() for t in out.new_tokens]
+        return seq, tokens
+
+    miss, first = run("a")
+    hit, second = run("b")
+    assert miss.num_cached_tokens == 0 and hit.num_cached_tokens > prompt.images[-1].end
+    assert second == first and [t for t, _ in first] == generate(tiny[1], [prompt], N)[0][0]

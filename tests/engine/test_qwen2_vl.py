@@ -1,18 +1,20 @@
-"""Qwen2-VL / Qwen2.5-VL served by the engine's runner (vision/qwen2_vl.py, mrope.py, model_runner's image rows):
-greedy tokens and chosen-token log-probs against transformers' generate() with the same images, and a row's bits
-alone and batched with other image and text rows, prefilled whole or in chunks."""
+"""Qwen2-VL / Qwen2.5-VL (engine/model/vision/qwen2_vl.py; its positions mrope.py's, test_mrope.py): the tower and
+processor against transformers' vision model (both versions), and 2.5 served by the engine's runner: greedy tokens
+and chosen-token log-probs against transformers' generate() with the same images, a row's bits alone and batched
+with other image and text rows, prefilled whole or in chunks, a prefix-cache hit, legacy checkpoints."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from lmi_handler.engine.kv_cache import BlockAllocator, num_blocks_needed
-from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL
+from lmi_handler.engine.model.loader import read_config
+from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL, QwenVLProcessor, window_order
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import SamplingParams, Sequence
 from tests.engine.helpers import make_engine
-from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, draw_image
+from tests.engine.qwen2_vl_models import IMAGE_TOKEN_ID, MERGE, draw_image
 
 CPU = torch.device("cpu")
 N = 6
@@ -111,3 +113,88 @@ def test_a_prefix_cache_hit_past_the_image_gives_the_tokens_of_a_miss_in_16_toke
     hit, second = run("b")
     assert miss.num_cached_tokens == 0 and hit.num_cached_tokens > prompt.images[-1].end
     assert second == first and [t for t, _ in first] == generate(tiny[1], [prompt], N)[0][0]
+
+
+def test_a_flat_legacy_config_and_language_model_tensor_names_load_to_the_same_bits(tiny, qwen2_5_vl_checkpoint,
+                                                                                   tmp_path):
+    """Qwen's hub checkpoints: config.json with the text keys at the top and rope_scaling {"type": "mrope"}; the
+    tensors as transformers 4.5x saved them (model.language_model.*, model.visual.*)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = qwen2_5_vl_checkpoint[0]
+    for name in path.iterdir():
+        if name.name not in ("config.json", "model.safetensors"):
+            shutil.copy(name, tmp_path / name.name)
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**{k: v for k, v in text.items() if k != "model_type"}, **cfg, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): t for k, t in load_file(path / "model.safetensors").items()}
+    save_file(renamed, tmp_path / "model.safetensors")
+    legacy = ModelRunner(tmp_path, torch.float32, CPU, block_size=4, num_blocks=64)
+    prompt = _prompt(tiny[2], IMAGES[:2])
+    assert torch.equal(generate(legacy, [prompt], 2)[1][0], generate(tiny[1], [prompt], 2)[1][0])
+
+
+# ---- the tower and the processor, Qwen2-VL and Qwen2.5-VL ----------------------------------------------------
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def towers(request):
+    path, hf = request.getfixturevalue(f"{request.param}_checkpoint")
+    encoder = QWEN2_VL.load_encoder(path, read_config(path), torch.float32, CPU)
+    return path, hf, encoder, QwenVLProcessor.load(path)
+
+
+def test_the_processor_expands_each_image_to_its_merged_tokens_between_the_vision_tokens(towers):
+    _, _, _, processor = towers
+    prompt = _prompt(processor, IMAGES[:2])
+    grids = [image.pixel_inputs["image_grid_thw"][0].tolist() for image in prompt.images]
+    assert grids == [[1, 6, 10], [1, 12, 8]]
+    for image, (t, h, w) in zip(prompt.images, grids):
+        assert image.num_tokens == t * h * w // MERGE ** 2
+        assert image.pixel_inputs["pixel_values"].shape == (t * h * w, 3 * 2 * 4 * 4)
+        assert all(prompt.token_ids[p] == IMAGE_TOKEN_ID for p in image.positions())
+    assert sum(t == IMAGE_TOKEN_ID for t in prompt.token_ids) == sum(i.num_tokens for i in prompt.images)
+    with pytest.raises(ValueError, match="2 images but 1"):
+        processor("one " + processor.image_token, IMAGES[:2])
+
+
+def test_the_checkpoint_s_chat_template_writes_one_placeholder_per_image_part(towers):
+    from jinja2 import Template
+
+    _, _, _, processor = towers
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    text = Template(processor.chat_template).render(messages=messages, add_generation_prompt=True)
+    assert text.count(QWEN2_VL.image_placeholder(processor)) == 2
+    assert len(QWEN2_VL.prepare(processor, text, IMAGES[:2], add_special_tokens=False).images) == 2
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_the_tower_gives_transformers_vision_model_s_tokens(towers, count):
+    """Each image encoded alone (as the engine does) against transformers' visual over the prompt's images at once
+    (its attention never crosses an image)."""
+    _, hf, encoder, processor = towers
+    prompt = _prompt(processor, IMAGES[:count])
+    ours = torch.cat([encoder.encode(image) for image in prompt.images])
+    pixels = torch.cat([image.pixel_inputs["pixel_values"] for image in prompt.images])
+    grids = torch.cat([image.pixel_inputs["image_grid_thw"] for image in prompt.images])
+    with torch.no_grad():
+        theirs = hf.model.visual(pixels, grid_thw=grids).pooler_output
+    assert ours.shape == (sum(image.num_tokens for image in prompt.images), 64)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_5_windows_cut_the_merged_grid_from_its_top_left_as_transformers_does():
+    from transformers.vision_utils import get_vision_window_index
+
+    grids = [(1, 10, 6), (1, 8, 8), (2, 4, 12)]
+    order, bounds = window_order(grids, MERGE, 2)
+    index, cu = get_vision_window_index(torch.tensor(grids), MERGE, 16, 4)
+    assert torch.equal(order, index)
+    assert [a for a, _ in bounds] + [bounds[-1][1]] == cu.tolist()

@@ -28,6 +28,15 @@ class Idefics3Family:
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         return text
 
+    def load_processor(self, model_dir):
+        """transformers' Idefics3Processor with the PIL image processor (torchvision is not needed)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+
+    def mrope_steps(self, cfg: dict) -> None:
+        return None                      # plain RoPE
+
     def text_tensor_name(self, name: str) -> str | None:
         if name.startswith(TEXT_PREFIX):
             return "model." + name[len(TEXT_PREFIX):]

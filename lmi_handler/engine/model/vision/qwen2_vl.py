@@ -23,6 +23,7 @@ from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 VISION_PREFIXES = ("visual.", "model.visual.")
+IMAGE_TOKEN = "<|image_pad|>"               # one merged patch of an image in the prompt (Qwen's tokenizers)
 TEXT_PREFIX = "model.language_model."      # the layout transformers 4.52+ saved; older and 5.x save model.layers.*
 
 
@@ -51,7 +52,7 @@ class TowerConfig:
         from lmi_handler.engine.model.families import hf_config_of
 
         v = hf_config_of(cfg).vision_config
-        theta = float((getattr(v, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        theta = float((v.rope_parameters or {}).get("rope_theta", 10000.0))
         common = dict(num_heads=v.num_heads, depth=v.depth, patch_size=v.patch_size, in_channels=v.in_channels,
                       temporal_patch_size=v.temporal_patch_size, merge=v.spatial_merge_size,
                       activation=v.hidden_act, rope_theta=theta)
@@ -286,9 +287,9 @@ class QwenVLProcessor:
 
     def __init__(self, tokenizer, image_processor, chat_template: str | None = None):
         self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.image_token = IMAGE_TOKEN
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.chat_template = chat_template or tokenizer.chat_template
 
     @classmethod
     def load(cls, model_dir) -> "QwenVLProcessor":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lmi_handler.config import ConfigError
 from lmi_handler.engine.model.mrope import MropeSteps
 from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt
 
@@ -24,7 +25,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 VISION_PREFIXES = ("visual.", "model.visual.")
 IMAGE_TOKEN = "<|image_pad|>"               # one merged patch of an image in the prompt (Qwen's tokenizers)
-TEXT_PREFIX = "model.language_model."      # the layout transformers 4.52+ saved; older and 5.x save model.layers.*
+TEXT_PREFIX = "model.language_model."      # a layout transformers 4.x saved (with model.visual.*); the hub's: model.layers.*
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class TowerConfig:
         from lmi_handler.engine.model.families import hf_config_of
 
         v = hf_config_of(cfg).vision_config
+        if v.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"config.json vision_config.hidden_act={v.hidden_act!r} is not supported; supported: "
+                              f"{sorted(ACTIVATIONS)}")
         theta = float((v.rope_parameters or {}).get("rope_theta", 10000.0))
         common = dict(num_heads=v.num_heads, depth=v.depth, patch_size=v.patch_size, in_channels=v.in_channels,
                       temporal_patch_size=v.temporal_patch_size, merge=v.spatial_merge_size,
@@ -78,6 +82,9 @@ class Qwen2VisionTower:
         spatial = config.head_dim // 2          # h and w rotate head_dim / 4 pairs each
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
         self.patch_weight = weights["patch_embed.proj.weight"].reshape(config.width, -1)   # Conv3d as a linear
+        # the version's variant, chosen once: 2's LayerNorm and fc1 / fc2 MLP, 2.5's RMSNorm and SwiGLU
+        self._norm = self._layer_norm if config.version == "2" else self._rms_norm
+        self._mlp = self._fc_mlp if config.version == "2" else self._swiglu_mlp
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         c = self.c
@@ -110,26 +117,29 @@ class Qwen2VisionTower:
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
-    def _norm(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """2.5: RMSNorm (float32, then weight * the row in x's dtype); 2: LayerNorm with bias; eps 1e-6."""
-        w = self.w
-        if self.c.version == "2":
-            return F.layer_norm(x, (x.shape[-1],), w[p + ".weight"], w[p + ".bias"], 1e-6)
+    def _layer_norm(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """Qwen2-VL: LayerNorm with bias, eps 1e-6."""
+        return F.layer_norm(x, (x.shape[-1],), self.w[p + ".weight"], self.w[p + ".bias"], 1e-6)
+
+    def _rms_norm(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """Qwen2.5-VL: RMSNorm in float32, the row rounded to x's dtype, then times the weight; eps 1e-6."""
         x32 = x.float()
-        return w[p + ".weight"] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return self.w[p + ".weight"] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def _fc_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        h = self.act(F.linear(h, w[p + "fc1.weight"], w[p + "fc1.bias"]))
+        return F.linear(h, w[p + "fc2.weight"], w[p + "fc2.bias"])
+
+    def _swiglu_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        gate = self.act(F.linear(h, w[p + "gate_proj.weight"], w[p + "gate_proj.bias"]))
+        up = F.linear(h, w[p + "up_proj.weight"], w[p + "up_proj.bias"])
+        return F.linear(gate * up, w[p + "down_proj.weight"], w[p + "down_proj.bias"])
 
     def _block(self, x, cos, sin, segments: list[tuple[int, int]], p: str) -> torch.Tensor:
-        w = self.w
         x = x + self._attention(self._norm(x, p + "norm1"), cos, sin, segments, p + "attn.")
-        h = self._norm(x, p + "norm2")
-        if self.c.version == "2":
-            h = F.linear(self.act(F.linear(h, w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"])),
-                         w[p + "mlp.fc2.weight"], w[p + "mlp.fc2.bias"])
-        else:
-            gate = self.act(F.linear(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.gate_proj.bias"]))
-            up = F.linear(h, w[p + "mlp.up_proj.weight"], w[p + "mlp.up_proj.bias"])
-            h = F.linear(gate * up, w[p + "mlp.down_proj.weight"], w[p + "mlp.down_proj.bias"])
-        return x + h
+        return x + self._mlp(self._norm(x, p + "norm2"), p + "mlp.")
 
     def _attention(self, x, cos, sin, segments: list[tuple[int, int]], p: str) -> torch.Tensor:
         """Bidirectional attention within each segment [a, b) of rows (an image, a frame or a window); segments of

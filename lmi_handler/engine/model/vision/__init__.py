@@ -153,6 +153,13 @@ def text_tensors(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     return {new: t for name, t in tensors.items() if (new := family.text_tensor_name(name)) is not None}
 
 
+def auto_processor(model_dir):
+    """transformers' AutoProcessor of the checkpoint with the PIL image processors (torchvision is not needed)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+
+
 def mrope_steps(cfg: dict):
     """The vision family's M-RoPE step positions (mrope.MropeSteps: Qwen2-VL), None for a family without."""
     family = family_of(cfg)

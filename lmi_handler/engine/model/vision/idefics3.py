@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, read_tensors
+from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors
 from lmi_handler.engine.model.vision.siglip import SiglipTower, VisionConfig
 
 TEXT_PREFIX = "model.text_model."
@@ -29,10 +29,7 @@ class Idefics3Family:
         return text
 
     def load_processor(self, model_dir):
-        """transformers' Idefics3Processor with the PIL image processor (torchvision is not needed)."""
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+        return auto_processor(model_dir)
 
     def mrope_steps(self, cfg: dict) -> None:
         return None                      # plain RoPE

@@ -198,3 +198,24 @@ def test_qwen2_5_windows_cut_the_merged_grid_from_its_top_left_as_transformers_d
     index, cu = get_vision_window_index(torch.tensor(grids), MERGE, 16, 4)
     assert torch.equal(order, index)
     assert [a for a, _ in bounds] + [bounds[-1][1]] == cu.tolist()
+
+
+def test_the_decode_graphs_take_generated_tokens_but_not_a_prompt_row_at_three_streams(tiny):
+    """A one-row step inside the image prompt (its last token after a prefix-cache hit) has (3, 1) positions: the
+    graphs' (T,) buffers cannot hold it, it runs eager; a generated token's position is p + delta, (T,)."""
+    from tests.engine.graph_helpers import decode_graphs
+
+    _, runner, processor = tiny
+    prompt = _prompt(processor, IMAGES[:1])
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    seq = Sequence("r", list(prompt.token_ids), SamplingParams(multimodal=prompt))
+    seq.block_table = allocator.allocate(num_blocks_needed(seq.num_tokens + 2, runner.block_size))
+    graphs = decode_graphs(runner, max_num_seqs=2)
+    seq.num_computed_tokens = seq.num_prompt_tokens - 1
+    last = runner.prepare(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[1]))
+    assert last.positions.shape == (3, 1) and not graphs.takes(last)
+    seq.output_token_ids.append(7)
+    seq.num_computed_tokens = seq.num_prompt_tokens
+    step = runner.prepare(SchedulerOutput(seqs=[seq], num_scheduled_tokens=[1]))
+    streams = runner.mrope.streams(prompt)
+    assert step.positions.tolist() == [seq.num_prompt_tokens + streams.delta] and graphs.takes(step)

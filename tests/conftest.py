@@ -151,3 +151,25 @@ def tiny_llava(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llava")
     model, processor = build_tiny_llava(path)
     return path, model, processor
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_checkpoint(tmp_path_factory):
+    """(model_dir, hf_model): the tiny Qwen2.5-VL with its processor (qwen2_vl_models.py), built once."""
+    from tests.engine.qwen2_vl_models import build_tiny_processor, build_tiny_qwen2_vl
+
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    hf = build_tiny_qwen2_vl(path, "qwen2_5_vl")
+    build_tiny_processor(path)
+    return path, hf
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_checkpoint(tmp_path_factory):
+    """(model_dir, hf_model): the tiny Qwen2-VL with its processor, built once."""
+    from tests.engine.qwen2_vl_models import build_tiny_processor, build_tiny_qwen2_vl
+
+    path = tmp_path_factory.mktemp("qwen2_vl")
+    hf = build_tiny_qwen2_vl(path, "qwen2_vl")
+    build_tiny_processor(path)
+    return path, hf

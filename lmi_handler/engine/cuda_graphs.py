@@ -76,9 +76,10 @@ class DecodeGraphs:
 
     def takes(self, model_input) -> bool:
         """Whether this step is a decode step these buffers hold: one row per sequence, at most max_num_seqs,
-        no prompt-logprob rows, LoRA or block copy, its block table no wider than max_blocks."""
+        no prompt-logprob rows, LoRA or block copy, its block table no wider than max_blocks, (T,) positions (a
+        row at M-RoPE's three streams, the last prompt token after a prefix-cache hit, runs eager)."""
         mi = model_input
-        return (mi.num_chunk_rows == 0 and mi.lora is None and mi.blocks_to_copy is None
+        return (mi.num_chunk_rows == 0 and mi.lora is None and mi.blocks_to_copy is None and mi.positions.dim() == 1
                 and mi.input_ids.shape[0] == mi.attn.num_seqs <= self.sizes[-1]
                 and mi.attn.block_tables.shape[1] <= self.max_blocks)
 

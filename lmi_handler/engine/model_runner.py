@@ -24,7 +24,7 @@ from lmi_handler.engine.model.kernels import empty_huge
 from lmi_handler.engine.model.loader import load_model, read_config, spec_from_config
 from lmi_handler.engine.model.lora import FUSED, LoraBatch, base_module_shapes
 from lmi_handler.engine.model.model_impl import choose_impl
-from lmi_handler.engine.model.vision import load_encoder, text_config_of
+from lmi_handler.engine.model.vision import load_encoder, mrope_steps, text_config_of
 from lmi_handler.engine.scheduler import SchedulerOutput
 from lmi_handler.engine.sequence import Sequence
 
@@ -94,7 +94,8 @@ class ModelInput:
     """
 
     input_ids: torch.Tensor             # (T,) int64
-    positions: torch.Tensor             # (T,) int64: num_computed_tokens + 0..n-1 of each sequence
+    positions: torch.Tensor             # (T,) int64: num_computed_tokens + 0..n-1 of each sequence (RoPE's; M-RoPE:
+                                        # (3, T) or moved, engine/model/mrope.py; slots are the index's)
     attn: AttentionMetadata             # slot_mapping (T,), block_tables (S, max_blocks), context_lens, ...
     logit_rows: torch.Tensor            # (R,) int64 flat rows lm_head runs on, R = num_chunk_rows + S
     num_chunk_rows: int                 # leading entries of logit_rows that are prompt-logprob chunks
@@ -177,6 +178,7 @@ class ModelRunner:
         self.kernel_backend = self.model.kernel_backend
         # a vision-language checkpoint's tower and projector (engine/model/vision/), None for a text model
         self.vision = None if self.impl.fallback else load_encoder(model_dir, read_config(model_dir), dtype, self.device)
+        self.mrope = None if self.vision is None else mrope_steps(read_config(model_dir))   # Qwen2-VL's M-RoPE
         if group is not None:
             self.model.group = group
         c = self.config
@@ -267,8 +269,12 @@ class ModelRunner:
             token_ids += _token_slice(seq, start, n)
         if len(token_ids) == len(seqs) and not sched.blocks_to_copy and not any(
                 seq.params.prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs):
-            return self._prepare_decode(seqs, starts, token_ids)
-        return self._prepare_general(sched, starts, token_ids)
+            model_input = self._prepare_decode(seqs, starts, token_ids)
+        else:
+            model_input = self._prepare_general(sched, starts, token_ids)
+        if self.mrope is not None:      # Qwen2-VL: the RoPE positions of image prompts (its slots stay the index's)
+            model_input.positions = self.mrope.step_positions(seqs, counts, model_input.positions)
+        return model_input
 
     def _prepare_general(self, sched: SchedulerOutput, starts: list[int], token_ids: list[int]) -> ModelInput:
         """prepare_host's ModelInput for any step (prefill chunks, prompt-logprob rows, block copies): the

@@ -36,7 +36,7 @@ class MultimodalInputs:
         self.lock = lock or threading.Lock()
         self.processor = None
         if self.family is not None:
-            self.processor = _load_processor(model_path if model_path is not None else options.model_path)
+            self.processor = _load_processor(self.family, model_path if model_path is not None else options.model_path)
 
     @property
     def serves_images(self) -> bool:
@@ -113,12 +113,11 @@ class MultimodalInputs:
         return replace(prompt, images=images)
 
 
-def _load_processor(model_path):
-    """The checkpoint's processor with the PIL image processors (torchvision is not needed). Raises ConfigError."""
-    from transformers import AutoProcessor
-
+def _load_processor(family: VisionFamily, model_path):
+    """The checkpoint's processor as its family loads it (PIL image processors: torchvision is not needed).
+    Raises ConfigError."""
     try:
-        return AutoProcessor.from_pretrained(str(model_path), backend="pil")
+        return family.load_processor(model_path)
     except Exception as exc:  # noqa: BLE001 - any failure to build it is a start-up refusal naming why
         raise ConfigError(f"the vision-language checkpoint {model_path} has no processor transformers can load "
                           f"(processor_config.json / preprocessor_config.json): {exc}") from None

@@ -107,6 +107,12 @@ FAMILIES = {f.model_type: f for f in (
            attention_scale="attention_multiplier", granite=True,
            experts=Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "router.layer.weight",
                            "stacked", routing="topk_softmax", norm_topk_prob=False)),
+    # the language models of Qwen2-VL / Qwen2.5-VL (engine/model/vision/qwen2_vl.py's text_config): Qwen2 with
+    # M-RoPE (rope_parameters' mrope_section, spec.RopeSpec)
+    Family("qwen2_vl_text", ("Qwen2VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
+           window="layer_types"),
+    Family("qwen2_5_vl_text", ("Qwen2_5_VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
+           window="layer_types"),
 )}
 
 NORM_NAMES = {   # placement -> (before attention, after attention, before the MLP, after the MLP)

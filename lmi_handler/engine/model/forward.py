@@ -20,7 +20,7 @@ from lmi_handler.engine.model.kernels import PackedWeight
 from lmi_handler.engine.model.linear import Collectives, row_parallel_linear
 from lmi_handler.engine.model.lora import LoraBatch
 from lmi_handler.engine.model.moe import MoeWeights, moe_mlp
-from lmi_handler.engine.model.spec import ModelSpec, RopeSpec, rope_cos_sin_rows
+from lmi_handler.engine.model.spec import ModelSpec, RopeSpec, mrope_cos_sin_rows, rope_cos_sin_rows
 
 NORM_ROLES = ("attn_pre", "attn_post", "mlp_pre", "mlp_post", "q_norm", "k_norm")
 ROPE_SLAB = 256   # positions per slab of the CPU RoPE table (256 * head_dim floats: whole 32-float vectors)
@@ -100,6 +100,7 @@ class DecoderModel(nn.Module):
                 lora: LoraBatch | None = None, image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
         """input_ids, positions: (T,) int64 -> (T, hidden) after the final norm; writes this step's K/V.
+        positions may be (3, T) (M-RoPE's streams, a step with Qwen2-VL image tokens: _rope_rows).
         kv_caches[l]: (K, V), each (num_blocks, block_size, num_kv_heads, head_dim) in the activations' dtype.
         `lora`: the step's adapters, None when no row has one (never on a shard). `image_rows`: (rows (K,)
         int64, embeddings (K, hidden)): those rows' input embeddings are the images' (engine/model/vision/),
@@ -241,19 +242,34 @@ class DecoderModel(nn.Module):
 
     def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> dict:
         """id(RopeSpec) -> this step's (cos, sin) rows, each (T, rotary_dim) in `dtype`, one pair per distinct
-        rope of the spec (spec.rope_cos_sin_rows' values; on CPU read from its RopeTable)."""
+        rope of the spec (spec.rope_cos_sin_rows' values; on CPU read from its RopeTable). positions (3, T):
+        M-RoPE's temporal, height and width streams (a step holding image tokens of Qwen2-VL); each stream's
+        rows are looked up as (T,) positions are, and spec.mrope_cos_sin_rows picks each section's (a rope
+        without sections takes the first stream)."""
         seq_lens = None
         if self._ropes_need_lengths:
             seq_lens = torch.repeat_interleave(torch.tensor(meta.context_lens_host),
                                                torch.tensor(meta.query_lens))
+        bound = max(meta.context_lens_host, default=0)
         rows = {}
         for key, rope in self.ropes.items():
             table = self.rope_tables.get(key)
-            if table is None:
-                rows[key] = rope_cos_sin_rows(rope, positions, seq_lens, dtype)
+            if positions.dim() == 1:
+                rows[key] = self._stream_rows(rope, table, positions, bound, seq_lens, dtype)
+            elif rope.mrope_section is None:
+                rows[key] = self._stream_rows(rope, table, positions[0], bound, seq_lens, dtype)
             else:
-                rows[key] = table.rows(positions, max(meta.context_lens_host, default=0), dtype)
+                rows[key] = mrope_cos_sin_rows(rope, [self._stream_rows(rope, table, p, bound, seq_lens, dtype)
+                                                      for p in positions])
         return rows
+
+    @staticmethod
+    def _stream_rows(rope: RopeSpec, table: RopeTable | None, positions: torch.Tensor, bound: int,
+                     seq_lens: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, rotary_dim) of one stream of (T,) positions: from `table` where there is one (CPU)."""
+        if table is None:
+            return rope_cos_sin_rows(rope, positions, seq_lens, dtype)
+        return table.rows(positions, bound, dtype)
 
 
 class RopeTable:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmi_handler.config import ConfigError
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -25,6 +27,10 @@ class RopeSpec:
     (as transformers does for a sequence generated alone): longrope takes long_inv_freq once the sequence is
     longer than original_max_position_embeddings; dynamic recomputes from hf_config past
     max_position_embeddings.
+    mrope_section (Qwen2-VL's M-RoPE, transformers' rope_parameters["mrope_section"]): the rotary_dim // 2
+    frequencies split into consecutive sections taken from the temporal, height and width position streams in
+    turn (section i from stream i % 3, both halves of the rotate-half layout alike); None: one stream. Where
+    the three streams are equal (text) the rows are the single stream's, bit for bit (mrope_cos_sin_rows).
     """
 
     kind: str
@@ -35,6 +41,7 @@ class RopeSpec:
     original_max_position_embeddings: int | None = None  # longrope / dynamic: where scaling starts
     hf_config: object | None = field(default=None, repr=False)   # dynamic: recomputed per sequence length
     layer_type: str | None = None
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def depends_on_length(self) -> bool:
@@ -185,6 +192,8 @@ def build_rope(hf_config, params: dict, head_dim: int, max_position_embeddings: 
 
     kind = params.get("rope_type", params.get("type", "default"))
     rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if params.get("mrope_section"):
+        return _mrope(params, rotary_dim, layer_type)
     if kind == "default":
         return RopeSpec(kind, rotary_dim, default_inv_freq(params["rope_theta"], rotary_dim), layer_type=layer_type)
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu", layer_type=layer_type)
@@ -197,6 +206,38 @@ def build_rope(hf_config, params: dict, head_dim: int, max_position_embeddings: 
         return RopeSpec(kind, rotary_dim, inv_freq, float(scaling), None, max_position_embeddings, hf_config,
                         layer_type=layer_type)
     return RopeSpec(kind, rotary_dim, inv_freq, float(scaling), layer_type=layer_type)
+
+
+def _mrope(params: dict, rotary_dim: int, layer_type: str | None) -> RopeSpec:
+    """Qwen2-VL's M-RoPE: default frequencies, split by mrope_section (transformers' Qwen2VLRotaryEmbedding
+    maps rope_type "mrope" to "default"). Raises ConfigError when the sections do not cover rotary_dim // 2
+    or the kind is a scaled one (transformers' M-RoPE models take only the default frequencies)."""
+    section = tuple(int(n) for n in params["mrope_section"])
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "mrope") or sum(section) != rotary_dim // 2:
+        raise ConfigError(f"config.json rope_parameters: mrope_section={list(section)} with rope_type={kind!r} is "
+                          f"not supported (only the default rope_type, sections summing to {rotary_dim // 2})")
+    return RopeSpec("default", rotary_dim, default_inv_freq(params["rope_theta"], rotary_dim), layer_type=layer_type,
+                    mrope_section=section)
+
+
+def mrope_cos_sin_rows(rope: RopeSpec, streams: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE's cos, sin (T, rotary_dim) from the rows of each position stream's positions (streams: three
+    (cos, sin) pairs, each (T, rotary_dim), as rope_cos_sin_rows or a RopeTable gives them): frequency j of
+    section i is stream i % 3's, in both halves, as transformers' recomposition_frequencies picks them. Only
+    copies: where the three streams hold the same positions the result is each stream's rows bit for bit."""
+    half = rope.rotary_dim // 2
+    bounds = [0]
+    for n in rope.mrope_section:
+        bounds.append(bounds[-1] + n)
+    spans = [(i % 3, a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    spans += [(s, a + half, b + half) for s, a, b in spans]
+
+    def pick(k: int) -> torch.Tensor:
+        return torch.cat([streams[s][k][:, a:b] for s, a, b in spans], dim=-1)
+
+    return pick(0), pick(1)
 
 
 def rope_cos_sin_rows(rope: RopeSpec, positions: torch.Tensor, seq_lens: torch.Tensor | None,

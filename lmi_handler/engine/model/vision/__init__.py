@@ -23,6 +23,10 @@ A family (one module here: idefics3.py, llava.py, qwen2_vl.py) provides, as a Vi
   prompt order (content_hash left empty: the caller fills it from the image's pixels).
 - `load_encoder(model_dir, cfg, dtype, device) -> VisionEncoder`: the vision tower and projector, weights read from
   the checkpoint, on the engine's device in the engine's dtype.
+- `load_processor(model_dir)`: the checkpoint's processor, prepare's first argument (Idefics3: transformers'
+  AutoProcessor with PIL image processors; Qwen2-VL: its own, transformers' wants torchvision for video).
+- `mrope_steps(cfg)`: None for plain RoPE; Qwen2-VL's mrope.MropeSteps, which the runner asks for each step's
+  positions (the three M-RoPE streams of a prompt's images, computed from their image_grid_thw).
 
 A VisionEncoder's `encode(image: ImageInput) -> torch.Tensor` is (image.num_tokens, text hidden_size) in the
 engine's dtype on its device: image row r replaces the input embedding of prompt position image.positions()[r].
@@ -30,7 +34,7 @@ It is called once per image, alone (never batched with another request's image),
 only: a request's tokens are the same whatever shares its steps.
 
 M-RoPE families (Qwen2-VL) carry what their position streams need in ImageInput.pixel_inputs (image_grid_thw);
-the language model's positions are theirs to add.
+their mrope_steps turns them into the language model's positions.
 """
 from __future__ import annotations
 
@@ -109,12 +113,19 @@ class VisionFamily(Protocol):
 
     def load_encoder(self, model_dir, cfg: dict, dtype: torch.dtype, device: torch.device) -> VisionEncoder: ...
 
+    def load_processor(self, model_dir) -> Any:
+        """The checkpoint's processor (prepare's first argument); raises on a checkpoint without one."""
+
+    def mrope_steps(self, cfg: dict) -> Any:
+        """The language model's M-RoPE step positions (mrope.MropeSteps: Qwen2-VL), None for plain RoPE."""
+
 
 def _families() -> dict[str, VisionFamily]:
     from lmi_handler.engine.model.vision.idefics3 import IDEFICS3
     from lmi_handler.engine.model.vision.llava import LLAVA
+    from lmi_handler.engine.model.vision.qwen2_vl import QWEN2_VL
 
-    return {model_type: family for family in (IDEFICS3, LLAVA) for model_type in family.model_types}
+    return {model_type: family for family in (IDEFICS3, LLAVA, QWEN2_VL) for model_type in family.model_types}
 
 
 def family_of(cfg: dict) -> VisionFamily | None:
@@ -140,6 +151,19 @@ def text_tensors(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     if family is None:
         return tensors
     return {new: t for name, t in tensors.items() if (new := family.text_tensor_name(name)) is not None}
+
+
+def auto_processor(model_dir):
+    """transformers' AutoProcessor of the checkpoint with the PIL image processors (torchvision is not needed)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+
+
+def mrope_steps(cfg: dict):
+    """The vision family's M-RoPE step positions (mrope.MropeSteps: Qwen2-VL), None for a family without."""
+    family = family_of(cfg)
+    return None if family is None else family.mrope_steps(cfg)
 
 
 def load_encoder(model_dir, cfg: dict, dtype: torch.dtype, device: torch.device) -> VisionEncoder | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, read_tensors
+from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors
 from lmi_handler.engine.model.vision.siglip import SiglipTower, VisionConfig
 
 TEXT_PREFIX = "model.text_model."
@@ -27,6 +27,12 @@ class Idefics3Family:
         if cfg.get("tie_word_embeddings") is not None:      # the top-level config's (Idefics3Config) decides
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         return text
+
+    def load_processor(self, model_dir):
+        return auto_processor(model_dir)
+
+    def mrope_steps(self, cfg: dict) -> None:
+        return None                      # plain RoPE
 
     def text_tensor_name(self, name: str) -> str | None:
         if name.startswith(TEXT_PREFIX):

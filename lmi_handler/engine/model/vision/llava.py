@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, read_tensors
+from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors
 from lmi_handler.engine.model.vision.clip import ClipTower
 from lmi_handler.engine.model.vision.idefics3 import runs
 from lmi_handler.engine.model.vision.siglip import ACTIVATIONS, VisionConfig
@@ -25,6 +25,12 @@ PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 class LlavaFamily:
     model_types = ("llava",)
+
+    def load_processor(self, model_dir):
+        return auto_processor(model_dir)
+
+    def mrope_steps(self, cfg: dict) -> None:
+        return None                      # plain RoPE
 
     def text_config(self, cfg: dict) -> dict:
         text = dict(cfg.get("text_config") or {})

@@ -129,8 +129,10 @@ class EncoderModel:
         heads, dim = self.spec.num_heads, self.spec.head_dim
         out, start = [], 0
         for n in seq_lens:
-            q, k, v = qkv[start:start + n].float().view(n, 3, heads, dim).permute(1, 2, 0, 3)   # (H, n, D) each
-            o = F.scaled_dot_product_attention(q, k, v)            # the same call for a sequence in any batch
+            q, k, v = qkv[start:start + n].float().view(1, n, 3, heads, dim).permute(2, 0, 3, 1, 4)  # (1, H, n, D)
+            # 4-D, so that torch takes its CPU flash kernel (a fixed order over key blocks for each query row):
+            # 3-D inputs fall back to the math path, measured 4.4x slower (12 heads x 200 tokens, 2 threads)
+            o = F.scaled_dot_product_attention(q, k, v)[0]         # the same call for a sequence in any batch
             out.append(o.transpose(0, 1).reshape(n, heads * dim).to(qkv.dtype))
             start += n
         return torch.cat(out)

@@ -8,7 +8,6 @@ import argparse
 import os
 import statistics
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -18,7 +17,9 @@ from profiling_commands.kernels import SHAPES as KERNEL_SHAPES
 from workload import REPO
 
 from lmi_handler.engine.kv_cache import BlockAllocator
-from lmi_handler.engine.model.kernels import BF16_DP, bf16_dot_form, build, cpu_kernels, pack_weight
+from lmi_handler.engine.model.backends import cpp
+from lmi_handler.engine.model.kernels import build, cpu_kernels, pack_weight
+from lmi_handler.engine.model.quant import QuantWeight
 from lmi_handler.engine.model_runner import ModelRunner
 from lmi_handler.engine.scheduler import SchedulerOutput
 
@@ -27,29 +28,40 @@ revision's, in one process (each built as its own extension; the packed layouts 
 
 Per dtype variant one ModelRunner; each round times `--steps` steps with the old kernels and with the new,
 the order alternating, after one untimed step each; a read-bandwidth measurement opens each round. A
-revision without DecoderStack runs its decoder_layer once per layer from Python (main's _forward_fused
-before the stack). `--linears` instead times the packed linear of the demo model's shapes (weights hot
+revision whose DecoderStack took 14 tensors a layer gets them (SlotStack), and walks the ops where a linear is
+quantized (as it did); each side's form is printed. `--linears` instead times the packed linear of the demo model's shapes (weights hot
 in cache: the per-call cost, not the stream). `--clock cpu` is this thread's CPU time (use with
 `--threads 1` on a busy machine).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/ab.py batch1 --old-rev main [--threads 1 --clock cpu]
 """
 
-def layer_loop(self, x, cos, sin, kv_caches, meta):
-    """_forward_fused as it was before DecoderStack: one decoder_layer call per layer."""
-    a, ops, native = self.args, cpu_kernels(), bf16_dot_form() == BF16_DP   # revisions before AMX took a bool
-    x = x.contiguous().clone()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, o, gate_up, down = attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
-        ops.decoder_layer(x, layer.input_layernorm.weight, qkv.panels, qkv.scale, attn.qkv_bias,
-                          o.panels, o.scale, attn.o_bias, layer.post_attention_layernorm.weight,
-                          gate_up.panels, gate_up.scale, mlp.gate_up_bias, down.panels, down.scale, mlp.down_bias,
-                          cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                          meta.cu_seqlens_q, a.num_heads, a.num_kv_heads, a.intermediate_size,
-                          layer.input_layernorm.eps, attn.scale, native)
-    return ops.add_rmsnorm(x, None, self.norm.weight, self.norm.eps)
+class SlotStack(cpp.DecoderStack):
+    """cpp.DecoderStack on a revision's kernels from before StackLayer: its DecoderStack took each layer as a
+    positional list of 14 tensors (and the intermediate width)."""
+
+    def _build(self, ops) -> None:
+        shape = self._shape
+        weights = [[w.attn_pre, w.qkv.panels, w.qkv.scale, w.qkv_bias, w.o.panels, w.o.scale, w.o_bias, w.mlp_pre,
+                    w.gate_up.panels, w.gate_up.scale, w.gate_up_bias, w.down.panels, w.down.scale, w.down_bias]
+                   for w in self.layers]
+        self.ops, self.kernel = ops, ops.DecoderStack(
+            weights, self.final_norm, shape["num_heads"], shape["num_kv_heads"],
+            self.layers[0].gate_up.out_features // 2, shape["eps"], shape["norm_eps"], shape["scale"])
+
+
+def old_stack(model, old):
+    """The whole-stack operation revision `old` (a kernel module) would run for `model`, built on it (call with
+    it as the process's module): this checkout's form where it has StackLayer, else its 14-slot form, and none
+    (the ops walked, as that revision did) where a linear is quantized (QuantWeight) or the model has no stack."""
+    if model.stack is None:
+        return None
+    args = (model.spec, model.layer_weights, model.final_norm, model.num_heads, model.num_kv_heads)
+    if hasattr(old, "StackLayer"):
+        return cpp.DecoderStack(*args)
+    if any(isinstance(getattr(w, role), QuantWeight) for w in model.layer_weights for role in cpp.STACK_LINEARS):
+        return None
+    return SlotStack(*args)
 
 
 def batch1_main(argv=None) -> None:
@@ -67,15 +79,12 @@ def batch1_main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     mods = {"new": cpu_kernels(), "old": old_kernels(args.old_rev)}
-    loop = not hasattr(mods["old"], "DecoderStack")
+    stacks = {}          # (variant, mode) -> the model's whole-stack operation on that side
 
-    def use(mode, model=None):
+    def use(mode, name=None):
         build._state["module"] = mods[mode]
-        if model is not None:
-            if mode == "old" and loop:
-                model._forward_fused = types.MethodType(layer_loop, model)
-            else:
-                model.__dict__.pop("_forward_fused", None)
+        if name is not None:
+            runners[name][0].model.stack = stacks[(name, mode)]
 
     def order(r):
         return ("old", "new") if r % 2 == 0 else ("new", "old")
@@ -108,13 +117,19 @@ def batch1_main(argv=None) -> None:
                              quantize=quantize)
         seqs = decode_batch(runner, BlockAllocator(runner.num_blocks, runner.block_size), args.batch, 200)
         runners[name] = (runner, SchedulerOutput(seqs=seqs, num_scheduled_tokens=[1] * args.batch))
+        stacks[(name, "new")] = runner.model.stack
+        use("old")
+        stacks[(name, "old")] = old_stack(runner.model, mods["old"])
+        use("new")
+        print(f"{name}: new {'fused stack' if stacks[(name, 'new')] else 'walk'}, "
+              f"old {'fused stack' if stacks[(name, 'old')] else 'walk'}", flush=True)
     times = {(n, m): [] for n in runners for m in ("old", "new")}
     bandwidth = []
     for r in range(args.rounds):
         bandwidth.append(read_bandwidth_gbs())
         for name, (runner, sched) in runners.items():
             for mode in order(r):
-                use(mode, runner.model)
+                use(mode, name)
                 runner.execute(runner.prepare(sched))
                 start = clock()
                 for _ in range(args.steps):

@@ -165,17 +165,16 @@ def profile_step(runner: ModelRunner, seqs: list[Sequence], steps: int = 5, top:
 DTYPE_VARIANTS = {   # name -> (activations' dtype, quantize)
     "fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
     "int8": (torch.float32, "int8"), "int8-bf16": (torch.bfloat16, "int8"),
+    "int4": (torch.float32, "int4"), "int4-bf16": (torch.bfloat16, "int4"),
 }
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights one decode step streams: every packed linear and lm_head (the embedding is read a
-    row at a time, the norms are negligible)."""
-    from lmi_handler.engine.model.kernels import PackedWeight
-
+    """Bytes of weights one decode step streams: every packed (or 4-/8-bit code) linear and lm_head (the embedding
+    is read a row at a time, the norms are negligible)."""
     linears = [w for layer in model.layer_weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] \
         + [model.lm_head]
-    return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in linears)
+    return sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes for w in linears)
 
 
 def read_bandwidth_gbs(num_bytes: int = 512 << 20, repeats: int = 5) -> float:

@@ -256,6 +256,37 @@ def test_the_fused_stack_is_bitwise_the_walk_and_close_to_the_reference_backend(
         assert tokens == hf_greedy(hf_model, PROMPTS[2], 4)
 
 
+def test_the_stack_holds_each_layer_s_weights_by_role_so_a_swapped_norm_or_bias_changes_the_bits(tmp_path):
+    """The fused stack takes a layer's norms and linears by name (cpp.stack_layer -> decoder_stack.h's StackLayer).
+    With every norm and bias of a tiny Llama distinct (random, not the ones and zeros of a fresh model), the stack
+    gives the walk's bits; a stack built with attn_pre and mlp_pre swapped, or o's and down's biases swapped (each
+    pair of one shape, so nothing else would notice), does not."""
+    from dataclasses import replace
+
+    from lmi_handler.engine.model.backends import cpp
+    from tests.engine.helpers import build_tiny_llama
+
+    hf = build_tiny_llama(tmp_path, attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    swaps = {"norms swapped": lambda w: replace(w, attn_pre=w.mlp_pre, mlp_pre=w.attn_pre),
+             "biases swapped": lambda w: replace(w, o_bias=w.down_bias, down_bias=w.o_bias)}
+    models = {name: load_model(tmp_path, torch.float32, torch.device("cpu")) for name in ("stack", "walk", *swaps)}
+    assert models["stack"].stack is not None
+    models["walk"].stack = None
+    for name, swap in swaps.items():
+        m = models[name]
+        m.stack = cpp.DecoderStack(m.spec, [swap(w) for w in m.layer_weights], m.final_norm, m.num_heads,
+                                   m.num_kv_heads)
+    out = decode_through(models, torch.float32)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(out["stack"], out["walk"]))
+    for name in swaps:
+        assert not torch.equal(out[name][0][0], out["walk"][0][0]), name
+
+
 def decode_through(models: dict, dtype) -> dict:
     """Prefill then 3 greedy decode steps (the first model's tokens) through each model on its own KV cache;
     returns each model's [(final-norm hidden, logits)] per step."""

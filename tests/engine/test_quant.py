@@ -67,7 +67,7 @@ def test_each_format_gives_transformers_greedy_tokens_on_the_weights_it_dequanti
         runner = _runner(path)
     layer = runner.model.layer_weights[0]
     assert all(isinstance(w, QuantWeight) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert runner.model.stack is None and "quantized linears: " + FORMATS[name][0] in caplog.text
+    assert runner.model.stack is not None and "quantized linears: " + FORMATS[name][0] in caplog.text
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     for prompt in PROMPTS:
         assert greedy_generate(runner, allocator, [prompt], 10)[0][0] == hf_greedy(hf, prompt, 10), name
@@ -79,8 +79,31 @@ def test_each_format_gives_transformers_greedy_tokens_on_the_weights_it_dequanti
 def test_a_quantized_model_s_logits_are_bitwise_the_same_alone_and_in_a_batch(checkpoints, name, dtype):
     path, _ = checkpoints(name)
     runner = _runner(path, dtype=dtype)
+    assert runner.model.stack is not None                  # the quantized linears inside the fused stack
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     assert_logits_bitwise_identical_alone_and_in_batch(runner, allocator, PROMPTS[1], PROMPTS[:1], 5, chunks=[2])
+
+
+@pytest.mark.parametrize("name", ["gptq-4bit-zeros-act-order", "awq-gemm", "compressed-w8a16-channel", "fp8-block-32",
+                                  "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linears_run_inside_the_fused_stack_with_the_walk_s_bits(checkpoints, tiny_model_dir, name, dtype):
+    """The fused C++ stack runs 4-bit, 8-bit and FP8 code linears itself (the linear's kind picks linear_quant.h;
+    act order permutes x's columns first; FP8 passes its code format): its tokens and logits are bitwise the ops
+    walked one by one (stack None), through chunked prefills beside decodes, for checkpoints' codes and
+    option.quantize=int4's."""
+    path, quantize = (tiny_model_dir, "int4") if name == "int4" else (checkpoints(name)[0], None)
+    results = []
+    for walk in (False, True):
+        runner = _runner(path, dtype=dtype, quantize=quantize)
+        assert runner.model.stack is not None and isinstance(runner.model.layer_weights[0].qkv, QuantWeight)
+        if walk:
+            runner.model.stack = None
+        results.append(greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), PROMPTS, 4,
+                                       chunk_sizes=[2, 16]))
+    (tokens, logits), (walk_tokens, walk_logits) = results
+    assert tokens == walk_tokens
+    assert all(torch.equal(a, b) for rows_a, rows_b in zip(logits, walk_logits) for a, b in zip(rows_a, rows_b))
 
 
 def test_an_fp8_checkpoint_gives_the_tokens_of_transformers_own_fp8_loading_and_of_its_float_checkpoint(

@@ -3,11 +3,12 @@ forward.DecoderModel, and its whole-stack operation (decoder_stack: the decoder 
 
 Owns the mapping of each op to its kernel, the packing of the linears' weights at load (pack_linear: one
 PackedWeight of float32, bfloat16 or int8 panels per weight, made once) and the fused DecoderStack built
-from a layer description it fits; leaves the kernels to kernels/ (linear.h's row-invariant packed linear,
-attention.h's paged attention with its window and score cap, rowwise.h's norm, silu * up and the stack,
-families.h's offset norm, rope and GELU-tanh * up, lora.h's adapter terms) and what to call when to
-forward.py. Every op computes a row from that row alone, by construction of its kernel, so a sequence's bits
-do not depend on the rest of its step. Activations float32 or bfloat16 on CPU.
+from a layer description it fits, each layer's weights by role; leaves the kernels to kernels/ (linear.h's
+row-invariant packed linear, linear_quant.h's over 4-/8-bit codes, attention.h's paged attention with its window
+and score cap, rowwise.h's norm and silu * up, decoder_stack.h's stack, families.h's offset norm, rope and
+GELU-tanh * up, lora.h's adapter terms) and what to call when to forward.py. Every op computes a row from that row
+alone, by construction of its kernel, so a sequence's bits do not depend on the rest of its step. Activations
+float32 or bfloat16 on CPU.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from lmi_handler.engine.model.kernels import (
 from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
 from lmi_handler.engine.model.moe import MoeWeights
 from lmi_handler.engine.model.quant import QuantWeight, quant_linear
+from lmi_handler.engine.model.quant.weight import FMTS
 
 NAME = "cpp"
 PROJECTION_INDEX = {name: i for i, name in enumerate(KERNEL_PROJECTIONS)}   # LoraSet's projection numbers
@@ -113,38 +115,71 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return row_argmax(logits.float())
 
 
+STACK_NORMS = ("attn_pre", "mlp_pre")           # decoder_stack.h StackLayer's norms: forward.LayerWeights' roles
+STACK_LINEARS = ("qkv", "o", "gate_up", "down")  # its linears, each with the role's <name>_bias
+
+
+def stack_kind(weight) -> str | None:
+    """The fused stack's kind of a linear (kernels/stack_linear.h: the kernel that runs it inside the stack):
+    "panels" for a PackedWeight (linear.h), "codes" for a QuantWeight (linear_quant.h: 4-/8-bit integer codes or FP8
+    bytes); None for a weight the stack has no kernel for (the model then walks the ops)."""
+    if isinstance(weight, PackedWeight):
+        return "panels"
+    if isinstance(weight, QuantWeight):
+        return "codes"
+    return None
+
+
+def stack_linear(ops, weight: PackedWeight | QuantWeight, bias: torch.Tensor | None):
+    """One linear as kernel module `ops`' StackLinear (stack_kind's kind; the weight's tensors held, not copied)."""
+    if stack_kind(weight) == "codes":
+        return ops.StackLinear("codes", weight.panels, weight.out_features, scale=weight.scales, bias=bias,
+                               zeros=weight.zeros, perm=weight.perm, group_size=weight.group_size, bits=weight.bits,
+                               fmt=FMTS[weight.fmt])
+    return ops.StackLinear("panels", weight.panels, weight.out_features, scale=weight.scale, bias=bias)
+
+
+def stack_layer(ops, w):
+    """A forward.LayerWeights as `ops`' StackLayer: each of the stack's roles (STACK_NORMS, STACK_LINEARS) passed
+    by its name, so a role is one named field on both sides, never a position."""
+    norms = {role: getattr(w, role) for role in STACK_NORMS}
+    linears = {role: stack_linear(ops, getattr(w, role), getattr(w, f"{role}_bias")) for role in STACK_LINEARS}
+    return ops.StackLayer(**norms, **linears)
+
+
 def decoder_stack(spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int):
     """The whole-stack operation for `spec` (a DecoderStack), or None where the fused stack cannot run it
-    (spec.cpp_misfits() not []): forward.DecoderModel then walks the layers with the ops above. The caller
-    asks only for a whole model, never a tensor-parallel shard (the stack has no place for the reduce)."""
-    if spec.cpp_misfits() or any(isinstance(w, QuantWeight) for layer in layers
-                                 for w in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-        return None                         # quantized linears: the walk (the stack holds only packed panels)
+    (spec.cpp_misfits() not [], or a linear of a kind the stack has no kernel for: stack_kind): forward.DecoderModel
+    then walks the layers with the ops above. The caller asks only for a whole model, never a tensor-parallel shard
+    (the stack has no place for the reduce)."""
+    if spec.cpp_misfits() or any(stack_kind(getattr(layer, role)) is None for layer in layers
+                                 for role in STACK_LINEARS):
+        return None
     return DecoderStack(spec, layers, final_norm, num_heads, num_kv_heads)
 
 
 class DecoderStack:
-    """rowwise.h's DecoderStack over a model's packed layers: the decoder layers and the final norm as one C++
-    call a step, bitwise the ops above called one by one by forward.DecoderModel's walk (the same kernels
-    chained without Python dispatch; its gate_up linear applies silu * up in its store, the same bits as
-    linear then silu_mul; every op's work is split over the kernels' pool, kernels/pool.h). Built once at load
-    from the layers' weights (holding their tensors, not copies). `kernel` is the C++ object."""
+    """kernels/decoder_stack.h's DecoderStack over a model's layers: the decoder layers and the final norm as one C++
+    call a step, bitwise the ops above called one by one by forward.DecoderModel's walk (the same kernels chained
+    without Python dispatch; its gate_up linear over packed panels applies silu * up in its store, the same bits as
+    linear then silu_mul; every op's work is split over the kernels' pool, kernels/pool.h). Each layer's weights go
+    in by role (stack_layer), each linear with the kind that picks its kernel (stack_kind: packed panels, or 4-/8-bit
+    integer or FP8 codes). Built once at load (holding the weights' tensors, not copies). `kernel` is the C++ object."""
 
     def __init__(self, spec, layers, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int):
+        self.layers, self.final_norm = layers, final_norm
         self.num_layers = len(layers)
-        self.bf16_panels = layers[0].qkv.kind == "bfloat16"
-        weights = [[w.attn_pre, w.qkv.panels, w.qkv.scale, w.qkv_bias, w.o.panels, w.o.scale, w.o_bias, w.mlp_pre,
-                    w.gate_up.panels, w.gate_up.scale, w.gate_up_bias, w.down.panels, w.down.scale, w.down_bias]
-                   for w in layers]    # rowwise.h LayerWeights' order
-        intermediate = layers[0].gate_up.out_features // 2
-        self._args = (weights, final_norm, num_heads, num_kv_heads, intermediate, spec.norm_eps, spec.norm_eps,
-                      spec.scale)
+        self.bf16_panels = any(isinstance(w, PackedWeight) and w.kind == "bfloat16"
+                               for layer in layers for w in (getattr(layer, role) for role in STACK_LINEARS))
+        self._shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=spec.norm_eps, norm_eps=spec.norm_eps,
+                           scale=spec.scale)
         self._build(cpu_kernels())
 
     def _build(self, ops) -> None:
         """The C++ object on kernel module `ops` (again when the process's module changes: benchmarks/ab.py
         swaps in another revision's kernels)."""
-        self.ops, self.kernel = ops, ops.DecoderStack(*self._args)
+        layers = [stack_layer(ops, w) for w in self.layers]
+        self.ops, self.kernel = ops, ops.DecoderStack(layers, self.final_norm, **self._shape)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -152,7 +187,7 @@ class DecoderStack:
         """x: (T, hidden) float32 or bfloat16, the activations' (and KV cache's) dtype (not changed); cos, sin:
         (T, head_dim) in x's dtype. Returns the final-norm hidden states (T, hidden). `lora`: the step's
         adapters, added by the stack after each projection (forward_lora, kernels/lora.h: row by row)."""
-        # the bf16 dot form matters to bf16 panels only (int8 and float32 ones ignore it): asking for it
+        # the bf16 dot form matters to bf16 panels only (int8, float32 and code panels ignore it): asking for it
         # otherwise would run its start-up probe and log a choice that applies to nothing
         form = bf16_dot_form() if self.bf16_panels else 0
         if (ops := cpu_kernels()) is not self.ops:

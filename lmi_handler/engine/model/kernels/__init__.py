@@ -6,8 +6,9 @@ packing.py the packed-weight layouts (float32, bfloat16, int8); bf16_form.py whi
 bfloat16 panels (and its probes); ops.py the Python calls of the kernels (the linear over the panels, the
 fused row-wise ops); reference.py the pure-PyTorch references the kernels are tested against. The C++
 sources beside them: linear.h and its linear_*.h (the linear by instruction family, one driver),
-attention.h, rowwise.h (the decoder stack), vmath.h, lora.h, bitmask.h, common.h; cpu_kernels.cpp and
-families.cpp the translation units. Deciding which layers use them is the model's backends' (backends/cpp.py).
+attention.h, rowwise.h (the row-wise ops), decoder_stack.h and stack_linear.h (the fused decoder stack, its
+layers' weights by role), linear_quant.h (4-/8-bit codes), vmath.h, lora.h, bitmask.h, common.h; cpu_kernels.cpp,
+families.cpp, quant.cpp and moe.cpp the translation units. Deciding which layers use them is the model's backends' (backends/cpp.py).
 Modules import one way: build <- packing <- bf16_form <- ops (tests/test_repository.py checks the package
 has no import cycle).
 """

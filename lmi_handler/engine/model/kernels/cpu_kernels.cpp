@@ -1,12 +1,12 @@
 // Batch-invariant CPU kernels: a row-invariant linear over pre-packed weights (float32, bfloat16 or
 // int8 panels: linear.h), a paged attention that reads K/V straight from the block cache
-// (attention.h), the row-wise ops and a whole decoder layer (rowwise.h), for activations in float32 or
-// bfloat16, and huge-page buffers. One translation unit: the headers hold the code, this file the
-// Python bindings.
+// (attention.h), the row-wise ops (rowwise.h) and the fused decoder stack (decoder_stack.h), for
+// activations in float32 or bfloat16, and huge-page buffers. One translation unit: the headers hold the
+// code, this file the Python bindings.
 //
 // Invariance by construction: every output element is one fixed sequence of float operations that
 // reads only its own row's inputs (see each header), whatever M is and wherever the row sits.
-#include "rowwise.h"
+#include "decoder_stack.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -121,9 +121,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &LoraSet::add_one, "y += layer l's projection p (0 qkv, 1 o, 2 gate_up, 3 down) term, in place",
            kNoGil)
       .def_property_readonly("num_slots", &LoraSet::num_slots);
+  using Opt = c10::optional<torch::Tensor>;
+  py::class_<lmi_stack::Linear>(m, "StackLinear", "one linear of the fused stack by kind: 'panels' (linear.h's packed "
+                                "panels) or 'codes' (linear_quant.h's code panels); stack_linear.h")
+      .def(py::init<const std::string&, torch::Tensor, int64_t, Opt, Opt, Opt, Opt, int64_t, int64_t, int64_t>(),
+           py::arg("kind"), py::arg("weight"), py::arg("out_features"), py::arg("scale") = py::none(),
+           py::arg("bias") = py::none(), py::arg("zeros") = py::none(), py::arg("perm") = py::none(),
+           py::arg("group_size") = 0, py::arg("bits") = 0, py::arg("fmt") = 0);
+  py::class_<StackLayer>(m, "StackLayer", "one decoder layer's norms and linears by role (forward.LayerWeights' names)")
+      .def(py::init<torch::Tensor, lmi_stack::Linear, lmi_stack::Linear, torch::Tensor, lmi_stack::Linear,
+                    lmi_stack::Linear>(),
+           py::arg("attn_pre"), py::arg("qkv"), py::arg("o"), py::arg("mlp_pre"), py::arg("gate_up"), py::arg("down"));
   py::class_<DecoderStack>(m, "DecoderStack", "the decoder layers and final norm, one call a step")
-      .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
-                    int64_t, double, double, double>())
+      .def(py::init<std::vector<StackLayer>, torch::Tensor, int64_t, int64_t, double, double, double>(),
+           py::arg("layers"), py::arg("norm"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"),
+           py::arg("norm_eps"), py::arg("scale"))
       .def("forward", &DecoderStack::forward, "the decoder stack and final norm on x (not changed)",
            kNoGil)
       .def("forward_lora", &DecoderStack::forward_lora, "forward with a step's LoRA adapters (LoraSet, row_slot)",

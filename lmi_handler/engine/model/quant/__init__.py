@@ -113,5 +113,5 @@ def check_backend(linears: QuantizedLinears, backend: str) -> None:
     if backend not in QUANTIZED_BACKENDS:
         raise ConfigError(f"{linears.describe()}: kernel_backend={backend} cannot run quantized weights yet "
                           f"(supported: {list(QUANTIZED_BACKENDS)}; set option.kernel_backend=cpp on CPU)")
-    log.info("quantized linears: %s, on kernel_backend=%s (the C++ ops walked layer by layer)", linears.describe(),
-             backend)
+    log.info("quantized linears: %s, on kernel_backend=%s%s", linears.describe(), backend,
+             " (inside the fused C++ stack where the family fits it)" if backend == "cpp" else "")

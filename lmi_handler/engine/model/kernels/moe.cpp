@@ -1,6 +1,6 @@
 // The routed experts of a mixture-of-experts layer for the C++ ops backend (backends/cpp.py's moe_experts):
 // the (token, rank) pairs grouped by expert, each chosen expert one packed gate_up linear with silu * up in its
-// store and one packed down linear over its own rows (linear.h's entry points: linear_silu and linear, the same
+// store (gpt-oss: with its bias, then the clamped SwiGLU) and one packed down linear over its own rows (linear.h's entry points: linear_silu and linear, the same
 // calls the dense MLP makes), the outputs combined per token in rank order in float32 and rounded once.
 //
 // Invariance by construction: a row's expert outputs are linear.h's row-invariant values, and its combination
@@ -11,6 +11,42 @@
 #include "rowwise.h"
 
 namespace {
+
+// gpt-oss's expert activation over (T, 2I) = [gate | up] rows -> (T, I): g = min(gate, limit), u = clamp(up,
+// -limit, limit), out = (u + 1) * (g * sigmoid(g * alpha)), each product and sum rounded to T as transformers'
+// GptOssExperts rounds its bf16 tensors (float32: no rounding). Scalar code with std::exp, one row at a time:
+// a row's bits never depend on the other rows or on where it sits.
+template <class T>
+void clamped_swiglu_rows(const T* gp, T* op, int64_t rows, int64_t I, float alpha, float limit) {
+  parallel_chunks(rows, row_grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = gp + t * 2 * I;
+      const T* u = g + I;
+      T* o = op + t * I;
+      for (int64_t j = 0; j < I; ++j) {
+        const float gj = std::min(load_scalar<T>(g + j), limit);
+        const float uj = std::min(std::max(load_scalar<T>(u + j), -limit), limit);
+        const float sig = keep<T>(1.f / (1.f + std::exp(-keep<T>(gj * alpha))));
+        store_scalar<T>(o + j, keep<T>(uj + 1.f) * keep<T>(gj * sig));
+      }
+    }
+  });
+}
+
+torch::Tensor clamped_swiglu(torch::Tensor gate_up, double alpha, double limit) {
+  const bool bf = is_bf16(gate_up, "gate_up");
+  gate_up = gate_up.contiguous();
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  if (bf) {
+    clamped_swiglu_rows<bf16>(data_of<bf16>(gate_up), data_of<bf16>(out), T, I, a, l);
+  } else {
+    clamped_swiglu_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, I, a, l);
+  }
+  return out;
+}
 
 template <class T>
 void combine_ranks_rows(const T* outs, const float* weights, T* out, int64_t num_tokens, int64_t top_k,
@@ -31,15 +67,18 @@ void combine_ranks_rows(const T* outs, const float* weights, T* out, int64_t num
 
 // x (T, hidden) float32 or bfloat16; ids (T, K) int64 in [0, E); weights (T, K) float32; gate_up[e] expert e's
 // packed cat(gate, up) panels (out_features gate_up_features), down[e] its down panels (out_features hidden),
-// each with its int8 scale or none; form: the bf16 panels' dot form (linear.h). Returns (T, hidden) in x's dtype:
-// sum over k of weights[t, k] * expert ids[t, k] (x[t]) in float32 in rank order, each expert output first
-// rounded to x's dtype (moe.grouped_experts' bits).
+// each with its int8 scale or none; form: the bf16 panels' dot form (linear.h). gate_up_bias / down_bias: one
+// bias per expert (gpt-oss) or empty lists; clamped: gpt-oss's clamped SwiGLU with alpha and limit
+// (clamped_swiglu) instead of silu * up. Returns (T, hidden) in x's dtype: sum over k of weights[t, k] * expert
+// ids[t, k] (x[t]) in float32 in rank order, each expert output first rounded to x's dtype (moe.grouped_experts'
+// bits).
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                           const std::vector<torch::Tensor>& gate_up,
                           const std::vector<c10::optional<torch::Tensor>>& gate_up_scale,
                           const std::vector<torch::Tensor>& down,
                           const std::vector<c10::optional<torch::Tensor>>& down_scale, int64_t gate_up_features,
-                          int64_t form) {
+                          int64_t form, const std::vector<torch::Tensor>& gate_up_bias,
+                          const std::vector<torch::Tensor>& down_bias, bool clamped, double alpha, double limit) {
   const bool bf = is_bf16(x, "x");
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.size(0) == x.size(0), "x must be (T, hidden), ids (T, K)");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 && weights.scalar_type() == torch::kFloat32 &&
@@ -47,6 +86,9 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
   const int64_t E = static_cast<int64_t>(gate_up.size());
   TORCH_CHECK(down.size() == gate_up.size() && gate_up_scale.size() == gate_up.size() &&
               down_scale.size() == gate_up.size(), "one gate_up, down and scale per expert");
+  const bool biased = !gate_up_bias.empty();
+  TORCH_CHECK(!biased || (gate_up_bias.size() == gate_up.size() && down_bias.size() == gate_up.size()),
+              "one gate_up and down bias per expert, or none");
   x = x.contiguous();
   ids = ids.contiguous();
   weights = weights.contiguous();
@@ -64,8 +106,12 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
     if (n == 0) continue;
     auto slots = torch::from_blob(pairs[e].data(), {n}, index);
     auto rows = x.index_select(0, torch::floor_divide(slots, K));
-    auto act = linear_silu(rows, gate_up[e], gate_up_features, c10::nullopt, gate_up_scale[e], bf, form);
-    outs.index_copy_(0, slots, linear(act, down[e], hidden, c10::nullopt, down_scale[e], bf, form));
+    const c10::optional<torch::Tensor> gu_bias = biased ? c10::optional<torch::Tensor>(gate_up_bias[e]) : c10::nullopt;
+    const c10::optional<torch::Tensor> d_bias = biased ? c10::optional<torch::Tensor>(down_bias[e]) : c10::nullopt;
+    auto act = clamped ? clamped_swiglu(linear(rows, gate_up[e], gate_up_features, gu_bias, gate_up_scale[e], bf, form),
+                                        alpha, limit)
+                       : linear_silu(rows, gate_up[e], gate_up_features, gu_bias, gate_up_scale[e], bf, form);
+    outs.index_copy_(0, slots, linear(act, down[e], hidden, d_bias, down_scale[e], bf, form));
   }
   auto out = torch::empty({T, hidden}, x.options());
   if (bf) {
@@ -83,5 +129,9 @@ void register_moe_ops(py::module_& m) {
   m.def("moe_experts", &moe_experts, "a sparse layer's routed experts over packed panels, combined in rank order",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_scale"),
         py::arg("down"), py::arg("down_scale"), py::arg("gate_up_features"), py::arg("form"),
+        py::arg("gate_up_bias") = std::vector<torch::Tensor>{}, py::arg("down_bias") = std::vector<torch::Tensor>{},
+        py::arg("clamped") = false, py::arg("alpha") = 1.0, py::arg("limit") = 0.0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's clamped SwiGLU over (T, 2I) gate_up rows", py::arg("gate_up"),
+        py::arg("alpha"), py::arg("limit"), py::call_guard<py::gil_scoped_release>());
 }

@@ -43,6 +43,11 @@ class QuantizedLinears:
         self.config = config          # None: the float layer linears rounded at load to `rounding` (int4 or fp8)
         self.rounding = rounding
 
+    @property
+    def experts_only(self) -> bool:
+        """Only a mixture-of-experts model's experts are quantized (MXFP4: gpt-oss's experts)."""
+        return self.config is not None and self.config.method == "mxfp4"
+
     def describe(self) -> str:
         if self.config is None and self.rounding == "fp8":
             return "option.quantize=fp8 (e4m3 weights, a scale per output channel, rounded at load; weight-only)"

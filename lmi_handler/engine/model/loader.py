@@ -159,6 +159,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                           "mixture-of-experts model, served on one process only for now (degree 1)")
     # engine/model/quant: a pre-quantized checkpoint's linears, or option.quantize=int4's (quantize: int8 or None)
     quant, quantize = quantized_linears(cfg, quantize, tensor_parallel=layout is not None)
+    if quant is not None and quant.experts_only and spec.moe is None:
+        raise ConfigError(f"config.json quantization_config ({quant.describe()}) quantizes a mixture-of-experts "
+                          f"model's experts; model_type={spec.model_type} has none")
     if quant is not None and spec.moe is not None and not quant.experts_only:
         raise ConfigError(f"model_type={spec.model_type}: 4-bit or pre-quantized weights (option.quantize=int4, "
                           "GPTQ, AWQ, compressed-tensors) on a mixture-of-experts model are not served yet; serve "

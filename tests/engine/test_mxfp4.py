@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.kv_cache import BlockAllocator
-from lmi_handler.engine.model.kernels import cpu_kernels
-from lmi_handler.engine.model.quant import QuantWeight, mxfp4
+from lmi_handler.engine.model.kernels import cpu_kernels, pack_weight, packed_linear
+from lmi_handler.engine.model.quant import QuantWeight, mxfp4, pack_codes, quant_linear
 from lmi_handler.engine.model_runner import ModelRunner
 from tests.engine.family_models import build_tiny_moe
 from tests.engine.helpers import assert_logits_bitwise_identical_alone_and_in_batch, build_tiny_llama, greedy_generate
@@ -98,14 +98,14 @@ def test_transformers_dequantizes_the_written_blocks_to_the_float_weights_they_h
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_an_mxfp4_gpt_oss_gives_its_dequantized_float_checkpoint_s_bits_and_transformers_greedy_tokens(
         checkpoint, backend):
-    """The experts held as 8-bit codes (never the float weight) give bitwise the logits of the float checkpoint
+    """The experts held as 4-bit e2m1 panels (never the float weight) give bitwise the logits of the float checkpoint
     whose experts are the dequantized values (the dequantize-then-matmul reference), and transformers' tokens."""
     from tests.engine.test_moe import _hf_greedy_with_logprobs
 
     root, hf = checkpoint
     quantized, plain = _runner(root / "mxfp4", backend), _runner(root / "float", backend)
     moe = quantized.model.layer_weights[0].moe
-    assert isinstance(moe.gate_up[0], QuantWeight) and moe.gate_up[0].out_features == 64
+    assert isinstance(moe.gate_up[0], QuantWeight) and moe.gate_up[0].kind == "fp4_g32"
     for prompt in PROMPTS if backend == "cpp" else PROMPTS[1:]:
         tokens, logits = greedy_generate(quantized, BlockAllocator(quantized.num_blocks, 4), [prompt], 6)
         expected_tokens, expected_logits = greedy_generate(plain, BlockAllocator(plain.num_blocks, 4), [prompt], 6)
@@ -123,16 +123,33 @@ def test_an_mxfp4_model_s_logits_are_bitwise_the_same_alone_and_in_a_batch(check
                                                        others, 4, [len(p) // 2 + 1 for p in others])
 
 
-def test_mxfp4_codes_are_the_checkpoint_s_values_exactly_for_every_code_and_scale():
-    """Every e2m1 code in every group, scales from 2^-127 to 2^127: the 8-bit codes' (code - 12) * scale is
+def test_mxfp4_panels_hold_the_checkpoint_s_values_exactly_for_every_code_and_scale():
+    """Every e2m1 code pair in every group, scales from 2^-127 to 2^3: the 4-bit e2m1 panels' value is
     FP4 value * 2^(scale - 127) exactly (QuantWeight.dequantize, the kernel's float values)."""
-    from lmi_handler.engine.model.quant.weight import pack_codes
-
     blocks = torch.arange(256, dtype=torch.uint8).repeat(4).reshape(4, 4, 4, 16)     # (N=4, G=4, 16) a row
-    scales = torch.tensor([0, 1, 100, 127, 128, 150, 200, 254] * 8, dtype=torch.uint8).reshape(4, 4, 4)
+    scales = torch.tensor([0, 1, 100, 127, 128, 120, 130, 110] * 8, dtype=torch.uint8).reshape(4, 4, 4)
     for e in range(4):
         weight = pack_codes(mxfp4.codes_of(blocks[e], scales[e]))
+        assert weight.kind == "fp4_g32" and weight.panels.shape == (1, 128, 16)
         assert torch.equal(weight.dequantize(), mxfp4.dequantize(blocks[e], scales[e]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_e2m1_kernel_gives_the_bits_of_the_float32_linear_over_the_dequantized_weight_alone_and_in_any_batch(
+        dtype):
+    """kernels/linear_quant.h's e2m1 form (4-bit codes through the value table, AVX2 and scalar) against the
+    float32 packed linear over the dequantized weight, for 1 to 40 rows, and each row alone as in the batch."""
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (70, 3, 16), generator=g).to(torch.uint8)          # (N=70, K=96)
+    scales = torch.randint(118, 130, (70, 3), generator=g).to(torch.uint8)
+    weight = pack_codes(mxfp4.codes_of(blocks, scales))
+    floats = pack_weight(mxfp4.dequantize(blocks, scales), "float32")
+    bias = torch.randn(70, generator=g)
+    x = torch.randn(40, 96, generator=g).to(dtype)
+    for rows in (1, 3, 40):
+        assert torch.equal(quant_linear(x[:rows], weight, bias), packed_linear(x[:rows], floats, bias, dtype))
+    batch = quant_linear(x, weight, bias)
+    assert all(torch.equal(quant_linear(x[i:i + 1], weight, bias)[0], batch[i]) for i in (0, 17, 39))
 
 
 def test_mxfp4_on_a_model_without_experts_is_refused_at_start_up(tmp_path):

@@ -11,22 +11,21 @@ power 2^(scale - 127). Weight (n, k) = FP4_VALUES[code] * 2^(scale[n, k // 32] -
 bfloat16 (one significant bit times a power of two), so the float model an MXFP4 checkpoint stands for is
 one exact set of values, dequantize() here.
 
-Our layout: 8-bit codes 2 * value + 12 (0 .. 24) with zero point 12 and scale 2^(scale - 128): the kernel's
-(code - zero) * scale is that same value exactly (kernels/linear_quant.h, bitwise the float32 linear over
-it). 8 bits a weight plus float32 group scales and zeros (about 10 bits a weight; MXFP4 holds 4.25, bfloat16
-16): a 4-bit e2m1 panel of the kernel's own is what is left to do. Leaves detection to config.py, the kernel
-layout to weight.py and which tensors an expert's are to families.py.
+Our layout: the kernel's 4-bit panels holding the e2m1 codes as they are (kernels/linear_quant.h's CODE_E2M1
+form: E2M1_VALUES[code] * 2^(scale - 127), zero 0), bitwise the float32 linear over the dequantized weight.
+Half a byte a weight plus float32 group scales and zeros (6 bits a weight; MXFP4 itself 4.25, bfloat16 16).
+Leaves detection to config.py, the kernel layout to weight.py and which tensors an expert's are to
+families.py.
 """
 from __future__ import annotations
 
 import torch
 
 from lmi_handler.engine.model.quant.config import QuantConfig
-from lmi_handler.engine.model.quant.weight import Codes
+from lmi_handler.engine.model.quant.weight import E2M1_VALUES, Codes
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = E2M1_VALUES
 GROUP = 32
-ZERO = 12         # our 8-bit code of value 0: 2 * value + ZERO spans 0 .. 24
 
 
 def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
@@ -44,12 +43,11 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 
 def codes_of(blocks: torch.Tensor, scales: torch.Tensor) -> Codes:
-    """One linear's MXFP4 blocks (N, G, 16) and scales (N, G) as 8-bit Codes (see the module): codes (N, K) =
-    2 * value + ZERO, zeros ZERO, scales (G, N) = 2^(scale - 128)."""
-    doubled = torch.tensor([int(2 * v) + ZERO for v in FP4_VALUES], dtype=torch.uint8)
-    codes = doubled[unpack_e2m1(blocks).long()]
-    group_scales = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32).float() - 128).T.contiguous()
-    return Codes(codes.contiguous(), torch.full_like(group_scales, float(ZERO)), group_scales, GROUP, 8)
+    """One linear's MXFP4 blocks (N, G, 16) and scales (N, G) as e2m1 Codes (see the module): codes (N, K) the
+    e2m1 codes, zeros 0, scales (G, N) = 2^(scale - 127)."""
+    group_scales = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32).float() - 127).T.contiguous()
+    return Codes(unpack_e2m1(blocks).contiguous(), torch.zeros_like(group_scales), group_scales, GROUP, 4,
+                 fmt="e2m1")
 
 
 def read_mxfp4(hf: dict[str, torch.Tensor], names: tuple, q: QuantConfig) -> Codes:

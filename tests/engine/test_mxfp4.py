@@ -159,3 +159,29 @@ def test_mxfp4_on_a_model_without_experts_is_refused_at_start_up(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="mxfp4.*model_type=llama has none"):
         _runner(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_experts_in_one_cpp_call_are_bitwise_the_expert_by_expert_walk(dtype):
+    """moe.cpp's moe_experts_quant (grouping, quant_linear with biases, the clamped SwiGLU, the rank-order sum) against
+    moe.grouped_experts walking the cpp backend's linear (quant_linear) and clamped_swiglu in Python."""
+    from lmi_handler.engine.model.backends import cpp
+    from lmi_handler.engine.model.moe import MoeWeights, expert_activation, grouped_experts, route
+    from lmi_handler.engine.model.spec import MoeSpec
+
+    g = torch.Generator().manual_seed(2)
+
+    def expert(n: int, k: int) -> QuantWeight:
+        blocks = torch.randint(0, 256, (n, k // 32, 16), generator=g).to(torch.uint8)
+        return pack_codes(mxfp4.codes_of(blocks, torch.randint(120, 126, (n, k // 32), generator=g).to(torch.uint8)))
+
+    spec = MoeSpec(num_experts=4, top_k=2, intermediate_size=32, routing="topk_softmax", activation="clamped_swiglu",
+                   swiglu_alpha=1.702, swiglu_limit=2.0, expert_bias=True)
+    w = MoeWeights(router=None, gate_up=[expert(64, 64) for _ in range(4)], down=[expert(64, 32) for _ in range(4)],
+                   gate_up_bias=[torch.randn(64, generator=g).to(dtype) for _ in range(4)],
+                   down_bias=[torch.randn(64, generator=g).to(dtype) for _ in range(4)])
+    x = torch.randn(11, 64, generator=g).to(dtype)
+    ids, weights = route(torch.randn(11, 4, generator=g), spec)
+    walk = grouped_experts(x, ids, weights, w, cpp.linear, cpp.act_mul,
+                           expert_activation(spec, cpp.act_mul, cpp.clamped_swiglu))
+    assert torch.equal(cpp.moe_experts(x, ids, weights, w, spec), walk)

@@ -24,7 +24,7 @@ from lmi_handler.engine.model.kernels import (
     row_argmax,
 )
 from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
-from lmi_handler.engine.model.moe import MoeWeights, expert_activation, grouped_experts
+from lmi_handler.engine.model.moe import MoeWeights
 from lmi_handler.engine.model.quant import QuantWeight, quant_linear
 from lmi_handler.engine.model.spec import MoeSpec
 
@@ -102,18 +102,25 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Mo
     the pairs grouped by expert, each chosen expert linear.h's linear_silu (gpt-oss: linear with its bias, then
     the clamped SwiGLU) and linear over its rows, the outputs combined per token in rank order; bitwise
     moe.grouped_experts with this module's ops. The panel lists are gathered once per layer (w.prepared).
-    Quantized experts (MXFP4, quant.QuantWeight) run moe.grouped_experts over quant_linear instead."""
-    activate = expert_activation(spec, act_mul, clamped_swiglu)
-    if isinstance(w.gate_up[0], QuantWeight):
-        return grouped_experts(x, ids, weights, w, linear, act_mul, activate)
+    Quantized experts (MXFP4's e2m1 panels, quant.QuantWeight) the same over linear_quant.h's quant_linear
+    (moe.cpp's moe_experts_quant)."""
+    clamped = spec is not None and spec.activation == "clamped_swiglu"
+    act = (clamped, spec.swiglu_alpha if clamped else 1.0, spec.swiglu_limit if clamped else 0.0)
+    biases = (w.gate_up_bias or [], w.down_bias or [])
+    first = w.gate_up[0]
+    if isinstance(first, QuantWeight):
+        if w.prepared is None:
+            assert all(q.perm is None for q in w.gate_up + w.down), "experts have no act-order permutation"
+            w.prepared = ([[q.panels, q.scales, q.zeros] for q in w.gate_up],
+                          [[q.panels, q.scales, q.zeros] for q in w.down], first.out_features)
+        gate_up, down, features = w.prepared
+        return cpu_kernels().moe_experts_quant(x, ids, weights, gate_up, down, features, first.group_size, first.bits,
+                                               first.e2m1, *biases, *act)
     if w.prepared is None:
         w.prepared = ([p.panels for p in w.gate_up], [p.scale for p in w.gate_up], [p.panels for p in w.down],
-                      [p.scale for p in w.down], w.gate_up[0].out_features)
-    form = bf16_dot_form() if w.gate_up[0].kind == "bfloat16" else 0
-    clamped = spec is not None and spec.activation == "clamped_swiglu"
-    return cpu_kernels().moe_experts(x, ids, weights, *w.prepared, form, w.gate_up_bias or [], w.down_bias or [],
-                                     clamped, spec.swiglu_alpha if clamped else 1.0,
-                                     spec.swiglu_limit if clamped else 0.0)
+                      [p.scale for p in w.down], first.out_features)
+    form = bf16_dot_form() if first.kind == "bfloat16" else 0
+    return cpu_kernels().moe_experts(x, ids, weights, *w.prepared, form, *biases, *act)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,

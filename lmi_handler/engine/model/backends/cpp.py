@@ -26,6 +26,7 @@ from lmi_handler.engine.model.kernels import (
 from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
 from lmi_handler.engine.model.moe import MoeWeights
 from lmi_handler.engine.model.quant import QuantWeight, quant_linear
+from lmi_handler.engine.model.quant.weight import FMTS
 from lmi_handler.engine.model.spec import MoeSpec
 
 NAME = "cpp"
@@ -115,7 +116,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: Mo
                           [[q.panels, q.scales, q.zeros] for q in w.down], first.out_features)
         gate_up, down, features = w.prepared
         return cpu_kernels().moe_experts_quant(x, ids, weights, gate_up, down, features, first.group_size, first.bits,
-                                               first.e2m1, *biases, *act)
+                                               FMTS[first.fmt], *biases, *act)
     if w.prepared is None:
         w.prepared = ([p.panels for p in w.gate_up], [p.scale for p in w.gate_up], [p.panels for p in w.down],
                       [p.scale for p in w.down], first.out_features)

@@ -137,13 +137,14 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
   });
 }
 
-// The same over code panels (linear_quant.h: gpt-oss's MXFP4 experts as e2m1 panels, or integer codes): per
+// The same over code panels (linear_quant.h: gpt-oss's MXFP4 experts as e2m1 panels, or other codes): per
 // expert gate_up / down its (panels, scales, zeros) as quant/weight.QuantWeight holds them, in the kernel's k
-// order (no act-order permutation), one group size, bits and e2m1 for all; biases and the activation as above.
+// order (no act-order permutation), one group size, bits and code format (fmt: linear_quant.h's CodeFmt) for all;
+// biases and the activation as above.
 torch::Tensor moe_experts_quant(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                                 const std::vector<std::vector<torch::Tensor>>& gate_up,
                                 const std::vector<std::vector<torch::Tensor>>& down, int64_t gate_up_features,
-                                int64_t group_size, int64_t bits, bool e2m1,
+                                int64_t group_size, int64_t bits, int64_t fmt,
                                 const std::vector<torch::Tensor>& gate_up_bias,
                                 const std::vector<torch::Tensor>& down_bias, bool clamped, double alpha,
                                 double limit) {
@@ -158,9 +159,9 @@ torch::Tensor moe_experts_quant(torch::Tensor x, torch::Tensor ids, torch::Tenso
     const auto& gu = gate_up[e];
     const auto& d = down[e];
     auto h = quant_linear(rows, gu[0], gate_up_features, gu[1], gu[2], group_size, bits, bias_of(gate_up_bias, e), bf,
-                          e2m1);
+                          fmt);
     auto act = clamped ? clamped_swiglu(h, alpha, limit) : silu_mul(h, true);
-    return quant_linear(act, d[0], hidden, d[1], d[2], group_size, bits, bias_of(down_bias, e), bf, e2m1);
+    return quant_linear(act, d[0], hidden, d[1], d[2], group_size, bits, bias_of(down_bias, e), bf, fmt);
   });
 }
 
@@ -175,9 +176,9 @@ void register_moe_ops(py::module_& m) {
         py::arg("clamped") = false, py::arg("alpha") = 1.0, py::arg("limit") = 0.0,
         py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts_quant", &moe_experts_quant,
-        "a sparse layer's routed experts over code panels (MXFP4 e2m1 or integer), combined in rank order",
+        "a sparse layer's routed experts over code panels (MXFP4 e2m1 or others), combined in rank order",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"),
-        py::arg("gate_up_features"), py::arg("group_size"), py::arg("bits"), py::arg("e2m1"),
+        py::arg("gate_up_features"), py::arg("group_size"), py::arg("bits"), py::arg("fmt"),
         py::arg("gate_up_bias"), py::arg("down_bias"), py::arg("clamped"), py::arg("alpha"), py::arg("limit"),
         py::call_guard<py::gil_scoped_release>());
   m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's clamped SwiGLU over (T, 2I) gate_up rows", py::arg("gate_up"),

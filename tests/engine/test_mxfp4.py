@@ -95,7 +95,7 @@ def test_transformers_dequantizes_the_written_blocks_to_the_float_weights_they_h
             assert torch.equal(ours.transpose(1, 2), expected)
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("torch", marks=pytest.mark.slow)])   # torch: ~4 s
 def test_an_mxfp4_gpt_oss_gives_its_dequantized_float_checkpoint_s_bits_and_transformers_greedy_tokens(
         checkpoint, backend):
     """The experts held as 4-bit e2m1 panels (never the float weight) give bitwise the logits of the float checkpoint

@@ -62,6 +62,8 @@ def build_tiny_family(path: Path, name: str, seed: int = 0):
 # Qwen2-MoE with a dense layer between sparse ones (mlp_only_layers) and its shared expert, Qwen3-MoE with
 # decoder_sparse_step 2 and norm_topk_prob, OLMoE's full-width q/k norm, GraniteMoE's multipliers
 MOE = dict(num_experts_per_tok=2)
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 150000.0}
 TINY_MOE_FAMILIES = {
     "mixtral": ("mixtral", dict(MOE, num_local_experts=4, intermediate_size=32, sliding_window=WINDOW)),
     "qwen2_moe": ("qwen2_moe", dict(MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -71,6 +73,9 @@ TINY_MOE_FAMILIES = {
     "olmoe": ("olmoe", dict(MOE, num_experts=4, intermediate_size=32)),
     "granitemoe": ("granitemoe", dict(MOE, num_local_experts=4, intermediate_size=32, embedding_multiplier=4.0,
                                       attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=2.0)),
+    # alternating sliding / full layers (its default layer_types), sinks, YaRN, a limit the gates reach
+    "gpt_oss": ("gpt_oss", dict(MOE, num_local_experts=4, intermediate_size=32, sliding_window=WINDOW,
+                                swiglu_limit=2.0, rope_parameters=GPT_OSS_YARN)),
 }
 
 
@@ -89,5 +94,7 @@ def build_tiny_moe(path: Path, name: str, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.2)
             elif ("gate" in pname or "router" in pname) and p.dim() == 2 and p.shape[0] <= 4:   # routers: spread tokens
                 p.normal_(0.0, 0.5)
+            elif pname.endswith("sinks"):          # gpt-oss: sinks that take a real share of each softmax
+                p.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     return model

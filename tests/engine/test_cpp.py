@@ -69,6 +69,28 @@ def test_a_windowed_row_has_the_same_bits_alone_as_a_decode_row_and_in_the_batch
             row += 1
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_join_each_head_s_softmax_as_the_reference_s_and_keep_each_row_s_bits(window, dtype):
+    """gpt-oss's sinks (one logit per query head in the denominator, attending to nothing): against the
+    reference, different from no sinks, and each row bitwise the same alone (a decode at its position)."""
+    q, k_cache, v_cache, meta, starts, lengths = attention_case(16, 4, dtype, seed=7)
+    sinks = torch.linspace(-2.0, 3.0, q.shape[1])
+    ours = cpp.paged_attention(q, k_cache, v_cache, meta, 0.25, window, None, sinks)
+    expected = torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.25, window, None, sinks)
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-2)
+    torch.testing.assert_close(ours.float(), expected, **tol)
+    plain = torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.25, window)
+    assert (plain - expected).abs().max() > 0.05
+    tables, row = meta.block_tables.tolist(), 0
+    for i, (start, n) in enumerate(zip(starts, lengths)):
+        for j in range(n):
+            alone = make_meta([tables[i]], [start + j], [1], meta.block_size)
+            out = cpp.paged_attention(q[row:row + 1], k_cache, v_cache, alone, 0.25, window, None, sinks)
+            assert torch.equal(bits(out), bits(ours[row:row + 1])), (i, j)
+            row += 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_window_past_every_context_gives_the_unmasked_kernel_s_bits(dtype):
     """The masked form with nothing to mask runs the same operations as the fused stack's kernel."""

@@ -202,7 +202,7 @@ def _write_config(path, **changes):
     (dict(rope_parameters={"rope_type": "su", "rope_theta": 1e4}), ["'su'", "longrope", "yarn"]),
     (dict(quantization_config={"quant_method": "gptq", "bits": 3}), ["gptq", "bits=3", "not supported", "awq"]),
     (dict(quantization_config={"quant_method": "awq", "bits": 4, "version": "gemv"}), ["awq", "'gemv'"]),
-    (dict(quantization_config={"quant_method": "fp8"}), ["fp8"]),
+    (dict(quantization_config={"quant_method": "mxfp4"}), ["mxfp4", "model_type=llama has none"]),   # no experts
     (dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}), ["bitsandbytes"]),
     (dict(hidden_act="relu"), ["'relu'", "silu", "gelu_pytorch_tanh"]),
 ])

@@ -229,3 +229,42 @@ def test_an_adapter_naming_the_mlp_of_a_sparse_layer_is_refused_and_one_on_dense
     assert err.value.status_code == 400 and "sparse" not in engine.adapters
     write(tmp_path / "dense", [0, 2])
     assert engine.adapters.load("dense", tmp_path / "dense").modules == ("gate_proj", "q_proj")
+
+
+def test_the_spec_reads_gpt_oss_s_alternating_windows_sinks_router_bias_clamped_experts_and_yarn():
+    spec = build_spec(_config("gpt_oss"))
+    assert [layer.window for layer in spec.layers] == [16, None, 16]      # layer_types: sliding, full, sliding
+    assert spec.attention_sinks and spec.qkv_bias and spec.o_bias and spec.norm_weight_in_float
+    moe = spec.moe
+    assert moe.routing == "topk_softmax" and moe.router_bias and moe.expert_bias
+    assert (moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == ("clamped_swiglu", 1.702, 2.0)
+    assert spec.layers[0].rope.kind == "yarn" and spec.layers[0].rope.attention_scaling != 1.0
+    assert "attention sinks" in spec.cpp_misfits()
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_gpt_oss_s_biased_clamped_experts_in_one_cpp_call_are_bitwise_the_grouped_experts(kind):
+    """moe.cpp with expert biases and the clamped SwiGLU against moe.grouped_experts walking the cpp backend's
+    linear and clamped_swiglu; that op against the reference's torch operations (the clamp reached)."""
+    from lmi_handler.engine.model.backends import cpp, torch_ref
+    from lmi_handler.engine.model.moe import MoeWeights, expert_activation, grouped_experts, route
+    from lmi_handler.engine.model.spec import MoeSpec
+
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    spec = MoeSpec(num_experts=4, top_k=2, intermediate_size=32, routing="topk_softmax", activation="clamped_swiglu",
+                   swiglu_alpha=1.702, swiglu_limit=2.0, expert_bias=True)
+    x = torch.randn(11, 64, generator=g).to(dtype)
+    w = MoeWeights(router=None, gate_up=[cpp.pack_linear(torch.randn(64, 64, generator=g) * 0.4, kind) for _ in range(4)],
+                   down=[cpp.pack_linear(torch.randn(64, 32, generator=g) * 0.2, kind) for _ in range(4)],
+                   gate_up_bias=[torch.randn(64, generator=g).to(dtype) for _ in range(4)],
+                   down_bias=[torch.randn(64, generator=g).to(dtype) for _ in range(4)])
+    ids, weights = route(torch.randn(11, 4, generator=g), spec)
+    ours = cpp.moe_experts(x, ids, weights, w, spec)
+    activate = expert_activation(spec, cpp.act_mul, cpp.clamped_swiglu)
+    assert torch.equal(ours, grouped_experts(x, ids, weights, w, cpp.linear, cpp.act_mul, activate))
+    gate_up = (torch.randn(9, 64, generator=g) * 3).to(dtype)
+    assert gate_up.float().abs().max() > 2.0
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(cpp.clamped_swiglu(gate_up, 1.702, 2.0), torch_ref.clamped_swiglu(gate_up, 1.702, 2.0),
+                               **tol)

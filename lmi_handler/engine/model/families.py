@@ -26,10 +26,14 @@ class Experts:
     norm_topk_prob: True (always renormalized: Mixtral) or the config key that says so. prefix: the layer's MLP
     module (block_sparse_moe, mlp); router: the router's weight under it. form: how the experts' tensors are
     saved: "w123" (experts.{e}.w1 / w3 / w2: Mixtral), "proj" (experts.{e}.gate_proj / up_proj / down_proj:
-    Qwen, OLMoE), "stacked" (input_linear (E, 2I, H) = gate | up, output_linear (E, H, I): GraniteMoE). Any
-    family's checkpoint may instead hold transformers' own stacked experts.gate_up_proj (E, 2I, H) and
-    experts.down_proj (E, H, I) (the loader takes whichever is there). sparse_steps: decoder_sparse_step and
-    mlp_only_layers decide which layers are sparse (Qwen2/3-MoE); else every layer is.
+    Qwen, OLMoE), "stacked" (input_linear (E, 2I, H) = gate | up, output_linear (E, H, I): GraniteMoE),
+    "gpt_oss" (experts.gate_up_proj (E, H, 2I) with gate and up interleaved column by column, its bias (E, 2I),
+    experts.down_proj (E, I, H) and its bias (E, H), or gate_up_proj_blocks / _scales, down_proj_blocks /
+    _scales in MXFP4: engine/model/quant/mxfp4.py). Any other family's checkpoint may instead hold
+    transformers' own stacked experts.gate_up_proj (E, 2I, H) and experts.down_proj (E, H, I) (the loader
+    takes whichever is there). sparse_steps: decoder_sparse_step and mlp_only_layers decide which layers are
+    sparse (Qwen2/3-MoE); else every layer is. router_bias: the router has one (gpt-oss); clamped_swiglu: the
+    experts are gpt-oss's (biases, swiglu_alpha and swiglu_limit: spec.MoeSpec).
     """
 
     num_experts_key: str
@@ -41,6 +45,8 @@ class Experts:
     norm_topk_prob: bool | str = "norm_topk_prob"
     shared_expert: bool = False
     sparse_steps: bool = False
+    router_bias: bool = False
+    clamped_swiglu: bool = False
 
 
 MIXTRAL_EXPERTS = Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "gate.weight", "w123",
@@ -77,6 +83,7 @@ class Family:
     softcaps: bool = False          # final_logit_softcapping, attn_logit_softcapping (Gemma 2 / 3)
     no_rope_layers: bool = False    # SmolLM3's no_rope_layers (1: RoPE, 0: none)
     experts: Experts | None = None  # mixture-of-experts families
+    attention_sinks: bool = False   # self_attn.sinks (gpt-oss)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -113,6 +120,9 @@ FAMILIES = {f.model_type: f for f in (
            window="layer_types"),
     Family("qwen2_5_vl_text", ("Qwen2_5_VLForConditionalGeneration",), qkv_bias="always", o_bias="never",
            window="layer_types"),
+    Family("gpt_oss", ("GptOssForCausalLM",), norm_weight_in_float=True, window="layer_types", attention_sinks=True,
+           experts=Experts("num_local_experts", "intermediate_size", "mlp", "router.weight", "gpt_oss",
+                           routing="topk_softmax", norm_topk_prob=False, router_bias=True, clamped_swiglu=True)),
 )}
 
 NORM_NAMES = {   # placement -> (before attention, after attention, before the MLP, after the MLP)
@@ -200,7 +210,8 @@ def build_spec(cfg: dict) -> ModelSpec:
         logit_scale=c["logits_scaling"] if family.granite else None,
         final_logit_softcap=c.get("final_logit_softcapping") if family.softcaps else None,
         attn_softcap=c.get("attn_logit_softcapping") if family.softcaps else None,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv)
+        tie_word_embeddings=bool(c.get("tie_word_embeddings")), fused_qkv=family.fused_qkv,
+        attention_sinks=family.attention_sinks)
 
 
 def _sparse_layers(layers: tuple[LayerSpec, ...], hf, c: dict, experts: Experts) -> tuple[LayerSpec, ...]:
@@ -215,7 +226,11 @@ def _sparse_layers(layers: tuple[LayerSpec, ...], hf, c: dict, experts: Experts)
         bool(getattr(hf, experts.norm_topk_prob))
     moe = MoeSpec(num_experts=getattr(hf, experts.num_experts_key), top_k=hf.num_experts_per_tok,
                   intermediate_size=getattr(hf, experts.width_key), routing=experts.routing, norm_topk_prob=norm,
-                  shared_expert_size=hf.shared_expert_intermediate_size if experts.shared_expert else None)
+                  shared_expert_size=hf.shared_expert_intermediate_size if experts.shared_expert else None,
+                  router_bias=experts.router_bias)
+    if experts.clamped_swiglu:
+        moe = replace(moe, activation="clamped_swiglu", swiglu_alpha=float(hf.swiglu_alpha),
+                      swiglu_limit=float(hf.swiglu_limit), expert_bias=True)
 
     def sparse(i: int) -> bool:
         if not experts.sparse_steps:
@@ -294,6 +309,8 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, str | list[str]]:
             names[role] = p + name + ".weight"
     if spec.qk_norm is not None:
         names.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
+    if spec.attention_sinks:
+        names["sinks"] = p + "self_attn.sinks"
     return names
 
 
@@ -312,6 +329,8 @@ def expert_tensor_names(spec: ModelSpec, i: int) -> dict:
     elif experts.form == "proj":
         split = ([[p + f"experts.{e}.gate_proj.weight", p + f"experts.{e}.up_proj.weight"] for e in range(num)],
                  [p + f"experts.{e}.down_proj.weight" for e in range(num)])
+    elif experts.form == "gpt_oss":
+        return _gpt_oss_expert_names(p, num)
     else:
         split = ([(p + "input_linear.weight", e) for e in range(num)], [(p + "output_linear.weight", e) for e in range(num)])
     stacked = ([(p + "experts.gate_up_proj", e) for e in range(num)], [(p + "experts.down_proj", e) for e in range(num)])
@@ -320,3 +339,17 @@ def expert_tensor_names(spec: ModelSpec, i: int) -> dict:
         names.update(shared_gate_up=[p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"],
                      shared_down=p + "shared_expert.down_proj.weight", shared_gate=p + "shared_expert_gate.weight")
     return names
+
+
+def _gpt_oss_expert_names(p: str, num: int) -> dict:
+    """gpt-oss's sparse layer (prefix p = model.layers.{i}.mlp.): its router with a bias and each expert's rows of
+    the stacked, transposed tensors as (name, e, transform) (loader._tensor: "transposed" (in, out) -> (out, in);
+    "transposed_pairs" also de-interleaves gate and up columns (GptOssExperts' gate_up[..., ::2] and [..., 1::2])
+    into cat(gate, up) rows; "pairs" the same for the gate_up bias). An MXFP4 checkpoint holds <name>_blocks /
+    <name>_scales instead (engine/model/quant/mxfp4.py reads the same entries)."""
+    gate_up, down = p + "experts.gate_up_proj", p + "experts.down_proj"
+    return {"router": p + "router.weight", "router_bias": p + "router.bias",
+            "experts_gate_up": [(gate_up, e, "transposed_pairs") for e in range(num)],
+            "experts_down": [(down, e, "transposed") for e in range(num)],
+            "experts_gate_up_bias": [(gate_up + "_bias", e, "pairs") for e in range(num)],
+            "experts_down_bias": [(down + "_bias", e, None) for e in range(num)]}

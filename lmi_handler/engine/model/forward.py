@@ -46,6 +46,7 @@ class LayerWeights:
     mlp_post: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None       # (num_heads,) gpt-oss's attention sinks
     moe: MoeWeights | None = None
 
 
@@ -213,7 +214,7 @@ class DecoderModel(nn.Module):
         if cos_sin is not None:
             q, k = self._rotate(q, *cos_sin), self._rotate(k, *cos_sin)
         ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = ops.paged_attention(q, k_cache, v_cache, meta, spec.scale, window, spec.attn_softcap)
+        o = ops.paged_attention(q, k_cache, v_cache, meta, spec.scale, window, spec.attn_softcap, w.sinks)
         o = o.reshape(-1, heads * dim)
         out = self._row_parallel(o, w.o, w.o_bias)
         return self._lora(out, o, lora, index, "o_proj")

@@ -30,6 +30,7 @@ from lmi_handler.engine.parallel.layout import ShardLayout, shard_of, take
 LINEARS = ("qkv", "o", "gate_up", "down")    # the roles a backend may pack, in the order a step reads them
 MOE_LINEARS = ("router", "shared_gate", "shared_gate_up", "shared_down")   # a sparse layer's, before its experts
 EXPERT_LINEARS = ("experts_gate_up", "experts_down")                      # one entry per expert
+EXPERT_BIASES = ("experts_gate_up_bias", "experts_down_bias")              # gpt-oss: one entry per expert
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -86,15 +87,29 @@ def _shard_or_skip(name: str, layout, full_qk_norm: bool = False):
         return False
 
 
-def _tensor(hf: dict[str, torch.Tensor], names: str | list[str] | tuple[str, int]) -> torch.Tensor:
+def _tensor(hf: dict[str, torch.Tensor], names: str | list[str] | tuple) -> torch.Tensor:
     """The checkpoint tensor `names`, the row concatenation of a list of them (q/k/v, gate/up), or (name, e):
-    expert e's slice of a stacked (E, out, in) tensor. Raises KeyError naming the weights the checkpoint lacks."""
+    expert e's slice of a stacked (E, out, in) tensor, or (name, e, transform): that slice transformed
+    (_expert_slice: gpt-oss's transposed, interleaved experts). Raises KeyError naming the weights the
+    checkpoint lacks."""
     if isinstance(names, tuple):
-        return _tensor(hf, names[0])[names[1]]
+        t = _tensor(hf, names[0])[names[1]]
+        return _expert_slice(t, names[2]) if len(names) > 2 else t
     parts = [names] if isinstance(names, str) else names
     if missing := [n for n in parts if n not in hf]:
         raise KeyError(f"weights missing from the checkpoint: {missing}")
     return hf[names] if isinstance(names, str) else torch.cat([hf[n] for n in names])
+
+
+def _expert_slice(t: torch.Tensor, transform: str | None) -> torch.Tensor:
+    """One expert's slice of gpt-oss's stacked tensors in our (out, in) layout (families._gpt_oss_expert_names):
+    "transposed": (in, out) -> (out, in); "transposed_pairs": (in, 2I) with gate and up interleaved by column
+    -> (2I, in) = cat(gate rows, up rows); "pairs": a (2I,) bias the same way; None: as it is. Exact copies."""
+    if transform in ("transposed", "transposed_pairs"):
+        t = t.T
+    if transform in ("pairs", "transposed_pairs"):
+        t = torch.cat([t[0::2], t[1::2]])
+    return t.contiguous()
 
 
 def _experts_form(hf: dict[str, torch.Tensor], layer: dict) -> None:
@@ -144,7 +159,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                           "mixture-of-experts model, served on one process only for now (degree 1)")
     # engine/model/quant: a pre-quantized checkpoint's linears, or option.quantize=int4's (quantize: int8 or None)
     quant, quantize = quantized_linears(cfg, quantize, tensor_parallel=layout is not None)
-    if quant is not None and spec.moe is not None:
+    if quant is not None and quant.experts_only and spec.moe is None:
+        raise ConfigError(f"config.json quantization_config ({quant.describe()}) quantizes a mixture-of-experts "
+                          f"model's experts; model_type={spec.model_type} has none")
+    if quant is not None and spec.moe is not None and not quant.experts_only:
         raise ConfigError(f"model_type={spec.model_type}: 4-bit or pre-quantized weights (option.quantize=int4, "
                           "GPTQ, AWQ, compressed-tensors) on a mixture-of-experts model are not served yet; serve "
                           "its float checkpoint (option.quantize=int8 packs its experts at load)")
@@ -204,10 +222,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
             else:
                 weights[role] = packed
         weights.update({role: take_other(n) for role, n in layer.items()
-                        if role not in weights and role not in EXPERT_LINEARS})
-        for n in layer.get("experts_gate_up", []) + layer.get("experts_down", []):
+                        if role not in weights and role not in EXPERT_LINEARS + EXPERT_BIASES})
+        weights.update({role: [take_other(n) for n in layer[role]] for role in EXPERT_BIASES if role in layer})
+        for n in [n for role in EXPERT_LINEARS + EXPERT_BIASES for n in layer.get(role, [])]:
             if isinstance(n, tuple):                                # a stacked tensor, every expert now taken
-                hf.pop(n[0], None)
+                for suffix in ("", "_blocks", "_scales"):           # float, or MXFP4 (quant/mxfp4.py)
+                    hf.pop(n[0] + suffix, None)
         return _layer_weights(weights)
 
     layers = [take_layer(layer) for layer in names]
@@ -222,7 +242,7 @@ def _shape(hf: dict[str, torch.Tensor], names: str | list[str] | tuple[str, int]
     """(out, in) of the checkpoint tensor `names`, of the row concatenation of a list of them, or of one expert
     of a stacked tensor."""
     if isinstance(names, tuple):
-        return tuple(_tensor(hf, names[0]).shape[1:])
+        return tuple(_tensor(hf, names).shape) if len(names) > 2 else tuple(_tensor(hf, names[0]).shape[1:])
     parts = [names] if isinstance(names, str) else names
     if missing := [n for n in parts if n not in hf]:
         raise KeyError(f"weights missing from the checkpoint: {missing}")
@@ -247,6 +267,8 @@ def _layer_weights(weights: dict) -> LayerWeights:
         return LayerWeights(**weights)
     moe = MoeWeights(router=weights.pop("router"), gate_up=weights.pop("experts_gate_up"),
                      down=weights.pop("experts_down"), router_bias=weights.pop("router_bias", None),
+                     gate_up_bias=weights.pop("experts_gate_up_bias", None),
+                     down_bias=weights.pop("experts_down_bias", None),
                      shared_gate_up=weights.pop("shared_gate_up", None), shared_down=weights.pop("shared_down", None),
                      shared_gate=weights.pop("shared_gate", None))
     return LayerWeights(**weights, moe=moe)

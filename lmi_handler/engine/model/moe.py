@@ -21,8 +21,9 @@ class MoeWeights:
     """A sparse layer's weights (a backend's packed form where it packs linears: kernels.PackedWeight on cpp).
 
     router: (num_experts, hidden); gate_up[e]: expert e's cat(gate, up) rows (2I, hidden); down[e]: (hidden,
-    I); shared_*: Qwen2-MoE's shared expert (gate_up (2S, hidden), down (hidden, S)) and its gate (1, hidden),
-    None without one. `prepared`: what a backend made of the experts once (the cpp backend's panel lists)."""
+    I); gate_up_bias[e] (2I,) / down_bias[e] (hidden,): gpt-oss's expert biases, None without; shared_*:
+    Qwen2-MoE's shared expert (gate_up (2S, hidden), down (hidden, S)) and its gate (1, hidden), None without
+    one. `prepared`: what a backend made of the experts once (the cpp backend's panel lists)."""
 
     router: object
     gate_up: list
@@ -31,6 +32,8 @@ class MoeWeights:
     shared_gate_up: object | None = None
     shared_down: object | None = None
     shared_gate: object | None = None
+    gate_up_bias: list | None = None
+    down_bias: list | None = None
     prepared: object | None = None
 
 
@@ -56,7 +59,7 @@ def moe_mlp(h: torch.Tensor, w: MoeWeights, spec: MoeSpec, ops) -> torch.Tensor:
     in its rank order), plus sigmoid(shared_gate(h)) * shared_expert(h) where the layer has one (Qwen2-MoE)."""
     logits = ops.linear(h, w.router, w.router_bias, torch.float32)          # (T, E) float32
     ids, weights = route(logits, spec)
-    out = ops.moe_experts(h, ids, weights, w)
+    out = ops.moe_experts(h, ids, weights, w, spec)
     if w.shared_gate_up is None:
         return out
     shared = ops.linear(ops.act_mul(ops.linear(h, w.shared_gate_up), "silu"), w.shared_down)
@@ -85,13 +88,25 @@ def combine_ranks(outs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype)
     return acc.to(dtype)
 
 
+def expert_activation(spec: MoeSpec | None, act_mul, clamped_swiglu):
+    """The experts' activation as a function of gate_up (T, 2I) -> (T, I), from a backend's ops: silu * up, or
+    gpt-oss's clamped SwiGLU with the spec's alpha and limit (spec.MoeSpec.activation)."""
+    if spec is None or spec.activation == "silu":
+        return lambda gate_up: act_mul(gate_up, "silu")
+    return lambda gate_up: clamped_swiglu(gate_up, spec.swiglu_alpha, spec.swiglu_limit)
+
+
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights, linear,
-                    act_mul) -> torch.Tensor:
+                    act_mul, activate=None) -> torch.Tensor:
     """The routed experts with a backend's `linear` and `act_mul`: the (token, rank) pairs grouped by expert (a
     stable sort, so an expert's rows keep token order), each expert that has rows one gate_up linear, silu * up
-    and one down linear over them (its output in x's dtype, as transformers' experts round it), the outputs put
-    back at their (token, rank) and combined per token in rank order (combine_ranks). An expert no token chose is
-    never read. x: (T, hidden); ids, weights: (T, K) from route() -> (T, hidden) in x's dtype."""
+    (or `activate(gate_up)`: expert_activation) and one down linear over them, with the expert's biases where w
+    has them (its output in x's dtype, as transformers' experts round it), the outputs put back at their (token,
+    rank) and combined per token in rank order (combine_ranks). An expert no token chose is never read.
+    x: (T, hidden); ids, weights: (T, K) from route() -> (T, hidden) in x's dtype."""
+    activate = activate or (lambda gate_up: act_mul(gate_up, "silu"))
+    gate_up_bias = w.gate_up_bias or [None] * len(w.gate_up)
+    down_bias = w.down_bias or [None] * len(w.gate_up)
     num_tokens, top_k = ids.shape
     outs = x.new_zeros(num_tokens * top_k, x.shape[1])
     flat = ids.reshape(-1)
@@ -103,6 +118,6 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
             continue
         pairs = order[start:start + n]
         start += n
-        act = act_mul(linear(x.index_select(0, pairs // top_k), w.gate_up[e]), "silu")
-        outs.index_copy_(0, pairs, linear(act, w.down[e]))
+        act = activate(linear(x.index_select(0, pairs // top_k), w.gate_up[e], gate_up_bias[e]))
+        outs.index_copy_(0, pairs, linear(act, w.down[e], down_bias[e]))
     return combine_ranks(outs.view(num_tokens, top_k, -1), weights, x.dtype)

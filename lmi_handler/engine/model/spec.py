@@ -71,7 +71,9 @@ class MoeSpec:
     top k probabilities, renormalized to sum 1 when norm_topk_prob) or "topk_softmax" (GraniteMoE, gpt-oss: the
     top k logits, then a softmax over those k). router_bias: the router has a bias (gpt-oss). shared_expert_size:
     Qwen2-MoE's shared expert (a dense SwiGLU MLP every token takes, scaled by sigmoid(shared_expert_gate(x)));
-    None without one.
+    None without one. activation: "silu" (silu(gate) * up) or "clamped_swiglu" (gpt-oss's GptOssExperts: gate
+    clamped to <= swiglu_limit, up to [-swiglu_limit, swiglu_limit], then gate * sigmoid(swiglu_alpha * gate) *
+    (up + 1)); expert_bias: each expert's gate_up and down have biases (gpt-oss).
     """
 
     num_experts: int
@@ -81,6 +83,10 @@ class MoeSpec:
     norm_topk_prob: bool = True
     router_bias: bool = False
     shared_expert_size: int | None = None
+    activation: str = "silu"
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    expert_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,9 @@ class ModelSpec:
     Qwen3, Gemma 3) or "full" (over the whole q / k projection: OLMo-2). Scalars: embedding_scale multiplies
     the embeddings (Gemma: sqrt(hidden), Granite: embedding_multiplier), residual_scale each block's output
     before its residual add (Granite), logit_scale divides the logits (Granite's logits_scaling),
-    final_logit_softcap / attn_softcap are Gemma 2's tanh caps.
+    final_logit_softcap / attn_softcap are Gemma 2's tanh caps. attention_sinks: each layer's attention has a
+    learned logit per query head that joins every row's softmax denominator and attends to nothing (gpt-oss's
+    self_attn.sinks).
     """
 
     model_type: str
@@ -137,6 +145,7 @@ class ModelSpec:
     attn_softcap: float | None = None
     tie_word_embeddings: bool = False
     fused_qkv: bool = False                   # the checkpoint holds qkv_proj / gate_up_proj (Phi-3)
+    attention_sinks: bool = False             # gpt-oss
 
     @property
     def moe(self) -> MoeSpec | None:
@@ -172,6 +181,7 @@ class ModelSpec:
             "embedding / residual / logit multipliers": any(
                 v is not None for v in (self.embedding_scale, self.residual_scale, self.logit_scale)),
             "soft-capping": self.final_logit_softcap is not None or self.attn_softcap is not None,
+            "attention sinks": self.attention_sinks,
             "mixture-of-experts layers": self.moe is not None,
         }
         return [name for name, misfit in checks.items() if misfit]

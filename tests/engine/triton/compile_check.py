@@ -25,9 +25,9 @@ def cases(dt: str):
     """(kernel, non-default argument types, constexpr values); arguments not named are i32, pointers *dt."""
     idx = {"slot_mapping": "*i64", "block_tables": "*i32", "context_lens": "*i32", "cu_seqlens_q": "*i32"}
     yield attention._store_kv_kernel, idx, {"NUM_HEADS": 3, "HEAD_DIM": 64, "HEADS_PAD": 4, "DIM_PAD": 64}
-    for window, softcap in ((False, False), (True, True)):
-        yield attention._paged_attention_kernel, {**idx, "scale": "fp32", "softcap": "fp32"}, \
-            {**ATTENTION, "USE_WINDOW": window, "USE_SOFTCAP": softcap}
+    for window, softcap, sinks in ((False, False, False), (True, True, False), (True, False, True)):
+        yield attention._paged_attention_kernel, {**idx, "scale": "fp32", "softcap": "fp32", "sinks": "*fp32"}, \
+            {**ATTENTION, "USE_WINDOW": window, "USE_SOFTCAP": softcap, "USE_SINKS": sinks}
     yield matmul._linear_kernel, {}, {**LINEAR, "WIDEN": dt == "fp32"}
     yield moe._grouped_kernel, {"sorted_pairs": "*i32", "block_expert": "*i32"}, {k: v for k, v in LINEAR.items()
                                                                               if k != "HAS_BIAS"} | {"WIDEN": dt == "fp32"}
@@ -35,6 +35,7 @@ def cases(dt: str):
     yield rowwise._rope_kernel, {}, {"HEAD_DIM": 64, "HEADS_PAD": 16, "DIM_PAD": 64}
     for gelu in (False, True):
         yield rowwise._act_mul_kernel, {}, {"GELU": gelu, "BLOCK": rowwise.ACT_BLOCK}
+    yield rowwise._clamped_swiglu_kernel, {"alpha": "fp32", "limit": "fp32"}, {"BLOCK": rowwise.ACT_BLOCK}
     yield sampling._log_softmax_kernel, {"out": "*fp32"}, {"BLOCK": sampling.VOCAB_BLOCK}
     for seeded in (False, True):
         yield sampling._argmax_kernel, {"out": "*i64", "scores": "*fp32", "seeds": "*i64", "positions": "*i64"}, \

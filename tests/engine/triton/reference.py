@@ -32,8 +32,9 @@ def make_meta(seqs: list[tuple[int, int]], block_tables: list[list[int]], block_
         query_lens=query_lens, context_lens_host=context_lens, block_size=block_size)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window=None, softcap=None):
-    """Row by row: gather the row's keys [max(0, p - window + 1), p] and attend in float64; q's dtype out."""
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window=None, softcap=None, sinks=None):
+    """Row by row: gather the row's keys [max(0, p - window + 1), p] and attend in float64; q's dtype out.
+    sinks (H,): each head's logit joins the softmax, its weight dropped (gpt-oss)."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -49,7 +50,11 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window=
             scores = torch.einsum("hd,khd->hk", q[row].double(), k[lo:p + 1]) * scale
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
-            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo:p + 1]).to(q.dtype)
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:
+                probs = torch.cat([scores, sinks.double()[:, None]], dim=-1).softmax(-1)[:, :-1]
+            out[row] = torch.einsum("hk,khd->hd", probs, v[lo:p + 1]).to(q.dtype)
             row += 1
     return out
 

@@ -74,15 +74,20 @@ def mixed_step_tables(tables: list[list[int]]) -> list[list[int]]:
     return tables[:3] + [tables[1][:32 // BLOCK_SIZE] + tables[3][32 // BLOCK_SIZE:]]
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 2.0)],
-                         ids=["causal", "window", "softcap"])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (20, None, False), (None, 2.0, False),
+                                                  (20, None, True)],
+                         ids=["causal", "window", "softcap", "window-sinks"])
 @pytest.mark.parametrize("dtype", ref.kernel_dtypes())
-def test_attention_equals_the_reference_on_a_step_with_every_row_kind(dtype, window, softcap, device):
+def test_attention_equals_the_reference_on_a_step_with_every_row_kind(dtype, window, softcap, sinks, device):
+    """sinks: gpt-oss's per-head logit in the softmax denominator (one per query head, a GQA group's differ)."""
     k_cache, v_cache, tables = filled_cache([c for c, _ in MIXED_STEP], dtype, device)
     meta = ref.make_meta(MIXED_STEP, mixed_step_tables(tables), BLOCK_SIZE, device)
     q = queries(sum(n for _, n in MIXED_STEP), dtype, device)
-    out = tb.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window=window, softcap=softcap)
-    expected = ref.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, HEAD_DIM ** -0.5, window, softcap)
+    sink = torch.linspace(-1.0, 4.0, NUM_HEADS) if sinks else None
+    out = tb.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window=window, softcap=softcap,
+                             sinks=None if sink is None else sink.to(device))
+    expected = ref.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, HEAD_DIM ** -0.5, window, softcap,
+                                   sink)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=rtol)
 

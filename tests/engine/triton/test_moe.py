@@ -58,15 +58,37 @@ def test_pairs_are_sorted_by_expert_into_whole_blocks_and_unchosen_experts_get_n
 
 @needs_triton
 @pytest.mark.slow
-def test_qwen2_moe_on_the_triton_backend_gives_transformers_greedy_tokens(tmp_path, device):
-    """The whole forward with the fused MoE kernel: sparse layers around a dense one, the gated shared expert."""
+@pytest.mark.parametrize("family,prompt", [("qwen2_moe", [1, 250, 17, 99, 5, 6, 7, 8]),
+                                          ("gpt_oss", [1] + [(7 * i + 3) % 500 + 3 for i in range(19)])])
+def test_qwen2_moe_and_gpt_oss_on_the_triton_backend_give_transformers_greedy_tokens(tmp_path, device, family,
+                                                                                      prompt):
+    """The whole forward with the fused MoE kernel: sparse layers around a dense one, the gated shared expert
+    (Qwen2-MoE); gpt-oss's sinks, alternating windows (the prompt past its window of 16) and clamped experts."""
     from lmi_handler.engine.kv_cache import BlockAllocator
     from lmi_handler.engine.model_runner import ModelRunner
     from tests.engine.family_models import build_tiny_moe
     from tests.engine.helpers import greedy_generate, hf_greedy
 
-    hf = build_tiny_moe(tmp_path, "qwen2_moe")
+    hf = build_tiny_moe(tmp_path, family)
     runner = ModelRunner(tmp_path, torch.float32, device, block_size=4, num_blocks=16, kernel_backend="triton")
-    prompt = [1, 250, 17, 99, 5, 6, 7, 8]
     ours, _ = greedy_generate(runner, BlockAllocator(runner.num_blocks, runner.block_size), [prompt], 3)
     assert ours[0] == hf_greedy(hf, prompt, 3)
+
+
+@needs_triton
+def test_gpt_oss_s_biased_clamped_experts_on_triton_equal_the_reference_and_keep_a_token_s_bits(device):
+    """The grouped walk over Triton's linear with the experts' biases and the clamped SwiGLU (gpt-oss)."""
+    from dataclasses import replace
+
+    spec = replace(SPEC, routing="topk_softmax", activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=1.0,
+                   expert_bias=True)
+    x, ids, weights, w, on = _case(8, device)
+    g = torch.Generator().manual_seed(1)
+    w.gate_up_bias = [torch.randn(2 * WIDTH, generator=g) for _ in range(EXPERTS)]
+    w.down_bias = [torch.randn(HIDDEN, generator=g) for _ in range(EXPERTS)]
+    on.gate_up_bias, on.down_bias = [b.to(device) for b in w.gate_up_bias], [b.to(device) for b in w.down_bias]
+    x, ids, weights = x.to(device), ids.to(device), weights.to(device)
+    ours = tb.moe_experts(x, ids, weights, on, spec)
+    expected = torch_ref.moe_experts(x.cpu(), ids.cpu(), weights.cpu(), w, spec)
+    torch.testing.assert_close(ours.cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tb.moe_experts(x[:1], ids[:1], weights[:1], on, spec), ours[:1])

@@ -10,7 +10,9 @@ accumulate in float32):
 - store_kv(k_cache, v_cache, k, v, slot_mapping) -> None. Caches (num_blocks, block_size, num_kv_heads,
   head_dim); k, v (T, num_kv_heads, head_dim); slot_mapping (T,) int64 = block_id * block_size + offset; a slot
   of -1 (a padding row) writes nothing.
-- paged_attention(q, k_cache, v_cache, meta, scale, window=None, softcap=None) -> (T, num_heads, head_dim).
+- paged_attention(q, k_cache, v_cache, meta, scale, window=None, softcap=None, sinks=None) -> (T, num_heads,
+  head_dim). sinks (num_heads,) (gpt-oss): head h's learned logit joins each row's softmax denominator and
+  attends to nothing.
   Row j of sequence i sits at p = context_lens[i] - query_lens[i] + j and attends causally to cache positions
   [max(0, p - window + 1), p] (transformers' sliding-window mask); GQA: query head h reads KV head
   h // (num_heads // num_kv_heads); softcap (Gemma 2): scores = softcap * tanh(scores / softcap). The KV is
@@ -26,10 +28,12 @@ accumulate in float32):
 - act_mul(gate_up (T, 2I), act "silu" | "gelu_tanh") -> act(gate) * up, (T, I).
 - lora_add(y, x, lora, layer, module, num_layers) -> y + each row's LoRA term of that projection (a LoraBatch;
   may add in place into y, a fresh projection output): the one place a backend applies adapters.
-- moe_experts(x (T, hidden), ids (T, K) int64, weights (T, K) float32, w: moe.MoeWeights) -> (T, hidden) in x's
-  dtype: token t's sum over its ranks k, in rank order and in float32, of weights[t, k] times SwiGLU expert
-  ids[t, k] applied to x[t] (that expert's output rounded to x's dtype first), rounded once; each expert's rows
-  grouped, never an expert no token chose read. torch_ref.moe_experts is the definition.
+- moe_experts(x (T, hidden), ids (T, K) int64, weights (T, K) float32, w: moe.MoeWeights, spec: MoeSpec | None)
+  -> (T, hidden) in x's dtype: token t's sum over its ranks k, in rank order and in float32, of weights[t, k]
+  times SwiGLU expert ids[t, k] applied to x[t] (that expert's output rounded to x's dtype first), rounded once;
+  each expert's rows grouped, never an expert no token chose read; the experts' biases where w has them and
+  spec.activation's activation (gpt-oss's clamped SwiGLU: clamped_swiglu(gate_up, alpha, limit), an op of the
+  torch and cpp backends). torch_ref.moe_experts is the definition.
 - decoder_stack(spec, layers, final_norm, num_heads, num_kv_heads) -> a whole-stack operation for that spec
   (called as stack(x, cos, sin, kv_caches, meta, lora) -> final-norm hidden states), or None: the walk.
 - log_softmax(logits) -> (S, V) float32; greedy(logits) -> (S,) int64, the lowest index on ties.

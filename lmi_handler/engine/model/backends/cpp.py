@@ -28,6 +28,7 @@ from lmi_handler.engine.model.lora import KERNEL_PROJECTIONS, LoraBatch
 from lmi_handler.engine.model.moe import MoeWeights
 from lmi_handler.engine.model.quant import QuantWeight, quant_linear
 from lmi_handler.engine.model.quant.weight import FMTS
+from lmi_handler.engine.model.spec import MoeSpec
 
 NAME = "cpp"
 PROJECTION_INDEX = {name: i for i, name in enumerate(KERNEL_PROJECTIONS)}   # LoraSet's projection numbers
@@ -44,15 +45,16 @@ def pack_linear(weight: torch.Tensor, kind: str, out: torch.Tensor | None = None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """attention.h's paged attention (keys walked block by block from the window's first block, online
-    softmax in float32; bf16 rounds the softmax weights as torch's CPU flash attention does), with the window
-    and Gemma 2's score cap (the unmasked kernel where there are neither: the fused stack's).
+    softmax in float32; bf16 rounds the softmax weights as torch's CPU flash attention does), with the window,
+    Gemma 2's score cap and gpt-oss's sinks (H,) (the unmasked kernel where there are none: the fused stack's).
     q: (T, H, D) -> (T, H, D) in q's dtype."""
-    if window is None and softcap is None:
+    if window is None and softcap is None and sinks is None:
         return attention_paged(q, k_cache, v_cache, meta, scale)
     return cpu_kernels().paged_attention_masked(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                meta.cu_seqlens_q, scale, window or 0, softcap or 0.0)
+                                                meta.cu_seqlens_q, scale, window or 0, softcap or 0.0, sinks)
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
@@ -91,16 +93,36 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return kernels.silu_mul(gate_up) if act == "silu" else kernels.gelu_tanh_mul(gate_up)
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation (torch_ref.clamped_swiglu's operations and roundings; moe.cpp, row by row)."""
+    return cpu_kernels().clamped_swiglu(gate_up, alpha, limit)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights,
+                spec: MoeSpec | None = None) -> torch.Tensor:
     """The routed experts over their packed panels (torch_ref.moe_experts' contract), one C++ call (moe.cpp):
-    the pairs grouped by expert, each chosen expert linear.h's linear_silu and linear over its rows, the outputs
-    combined per token in rank order; bitwise moe.grouped_experts with this module's linear and act_mul. The
-    panel lists are gathered once per layer (w.prepared)."""
+    the pairs grouped by expert, each chosen expert linear.h's linear_silu (gpt-oss: linear with its bias, then
+    the clamped SwiGLU) and linear over its rows, the outputs combined per token in rank order; bitwise
+    moe.grouped_experts with this module's ops. The panel lists are gathered once per layer (w.prepared).
+    Quantized experts (MXFP4's e2m1 panels, quant.QuantWeight) the same over linear_quant.h's quant_linear
+    (moe.cpp's moe_experts_quant)."""
+    clamped = spec is not None and spec.activation == "clamped_swiglu"
+    act = (clamped, spec.swiglu_alpha if clamped else 1.0, spec.swiglu_limit if clamped else 0.0)
+    biases = (w.gate_up_bias or [], w.down_bias or [])
+    first = w.gate_up[0]
+    if isinstance(first, QuantWeight):
+        if w.prepared is None:
+            assert all(q.perm is None for q in w.gate_up + w.down), "experts have no act-order permutation"
+            w.prepared = ([[q.panels, q.scales, q.zeros] for q in w.gate_up],
+                          [[q.panels, q.scales, q.zeros] for q in w.down], first.out_features)
+        gate_up, down, features = w.prepared
+        return cpu_kernels().moe_experts_quant(x, ids, weights, gate_up, down, features, first.group_size, first.bits,
+                                               FMTS[first.fmt], *biases, *act)
     if w.prepared is None:
         w.prepared = ([p.panels for p in w.gate_up], [p.scale for p in w.gate_up], [p.panels for p in w.down],
-                      [p.scale for p in w.down], w.gate_up[0].out_features)
-    form = bf16_dot_form() if w.gate_up[0].kind == "bfloat16" else 0
-    return cpu_kernels().moe_experts(x, ids, weights, *w.prepared, form)
+                      [p.scale for p in w.down], first.out_features)
+    form = bf16_dot_form() if first.kind == "bfloat16" else 0
+    return cpu_kernels().moe_experts(x, ids, weights, *w.prepared, form, *biases, *act)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from lmi_handler.engine.model.attention import AttentionMetadata, gather_context
 from lmi_handler.engine.model.linear import invariant_linear
 from lmi_handler.engine.model.lora import LoraBatch
-from lmi_handler.engine.model.moe import MoeWeights, grouped_experts
+from lmi_handler.engine.model.moe import MoeWeights, expert_activation, grouped_experts
 from lmi_handler.engine.model.quant.weight import QuantWeight
+from lmi_handler.engine.model.spec import MoeSpec
 
 NAME = "torch"
 
@@ -35,10 +36,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention over the paged cache, in float32, one sequence at a time: row j of sequence i
     (absolute position p) attends to positions [max(0, p - window + 1), p]; softcap: scores = softcap *
-    tanh(scores / softcap) before the softmax. q: (T, H, D) -> (T, H, D) in q's dtype."""
+    tanh(scores / softcap) before the softmax; sinks (H,): head h's learned logit joins each row's softmax as
+    one more score whose weight is dropped (gpt-oss; transformers' eager_attention_forward: softmax over
+    cat(scores, sink), the sink's column left out). q: (T, H, D) -> (T, H, D) in q's dtype."""
     out = torch.empty_like(q)
     tables = meta.block_tables.long()
     start = 0
@@ -58,7 +62,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if window is not None:
             allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:start + n] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.float().to(q.device)[:, None, None].expand(-1, n, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        out[start:start + n] = (probs @ v).transpose(0, 1).to(q.dtype)
         start += n
     return out
 
@@ -103,12 +112,22 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    """A sparse layer's routed SwiGLU experts (moe.grouped_experts with this backend's linear and act_mul): token
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> gpt-oss's expert activation in gate_up's dtype, transformers' GptOssExperts'
+    operations: gate clamped to <= limit, up to [-limit, limit], gate * sigmoid(gate * alpha) * (up + 1)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoeWeights,
+                spec: MoeSpec | None = None) -> torch.Tensor:
+    """A sparse layer's routed experts (moe.grouped_experts with this backend's linear and activation): token
     t's output is sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) in float32 in rank order k, rounded once to x's
-    dtype; each expert's gate_up / down over its own rows. x: (T, hidden); ids (T, K) int64; weights (T, K)
-    float32 -> (T, hidden)."""
-    return grouped_experts(x, ids, weights, w, linear, act_mul)
+    dtype; each expert's gate_up / down (with their biases where w has them) over its own rows; the activation
+    spec.activation's (None: silu * up). x: (T, hidden); ids (T, K) int64; weights (T, K) float32 -> (T, hidden)."""
+    return grouped_experts(x, ids, weights, w, linear, act_mul, expert_activation(spec, act_mul, clamped_swiglu))
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora: LoraBatch, layer: int, module: str,

@@ -259,10 +259,11 @@ template <class M> inline M mask_or_none() { return M{}; }
 template <class M> inline M mask_or_none(const M& mask) { return mask; }
 
 // attend_row's masked form: a row's keys first_key..n-1 (after the skipped blocks), its scores capped when
-// softcap > 0
+// softcap > 0; sinks (H floats, or nullptr): each head's learned logit in the softmax's denominator (gpt-oss)
 struct RowMask {
   int64_t first_key;
   float softcap;
+  const float* sinks;
 };
 
 // One query row, the query heads of KV heads g0..g1-1: q (H, D) the row's queries as floats, keys
@@ -379,7 +380,17 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
       }
     }
   }
+  if constexpr (MASKED) {   // a sink: one more logit in the max and the denominator, whose weight is dropped
+    if (const float* sinks = row_mask.sinks) {
+      for (int64_t h = h0; h < h1; ++h) mx[h] = std::max(mx[h], sinks[h]);
+    }
+  }
   for (int64_t h = h0; h < h1; ++h) denom[h] = exp_sum_keep<T>(scores + h * ld + lo, n - lo, mx[h]);
+  if constexpr (MASKED) {
+    if (const float* sinks = row_mask.sinks) {
+      for (int64_t h = h0; h < h1; ++h) denom[h] += std::exp(sinks[h] - mx[h]);
+    }
+  }
   // weighted values, block by block, the G heads of each KV head together
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* vb = vp + static_cast<int64_t>(table[j]) * block_elems;
@@ -425,10 +436,11 @@ void attend_row(const float* q, const T* kp, const T* vp, const int32_t* table, 
 inline int64_t attention_parts(int64_t T_rows, int64_t KVH) { return T_rows < 4 * pool_threads() ? KVH : 1; }
 
 // paged_attention_typed's masked form: a row at position p reads keys max(0, p - window + 1)..p when window
-// > 0, and its scores are capped when softcap > 0
+// > 0, its scores are capped when softcap > 0, and sinks (H floats, or nullptr) join its softmax (RowMask)
 struct AttentionMask {
   int64_t window;
   float softcap;
+  const float* sinks;
 };
 
 // `mask`: none (the Llama path's unmasked code, as it was), or one AttentionMask (the masked form: the C++ ops
@@ -474,7 +486,8 @@ void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k_cache,
         const int64_t window = attention_mask.window;
         auto skipped = [&](int64_t keys) { return window > 0 && keys > window ? (keys - window) / BS : int64_t{0}; };
         const int64_t skip = skipped(n), next_n = next ? keys_of(r + 1, next_s) : 0, next_skip = skipped(next_n);
-        const RowMask row_mask{window > 0 && n > window ? n - window - skip * BS : 0, attention_mask.softcap};
+        const RowMask row_mask{window > 0 && n > window ? n - window - skip * BS : 0, attention_mask.softcap,
+                               attention_mask.sinks};
         attend_row<T>(qf.data(), kp, vp, tables + s * MB + skip, n - skip * BS, BS, H, KVH, D, g0, g1, scale,
                       scores.data(), max_ctx, stats.data(), of.data(), next ? tables + next_s * MB + next_skip : nullptr,
                       next_n - next_skip * BS, row_mask);

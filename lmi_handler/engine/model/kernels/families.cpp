@@ -18,12 +18,19 @@
 namespace {
 
 // attention.h's paged_attention with `window` (0: none; else a row at position p reads keys max(0, p - window
-// + 1)..p) and `softcap` (0: none; else scores softcap * tanh(score / softcap) before the softmax): its
+// + 1)..p), `softcap` (0: none; else scores softcap * tanh(score / softcap) before the softmax) and `sinks`
+// (none, or (H,): each head's logit in the softmax denominator, gpt-oss): its
 // paged_attention_typed in the masked form (with neither, the same operations as the unmasked form)
 torch::Tensor paged_attention_masked(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q,
-                                     double scale, int64_t window, double softcap) {
+                                     double scale, int64_t window, double softcap,
+                                     c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
+  torch::Tensor sinks_f;   // (H,) float32: gpt-oss's per-head logit in the denominator
+  if (sinks.has_value() && sinks->defined()) {
+    sinks_f = sinks->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(sinks_f.dim() == 1 && sinks_f.size(0) == q.size(1), "sinks must be (num_heads,)");
+  }
   is_bf16(q, "q");
   q = q.contiguous();
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be (T, H, D) and the caches (blocks, BS, KVH, D)");
@@ -34,7 +41,7 @@ torch::Tensor paged_attention_masked(torch::Tensor q, torch::Tensor k_cache, tor
   const AttentionPlan plan(q.size(0), k_cache.size(1), block_tables, context_lens, cu_seqlens_q);
   auto out = torch::empty_like(q);
   const float fscale = static_cast<float>(scale);
-  const AttentionMask mask{window, static_cast<float>(softcap)};
+  const AttentionMask mask{window, static_cast<float>(softcap), sinks_f.defined() ? sinks_f.data_ptr<float>() : nullptr};
   if (q.scalar_type() == torch::kBFloat16) {
     paged_attention_typed<bf16>(q, k_cache, v_cache, plan.tables, plan.ctx, plan.cu, plan.seq_of_row, plan.MB,
                                 plan.max_ctx, fscale, out, mask);
@@ -187,7 +194,7 @@ void register_family_ops(py::module_& m) {
   m.def("paged_attention_masked", &paged_attention_masked,
         "paged_attention with a sliding window and a score cap (0: none)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("cu_seqlens_q"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0, no_gil);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), no_gil);
   m.def("rms_norm_offset", &rms_norm_offset, "(x + residual) * rsqrt(mean(.^2) + eps) * (offset + weight) in float32",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0, no_gil);
   m.def("rope", &rope, "x (T, H, D) rotated by cos, sin (T, D), rotate-half", no_gil);

@@ -8,7 +8,9 @@
 //   scales, zeros: (G, P * PANEL) float32, G = ceil(K / group_size); row k's group is k / group_size (a
 //          checkpoint's act-order permutation is applied to x's columns before the call, quant/weight.py)
 //   fmt: CODE_INT, a code's value is the integer itself; CODE_E4M3 (8 bits), a code is a float8 e4m3fn byte
-//          and its value the number it holds (FP8 checkpoints; their zeros are 0)
+//          and its value the number it holds (FP8 checkpoints; their zeros are 0); CODE_E2M1 (4 bits), a code is
+//          an e2m1 nibble and its value E2M1_VALUES[code] (MXFP4 experts, quant/mxfp4.py; zeros 0, scales powers
+//          of two: every value exact)
 // Arithmetic: w[k][n] = (value(code) - zero[g][n]) * scale[g][n] (two float32 operations: the subtraction is
 // exact, one rounding in the product; e4m3 skips the subtraction of its zero 0, which changes no bit: x - 0 is
 // x, -0 included), then linear_fma.h's float32 chain
@@ -32,7 +34,10 @@
 namespace {
 
 constexpr int64_t K_BLOCK_Q = 128;   // panel rows per K block: the float buffer is K_BLOCK_Q x PANEL floats
-enum CodeFmt : int { CODE_INT = 0, CODE_E4M3 = 1 };   // what a code is (see the top)
+enum CodeFmt : int { CODE_INT = 0, CODE_E4M3 = 1, CODE_E2M1 = 2 };   // what a code is (see the top)
+// an e2m1 code's value (OCP MX: bit 3 the sign, bits 0-2 the magnitude)
+constexpr float E2M1_VALUES[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                   -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 // The float8 e4m3fn number byte c holds, exactly: sign bit 7, exponent bits 3-6 (bias 7), mantissa bits 0-2;
 // exponent 0 is subnormal (m 2^-9), 0x7f / 0xff are NaN, there is no infinity. A normal one is the float32 with
@@ -70,7 +75,7 @@ inline void e4m3_to_float16x(__m128i c, __m256& lo, __m256& hi) {
 template <int BITS, int FMT>
 inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__ s, const float* __restrict__ z,
                         float* __restrict__ o) {
-  static_assert(FMT == CODE_INT || BITS == 8, "e4m3 codes are bytes");
+  static_assert(FMT == CODE_INT || (FMT == CODE_E4M3) == (BITS == 8), "e4m3 codes are bytes, e2m1 nibbles");
 #if defined(__AVX2__) && defined(__F16C__)
   if constexpr (FMT == CODE_E4M3) {   // bytes 0-31 in order, sixteen at a time
     static_assert(PANEL == 32, "the AVX2 form unpacks 32 columns");
@@ -95,9 +100,16 @@ inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__
   } else {
     for (int q = 0; q < 4; ++q) parts[q] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * q));
   }
-  if constexpr (FMT == CODE_INT) {
+  if constexpr (FMT == CODE_INT || FMT == CODE_E2M1) {
     for (int q = 0; q < 4; ++q) {
-      const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+      __m256 c;
+      if constexpr (FMT == CODE_E2M1) {   // the magnitude from bits 0-2 (permutevar8x32 reads those), bit 3 the sign
+        const __m256i code = _mm256_cvtepu8_epi32(parts[q]);
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+        c = _mm256_xor_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1_VALUES), code), _mm256_castsi256_ps(sign));
+      } else {
+        c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+      }
       _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_sub_ps(c, _mm256_loadu_ps(z + 8 * q)), _mm256_loadu_ps(s + 8 * q)));
     }
     return;
@@ -105,6 +117,10 @@ inline void dequant_row(const uint8_t* __restrict__ b, const float* __restrict__
 #endif
   if constexpr (FMT == CODE_E4M3) {
     for (int64_t j = 0; j < PANEL; ++j) o[j] = e4m3_to_float(b[j]) * s[j];
+  } else if constexpr (FMT == CODE_E2M1) {
+    constexpr int64_t H = PANEL / 2;
+    for (int64_t j = 0; j < H; ++j) o[j] = (E2M1_VALUES[b[j] & 15] - z[j]) * s[j];
+    for (int64_t j = 0; j < H; ++j) o[j + H] = (E2M1_VALUES[b[j] >> 4] - z[j + H]) * s[j + H];
   } else if constexpr (BITS == 4) {
     constexpr int64_t H = PANEL / 2;
     for (int64_t j = 0; j < H; ++j) o[j] = (static_cast<float>(b[j] & 15) - z[j]) * s[j];
@@ -204,7 +220,8 @@ inline void quant_gemm(int64_t M, int64_t K, int64_t P, int64_t out_features, co
 // y = x @ W^T (+ bias) over code panels (see the top). x: (M, K) float32 or bfloat16 (bf16 widened exactly);
 // packed: uint8 (P, K, PANEL / 2) for bits 4, (P, K, PANEL) for bits 8; scales, zeros (G, P * PANEL) float32;
 // bias (out_features,) float32 or bfloat16 or none; out_bf16: y rounded once to bfloat16, else float32;
-// fmt: CODE_INT (integer codes) or CODE_E4M3 (float8 e4m3fn bytes, bits 8; zeros are not read).
+// fmt: CODE_INT (integer codes), CODE_E4M3 (float8 e4m3fn bytes, bits 8; zeros are not read) or CODE_E2M1
+// (e2m1 nibbles, bits 4).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, torch::Tensor scales,
                            torch::Tensor zeros, int64_t group_size, int64_t bits, c10::optional<torch::Tensor> bias,
                            bool out_bf16, int64_t fmt = CODE_INT) {
@@ -223,8 +240,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
     TORCH_CHECK(t->dim() == 2 && t->size(0) == G && t->size(1) == P * PANEL && t->is_contiguous() &&
                 t->scalar_type() == torch::kFloat32, "scales and zeros must be contiguous (", G, ", ", P * PANEL,
                 ") float32");
-  TORCH_CHECK(fmt == CODE_INT || (fmt == CODE_E4M3 && bits == 8), "fmt must be 0 (integer codes) or 1 (e4m3 "
-              "bytes, bits 8), got ", fmt, " with bits ", bits);
+  TORCH_CHECK(fmt == CODE_INT || (fmt == CODE_E4M3 && bits == 8) || (fmt == CODE_E2M1 && bits == 4),
+              "fmt must be 0 (integer codes), 1 (e4m3 bytes, bits 8) or 2 (e2m1 nibbles, bits 4), got ", fmt,
+              " with bits ", bits);
   torch::Tensor b_f;
   if (bias.has_value() && bias->defined()) {
     b_f = bias->to(torch::kFloat32).contiguous();
@@ -239,6 +257,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   const float* zp = zeros.data_ptr<float>();
   auto run = [&](auto store) {
 #define LMI_QUANT(B, F) quant_gemm<B, F>(M, K, P, out_features, xf.data, wp, sp, zp, group_size, store)
+    if (fmt == CODE_E2M1) return LMI_QUANT(4, CODE_E2M1);
     if (bits == 4) return LMI_QUANT(4, CODE_INT);
     if (fmt == CODE_E4M3) return LMI_QUANT(8, CODE_E4M3);
     return LMI_QUANT(8, CODE_INT);

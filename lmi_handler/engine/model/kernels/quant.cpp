@@ -15,7 +15,7 @@ torch::Tensor lmi_stack::codes_linear(const torch::Tensor& x, const Linear& w, b
 void register_quant_ops(py::module_& m) {
   m.def("quant_linear", &quant_linear,
         "row-invariant x @ W^T (+ bias) over 4-bit / 8-bit code panels with group scales and zeros (fmt 1: "
-        "float8 e4m3 bytes)",
+        "float8 e4m3 bytes, 2: e2m1 nibbles)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("scales"), py::arg("zeros"),
         py::arg("group_size"), py::arg("bits"), py::arg("bias"), py::arg("out_bf16"), py::arg("fmt") = 0,
         py::call_guard<py::gil_scoped_release>());

@@ -1,6 +1,6 @@
-"""Quantized linears at load: a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors, FP8: config.py detects,
-formats.py and fp8.py read) or a float checkpoint's rounded at load (option.quantize=int4, or fp8 without a
-quantization_config: rtn.py), each linear unpacked
+"""Quantized linears at load: a pre-quantized checkpoint's (GPTQ, AWQ, compressed-tensors, FP8, gpt-oss's MXFP4
+experts: config.py detects, formats.py, fp8.py and mxfp4.py read) or a float checkpoint's rounded at load
+(option.quantize=int4, or fp8 without a quantization_config: rtn.py), each linear unpacked
 once into the C++ kernel's code panels (weight.py, kernels/linear_quant.h), never the whole model dequantized.
 
 The loader's one hook (loader.load_model): `quantized_linears(cfg, quantize, ...)` gives a QuantizedLinears (or
@@ -26,12 +26,13 @@ from lmi_handler.engine.model.quant.config import (  # noqa: F401
 )
 from lmi_handler.engine.model.quant.formats import READERS as INT_READERS
 from lmi_handler.engine.model.quant.fp8 import READERS as FP8_READERS
+from lmi_handler.engine.model.quant.mxfp4 import read_mxfp4
 from lmi_handler.engine.model.quant.rtn import INT4_GROUP, quantize_fp8, quantize_int4  # noqa: F401
 from lmi_handler.engine.model.quant.weight import Codes, QuantWeight, concat, pack_codes, quant_linear  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-READERS = {**INT_READERS, **FP8_READERS}          # QuantConfig.reader -> its reader of one linear's tensors
+READERS = {**INT_READERS, **FP8_READERS, "mxfp4": read_mxfp4}   # QuantConfig.reader -> its reader of one linear's
 
 QUANTIZED_BACKENDS = ("cpp", "torch")
 
@@ -43,6 +44,11 @@ class QuantizedLinears:
         self.config = config          # None: the float layer linears rounded at load to `rounding` (int4 or fp8)
         self.rounding = rounding
 
+    @property
+    def experts_only(self) -> bool:
+        """Only a mixture-of-experts model's experts are quantized (MXFP4: gpt-oss's experts)."""
+        return self.config is not None and self.config.method == "mxfp4"
+
     def describe(self) -> str:
         if self.config is None and self.rounding == "fp8":
             return "option.quantize=fp8 (e4m3 weights, a scale per output channel, rounded at load; weight-only)"
@@ -53,6 +59,8 @@ class QuantizedLinears:
     def covers(self, hf: dict[str, torch.Tensor], names: str | list[str]) -> bool:
         """Whether the linear of checkpoint tensor(s) `names` (each "<module>.weight") is quantized. Raises
         ValueError where a fused linear's parts disagree."""
+        if isinstance(names, tuple):        # one expert of a stacked tensor (gpt-oss): MXFP4 blocks, or float
+            return self.config is not None and f"{names[0]}_blocks" in hf
         parts = [names] if isinstance(names, str) else names
         found = [self._quantized(hf, n) for n in parts]
         if any(found) and not all(found):
@@ -73,6 +81,8 @@ class QuantizedLinears:
 
     def take(self, hf: dict[str, torch.Tensor], names: str | list[str]) -> QuantWeight:
         """The linear of `names` as a QuantWeight (their codes concatenated by rows), its tensors dropped from hf."""
+        if isinstance(names, tuple):
+            return pack_codes(READERS[self.config.reader](hf, names, self.config))
         parts = [names] if isinstance(names, str) else names
         if self.config is None:
             rounding = quantize_fp8 if self.rounding == "fp8" else quantize_int4

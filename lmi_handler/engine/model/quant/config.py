@@ -2,8 +2,8 @@
 option.quantize naming the method) read into one QuantConfig, or refused at start-up naming the method and the
 supported list.
 
-Owns the detection and its refusals; leaves reading each format's tensors to formats.py (integer codes) and
-fp8.py (e4m3 weights).
+Owns the detection and its refusals; leaves reading each format's tensors to formats.py (integer codes),
+fp8.py (e4m3 weights) and mxfp4.py (gpt-oss's e2m1 experts).
 No torch here: families.py calls check_quantization_config while it reads config.json.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lmi_handler.config import ConfigError
 
-SUPPORTED = ("gptq", "awq", "compressed-tensors", "fp8")   # quant_method values we read
+SUPPORTED = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")   # quant_method values we read
 CHECKPOINT_OPTIONS = SUPPORTED                              # option.quantize values that name the checkpoint's method
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")    # compressed-tensors formats we read
 _UNSUPPORTED_HINT = ("serve the unquantized checkpoint (option.quantize=int8 or int4 quantizes its weights at load "
@@ -67,6 +67,8 @@ class QuantConfig:
         return False
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 experts (e2m1 values, an e8m0 scale per 32 inputs)"
         method = f"{self.method} {self.fmt}" if self.fmt and self.fmt != "pack-quantized" else self.method
         if self.fp8:
             scales = f"{self.block[0]}x{self.block[1]} block" if self.block else "per-tensor or per-channel"
@@ -87,7 +89,7 @@ def _refuse(method: str, why: str) -> ConfigError:
 
 def read_quant_config(cfg: dict) -> QuantConfig | None:
     """config.json's quantization_config as a QuantConfig, None where there is none. Raises ConfigError naming the
-    method (and what of it) for everything we do not read: other methods (bitsandbytes, hqq, exl2, gguf, mxfp4,
+    method (and what of it) for everything we do not read: other methods (bitsandbytes, hqq, exl2, gguf,
     ...), bit widths, layouts and schemes."""
     quant = cfg.get("quantization_config") or cfg.get("compression_config")
     if not quant:
@@ -103,6 +105,8 @@ def read_quant_config(cfg: dict) -> QuantConfig | None:
         return _compressed(quant)
     if method == "fp8":
         return _fp8(quant)
+    if method == "mxfp4":       # gpt-oss: its experts only (quant/mxfp4.py); every other module stays in float
+        return QuantConfig("mxfp4", 4, 32, ignore=(r"re:(?!.*\.experts\b).*",))
     raise _refuse(method, "this method is not supported")
 
 

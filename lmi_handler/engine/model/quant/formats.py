@@ -16,7 +16,8 @@ checkpoint's own k order), following each quantizer's published packing:
   (N, G) group or (1,) tensor; weight_zero_point int8 of the scale's shape where asymmetric. Its activation
   tensors (input_scale, input_zero_point: static activations) are dropped: weight-only (docs/quantization.md).
 
-FP8 (e4m3) weights are read by fp8.py. Leaves detection to config.py and the kernel's layout to weight.py.
+FP8 (e4m3) weights are read by fp8.py, gpt-oss's MXFP4 experts by mxfp4.py. Leaves detection to config.py and
+the kernel's layout to weight.py.
 """
 from __future__ import annotations
 

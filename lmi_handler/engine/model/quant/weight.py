@@ -8,7 +8,7 @@ each format to gptq.py, awq.py and compressed.py, and calling the kernel to back
 
 The value of weight element (n, k) is (value(code) - zero[g, n]) * scale[g, n] in float32, g = k's group, where
 value(code) is the integer code itself (fmt "int") or, for FP8 (fmt "e4m3"), the number its float8 e4m3fn byte
-holds (e4m3_values(), exact in float32; zero 0): the subtraction is exact and the product one rounding (exact for fp16 / bf16 scales and codes
+holds (e4m3_values(), exact in float32; zero 0), for MXFP4 (fmt "e2m1") its E2M1_VALUES entry: the subtraction is exact and the product one rounding (exact for fp16 / bf16 scales and codes
 below 2^8), so dequantize() is the float model a quantized checkpoint stands for, and every backend computes from
 it.
 """
@@ -22,7 +22,9 @@ import torch
 from lmi_handler.engine.model.kernels.build import PANEL, built_kernels, cpu_kernels
 
 BITS = (4, 8)
-FMTS = {"int": 0, "e4m3": 1}          # what a code is -> the kernel's CodeFmt (linear_quant.h)
+FMTS = {"int": 0, "e4m3": 1, "e2m1": 2}          # what a code is -> the kernel's CodeFmt (linear_quant.h)
+# an e2m1 code's value (OCP MX, MXFP4's elements: bit 3 the sign, bits 0-2 the magnitude); linear_quant.h's copy
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @lru_cache(maxsize=1)
@@ -32,7 +34,10 @@ def e4m3_values() -> torch.Tensor:
 
 
 def code_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """uint8 codes -> float32 values (exact): the integer itself (fmt "int") or the e4m3 number (fmt "e4m3")."""
+    """uint8 codes -> float32 values (exact): the integer itself (fmt "int"), the e4m3 number (fmt "e4m3") or the
+    e2m1 one (fmt "e2m1": E2M1_VALUES)."""
+    if fmt == "e2m1":
+        return torch.tensor(E2M1_VALUES)[codes.long()]
     return codes.float() if fmt == "int" else e4m3_values()[codes.long()]
 
 
@@ -42,7 +47,8 @@ class Codes:
 
     codes: (N, K) uint8 in [0, 2^bits); zeros, scales: (G, N) float32, G = ceil(K / group_size);
     g_idx: (K,) int64 group of each input column (GPTQ's act order), None for k // group_size;
-    fmt: "int" (the codes are integers) or "e4m3" (float8 e4m3fn bytes, bits 8, zeros 0: FP8 checkpoints)."""
+    fmt: "int" (the codes are integers), "e4m3" (float8 e4m3fn bytes, bits 8, zeros 0: FP8 checkpoints) or "e2m1"
+    (e2m1 nibbles, bits 4, zeros 0: MXFP4 experts, quant/mxfp4.py)."""
 
     codes: torch.Tensor
     zeros: torch.Tensor
@@ -95,7 +101,7 @@ class QuantWeight:
 
     @property
     def kind(self) -> str:
-        return f"{'fp' if self.fmt == 'e4m3' else 'int'}{self.bits}_g{self.group_size}"
+        return f"{'int' if self.fmt == 'int' else 'fp'}{self.bits}_g{self.group_size}"
 
     @property
     def nbytes(self) -> int:

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["available", "store_kv", "paged_attention", "linear", "rms_norm", "rope", "act_mul",
            "log_softmax", "greedy", "seeded_sample", "lora_stack", "lora_add", "lora_rows",
-           "decoder_stack", "moe_experts"]
+           "decoder_stack", "moe_experts", "clamped_swiglu"]
 
 
 def available() -> bool:
@@ -43,8 +43,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    return _kernels("attention").paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+                    window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return _kernels("attention").paged_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -65,10 +66,19 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return _kernels("rowwise").act_mul(gate_up, act)
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w, spec=None) -> torch.Tensor:
     """The routed experts (torch_ref.moe_experts' contract) as the fused MoE kernel (moe.py: pairs sorted by
-    expert, one grouped matmul per projection)."""
+    expert, one grouped matmul per projection); gpt-oss's biased, clamped experts as moe.grouped_experts over
+    this backend's linear and clamped_swiglu (the fused kernel has no biases or clamp yet)."""
+    if w.gate_up_bias is not None or (spec is not None and spec.activation != "silu"):
+        from lmi_handler.engine.model.moe import expert_activation, grouped_experts
+
+        return grouped_experts(x, ids, weights, w, linear, act_mul, expert_activation(spec, act_mul, clamped_swiglu))
     return _kernels("moe").moe_experts(x, ids, weights, w)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    return _kernels("rowwise").clamped_swiglu(gate_up, alpha, limit)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

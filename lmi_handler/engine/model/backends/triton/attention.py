@@ -58,10 +58,11 @@ def _tanh(x):
 # num_seqs is not specialized (Triton would compile a variant for the value 1): one binary for every batch
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
-        out, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, num_seqs, scale, softcap, window,
+        out, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, num_seqs, scale, softcap, window, sinks,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_kc_slot, stride_kc_head, stride_bt,
         block_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        SEQ_CHUNK: tl.constexpr, TILE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+        SEQ_CHUNK: tl.constexpr, TILE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+        USE_SINKS: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -109,17 +110,25 @@ def _paged_attention_kernel(
             denom = denom * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
             m = m_new
+        if USE_SINKS:   # the head's sink: one more logit in the max and the denominator, attending to nothing
+            sink = tl.load(sinks + head, mask=g < GROUP, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, sink)
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
         tl.store(out_ptrs, (acc / denom[:, None]).to(out.dtype.element_ty), mask=qo_mask)
     else:
         tl.store(out_ptrs, tl.zeros([GROUP_PAD, DIM_PAD], tl.float32).to(out.dtype.element_ty), mask=qo_mask)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of each row of q (T, num_heads, head_dim) over the paged cache (INTERFACE.md).
 
     Row j of sequence i sits at position context_lens[i] - query_lens[i] + j and attends to positions
-    [max(0, p - window + 1), p]; padding rows (past cu_seqlens_q[-1], or of a sequence with no
+    [max(0, p - window + 1), p]; sinks (num_heads,): each head's logit joins the softmax's max and denominator
+    after the last tile (gpt-oss); padding rows (past cu_seqlens_q[-1], or of a sequence with no
     context) get zeros. Returns (T, num_heads,
     head_dim) in q's dtype. The caches must be contiguous.
     """
@@ -135,9 +144,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
         out, q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, num_seqs, scale,
         softcap if softcap is not None else 1.0, window if window is not None else 0,
+        sinks.float().contiguous() if sinks is not None else q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), meta.block_tables.stride(0), k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim), SEQ_CHUNK=SEQ_CHUNK,
-        TILE=KV_TILE, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None)
+        TILE=KV_TILE, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None)
     return out

@@ -117,3 +117,30 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
                                                                out.stride(0), GELU=act == "gelu_tanh",
                                                                BLOCK=ACT_BLOCK)
     return out
+
+
+@triton.jit
+def _clamped_swiglu_kernel(out, gate_up, inter, stride_g, stride_o, alpha, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.minimum(tl.load(gate_up + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(gate_up + row * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    a = g / (1.0 + tl.exp(-(g * alpha)))
+    tl.store(out + row * stride_o + cols, ((u + 1.0) * a).to(out.dtype.element_ty), mask=mask)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation (torch_ref.clamped_swiglu's formula) for gate_up (T, 2I) = [gate | up]: gate
+    clamped to <= limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1), in float32 rounded once
+    to gate_up's dtype. Returns (T, I)."""
+    num_rows, width = gate_up.shape
+    inter = width // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows == 0:
+        return out
+    _clamped_swiglu_kernel[(num_rows, triton.cdiv(inter, ACT_BLOCK))](out, gate_up, inter, gate_up.stride(0),
+                                                                      out.stride(0), alpha, limit, BLOCK=ACT_BLOCK)
+    return out

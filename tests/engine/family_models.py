@@ -98,3 +98,24 @@ def build_tiny_moe(path: Path, name: str, seed: int = 0):
                 p.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def hf_greedy_with_logprobs(hf, prompt: list[int], n: int) -> tuple[list[int], list[float], set]:
+    """transformers' generate(): greedy tokens, each one's log-prob, and the (layer, expert) pairs its routers
+    chose along the way."""
+    chosen: set = set()
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        if router is not None and not isinstance(router, torch.nn.Linear):
+            hooks.append(router.register_forward_hook(
+                lambda _m, _in, out, i=i: chosen.update((i, e) for e in out[2].flatten().tolist())))
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                      output_scores=True, return_dict_in_generate=True)
+    for hook in hooks:
+        hook.remove()
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(s[0].float().log_softmax(-1)[t]) for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs, chosen

@@ -13,7 +13,7 @@ from lmi_handler.config import ConfigError
 from lmi_handler.engine.kv_cache import BlockAllocator
 from lmi_handler.engine.model.families import build_spec
 from lmi_handler.engine.model_runner import ModelRunner
-from tests.engine.family_models import BASE, TINY_MOE_FAMILIES, build_tiny_moe
+from tests.engine.family_models import BASE, TINY_MOE_FAMILIES, build_tiny_moe, hf_greedy_with_logprobs
 from tests.engine.helpers import PRECISIONS, greedy_generate
 
 CPU = torch.device("cpu")
@@ -30,7 +30,7 @@ def moe_family(request, tmp_path_factory):
     hf = build_tiny_moe(path, request.param)
     results, reached = [], set()
     for prompt in PROMPTS:
-        tokens, logprobs, chosen = _hf_greedy_with_logprobs(hf, prompt, NEW_TOKENS)
+        tokens, logprobs, chosen = hf_greedy_with_logprobs(hf, prompt, NEW_TOKENS)
         results.append((tokens, logprobs))
         reached |= chosen
     return request.param, path, results, reached
@@ -38,27 +38,6 @@ def moe_family(request, tmp_path_factory):
 
 def _runner(path, backend="auto", dtype=torch.float32, quantize=None):
     return ModelRunner(path, dtype, CPU, block_size=4, num_blocks=160, kernel_backend=backend, quantize=quantize)
-
-
-def _hf_greedy_with_logprobs(hf, prompt: list[int], n: int) -> tuple[list[int], list[float], set]:
-    """transformers' generate(): greedy tokens, each one's log-prob, and the (layer, expert) pairs its routers
-    chose along the way."""
-    chosen: set = set()
-    hooks = []
-    for i, layer in enumerate(hf.model.layers):
-        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
-        router = getattr(block, "gate", None) or getattr(block, "router", None)
-        if router is not None and not isinstance(router, torch.nn.Linear):
-            hooks.append(router.register_forward_hook(
-                lambda _m, _in, out, i=i: chosen.update((i, e) for e in out[2].flatten().tolist())))
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                      output_scores=True, return_dict_in_generate=True)
-    for hook in hooks:
-        hook.remove()
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [float(s[0].float().log_softmax(-1)[t]) for s, t in zip(out.scores, tokens)]
-    return tokens, logprobs, chosen
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])

@@ -100,7 +100,7 @@ def test_an_mxfp4_gpt_oss_gives_its_dequantized_float_checkpoint_s_bits_and_tran
         checkpoint, backend):
     """The experts held as 4-bit e2m1 panels (never the float weight) give bitwise the logits of the float checkpoint
     whose experts are the dequantized values (the dequantize-then-matmul reference), and transformers' tokens."""
-    from tests.engine.test_moe import _hf_greedy_with_logprobs
+    from tests.engine.family_models import hf_greedy_with_logprobs
 
     root, hf = checkpoint
     quantized, plain = _runner(root / "mxfp4", backend), _runner(root / "float", backend)
@@ -111,7 +111,7 @@ def test_an_mxfp4_gpt_oss_gives_its_dequantized_float_checkpoint_s_bits_and_tran
         expected_tokens, expected_logits = greedy_generate(plain, BlockAllocator(plain.num_blocks, 4), [prompt], 6)
         assert tokens == expected_tokens
         assert all(torch.equal(a, b) for a, b in zip(logits[0], expected_logits[0]))
-        assert tokens[0] == _hf_greedy_with_logprobs(hf, prompt, 6)[0]
+        assert tokens[0] == hf_greedy_with_logprobs(hf, prompt, 6)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -207,9 +207,10 @@ class FallbackModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, lora=None,
-                calls: list | None = None) -> torch.Tensor:
-        """input_ids, positions: (T,) int64 -> (T, hidden); writes the step's K/V into kv_caches. `lora` must be
-        None (refused at start-up). `calls`: the probe's record of the attention calls."""
+                calls: list | None = None, image_rows=None) -> torch.Tensor:
+        """input_ids, positions: (T,) int64 -> (T, hidden); writes the step's K/V into kv_caches. `lora` and
+        `image_rows` must be None (adapters are refused at start-up; images are the vision families', which the
+        layer description serves). `calls`: the probe's record of the attention calls."""
         token = CURRENT_STEP.set(PagedStep(kv_caches, meta, self.ops, calls))
         try:
             out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)

@@ -610,6 +610,31 @@ def test_every_bad_image_answers_400_naming_the_part_and_why(vlm_app, urls, role
         assert markdown.status_code == 400 and why in markdown.json()["error"], markdown.text
 
 
+def test_a_seeded_sampled_image_chat_streams_the_text_it_answers_whole_with_the_same_log_probs(vlm_app):
+    """Sampling, seeds, logprobs and streaming on a prompt with an image, as for text: the streamed deltas join to
+    the whole answer's text, token by token with the same log-probs, and the same seed draws the same tokens."""
+    import json
+
+    from tests.engine.vision_models import data_url, picture
+
+    body = {"messages": _image_chat(data_url(picture(48, 40, seed=15))), "max_tokens": 6, "temperature": 1.5,
+            "seed": 7, "logprobs": True}
+    whole = vlm_app.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    streamed = vlm_app.post("/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == choice["message"]["content"]
+    streamed_logprobs = [t for d in deltas if d.get("logprobs") for t in d["logprobs"]["content"]]
+    assert streamed_logprobs and [(t["token"], t["logprob"]) for t in streamed_logprobs] == \
+        [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
+    again = vlm_app.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert again["logprobs"] == choice["logprobs"]
+
+
 def test_an_images_tokens_count_against_the_context(vlm_app):
     from tests.engine.vision_models import data_url, picture
 

@@ -198,3 +198,15 @@ def image_block_keys(images: tuple[ImageInput, ...], block_size: int) -> dict[in
         for block in range(image.start // block_size, (image.end - 1) // block_size + 1):
             keys[block] = keys.get(block, b"") + image.cache_key
     return keys
+
+
+def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of `token` in `ids` (a prompt's image placeholders, one run an image)."""
+    runs, start = [], None
+    for i, t in enumerate(ids + [None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

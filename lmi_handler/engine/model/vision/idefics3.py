@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors
+from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors, token_runs
 from lmi_handler.engine.model.vision.siglip import SiglipTower, VisionConfig
 
 TEXT_PREFIX = "model.text_model."
@@ -54,7 +54,7 @@ class Idefics3Family:
         image_id = processor.image_token_id
         global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_tag)
         found, spans, tile = [], [], 0
-        for start, end in runs(ids, image_id):
+        for start, end in token_runs(ids, image_id):
             spans.append((start, end))
             if start > 0 and ids[start - 1] == global_id:
                 n = len(spans)
@@ -71,18 +71,6 @@ class Idefics3Family:
         tower = {name[len(VISION_PREFIX):]: t for name, t in tensors.items() if name.startswith(VISION_PREFIX)}
         return Idefics3Encoder(VisionConfig.read(cfg["vision_config"]), tower, tensors[PROJECTOR],
                                cfg.get("scale_factor", 2), dtype, device)
-
-
-def runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """[start, end) of each maximal run of `token` in `ids`."""
-    runs, start = [], None
-    for i, t in enumerate(ids + [None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
 
 
 class Idefics3Encoder:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors
+from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, auto_processor, read_tensors, token_runs
 from lmi_handler.engine.model.vision.clip import ClipTower
-from lmi_handler.engine.model.vision.idefics3 import runs
 from lmi_handler.engine.model.vision.siglip import ACTIVATIONS, VisionConfig
 
 TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -54,7 +53,7 @@ class LlavaFamily:
         ids = out["input_ids"][0].tolist()
         if not images:
             return MultimodalPrompt(tuple(ids))
-        spans = runs(ids, processor.image_token_id)
+        spans = token_runs(ids, processor.image_token_id)
         pixels = out["pixel_values"]                                                  # (images, 3, S, S)
         if len(spans) != len(images) or pixels.shape[0] != len(images):
             raise ValueError(f"the processor's prompt has {len(spans)} image runs and {pixels.shape[0]} pixel "

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lmi_handler.config import ConfigError
 from lmi_handler.engine.model.mrope import MropeSteps
-from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt
+from lmi_handler.engine.model.vision import ImageInput, MultimodalPrompt, token_runs
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
@@ -254,7 +254,7 @@ class Qwen2VLFamily:
             return MultimodalPrompt(tuple(ids))
         grids = out["image_grid_thw"].tolist()
         merge = processor.image_processor.merge_size
-        runs = _runs(ids, processor.image_token_id)
+        runs = token_runs(ids, processor.image_token_id)
         if len(runs) != len(grids) or any(b - a != t * h * w // merge ** 2 for (a, b), (t, h, w) in zip(runs, grids)):
             raise ValueError(f"the processor's prompt has {len(runs)} image token runs for {len(grids)} images")
         found, row = [], 0
@@ -334,18 +334,6 @@ class QwenVLProcessor:
             text = text.replace(hold, self.image_token)
         out["input_ids"] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return out
-
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """[start, end) of each maximal run of `token` in `ids`."""
-    runs, start = [], None
-    for i, t in enumerate(ids + [None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
 
 
 class Qwen2VLEncoder:

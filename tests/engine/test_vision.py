@@ -40,13 +40,9 @@ def _ours(engine, prompts: dict, max_new_tokens=NEW_TOKENS):
     return {rid: [(t.id, t.log_prob) for out in outs for t in out.new_tokens] for rid, outs in results.items()}
 
 
-@pytest.mark.parametrize("sizes", [[(50, 30)], [(50, 30), (20, 64)], [(64, 64), (30, 30)]], ids=str)
-def test_greedy_tokens_and_log_probs_equal_transformers_generate_with_one_and_two_images(vlm, sizes):
-    _, model, processor, engine = vlm
-    images = [picture(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
-    mm, text = _prompt(vlm, images)
-    inputs = processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
-    assert inputs["input_ids"][0].tolist() == list(mm.token_ids)
+def _assert_ours_equal_generate(engine, model, inputs, mm) -> list[int]:
+    """Our greedy tokens for `mm` equal transformers' generate() on the processor's `inputs`, and each chosen
+    token's log-prob is within 1e-4 of generate()'s; returns the tokens."""
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
@@ -55,6 +51,17 @@ def test_greedy_tokens_and_log_probs_equal_transformers_generate_with_one_and_tw
     ours = _ours(engine, {"r": mm})["r"]
     assert [t for t, _ in ours] == expected
     assert [lp for _, lp in ours] == pytest.approx(expected_lp, abs=1e-4)
+    return expected
+
+
+@pytest.mark.parametrize("sizes", [[(50, 30)], [(50, 30), (20, 64)], [(64, 64), (30, 30)]], ids=str)
+def test_greedy_tokens_and_log_probs_equal_transformers_generate_with_one_and_two_images(vlm, sizes):
+    _, model, processor, engine = vlm
+    images = [picture(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+    mm, text = _prompt(vlm, images)
+    inputs = processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == list(mm.token_ids)
+    _assert_ours_equal_generate(engine, model, inputs, mm)
 
 
 def test_llava_greedy_tokens_and_log_probs_equal_transformers_generate_with_two_images(tiny_llava):
@@ -65,14 +72,7 @@ def test_llava_greedy_tokens_and_log_probs_equal_transformers_generate_with_two_
     mm, text = _prompt(vlm, images)
     inputs = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == list(mm.token_ids) and [i.num_tokens for i in mm.images] == [16, 16]
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
-    expected = out.sequences[0, len(mm.token_ids):].tolist()
-    expected_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, expected)]
-    ours = _ours(engine, {"r": mm})["r"]
-    assert [t for t, _ in ours] == expected
-    assert [lp for _, lp in ours] == pytest.approx(expected_lp, abs=1e-4)
+    expected = _assert_ours_equal_generate(engine, model, inputs, mm)
     other, _ = _prompt(vlm, [picture(50, 30, seed=8), picture(20, 64, seed=9)])
     assert [t for t, _ in _ours(engine, {"o": other})["o"]] != expected     # the pictures matter
 
